@@ -1,0 +1,138 @@
+"""Internal stream events: what every upstream yields and every API encoder consumes.
+
+An upstream stream is any number of deltas and at most one ``Usage``, closed by exactly one
+terminal event: ``Done`` or ``Error``. Encoders rely on that terminal event to end their stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    # Mean log-probability of the tokens in this delta, when the upstream knows it (MoA scoring).
+    logprob: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """One fragment of a tool call. ``id`` and ``name`` are set on the call's first fragment."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Route facts for response headers and metrics (``x-route``, ``x-moa-winner`` …).
+
+    Not content: encoders never write it; the gateway adds its headers if they are not yet sent.
+    """
+
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: FinishReason = "stop"
+
+
+ErrorKind = Literal[
+    "invalid_request",  # 400
+    "authentication",  # 401
+    "not_found",  # 404
+    "too_large",  # 413
+    "overloaded",  # 429
+    "unavailable",  # 503
+    "upstream",  # 502
+    "timeout",  # 504
+    "cancelled",
+    "internal",  # 500
+]
+
+STATUS_BY_KIND: dict[str, int] = {
+    "invalid_request": 400,
+    "authentication": 401,
+    "not_found": 404,
+    "too_large": 413,
+    "overloaded": 429,
+    "unavailable": 503,
+    "upstream": 502,
+    "timeout": 504,
+    "cancelled": 499,
+    "internal": 500,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Terminal failure. ``retryable`` is true only when nothing was processed upstream."""
+
+    kind: ErrorKind
+    message: str
+    retryable: bool = False
+    code: str | None = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def status(self) -> int:
+        return STATUS_BY_KIND.get(self.kind, 500)
+
+
+Delta = ReasoningDelta | TextDelta | ToolCallDelta
+Terminal = Done | Error
+Event = ReasoningDelta | TextDelta | ToolCallDelta | Usage | Meta | Done | Error
+
+_EVENT_TYPES: dict[str, type] = {
+    "reasoning": ReasoningDelta,
+    "text": TextDelta,
+    "tool_call": ToolCallDelta,
+    "usage": Usage,
+    "meta": Meta,
+    "done": Done,
+    "error": Error,
+}
+_TYPE_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
+
+
+class EventDecodeError(ValueError):
+    """A serialised event that is not one of ours (tunnel peers send these as JSON)."""
+
+
+def is_terminal(event: Event) -> bool:
+    return isinstance(event, Done | Error)
+
+
+def event_to_dict(event: Event) -> dict:
+    """Plain-dict form for the wire (the tunnel carries one orjson object per event)."""
+    out = {"t": _TYPE_NAMES[type(event)]}
+    for name in event.__slots__:
+        out[name] = getattr(event, name)
+    return out
+
+
+def event_from_dict(data: dict) -> Event:
+    try:
+        cls = _EVENT_TYPES[data["t"]]
+        return cls(**{k: v for k, v in data.items() if k != "t"})
+    except (KeyError, TypeError) as exc:
+        raise EventDecodeError(f"not an event: {data!r:.200}") from exc

@@ -1,0 +1,64 @@
+"""The one internal request every client API is parsed into, and every upstream receives.
+
+It is also the body a node forwards to a peer through the tunnel, so it is a pydantic model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ToolCall(BaseModel):
+    id: str
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI carries it
+
+
+class Message(BaseModel):
+    """One turn. Content is plain text; tool results are ``role="tool"`` with ``tool_call_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ToolSpec(BaseModel):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ChatRequest(BaseModel):
+    """What the caller asked for, independent of the API it used.
+
+    ``reasoning`` is the normalised thinking setting: True (on), False (off), None (model default).
+    ``chat_template_kwargs`` are passed through to the worker's chat template untouched.
+    """
+
+    model: str
+    messages: list[Message]
+    tools: list[ToolSpec] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    reasoning: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = True
+    session_key: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)

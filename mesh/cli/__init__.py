@@ -1,0 +1,9 @@
+"""The ``mesh`` command line. Each sub-module registers its commands on :data:`app`.
+
+Heavy imports (mlx, aioquic) happen inside commands so that ``mesh --help`` stays instant.
+"""
+
+from mesh.cli.app import app, main  # noqa: F401
+
+# Command modules register themselves on import; keep this list in sync with mesh/cli/*.py.
+# (none yet)
