@@ -1,0 +1,217 @@
+"""Tiny random-weight models for tests: a real MLX llama directory that ``mlx_lm.load`` reads.
+
+``make_tiny_model`` writes ``config.json``, ``model.safetensors``, a byte-level BPE
+``tokenizer.json`` and a ``tokenizer_config.json`` with a ChatML-like chat template that renders
+tools, tool calls and ``enable_thinking``. Building one takes well under a second.
+
+A *script* makes the output meaningful: the transformer blocks are silenced (their output
+projections zeroed) so the next token depends only on the current one, and the embedding and
+``lm_head`` rows are set so that after the generation prompt the model emits the script's pieces in
+order, then ``<|im_end|>``. Without a script the weights are random and the output is junk (but
+deterministic for a seed; special tokens are never favoured so greedy junk runs to ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+# What the scripted think model says with thinking on; with thinking off the prompt already closes
+# the think block with "\n\n", so generation starts at "The".
+THINK_SCRIPT = ("Let", " me", " think", "</think>", "\n\n", "The", " answer", " is", " 4", ".")
+# A scripted tool call (the JSON is one added token, so the script has no repeated token).
+TOOL_SCRIPT = (
+    "<tool_call>",
+    '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+    "</tool_call>",
+)
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Hello world! How are you today? "
+    "I am a tiny language model used in tests. system user assistant tool "
+    "What is the weather in Paris? It is sunny. Please answer briefly. "
+    '{"name": "get_weather", "arguments": {"city": "Paris"}} function parameters type object '
+    "0123456789 + - * / = ( ) [ ] { } , . ; : ' \" \n\n "
+)
+
+_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+You may call functions. Signatures:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{# rendered above #}
+{%- elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- if message.tool_calls %}{% for tc in message.tool_calls %}
+{%- set tool_call = tc.function if tc.function is defined else tc %}<tool_call>
+{"name": {{ tool_call.name | tojson }}, "arguments": {% if tool_call.arguments is string %}{{ tool_call.arguments }}{% else %}{{ tool_call.arguments | tojson }}{% endif %}}
+</tool_call>{% endfor %}{% endif %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>tool
+{{ message.content or '' }}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content or '' }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+THINK_TAIL{% endif %}"""
+
+_THINK_TAIL = (
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}"
+)
+
+
+def chat_template(*, think: bool) -> str:
+    """The jinja chat template of a tiny model (the think variant opens ``<think>``)."""
+    return _TEMPLATE.replace("THINK_TAIL", _THINK_TAIL if think else "")
+
+
+def _build_tokenizer(extra_pieces: Sequence[str]):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in MARKUP_TOKENS])
+    for piece in extra_pieces:
+        if piece not in tokenizer.get_vocab() and len(tokenizer.encode(piece).ids) != 1:
+            tokenizer.add_tokens([AddedToken(piece, normalized=False)])
+    return tokenizer
+
+
+def _single_token(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text).ids
+    if len(ids) != 1:
+        raise ValueError(f"script piece {text!r} is {len(ids)} tokens, need exactly one")
+    return ids[0]
+
+
+def _script_starts(tokenizer, template: str, think: bool) -> list[int]:
+    """The last prompt token for each thinking mode: where the scripted chain begins."""
+    import jinja2
+
+    env = jinja2.Environment()
+    env.filters["tojson"] = json.dumps
+    tmpl = env.from_string(template)
+    msgs = [{"role": "user", "content": "Hi"}]
+    modes = [True, False] if think else [None]
+    starts = []
+    for mode in modes:
+        kwargs = {} if mode is None else {"enable_thinking": mode}
+        text = tmpl.render(messages=msgs, tools=None, add_generation_prompt=True, **kwargs)
+        starts.append(tokenizer.encode(text).ids[-1])
+    return starts
+
+
+def make_tiny_model(
+    path: str | Path,
+    *,
+    think: bool = False,
+    seed: int = 0,
+    script: Sequence[str] | None = None,
+    max_position_embeddings: int = 4096,
+) -> Path:
+    """Write a tiny llama MLX model directory at ``path`` and return it.
+
+    ``think`` selects the chat template that opens ``<think>`` in the generation prompt (unless
+    ``enable_thinking`` is false, then it renders an empty closed block). ``script`` makes the
+    model emit those text pieces (each becomes one token) after the generation prompt.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    pieces = list(script or ())
+    tokenizer = _build_tokenizer(pieces)
+    vocab_size = tokenizer.get_vocab_size()
+    template = chat_template(think=think)
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
+        "bos_token_id": None,
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    rng = np.random.default_rng(seed)
+    hidden = config["hidden_size"]
+    special_ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + MARKUP_TOKENS]
+
+    embed = rng.normal(0.0, 1.0, (vocab_size, hidden)).astype(np.float32)
+    head = rng.normal(0.0, 1.0 / np.sqrt(hidden), (vocab_size, hidden)).astype(np.float32)
+    head[special_ids] = 0.0  # junk never ends early, never opens markup
+    if pieces:
+        # Silence the blocks: the residual stream is then just the current token's embedding.
+        for name in weights:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[name] = np.zeros_like(weights[name])
+        chain_ids = [_single_token(tokenizer, p) for p in pieces]
+        starts = _script_starts(tokenizer, template, think)
+        successors: dict[int, int] = {}
+        for start in starts:
+            if start not in chain_ids:
+                successors[start] = chain_ids[0]
+        ends = [*chain_ids[1:], tokenizer.token_to_id("<|im_end|>")]
+        for current, nxt in zip(chain_ids, ends, strict=True):
+            successors[current] = nxt
+        if len(set(chain_ids)) != len(chain_ids):
+            raise ValueError("script pieces must be distinct tokens")
+        # Orthonormal embeddings for the chain tokens make each successor an exact argmax.
+        members = sorted(successors)
+        basis, _ = np.linalg.qr(rng.normal(size=(hidden, len(members))))
+        head[:] = 0.0
+        for col, token in enumerate(members):
+            embed[token] = basis[:, col] * np.sqrt(hidden)
+            head[successors[token]] += basis[:, col] * 8.0
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = head
+
+    mx.save_safetensors(
+        str(path / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_position_embeddings,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+        "chat_template": template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return path
