@@ -1,0 +1,130 @@
+"""Gossip: what a node tells its peers about itself, and when. Sans-IO.
+
+Each node publishes a :class:`NodeState` when it changes and at least every ``interval_s``
+(the heartbeat); peers that miss heartbeats are marked down by the :class:`~mesh.peers.PeerTable`.
+A clean shutdown sends :class:`Leave`. ``Ping``/``Pong`` measure the round trip on the tunnel;
+``Members`` spreads the member list so a node that joined through one member can reach the rest.
+
+Messages travel as one orjson object each (the service puts them on a tunnel stream).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from mesh.membership import Member
+
+DEFAULT_INTERVAL_S = 2.0
+
+
+class ModelAd(BaseModel):
+    """One model a node serves locally, as advertised to the mesh."""
+
+    name: str
+    architecture: str = "unknown"
+    parameters: int | None = None
+    context_length: int | None = None
+
+
+class NodeState(BaseModel):
+    """A node's public state. Within one ``epoch`` (one process run) a higher ``seq`` wins."""
+
+    model_config = ConfigDict(extra="ignore")  # newer peers may add fields
+
+    type: Literal["state"] = "state"
+    node_id: str
+    epoch: str = ""
+    seq: int = 0
+    version: str = ""
+    gateway_url: str = ""
+    addresses: list[str] = Field(default_factory=list)
+    models: list[ModelAd] = Field(default_factory=list)
+    queue_depth: int = 0
+    in_flight: int = 0
+    tok_s: float = 0.0
+
+    def content(self) -> dict:
+        """Everything but ``seq``: what decides whether a change is worth publishing now."""
+        return self.model_dump(exclude={"seq", "epoch"})
+
+
+class Leave(BaseModel):
+    type: Literal["leave"] = "leave"
+    node_id: str
+
+
+class Ping(BaseModel):
+    type: Literal["ping"] = "ping"
+    sent_at: float  # the pinger's own clock: only the pinger reads it back
+
+
+class Pong(BaseModel):
+    type: Literal["pong"] = "pong"
+    sent_at: float
+
+
+class Members(BaseModel):
+    type: Literal["members"] = "members"
+    members: list[Member]
+
+
+GossipMessage = NodeState | Leave | Ping | Pong | Members
+_MESSAGE = TypeAdapter(GossipMessage)
+
+
+class GossipDecodeError(ValueError):
+    pass
+
+
+def encode_gossip(message: GossipMessage) -> bytes:
+    return orjson.dumps(message.model_dump())
+
+
+def decode_gossip(data: bytes) -> GossipMessage:
+    try:
+        return _MESSAGE.validate_python(orjson.loads(data))
+    except (orjson.JSONDecodeError, ValidationError) as exc:
+        raise GossipDecodeError(f"bad gossip message: {exc.__class__.__name__}") from exc
+
+
+@dataclass
+class GossipPublisher:
+    """Decides when this node's state goes out: on change, else once per heartbeat interval.
+
+    ``min_gap_s`` bounds how often changes alone can trigger a publication (queue depth moves
+    with every request; peers need the trend, not every step).
+    """
+
+    node_id: str
+    epoch: str = field(default_factory=lambda: secrets.token_hex(4))
+    interval_s: float = DEFAULT_INTERVAL_S
+    min_gap_s: float = 0.25
+    seq: int = 0
+    _last_content: dict | None = field(default=None, init=False)
+    _last_sent_at: float | None = field(default=None, init=False)
+
+    def poll(self, state: NodeState, now: float) -> NodeState | None:
+        """The state to publish now, with its ``seq`` set, or None if nothing is due."""
+        content = state.content()
+        last = self._last_sent_at
+        changed = content != self._last_content
+        due = last is None or now - last >= self.interval_s
+        if not due and not (changed and now - last >= self.min_gap_s):
+            return None
+        self.seq += 1
+        self._last_content = content
+        self._last_sent_at = now
+        return state.model_copy(
+            update={"seq": self.seq, "node_id": self.node_id, "epoch": self.epoch}
+        )
+
+    def next_due(self, now: float) -> float:
+        """Seconds until the next heartbeat is due (a timer hint for the adapter)."""
+        if self._last_sent_at is None:
+            return 0.0
+        return max(0.0, self._last_sent_at + self.interval_s - now)

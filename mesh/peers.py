@@ -1,0 +1,196 @@
+"""The peer table: what this node knows about every other node, and which one to ask. Pure.
+
+Fed gossip (``on_state``, ``on_leave``, ``on_rtt``), connection facts (``on_disconnected``) and
+the clock (``tick``); answers ``candidates(model, session_key)``. Every method takes ``now``
+explicitly so tests drive time without sleeping.
+
+Peer lifecycle: UP (heard from within ``down_after_s``) → DOWN (missed heartbeats or the tunnel
+dropped: not routed to) → dropped (silent for ``drop_after_s``) . A ``Leave`` drops at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+from mesh.gossip import ModelAd, NodeState
+
+log = logging.getLogger(__name__)
+
+
+class PeerStatus(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerJoined:
+    node_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerWentDown:
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDropped:
+    node_id: str
+    reason: str
+
+
+PeerEvent = PeerJoined | PeerWentDown | PeerDropped
+
+
+@dataclass
+class PeerRecord:
+    node_id: str
+    state: NodeState
+    status: PeerStatus
+    last_seen: float
+    rtt_s: float | None = None
+    outstanding: int = 0  # requests this node has sent there and not yet seen end
+
+    @property
+    def load(self) -> int:
+        return self.state.queue_depth + self.state.in_flight + self.outstanding
+
+    def serves(self, model: str) -> bool:
+        return any(ad.name == model for ad in self.state.models)
+
+    def _set_status(self, status: PeerStatus) -> None:
+        if status is not self.status:
+            log.info("peer %s %s -> %s", self.node_id[:12], self.status.value, status.value)
+            self.status = status
+
+
+def affinity(session_key: str, node_id: str) -> int:
+    """Rendezvous hash: each session prefers one node, stable while the node set changes."""
+    return int.from_bytes(hashlib.sha256(f"{session_key}|{node_id}".encode()).digest()[:8], "big")
+
+
+@dataclass
+class PeerTable:
+    """Peers by node id. ``rtt_bucket_s`` makes RTTs within one bucket tie, so affinity decides."""
+
+    self_id: str
+    down_after_s: float = 6.0
+    drop_after_s: float = 30.0
+    rtt_bucket_s: float = 0.02
+    peers: dict[str, PeerRecord] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- inputs
+
+    def on_state(self, state: NodeState, now: float) -> list[PeerEvent]:
+        if state.node_id == self.self_id:
+            return []
+        record = self.peers.get(state.node_id)
+        if record is None:
+            self.peers[state.node_id] = PeerRecord(state.node_id, state, PeerStatus.UP, now)
+            log.info("peer %s joined", state.node_id[:12])
+            return [PeerJoined(state.node_id)]
+        if record.state.epoch == state.epoch and state.seq <= record.state.seq:
+            return []  # stale or duplicate copy
+        record.state = state
+        record.last_seen = now
+        events: list[PeerEvent] = []
+        if record.status is PeerStatus.DOWN:
+            events.append(PeerJoined(state.node_id))
+        record._set_status(PeerStatus.UP)
+        return events
+
+    def on_heard(self, node_id: str, now: float) -> None:
+        """Any authenticated traffic from the peer counts as a heartbeat."""
+        record = self.peers.get(node_id)
+        if record is not None:
+            record.last_seen = max(record.last_seen, now)
+
+    def on_rtt(self, node_id: str, rtt_s: float) -> None:
+        record = self.peers.get(node_id)
+        if record is not None and rtt_s >= 0:
+            # Smooth like TCP's SRTT so one slow sample does not reshuffle routing.
+            record.rtt_s = rtt_s if record.rtt_s is None else 0.875 * record.rtt_s + 0.125 * rtt_s
+
+    def on_leave(self, node_id: str) -> list[PeerEvent]:
+        if self.peers.pop(node_id, None) is None:
+            return []
+        log.info("peer %s left", node_id[:12])
+        return [PeerDropped(node_id, "left")]
+
+    def on_disconnected(self, node_id: str) -> list[PeerEvent]:
+        """The tunnel to the peer broke: stop routing to it until it is heard from again."""
+        record = self.peers.get(node_id)
+        if record is None or record.status is PeerStatus.DOWN:
+            return []
+        record._set_status(PeerStatus.DOWN)
+        # A reconnect re-sends the state; accept it even if the epoch and seq are unchanged.
+        record.state = record.state.model_copy(update={"seq": -1})
+        return [PeerWentDown(node_id, "disconnected")]
+
+    def tick(self, now: float) -> list[PeerEvent]:
+        events: list[PeerEvent] = []
+        for node_id, record in list(self.peers.items()):
+            silent = now - record.last_seen
+            if silent >= self.drop_after_s:
+                del self.peers[node_id]
+                log.info("peer %s dropped after %.0fs of silence", node_id[:12], silent)
+                events.append(PeerDropped(node_id, "silent"))
+            elif silent >= self.down_after_s and record.status is PeerStatus.UP:
+                record._set_status(PeerStatus.DOWN)
+                events.append(PeerWentDown(node_id, "missed heartbeats"))
+        return events
+
+    def begin_request(self, node_id: str) -> None:
+        if (record := self.peers.get(node_id)) is not None:
+            record.outstanding += 1
+
+    def end_request(self, node_id: str) -> None:
+        if (record := self.peers.get(node_id)) is not None and record.outstanding > 0:
+            record.outstanding -= 1
+
+    # ----------------------------------------------------------------- queries
+
+    def up(self) -> list[PeerRecord]:
+        return [r for r in self.peers.values() if r.status is PeerStatus.UP]
+
+    def candidates(self, model: str, session_key: str | None = None) -> list[str]:
+        """Node ids of UP peers serving ``model``: least load, then RTT bucket, then affinity."""
+        key = session_key or ""
+
+        def rank(record: PeerRecord) -> tuple[int, int, int]:
+            rtt = record.rtt_s if record.rtt_s is not None else 0.0
+            return (record.load, int(rtt / self.rtt_bucket_s), -affinity(key, record.node_id))
+
+        serving = [r for r in self.up() if r.serves(model)]
+        return [r.node_id for r in sorted(serving, key=rank)]
+
+    def models(self) -> dict[str, tuple[ModelAd, str]]:
+        """Every model served by an UP peer → (its ad, the first peer seen serving it)."""
+        out: dict[str, tuple[ModelAd, str]] = {}
+        for record in self.up():
+            for ad in record.state.models:
+                out.setdefault(ad.name, (ad, record.node_id))
+        return out
+
+    def snapshot(self, now: float) -> list[dict]:
+        """Plain rows for ``/api/status``."""
+        return [
+            {
+                "node_id": r.node_id,
+                "state": r.status.value,
+                "addresses": r.state.addresses,
+                "gateway_url": r.state.gateway_url,
+                "version": r.state.version,
+                "models": [ad.model_dump() for ad in r.state.models],
+                "queue_depth": r.state.queue_depth,
+                "in_flight": r.state.in_flight,
+                "outstanding": r.outstanding,
+                "tok_s": r.state.tok_s,
+                "rtt_ms": None if r.rtt_s is None else round(r.rtt_s * 1000, 2),
+                "last_seen_s": round(max(0.0, now - r.last_seen), 2),
+            }
+            for r in sorted(self.peers.values(), key=lambda r: r.node_id)
+        ]

@@ -1,0 +1,112 @@
+"""The peer table: liveness from heartbeats and the routing order, with time passed in."""
+
+from __future__ import annotations
+
+from mesh.gossip import ModelAd, NodeState
+from mesh.peers import PeerDropped, PeerJoined, PeerTable, PeerWentDown
+
+
+def _state(node_id: str, *models: str, seq: int = 1, epoch: str = "e", **kw) -> NodeState:
+    ads = [ModelAd(name=m) for m in models]
+    return NodeState(node_id=node_id, seq=seq, epoch=epoch, models=ads, **kw)
+
+
+def test_join_heartbeat_down_drop():
+    table = PeerTable(self_id="me", down_after_s=6, drop_after_s=30)
+    assert table.on_state(_state("a", "m"), now=0) == [PeerJoined("a")]
+    assert table.tick(now=5) == []
+    assert table.tick(now=6) == [PeerWentDown("a", "missed heartbeats")]
+    assert table.candidates("m") == []  # down peers are not routed to
+    assert table.tick(now=7) == []  # reported once
+    # A heartbeat brings it back.
+    assert table.on_state(_state("a", "m", seq=2), now=8) == [PeerJoined("a")]
+    assert table.candidates("m") == ["a"]
+    assert table.tick(now=38) == [PeerDropped("a", "silent")]
+    assert table.peers == {}
+
+
+def test_own_state_is_ignored():
+    table = PeerTable(self_id="me")
+    assert table.on_state(_state("me", "m"), now=0) == []
+    assert table.peers == {}
+
+
+def test_stale_state_ignored_new_epoch_accepted():
+    table = PeerTable(self_id="me")
+    table.on_state(_state("a", "m", seq=5, queue_depth=1), now=0)
+    table.on_state(_state("a", "m", seq=4, queue_depth=9), now=1)
+    assert table.peers["a"].state.queue_depth == 1
+    # A restarted node starts counting again in a new epoch.
+    table.on_state(_state("a", "m", seq=1, epoch="f", queue_depth=2), now=2)
+    assert table.peers["a"].state.queue_depth == 2
+
+
+def test_leave_drops_at_once():
+    table = PeerTable(self_id="me")
+    table.on_state(_state("a", "m"), now=0)
+    assert table.on_leave("a") == [PeerDropped("a", "left")]
+    assert table.on_leave("a") == []
+    assert table.candidates("m") == []
+
+
+def test_disconnect_marks_down_and_reconnect_with_same_state_revives():
+    table = PeerTable(self_id="me")
+    state = _state("a", "m", seq=3)
+    table.on_state(state, now=0)
+    assert table.on_disconnected("a") == [PeerWentDown("a", "disconnected")]
+    assert table.candidates("m") == []
+    # After reconnecting the peer re-sends its unchanged last state: it must count.
+    assert table.on_state(state, now=1) == [PeerJoined("a")]
+    assert table.candidates("m") == ["a"]
+
+
+def test_candidates_only_serving_peers_least_load_first():
+    table = PeerTable(self_id="me")
+    table.on_state(_state("busy", "m", queue_depth=3), now=0)
+    table.on_state(_state("idle", "m"), now=0)
+    table.on_state(_state("other", "x"), now=0)
+    assert table.candidates("m") == ["idle", "busy"]
+    assert table.candidates("nope") == []
+    # Requests this node has in flight there count as load too.
+    for _ in range(4):
+        table.begin_request("idle")
+    assert table.candidates("m") == ["busy", "idle"]
+    for _ in range(4):
+        table.end_request("idle")
+    assert table.candidates("m") == ["idle", "busy"]
+
+
+def test_rtt_breaks_load_ties():
+    table = PeerTable(self_id="me", rtt_bucket_s=0.02)
+    table.on_state(_state("far", "m"), now=0)
+    table.on_state(_state("near", "m"), now=0)
+    table.on_rtt("far", 0.100)
+    table.on_rtt("near", 0.001)
+    assert table.candidates("m")[0] == "near"
+
+
+def test_session_affinity_is_stable_and_spreads():
+    table = PeerTable(self_id="me")
+    for name in "abcd":
+        table.on_state(_state(name, "m"), now=0)
+    firsts = {table.candidates("m", f"session-{i}")[0] for i in range(40)}
+    assert len(firsts) > 1  # different sessions land on different nodes
+    for i in range(10):
+        key = f"session-{i}"
+        assert len({table.candidates("m", key)[0] for _ in range(5)}) == 1
+    # Removing a node that a session does not prefer keeps its choice.
+    key = "session-7"
+    chosen = table.candidates("m", key)[0]
+    other = next(n for n in "abcd" if n != chosen)
+    table.on_leave(other)
+    assert table.candidates("m", key)[0] == chosen
+
+
+def test_models_and_snapshot():
+    table = PeerTable(self_id="me")
+    table.on_state(_state("a", "m1", "m2", gateway_url="http://x"), now=0)
+    table.on_rtt("a", 0.004)
+    assert set(table.models()) == {"m1", "m2"}
+    (row,) = table.snapshot(now=1.5)
+    assert row["node_id"] == "a" and row["state"] == "up" and row["rtt_ms"] == 4.0
+    assert row["last_seen_s"] == 1.5 and [m["name"] for m in row["models"]] == ["m1", "m2"]
