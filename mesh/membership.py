@@ -52,7 +52,7 @@ class Signer(Protocol):
     def node_id(self) -> str: ...
 
     @property
-    def public_key(self) -> bytes: ...  # raw 32-byte Ed25519 public key
+    def public_key_bytes(self) -> bytes: ...  # raw 32-byte Ed25519 public key
 
     def sign(self, data: bytes) -> bytes: ...
 
@@ -317,7 +317,7 @@ class ServerHandshake(_Handshake):
         return [
             Challenge(
                 node_id=self.me.node_id,
-                public_key=self.me.public_key.hex(),
+                public_key=self.me.public_key_bytes.hex(),
                 nonce=self.nonce,
                 signature=signature.hex(),
             )
@@ -401,7 +401,7 @@ class ClientHandshake(_Handshake):
             mode="join" if self.invite is not None else "member",
             mesh_id=self.mesh_id,
             node_id=self.me.node_id,
-            public_key=self.me.public_key.hex(),
+            public_key=self.me.public_key_bytes.hex(),
             fingerprint=self.fingerprint,
             addresses=self.addresses,
             nonce=self.nonce,

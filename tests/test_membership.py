@@ -48,8 +48,8 @@ class KeySigner:
 
     def __init__(self) -> None:
         self._key = Ed25519PrivateKey.generate()
-        self.public_key = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        self.node_id = node_id_for(self.public_key)
+        self.public_key_bytes = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.node_id = node_id_for(self.public_key_bytes)
 
     def sign(self, data: bytes) -> bytes:
         return self._key.sign(data)
@@ -57,7 +57,7 @@ class KeySigner:
     def member(self, addresses: list[str] | None = None) -> Member:
         return Member(
             node_id=self.node_id,
-            public_key=self.public_key.hex(),
+            public_key=self.public_key_bytes.hex(),
             fingerprint="fp-" + self.node_id[:8],
             addresses=addresses or [],
         )
@@ -313,7 +313,7 @@ def test_node_id_not_hash_of_key_refused(mesh, server_key, store):
     server = _server(server_key, mesh, store)
     liar = KeySigner()
     hello = Hello(mode="member", mesh_id=mesh.mesh_id, node_id="0" * 64,
-                  public_key=liar.public_key.hex(), nonce="n")  # fmt: skip
+                  public_key=liar.public_key_bytes.hex(), nonce="n")  # fmt: skip
     assert isinstance(server.receive(hello)[0], Denied)
     assert server.failure is AuthFailure.BAD_IDENTITY
 
@@ -344,7 +344,7 @@ def test_client_refuses_forged_challenge_signature(mesh, server_key, store):
     member = KeySigner()
     client = _member_client(member, mesh, server_key.node_id)
     client.start()
-    forged = Challenge(node_id=server_key.node_id, public_key=server_key.public_key.hex(),
+    forged = Challenge(node_id=server_key.node_id, public_key=server_key.public_key_bytes.hex(),
                        nonce="x", signature=server_key.sign(b"something else").hex())  # fmt: skip
     assert isinstance(client.receive(forged)[0], Denied)
     assert client.failure is AuthFailure.BAD_SIGNATURE
@@ -380,14 +380,14 @@ def test_decode_message_rejects_garbage(data):
 
 def test_store_never_replaces_a_members_key(server_key, store):
     other = KeySigner()
-    hijack = Member(node_id=server_key.node_id, public_key=other.public_key.hex())
+    hijack = Member(node_id=server_key.node_id, public_key=other.public_key_bytes.hex())
     assert not store.add_member(hijack)
-    assert store.members[server_key.node_id].public_key == server_key.public_key.hex()
+    assert store.members[server_key.node_id].public_key == server_key.public_key_bytes.hex()
 
 
 def test_store_merge_drops_entries_whose_id_is_not_their_key(store):
     member = KeySigner()
-    bogus = Member(node_id="f" * 64, public_key=member.public_key.hex())
+    bogus = Member(node_id="f" * 64, public_key=member.public_key_bytes.hex())
     assert store.merge([bogus, member.member()])
     assert "f" * 64 not in store.members and member.node_id in store.members
 
