@@ -110,3 +110,49 @@ def test_models_and_snapshot():
     (row,) = table.snapshot(now=1.5)
     assert row["node_id"] == "a" and row["state"] == "up" and row["rtt_ms"] == 4.0
     assert row["last_seen_s"] == 1.5 and [m["name"] for m in row["models"]] == ["m1", "m2"]
+
+
+# --------------------------------------------------------------------------- directory
+
+
+def _directory():
+    from gateway.testing import ScriptedUpstream
+    from gateway.upstream import ModelInfo, StaticDirectory
+    from mesh.directory import MeshDirectory
+
+    local = StaticDirectory()
+    local.add(ModelInfo(id="mine", context_length=512), ScriptedUpstream.of(name="local"))
+    table = PeerTable(self_id="me")
+    made: dict[str, ScriptedUpstream] = {}
+
+    def upstream_for(node_id: str) -> ScriptedUpstream:
+        return made.setdefault(node_id, ScriptedUpstream.of(name=node_id))
+
+    return MeshDirectory(local=local, peers=table, upstream_for=upstream_for), table
+
+
+def test_directory_lists_every_reachable_model_once():
+    directory, table = _directory()
+    table.on_state(_state("a", "mine", "theirs"), now=0)
+    table.on_state(_state("b", "theirs"), now=0)
+    models = {m.id: m for m in directory.models()}
+    assert set(models) == {"mine", "theirs"}
+    assert models["mine"].owned_by == "local" and models["theirs"].owned_by in {"a", "b"}
+
+
+def test_directory_local_first_then_peers():
+    directory, table = _directory()
+    table.on_state(_state("a", "mine"), now=0)
+    routes = directory.routes("mine")
+    assert [(r.kind, r.peer) for r in routes] == [("local", None), ("peer", "a")]
+
+
+def test_directory_peer_only_model_and_down_peer():
+    directory, table = _directory()
+    table.on_state(_state("a", "theirs", queue_depth=2), now=0)
+    table.on_state(_state("b", "theirs"), now=0)
+    assert [r.peer for r in directory.routes("theirs")] == ["b", "a"]
+    assert directory.routes("theirs")[0].upstream.name == "b"
+    table.on_disconnected("b")
+    assert [r.peer for r in directory.routes("theirs")] == ["a"]
+    assert directory.routes("nobody") == []

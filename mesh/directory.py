@@ -1,0 +1,51 @@
+"""MeshDirectory: the gateway's :class:`~gateway.upstream.ModelDirectory` over the whole mesh.
+
+A model served locally goes to the local routes first; peers that serve it follow (best first,
+from the :class:`~mesh.peers.PeerTable`), so a failing local worker still has somewhere to go
+before the commit point. A model only peers serve goes to the best peers. ``/v1/models`` lists
+every model reachable in the mesh, each once.
+
+The serving side of the tunnel never uses this directory: a forwarded request runs against
+the local directory only (``mesh.serve``), so a request is forwarded at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.upstream import ModelDirectory, ModelInfo, Route, Upstream
+from mesh.peers import PeerTable
+
+MAX_PEER_ROUTES = 3
+
+
+@dataclass
+class MeshDirectory:
+    """``local``: this node's own models; ``upstream_for(node_id)``: a peer's upstream."""
+
+    local: ModelDirectory
+    peers: PeerTable
+    upstream_for: Callable[[str], Upstream]
+    max_peer_routes: int = MAX_PEER_ROUTES
+
+    def models(self) -> list[ModelInfo]:
+        out = {info.id: info for info in self.local.models()}
+        for name, (ad, node_id) in self.peers.models().items():
+            out.setdefault(
+                name,
+                ModelInfo(
+                    id=name,
+                    architecture=ad.architecture,
+                    parameters=ad.parameters,
+                    context_length=ad.context_length,
+                    owned_by=node_id,
+                ),
+            )
+        return list(out.values())
+
+    def routes(self, model: str, session_key: str | None = None) -> list[Route]:
+        routes = list(self.local.routes(model, session_key))
+        for node_id in self.peers.candidates(model, session_key)[: self.max_peer_routes]:
+            routes.append(Route(upstream=self.upstream_for(node_id), kind="peer", peer=node_id))
+        return routes
