@@ -1,0 +1,57 @@
+"""One row per probe request: the JSONL schema the probe writes and the reports read."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+ApiName = Literal["chat", "responses", "messages"]
+ProbeKind = Literal["models", "sentinel", "stream"]
+API_NAMES: tuple[ApiName, ...] = ("chat", "responses", "messages")
+
+
+class Outcome(StrEnum):
+    """How the transport went. Whether the *answer* was right is ``sentinel_ok``, separately."""
+
+    OK = "ok"  # complete response, terminal event seen
+    ERROR_EVENT = "error_event"  # a proper error: an SSE error event or error body after 200
+    HTTP_ERROR = "http_error"  # a proper error: non-2xx status with an error body
+    TIMEOUT = "timeout"  # no response head before the per-request deadline
+    HUNG = "hung"  # response started but never terminated before the deadline: must be 0
+    TRUNCATED = "truncated"  # body ended without a terminal event: an improper failure
+    TRANSPORT_ERROR = "transport_error"  # connection refused/reset, malformed bytes
+
+
+#: Failures that are the server saying "no" properly; all other non-ok outcomes are improper.
+PROPER_FAILURES = frozenset({Outcome.ERROR_EVENT, Outcome.HTTP_ERROR})
+
+
+class ProbeRow(BaseModel):
+    """One probe. ``t`` is the wall-clock start (unix seconds); durations are in seconds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    t: float
+    target: str = "a"  # which gateway (A/B mode: "a" or "b")
+    url: str
+    kind: ProbeKind
+    model: str
+    api: ApiName | None = None  # None for the models listing
+    outcome: Outcome
+    status: int | None = None
+    error: str | None = None
+    route: str | None = None  # x-route response header
+    peer: str | None = None  # x-peer response header
+    moa_winner: str | None = None  # x-moa-winner response header
+    ttft_s: float | None = None  # first content byte (stream) / full response (non-stream)
+    duration_s: float
+    tokens: int | None = None  # completion tokens (usage if reported, else content deltas)
+    tok_s: float | None = None  # decode rate after the first token
+    text: str | None = None  # the content that came back (compared across runs)
+    sentinel_ok: bool | None = None  # sentinel probes only: did the exact word come back?
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
