@@ -1,0 +1,14 @@
+"""Mixture-of-agents behind ``model="mesh"``: ask several workers, splice the winner's live stream.
+
+- :mod:`~gateway.moa.config` – ``MoaConfig``.
+- :mod:`~gateway.moa.knobs` – thinking off unless the caller opted in.
+- :mod:`~gateway.moa.candidates` – which worker calls to make; the aggregator prompt.
+- :mod:`~gateway.moa.gates`, :mod:`~gateway.moa.scoring` – pure quality checks and scores.
+- :mod:`~gateway.moa.arbiter` – the pure policy object (race / consensus / reduce).
+- :mod:`~gateway.moa.upstream` – ``MixtureOfAgents``, the asyncio orchestrator (an Upstream).
+"""
+
+from gateway.moa.config import POLICIES, MoaConfig, Policy
+from gateway.moa.upstream import MixtureOfAgents
+
+__all__ = ["POLICIES", "MixtureOfAgents", "MoaConfig", "Policy"]

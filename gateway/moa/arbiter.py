@@ -1,0 +1,383 @@
+"""The MoA arbiter: a pure policy object that watches worker streams and decides whom to splice.
+
+Fed :mod:`gateway.moa.events` worker events with a clock reading (``handle(event, now)``) and
+woken at ``next_deadline()`` (``tick(now)``), it returns decisions: ``Commit``, ``Cancel``,
+``StartReducer``, ``Fail``. No I/O, no sleeping: tests drive it with made-up times.
+
+Policies:
+- ``race``: commit to the first worker whose first N deltas pass the gates (lowest TTFT).
+- ``consensus``: commit when workers agree (equal finished answers or a shared prefix), else at
+  the grace deadline to the best-scored stream.
+- ``reduce``: once k of n answers are complete (or at the grace deadline) run an aggregator over
+  them on the strongest model and splice *its* stream.
+
+Common rules: a worker without a first delta by ``first_token_timeout_s``, or still running at
+``total_timeout_s``, is failed and cancelled; the last survivor is committed as is; when all fail
+the request fails.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gateway.moa import gates, scoring
+from gateway.moa.config import MoaConfig, Policy
+from gateway.moa.events import (
+    Cancel,
+    Commit,
+    Decision,
+    Fail,
+    StartReducer,
+    TokenArrived,
+    WorkerEvent,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerStarted,
+)
+
+log = logging.getLogger(__name__)
+
+REDUCER = "reducer"
+
+
+class WorkerStatus(enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ArbiterState(enum.Enum):
+    WATCHING = "watching"
+    REDUCING = "reducing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+@dataclass
+class WorkerView:
+    """Everything the arbiter knows about one worker's stream so far."""
+
+    name: str
+    started_at: float
+    status: WorkerStatus = WorkerStatus.RUNNING
+    first_token_at: float | None = None
+    tokens: int = 0
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: int = 0
+    logprob_sum: float = 0.0
+    logprob_count: int = 0
+    failure: str | None = None
+    timed_out: bool = False
+    # When this worker's first N deltas were in (race order).
+    ready_at: float | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.status in (WorkerStatus.RUNNING, WorkerStatus.FINISHED)
+
+    @property
+    def running(self) -> bool:
+        return self.status is WorkerStatus.RUNNING
+
+    @property
+    def finished(self) -> bool:
+        return self.status is WorkerStatus.FINISHED
+
+    def verdict(self) -> gates.Verdict:
+        return gates.judge(self.text, reasoning=self.reasoning, tool_calls=self.tool_calls)
+
+
+class Arbiter:
+    """Decides, for one ``mesh`` request, which worker's stream the client gets."""
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        config: MoaConfig,
+        *,
+        now: float,
+        policy: Policy | None = None,
+        win_rates: Mapping[str, float] | None = None,
+    ) -> None:
+        if not workers:
+            raise ValueError("an arbiter needs at least one worker")
+        self.config = config
+        self.policy: Policy = policy or config.policy
+        self.workers: dict[str, WorkerView] = {w: WorkerView(w, started_at=now) for w in workers}
+        self.win_rates = dict(win_rates or {})
+        self.state = ArbiterState.WATCHING
+        self.started_at = now
+        self.first_content_at: float | None = None
+        self.winner: str | None = None
+        self.reason: str | None = None
+        self.decided_at: float | None = None
+        self.reducer_fallback: str | None = None
+        self._handlers: dict[type, Callable[[WorkerView, WorkerEvent, float], None]] = {
+            WorkerStarted: self._on_started,
+            TokenArrived: self._on_token,
+            WorkerFinished: self._on_finished,
+            WorkerFailed: self._on_failed,
+        }
+        self._policies: dict[str, Callable[[float], list[Decision]]] = {
+            "race": self._decide_race,
+            "consensus": self._decide_consensus,
+            "reduce": self._decide_reduce,
+        }
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def handle(self, event: WorkerEvent, now: float) -> list[Decision]:
+        view = self.workers.get(event.worker)
+        if view is None or self.state in (ArbiterState.COMMITTED, ArbiterState.FAILED):
+            return []
+        self._handlers[type(event)](view, event, now)
+        return self._decide(now)
+
+    def tick(self, now: float) -> list[Decision]:
+        """Apply deadlines that have passed by ``now``."""
+        if self.state in (ArbiterState.COMMITTED, ArbiterState.FAILED):
+            return []
+        decisions: list[Decision] = []
+        for view in self.workers.values():
+            if not view.running:
+                continue
+            if view.first_token_at is None and now >= self._first_token_deadline(view):
+                reason = f"no first token within {self.config.first_token_timeout_s:g}s"
+            elif now >= view.started_at + self.config.total_timeout_s:
+                reason = f"not finished within {self.config.total_timeout_s:g}s"
+            else:
+                continue
+            self._mark_failed(view, reason, timeout=True)
+            decisions.append(Cancel(view.name))
+        return decisions + self._decide(now)
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` must be called next (None: only events can change anything)."""
+        if self.state in (ArbiterState.COMMITTED, ArbiterState.FAILED):
+            return None
+        times = []
+        for view in self.workers.values():
+            if view.running:
+                times.append(view.started_at + self.config.total_timeout_s)
+                if view.first_token_at is None:
+                    times.append(self._first_token_deadline(view))
+        grace = self.grace_deadline()
+        if grace is not None and self.state is ArbiterState.WATCHING and self.policy != "race":
+            times.append(grace)
+        return min(times) if times else None
+
+    def grace_deadline(self) -> float | None:
+        if self.first_content_at is None:
+            return None
+        return self.first_content_at + self.config.grace_s
+
+    # -- event handlers -------------------------------------------------------------------
+
+    def _on_started(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
+        view.started_at = now
+
+    def _on_token(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
+        assert isinstance(event, TokenArrived)
+        if not view.running:
+            return
+        if view.first_token_at is None:
+            view.first_token_at = now
+        if self.first_content_at is None and view.name != REDUCER:
+            self.first_content_at = now
+        view.tokens += 1
+        if event.channel == "text":
+            view.text += event.text
+        elif event.channel == "reasoning":
+            view.reasoning += event.text
+        else:
+            view.tool_calls += 1
+        if event.logprob is not None:
+            view.logprob_sum += event.logprob
+            view.logprob_count += 1
+        if view.ready_at is None and view.tokens >= self.config.race_min_tokens:
+            view.ready_at = now
+
+    def _on_finished(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
+        if view.running:
+            view.status = WorkerStatus.FINISHED
+            if view.ready_at is None:
+                view.ready_at = now
+
+    def _on_failed(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
+        assert isinstance(event, WorkerFailed)
+        if view.running:
+            self._mark_failed(view, event.reason, timeout=event.timeout)
+
+    def _mark_failed(self, view: WorkerView, reason: str, *, timeout: bool) -> None:
+        log.info("moa worker %s failed: %s", view.name, reason)
+        view.status = WorkerStatus.FAILED
+        view.failure = reason
+        view.timed_out = timeout
+
+    def _first_token_deadline(self, view: WorkerView) -> float:
+        return view.started_at + self.config.first_token_timeout_s
+
+    # -- decisions ------------------------------------------------------------------------
+
+    def _set_state(self, state: ArbiterState) -> None:
+        log.debug("moa arbiter %s -> %s", self.state.value, state.value)
+        self.state = state
+
+    def _decide(self, now: float) -> list[Decision]:
+        if self.state is ArbiterState.REDUCING:
+            return self._decide_reducing(now)
+        candidates = [v for v in self.workers.values() if v.alive]
+        if not candidates:
+            return self._fail_all()
+        if len(candidates) == 1:
+            return self._commit(
+                candidates[0].name, "single" if len(self.workers) == 1 else "survivor", now
+            )
+        return self._policies[self.policy](now)
+
+    def _commit(self, worker: str, reason: str, now: float) -> list[Decision]:
+        self.winner, self.reason, self.decided_at = worker, reason, now
+        self._set_state(ArbiterState.COMMITTED)
+        decisions: list[Decision] = [Commit(worker, reason)]
+        for view in self.workers.values():
+            if view.name != worker and view.running:
+                view.status = WorkerStatus.CANCELLED
+                decisions.append(Cancel(view.name))
+        return decisions
+
+    def _fail_all(self) -> list[Decision]:
+        self._set_state(ArbiterState.FAILED)
+        failures = [v for v in self.workers.values() if v.name != REDUCER]
+        reasons = "; ".join(f"{v.name}: {v.failure}" for v in failures)
+        kind = "timeout" if failures and all(v.timed_out for v in failures) else "upstream"
+        return [Fail(kind, f"all {len(failures)} MoA workers failed ({reasons})")]
+
+    def score(self, view: WorkerView) -> float:
+        verdict = view.verdict()
+        return scoring.stream_score(
+            logprob=scoring.mean_logprob(view.logprob_sum, view.logprob_count),
+            passes_gates=verdict in (gates.Verdict.PASS, gates.Verdict.REFUSAL),
+            refusal=verdict is gates.Verdict.REFUSAL,
+            win_rate=self.win_rates.get(view.name, 0.5),
+            support=self._support(view),
+            finished=view.finished,
+        )
+
+    def _support(self, view: WorkerView) -> float:
+        """Share of the other live workers whose text agrees with this one so far."""
+        others = [
+            v for v in self.workers.values() if v.alive and v is not view and v.name != REDUCER
+        ]
+        if not others or not view.text.strip():
+            return 0.0
+        mine = scoring.normalize_answer(view.text)
+        agree = 0
+        for other in others:
+            theirs = scoring.normalize_answer(other.text)
+            if not theirs:
+                continue
+            need = min(self.config.agree_prefix_chars, len(mine), len(theirs))
+            if view.finished and other.finished:
+                agree += mine == theirs
+            elif scoring.common_prefix_length(mine, theirs) >= need:
+                agree += 1
+        return agree / len(others)
+
+    def _best(self, views: Sequence[WorkerView]) -> WorkerView:
+        # Highest score; ties go to the worker with more output, then the earliest.
+        return max(views, key=lambda v: (self.score(v), v.tokens, -(v.first_token_at or 0.0)))
+
+    def _fallback_if_settled(self, candidates: list[WorkerView], now: float) -> list[Decision]:
+        """Nobody passes and nobody still can: commit the least bad stream."""
+
+        def settled(view: WorkerView) -> bool:
+            if view.finished:
+                return True
+            sticky = (gates.Verdict.MARKUP, gates.Verdict.REPETITION, gates.Verdict.REFUSAL)
+            return view.tokens >= self.config.race_min_tokens and view.verdict() in sticky
+
+        if all(settled(v) for v in candidates):
+            return self._commit(self._best(candidates).name, "fallback", now)
+        return []
+
+    def _decide_race(self, now: float) -> list[Decision]:
+        candidates = [v for v in self.workers.values() if v.alive]
+        ready = sorted(
+            (v for v in candidates if v.ready_at is not None), key=lambda v: v.ready_at or 0.0
+        )
+        for view in ready:
+            if view.verdict() is gates.Verdict.PASS:
+                return self._commit(view.name, "race", now)
+        return self._fallback_if_settled(candidates, now)
+
+    def _decide_consensus(self, now: float) -> list[Decision]:
+        candidates = [v for v in self.workers.values() if v.alive]
+        passing = [v for v in candidates if v.verdict() is gates.Verdict.PASS]
+        finished = [v for v in passing if v.finished]
+        groups = scoring.agreeing_groups({v.name: v.text for v in finished})
+        if groups and len(groups[0]) >= 2:
+            return self._commit(
+                self._best([self.workers[w] for w in groups[0]]).name, "agreement", now
+            )
+        group = scoring.prefix_agreement(
+            {v.name: v.text for v in passing}, self.config.agree_prefix_chars
+        )
+        if group:
+            return self._commit(self._best([self.workers[w] for w in group]).name, "agreement", now)
+        if not any(v.running for v in candidates):
+            return self._commit(self._best(candidates).name, "complete", now)
+        grace = self.grace_deadline()
+        if grace is not None and now >= grace:
+            with_output = [v for v in candidates if v.tokens]
+            if with_output:
+                return self._commit(self._best(with_output).name, "grace", now)
+        return []
+
+    def _decide_reduce(self, now: float) -> list[Decision]:
+        candidates = [v for v in self.workers.values() if v.alive]
+        answers = [v for v in candidates if v.finished and v.text.strip()]
+        k = min(self.config.reduce_k or len(self.workers) // 2 + 1, len(self.workers))
+        grace = self.grace_deadline()
+        due = (
+            len(answers) >= k
+            or not any(v.running for v in candidates)
+            or (grace is not None and now >= grace and answers)
+        )
+        if not due:
+            return []
+        if not answers:  # everyone finished empty-handed
+            return self._commit(self._best(candidates).name, "complete", now)
+        best = self._best(answers)
+        if (
+            len(answers) == 1
+            or len(scoring.agreeing_groups({v.name: v.text for v in answers})) == 1
+        ):
+            return self._commit(best.name, "unanimous" if len(answers) > 1 else "grace", now)
+        self._set_state(ArbiterState.REDUCING)
+        self.reducer_fallback = best.name
+        decisions: list[Decision] = []
+        for view in candidates:
+            if view.running:
+                view.status = WorkerStatus.CANCELLED
+                decisions.append(Cancel(view.name))
+        self.workers[REDUCER] = WorkerView(REDUCER, started_at=now)
+        decisions.append(
+            StartReducer(REDUCER, tuple((v.name, v.text) for v in answers), fallback=best.name)
+        )
+        return decisions
+
+    def _decide_reducing(self, now: float) -> list[Decision]:
+        reducer = self.workers[REDUCER]
+        if reducer.tokens and reducer.alive:
+            return self._commit(REDUCER, "reduced", now)
+        if reducer.alive and not reducer.finished:
+            return []
+        # The aggregator failed (or said nothing): the best complete answer stands in.
+        if self.reducer_fallback is not None:
+            return self._commit(self.reducer_fallback, "reducer-failed", now)
+        return self._fail_all()

@@ -1,0 +1,45 @@
+"""Configuration of the mixture-of-agents upstream (``model="mesh"``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["race", "consensus", "reduce"]
+POLICIES: tuple[Policy, ...] = ("race", "consensus", "reduce")
+
+
+@dataclass(frozen=True, slots=True)
+class MoaConfig:
+    """How ``mesh`` picks, runs and judges its workers.
+
+    The CLI builds one of these; per request, ``metadata["moa_policy"]`` overrides ``policy``.
+    """
+
+    # Which arbiter policy decides (see gateway/moa/arbiter.py and bench/results/moa.md).
+    policy: Policy = "race"
+    # Most worker calls per request (distinct models first; one model → that many samples).
+    max_workers: int = 3
+    # Temperatures of the self-mixture samples; None keeps the caller's own temperature.
+    sample_temperatures: tuple[float | None, ...] = (None, 0.7, 1.0)
+    # race: commit to the first worker whose first N deltas pass the gates.
+    race_min_tokens: int = 4
+    # consensus: workers agree when their normalised texts share this many leading characters.
+    agree_prefix_chars: int = 24
+    # consensus/reduce: after the first content delta anywhere, wait at most this long to decide.
+    grace_s: float = 2.0
+    # reduce: run the aggregator once this many answers are complete (None: a majority).
+    reduce_k: int | None = None
+    # Per worker: first content delta within this, whole stream within total_timeout_s.
+    first_token_timeout_s: float = 30.0
+    total_timeout_s: float = 600.0
+    # Emit one ReasoningDelta ("asking 3 models…") before the decision.
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown MoA policy {self.policy!r}; expected one of {POLICIES}")
+        if self.max_workers < 1:
+            raise ValueError("max_workers must be at least 1")
+        if self.race_min_tokens < 1:
+            raise ValueError("race_min_tokens must be at least 1")

@@ -1,0 +1,299 @@
+"""``model="mesh"``: the asyncio orchestrator that runs the workers, feeds the arbiter and splices
+the winner's live stream into the client's.
+
+Each worker call runs as a pump task that puts ``(worker, event)`` pairs on one queue. Until the
+arbiter commits, events are only buffered (no text reaches the client); on commit the winner's
+buffer is flushed at once and its live events follow as they arrive. Losers are cancelled: their
+pump task is cancelled and their stream iterator closed, which closes the worker's HTTP response
+or resets the peer's tunnel stream. Closing this stream (client disconnect) cancels every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from gateway.events import (
+    Done,
+    Error,
+    Event,
+    Meta,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    is_terminal,
+)
+from gateway.moa.arbiter import Arbiter
+from gateway.moa.candidates import (
+    Candidate,
+    mixable_models,
+    plan_candidates,
+    reducer_request,
+    strongest,
+)
+from gateway.moa.config import POLICIES, MoaConfig, Policy
+from gateway.moa.events import (
+    Cancel,
+    Commit,
+    Fail,
+    StartReducer,
+    TokenArrived,
+    WorkerEvent,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerStarted,
+)
+from gateway.moa.scoring import WinRecord
+from gateway.request import ChatRequest
+from gateway.upstream import ModelDirectory, Upstream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamBroke:
+    """A worker stream that raised or ended without its terminal event."""
+
+    reason: str
+
+
+def _worker_event(worker: str, event: Event | _StreamBroke) -> WorkerEvent | None:
+    """What the arbiter learns from one upstream event (None: nothing it judges)."""
+    match event:
+        case TextDelta():
+            return TokenArrived(worker, event.text, "text", event.logprob)
+        case ReasoningDelta():
+            return TokenArrived(worker, event.text, "reasoning")
+        case ToolCallDelta():
+            return TokenArrived(worker, event.arguments or event.name or "", "tool")
+        case Done():
+            return WorkerFinished(worker, event.finish_reason)
+        case Error():
+            return WorkerFailed(worker, f"{event.kind}: {event.message}", event.kind == "timeout")
+        case _StreamBroke():
+            return WorkerFailed(worker, event.reason)
+    return None
+
+
+async def _pump(
+    worker: str,
+    upstream: Upstream,
+    request: ChatRequest,
+    queue: asyncio.Queue[tuple[str, Event | _StreamBroke]],
+) -> None:
+    """Copy one worker stream onto the shared queue; closing the iterator on the way out."""
+    iterator: AsyncIterator[Event] | None = None
+    try:
+        iterator = upstream.stream(request)
+        ended = False
+        async for event in iterator:
+            # Read on past the terminal event so the stream finishes on its own (a winner's
+            # stream is complete, not cancelled); anything after it is not part of the answer.
+            if not ended:
+                queue.put_nowait((worker, event))
+                ended = is_terminal(event)
+        if not ended:
+            queue.put_nowait((worker, _StreamBroke("stream ended without a terminal event")))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # any upstream bug or broken connection is this worker's failure
+        log.warning("moa worker %s raised %r", worker, exc)
+        queue.put_nowait((worker, _StreamBroke(f"worker raised {exc!r}")))
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except RuntimeError as exc:  # e.g. closing a generator that is still running
+                log.warning("moa worker %s did not close cleanly: %r", worker, exc)
+
+
+class MixtureOfAgents:
+    """The ``mesh`` model: an :class:`~gateway.upstream.Upstream` over the directory's models."""
+
+    name = "mesh"
+
+    def __init__(
+        self,
+        directory: ModelDirectory,
+        config: MoaConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory = directory
+        self.config = config or MoaConfig()
+        self.clock = clock
+        self.wins = WinRecord()
+
+    def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        return self._stream(request)
+
+    def policy_for(self, request: ChatRequest) -> Policy | None:
+        """The request's policy (``metadata["moa_policy"]``), the configured one, or None when
+        the request names an unknown policy."""
+        asked = request.metadata.get("moa_policy")
+        if asked is None:
+            return self.config.policy
+        return asked if asked in POLICIES else None
+
+    async def _stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        policy = self.policy_for(request)
+        if policy is None:
+            yield Error(
+                "invalid_request",
+                f"unknown moa_policy {request.metadata.get('moa_policy')!r}; "
+                f"expected one of {', '.join(POLICIES)}",
+            )
+            return
+        candidates = plan_candidates(self.directory, request, self.config)
+        if not candidates:
+            yield Error("unavailable", "model 'mesh' needs at least one model in the mesh")
+            return
+        run = _Run(self, request, candidates, policy)
+        try:
+            async for event in run.events():
+                yield event
+        finally:
+            await run.close()
+
+
+class _Run:
+    """One ``mesh`` request in flight: the pump tasks, their buffers and the arbiter."""
+
+    def __init__(
+        self,
+        moa: MixtureOfAgents,
+        request: ChatRequest,
+        candidates: list[Candidate],
+        policy: Policy,
+    ) -> None:
+        self.moa = moa
+        self.config = moa.config
+        self.clock = moa.clock
+        self.request = request
+        self.candidates = candidates
+        self.policy = policy
+        self.queue: asyncio.Queue[tuple[str, Event | _StreamBroke]] = asyncio.Queue()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.buffers: dict[str, list[Event]] = {}
+        self.started_at = self.clock()
+        self.arbiter = Arbiter(
+            [c.name for c in candidates],
+            self.config,
+            now=self.started_at,
+            policy=policy,
+            win_rates={c.name: moa.wins.rate(c.model.id) for c in candidates},
+        )
+
+    def _start(self, worker: str, upstream: Upstream, request: ChatRequest) -> None:
+        self.buffers[worker] = []
+        self.tasks[worker] = asyncio.create_task(
+            _pump(worker, upstream, request, self.queue), name=f"moa-{worker}"
+        )
+        self.arbiter.handle(WorkerStarted(worker), self.clock())
+
+    def _cancel(self, worker: str) -> None:
+        self.buffers.pop(worker, None)
+        task = self.tasks.get(worker)
+        if task is not None:
+            task.cancel()
+
+    async def _next(self, deadline: float | None) -> tuple[str, Event | _StreamBroke] | None:
+        """The next queued item, or None when ``deadline`` (clock time) passes first."""
+        if not self.queue.empty() or deadline is None:
+            return await self.queue.get()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                return await self.queue.get()
+        except TimeoutError:
+            return None
+
+    async def events(self) -> AsyncIterator[Event]:
+        for c in self.candidates:
+            self._start(c.name, c.upstream, c.request)
+        if self.config.progress:
+            yield ReasoningDelta(f"asking {len(self.candidates)} models…")
+        winner = None
+        while winner is None:
+            item = await self._next(self.arbiter.next_deadline())
+            now = self.clock()
+            if item is None:
+                decisions = self.arbiter.tick(now)
+            else:
+                worker, event = item
+                if worker not in self.buffers:  # a cancelled worker's last words
+                    continue
+                if not isinstance(event, _StreamBroke):
+                    self.buffers[worker].append(event)
+                seen = _worker_event(worker, event)
+                decisions = self.arbiter.handle(seen, now) if seen else []
+            for decision in sorted(decisions, key=lambda d: not isinstance(d, Cancel)):
+                match decision:
+                    case Cancel(worker=loser):
+                        self._cancel(loser)
+                    case StartReducer():
+                        self._start_reducer(decision)
+                    case Fail(kind=kind, message=message):
+                        yield Error(kind, message)
+                        return
+                    case Commit(worker=chosen):
+                        winner = chosen
+        async for event in self._splice(winner):
+            yield event
+
+    def _start_reducer(self, decision: StartReducer) -> None:
+        model = strongest(mixable_models(self.moa.directory))
+        upstream = self.moa.directory.routes(model.id)[0].upstream
+        self._start(
+            decision.worker, upstream, reducer_request(self.request, decision.answers, model)
+        )
+
+    async def _splice(self, winner: str) -> AsyncIterator[Event]:
+        arbiter = self.arbiter
+        self.moa.wins.record(
+            [c.model.id for c in self.candidates],
+            next((c.model.id for c in self.candidates if c.name == winner), None),
+        )
+        decided_ms = ((arbiter.decided_at or self.started_at) - self.started_at) * 1000
+        yield Meta(
+            {
+                "x-moa-policy": self.policy,
+                "x-moa-workers": str(len(self.candidates)),
+                "x-moa-winner": winner,
+                "x-moa-decision": arbiter.reason or "",
+                "x-moa-decision-ms": f"{decided_ms:.0f}",
+            }
+        )
+        for event in self.buffers.pop(winner, []):
+            if not isinstance(event, Meta):
+                yield event
+            if is_terminal(event):
+                return
+        self.buffers[winner] = []  # keep accepting the winner's live events
+        deadline = arbiter.workers[winner].started_at + self.config.total_timeout_s
+        while True:
+            item = await self._next(deadline)
+            if item is None:
+                yield Error("timeout", f"MoA winner {winner} did not finish in time")
+                return
+            worker, event = item
+            if worker != winner:
+                continue
+            if isinstance(event, _StreamBroke):
+                yield Error("upstream", f"MoA winner {winner} failed: {event.reason}")
+                return
+            if not isinstance(event, Meta):
+                yield event
+            if is_terminal(event):
+                return
+
+    async def close(self) -> None:
+        """Cancel every worker still running and wait until each has closed its stream."""
+        pending = [task for task in self.tasks.values() if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
