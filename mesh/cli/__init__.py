@@ -3,7 +3,6 @@
 Heavy imports (mlx, aioquic) happen inside commands so that ``mesh --help`` stays instant.
 """
 
-from mesh.cli.app import app, main  # noqa: F401
-
 # Command modules register themselves on import; keep this list in sync with mesh/cli/*.py.
-# (none yet)
+from mesh.cli import chat, service  # noqa: F401
+from mesh.cli.app import app, main  # noqa: F401

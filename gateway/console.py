@@ -1,0 +1,194 @@
+"""The web console: the page at ``/``, its static files, and the live feeds it reads.
+
+Routes (see :func:`console_routes`):
+
+- ``GET /`` – the single-page console (``gateway/static/index.html``).
+- ``GET /static/*`` – its script and style sheet.
+- ``GET /api/events`` – Server-Sent Events: ``status`` (the mesh picture, sent on connect and
+  whenever it changes), ``request`` (one per finished request from the request log) and
+  ``heartbeat`` (every few seconds, so the page can tell a dead gateway from a quiet one).
+- ``GET /api/requests`` – the recent requests as JSON (the table's initial fill).
+
+The feed logic is a pure object (:class:`ConsoleFeed`: snapshots and clocks in, SSE frames out);
+the route only polls its sources and writes what the feed returns. Starlette cancels the
+generator when the client goes away, which ends the poll loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from gateway.upstream import ModelDirectory
+
+STATIC_DIR = Path(__file__).with_name("static")
+
+StatusProvider = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
+
+
+class RecentRequests:
+    """A bounded ring buffer of finished requests, numbered so that readers can ask for news.
+
+    The gateway calls :meth:`record` once per request (after the response); the console reads
+    :meth:`since` / :meth:`rows`. Rows are plain dicts (or dataclasses, converted on the way in)
+    with any of: ``api, model, route, peer, attempts, ttft_ms, tok_s, outcome, status, at``.
+    """
+
+    def __init__(self, maxlen: int = 200) -> None:
+        self._rows: deque[tuple[int, dict[str, Any]]] = deque(maxlen=maxlen)
+        self._counter = itertools.count(1)
+        self._last_seq = 0
+
+    def record(self, row: Mapping[str, Any] | Any) -> None:
+        if dataclasses.is_dataclass(row) and not isinstance(row, type):
+            data = dataclasses.asdict(row)
+        else:
+            data = dict(row)
+        data.setdefault("at", time.time())
+        self._last_seq = next(self._counter)
+        self._rows.append((self._last_seq, data))
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    def since(self, seq: int) -> list[tuple[int, dict[str, Any]]]:
+        """Rows recorded after ``seq``, oldest first (rows already evicted are gone)."""
+        return [(s, row) for s, row in self._rows if s > seq]
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [row for _, row in self._rows]
+
+
+def sse_frame(event: str, data: Any) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class ConsoleFeed:
+    """Decides what to send on ``/api/events``: pure, fed snapshots and the current time."""
+
+    def __init__(self, heartbeat_s: float = 5.0, request_seq: int = 0) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.request_seq = request_seq
+        self._last_status: bytes | None = None
+        self._last_sent = float("-inf")
+
+    def step(
+        self,
+        now: float,
+        status: Mapping[str, Any] | None,
+        new_requests: Sequence[tuple[int, dict[str, Any]]] = (),
+    ) -> list[bytes]:
+        frames: list[bytes] = []
+        if status is not None:
+            encoded = orjson.dumps(status, option=orjson.OPT_SORT_KEYS)
+            if encoded != self._last_status:
+                self._last_status = encoded
+                frames.append(b"event: status\ndata: " + encoded + b"\n\n")
+        for seq, row in new_requests:
+            if seq > self.request_seq:
+                self.request_seq = seq
+                frames.append(sse_frame("request", row))
+        if frames:
+            self._last_sent = now
+        elif now - self._last_sent >= self.heartbeat_s:
+            self._last_sent = now
+            frames.append(sse_frame("heartbeat", {"t": round(time.time(), 3)}))
+        return frames
+
+
+def directory_status(directory: ModelDirectory) -> dict[str, Any]:
+    """The mesh picture of a node without a mesh: just itself and the models it can reach."""
+    return {
+        "node": {
+            "id": "local",
+            "name": "this node",
+            "state": "up",
+            "models": [info.id for info in directory.models()],
+        },
+        "peers": [],
+    }
+
+
+async def read_status(
+    provider: StatusProvider | None, directory: ModelDirectory | None
+) -> dict[str, Any] | None:
+    if provider is not None:
+        result = provider()
+        if inspect.isawaitable(result):
+            result = await result
+        return dict(result)
+    if directory is not None:
+        return directory_status(directory)
+    return None
+
+
+def console_routes(
+    status_provider: StatusProvider | None = None,
+    *,
+    directory: ModelDirectory | None = None,
+    requests: RecentRequests | None = None,
+    poll_s: float = 0.5,
+    heartbeat_s: float = 5.0,
+) -> list[BaseRoute]:
+    """The console's routes, to be added to the gateway's route list.
+
+    ``status_provider`` returns the same object as ``GET /api/status`` (this node + peers); without
+    one, ``directory`` supplies a one-node picture. ``requests`` is the gateway's request log.
+    """
+
+    async def index(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"cache-control": "no-store"})
+
+    async def recent_requests(request: Request) -> Response:
+        rows = requests.rows() if requests is not None else []
+        return JSONResponse({"requests": rows})
+
+    async def events(request: Request) -> Response:
+        return StreamingResponse(
+            _event_stream(status_provider, directory, requests, poll_s, heartbeat_s),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+        )
+
+    return [
+        Route("/", index, methods=["GET"]),
+        Route("/api/events", events, methods=["GET"]),
+        Route("/api/requests", recent_requests, methods=["GET"]),
+        Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="console-static"),
+    ]
+
+
+async def _event_stream(
+    status_provider: StatusProvider | None,
+    directory: ModelDirectory | None,
+    requests: RecentRequests | None,
+    poll_s: float,
+    heartbeat_s: float,
+) -> AsyncIterator[bytes]:
+    # Start from "now" in the request log: the page fetches history from /api/requests.
+    feed = ConsoleFeed(heartbeat_s, request_seq=requests.last_seq if requests else 0)
+    yield b"retry: 2000\n\n"
+    while True:
+        try:
+            status = await read_status(status_provider, directory)
+        except (OSError, RuntimeError, ValueError, TypeError) as exc:
+            # A broken status source must not kill the feed: say so and keep polling.
+            status = {"error": f"status unavailable: {exc}"}
+        news = requests.since(feed.request_seq) if requests is not None else []
+        for frame in feed.step(time.monotonic(), status, news):
+            yield frame
+        await asyncio.sleep(poll_s)

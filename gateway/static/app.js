@@ -1,0 +1,387 @@
+// The console: chat over /v1/responses, the live mesh picture and the request log over /api/events.
+
+import { escapeHtml, renderMarkdown } from "./markdown.js";
+import { readSse } from "./sse.js";
+import { renderNodeTable, renderTopology } from "./topology.js";
+
+const KEY_STORAGE = "mlx-mesh.api-key";
+const MODEL_STORAGE = "mlx-mesh.model";
+const INVITE_PATHS = ["/api/invite", "/api/invites"];
+const $ = (selector) => document.querySelector(selector);
+
+// ---------------------------------------------------------------- API key and fetch
+
+function apiKey() {
+  return localStorage.getItem(KEY_STORAGE) || "";
+}
+
+async function api(path, options = {}) {
+  const headers = new Headers(options.headers || {});
+  const key = apiKey();
+  if (key) headers.set("authorization", `Bearer ${key}`);
+  const response = await fetch(path, { ...options, headers });
+  if (response.status === 401) {
+    askForKey(key ? "That API key was refused. Enter the gateway's key." : "This gateway needs an API key.");
+  }
+  return response;
+}
+
+async function errorText(response) {
+  const text = await response.text();
+  try {
+    const body = JSON.parse(text);
+    return body?.error?.message || body?.message || body?.detail || text;
+  } catch {
+    return text || `${response.status} ${response.statusText}`;
+  }
+}
+
+function askForKey(reason) {
+  const dialog = $("#key-dialog");
+  if (dialog.open) return;
+  $("#key-reason").textContent = reason || "Kept in this browser only; sent as a Bearer token.";
+  $("#key-input").value = apiKey();
+  dialog.showModal();
+}
+
+function setupKeyDialog() {
+  $("#key-button").addEventListener("click", () => askForKey());
+  $("#key-dialog").addEventListener("close", () => {
+    const action = $("#key-dialog").returnValue;
+    if (action === "save") localStorage.setItem(KEY_STORAGE, $("#key-input").value.trim());
+    if (action === "forget") localStorage.removeItem(KEY_STORAGE);
+    if (action === "save" || action === "forget") {
+      loadModels();
+      loadRequests();
+      restartFeed();
+    }
+  });
+}
+
+// ---------------------------------------------------------------- tabs
+
+function setupTabs() {
+  for (const button of document.querySelectorAll("[data-tab]")) {
+    button.addEventListener("click", () => showTab(button.dataset.tab));
+  }
+}
+
+function showTab(name) {
+  for (const button of document.querySelectorAll("[data-tab]")) {
+    button.setAttribute("aria-selected", String(button.dataset.tab === name));
+  }
+  for (const panel of document.querySelectorAll("[data-tab-panel]")) {
+    panel.hidden = panel.dataset.tabPanel !== name;
+  }
+}
+
+// ---------------------------------------------------------------- chat
+
+const chat = { history: [], controller: null };
+
+async function loadModels() {
+  const select = $("#model");
+  let ids = [];
+  try {
+    const response = await api("/v1/models");
+    if (response.ok) ids = ((await response.json()).data || []).map((m) => m.id);
+  } catch (err) {
+    console.warn("models", err);
+  }
+  const wanted = select.value || localStorage.getItem(MODEL_STORAGE);
+  select.replaceChildren(
+    ...[...ids, "mesh"].map((id) => {
+      const option = document.createElement("option");
+      option.value = id;
+      option.textContent = id === "mesh" ? "mesh (mixture of agents)" : id;
+      return option;
+    }),
+  );
+  if (wanted && [...ids, "mesh"].includes(wanted)) select.value = wanted;
+}
+
+function addMessage(role) {
+  $("#chat-hint")?.remove();
+  const box = document.createElement("div");
+  box.className = `msg ${role}`;
+  $("#messages").append(box);
+  return box;
+}
+
+function scrollChat() {
+  const list = $("#messages");
+  list.scrollTop = list.scrollHeight;
+}
+
+function assistantView() {
+  const box = addMessage("assistant");
+  box.innerHTML = `<details class="reasoning" hidden><summary>Reasoning</summary><div class="reasoning-text"></div></details>
+    <div class="body pending"></div><div class="footer"></div>`;
+  return {
+    box,
+    details: box.querySelector(".reasoning"),
+    reasoning: box.querySelector(".reasoning-text"),
+    body: box.querySelector(".body"),
+    footer: box.querySelector(".footer"),
+  };
+}
+
+function setBusy(busy) {
+  $("#send").disabled = busy;
+  $("#stop").hidden = !busy;
+}
+
+async function send(text) {
+  const model = $("#model").value || "mesh";
+  localStorage.setItem(MODEL_STORAGE, model);
+  addMessage("user").textContent = text;
+  chat.history.push({ role: "user", content: text });
+  const view = assistantView();
+  scrollChat();
+  const controller = new AbortController();
+  chat.controller = controller;
+  setBusy(true);
+
+  const run = { text: "", reasoning: "", started: performance.now(), first: null, last: null };
+  run.deltas = 0;
+  run.usage = null;
+  let outcome = "ok";
+  let headers = null;
+  try {
+    const response = await api("/v1/responses", {
+      method: "POST",
+      headers: { "content-type": "application/json", accept: "text/event-stream" },
+      body: JSON.stringify({ model, input: chat.history, stream: true }),
+      signal: controller.signal,
+    });
+    headers = response.headers;
+    if (!response.ok) throw new Error(await errorText(response));
+    await readSse(response, ({ data }) => {
+      if (data === "[DONE]") return;
+      const event = JSON.parse(data);
+      handleResponseEvent(event, run, view);
+    });
+    if (run.error) {
+      outcome = "failed";
+      throw new Error(run.error);
+    }
+  } catch (err) {
+    if (err.name === "AbortError") {
+      outcome = "stopped";
+    } else {
+      outcome = "failed";
+      const note = document.createElement("div");
+      note.className = "error";
+      note.textContent = err.message || String(err);
+      view.box.insertBefore(note, view.footer);
+    }
+  } finally {
+    chat.controller = null;
+    setBusy(false);
+    view.body.classList.remove("pending");
+    if (run.text) chat.history.push({ role: "assistant", content: run.text });
+    else chat.history.pop(); // nothing said: do not leave a dangling user turn
+    renderFooter(view.footer, run, headers, model, outcome);
+    scrollChat();
+  }
+}
+
+function handleResponseEvent(event, run, view) {
+  const type = event.type || "";
+  const now = performance.now();
+  if (type === "response.output_text.delta") {
+    run.first ??= now;
+    run.last = now;
+    run.deltas += 1;
+    run.text += event.delta || "";
+    view.body.innerHTML = renderMarkdown(run.text);
+    scrollChat();
+  } else if (type.includes("reasoning") && type.endsWith(".delta")) {
+    run.first ??= now;
+    run.last = now;
+    run.deltas += 1;
+    run.reasoning += event.delta || "";
+    view.details.hidden = false;
+    view.reasoning.textContent = run.reasoning;
+  } else if (type === "response.completed" || type === "response.incomplete") {
+    run.usage = event.response?.usage || null;
+  } else if (type === "response.failed") {
+    run.error = event.response?.error?.message || "the response failed";
+  } else if (type === "error") {
+    run.error = event.message || event.error?.message || "stream error";
+  }
+}
+
+function renderFooter(footer, run, headers, model, outcome) {
+  const parts = [];
+  const header = (name) => headers?.get(name);
+  const route = header("x-route");
+  const peer = header("x-peer");
+  const winner = header("x-moa-winner");
+  if (route) parts.push(`<span class="tag" title="route">${escapeHtml(route)}</span>`);
+  if (peer) parts.push(`<span class="tag" title="peer">peer ${escapeHtml(peer.slice(0, 12))}</span>`);
+  if (winner) parts.push(`<span class="tag" title="MoA winner">winner ${escapeHtml(winner)}</span>`);
+  if (!route && !peer) parts.push(`<span class="tag">${escapeHtml(model)}</span>`);
+  if (run.first != null) parts.push(`<span>TTFT ${Math.round(run.first - run.started)} ms</span>`);
+  const tokens = run.usage?.output_tokens ?? run.deltas;
+  const seconds = run.first != null && run.last > run.first ? (run.last - run.first) / 1000 : 0;
+  if (seconds > 0 && tokens > 1) parts.push(`<span>${(tokens / seconds).toFixed(1)} tok/s</span>`);
+  if (run.usage?.output_tokens != null) parts.push(`<span>${run.usage.output_tokens} tokens</span>`);
+  if (outcome !== "ok") parts.push(`<span class="${outcome}">${outcome}</span>`);
+  footer.innerHTML = parts.join("");
+  footer.dataset.outcome = outcome;
+}
+
+function setupChat() {
+  const prompt = $("#prompt");
+  $("#composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = prompt.value.trim();
+    if (!text || chat.controller) return;
+    prompt.value = "";
+    send(text);
+  });
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      $("#composer").requestSubmit();
+    }
+  });
+  $("#stop").addEventListener("click", () => chat.controller?.abort());
+  $("#clear").addEventListener("click", () => {
+    chat.controller?.abort();
+    chat.history = [];
+    $("#messages").replaceChildren();
+  });
+}
+
+// ---------------------------------------------------------------- live feed: mesh + requests
+
+const feed = { controller: null, retry: 1000, lastBeat: 0 };
+
+function restartFeed() {
+  feed.controller?.abort();
+  runFeed();
+}
+
+async function runFeed() {
+  const controller = new AbortController();
+  feed.controller = controller;
+  while (!controller.signal.aborted) {
+    try {
+      const response = await api("/api/events", { signal: controller.signal });
+      if (!response.ok) throw new Error(`events: ${response.status}`);
+      feed.retry = 1000;
+      await readSse(response, onFeedEvent);
+    } catch (err) {
+      if (controller.signal.aborted) return;
+      console.warn("feed", err);
+    }
+    setLive("bad", "reconnecting…");
+    await new Promise((resolve) => setTimeout(resolve, feed.retry));
+    feed.retry = Math.min(feed.retry * 2, 15000);
+  }
+}
+
+function onFeedEvent({ event, data }) {
+  feed.lastBeat = Date.now();
+  setLive("ok", "live");
+  const payload = JSON.parse(data);
+  if (event === "status") {
+    if (payload.error) {
+      setLive("bad", payload.error);
+      return;
+    }
+    renderTopology($("#topology"), payload);
+    renderNodeTable($("#nodes tbody"), payload);
+  } else if (event === "request") {
+    addRequestRow(payload, true);
+  }
+}
+
+function setLive(state, text) {
+  const live = $("#live");
+  live.className = `live ${state}`;
+  live.textContent = text;
+}
+
+setInterval(() => {
+  if (feed.lastBeat && Date.now() - feed.lastBeat > 15000) setLive("bad", "no heartbeat");
+}, 5000);
+
+const fmt = (value, digits = 0) => (value == null ? "–" : Number(value).toFixed(digits));
+
+function addRequestRow(row, fresh) {
+  const tbody = $("#requests tbody");
+  const tr = document.createElement("tr");
+  if (fresh) tr.className = "fresh";
+  const at = row.at ?? row.started_at ?? row.time;
+  const time = at ? new Date((at > 1e12 ? at : at * 1000)).toLocaleTimeString() : "–";
+  const route = [row.route, row.peer ? String(row.peer).slice(0, 8) : null].filter(Boolean).join(" → ");
+  const outcome = String(row.outcome ?? row.status ?? "–");
+  const good = outcome === "ok" || outcome === "200" || outcome === "done";
+  const ttft = row.ttft_ms ?? (row.ttft_s != null ? row.ttft_s * 1000 : null);
+  tr.innerHTML = `<td>${escapeHtml(time)}</td><td>${escapeHtml(row.api ?? "–")}</td>
+    <td>${escapeHtml(row.model ?? "–")}</td><td>${escapeHtml(route || "–")}</td>
+    <td class="num">${escapeHtml(fmt(row.attempts))}</td><td class="num">${escapeHtml(fmt(ttft))} ms</td>
+    <td class="num">${escapeHtml(fmt(row.tok_s ?? row.tokens_per_s, 1))}</td>
+    <td class="${good ? "ok-text" : "bad-text"}">${escapeHtml(outcome)}</td>`;
+  tbody.prepend(tr);
+  while (tbody.rows.length > 200) tbody.deleteRow(-1);
+  $("#requests-empty").hidden = true;
+}
+
+async function loadRequests() {
+  try {
+    const response = await api("/api/requests");
+    if (!response.ok) return;
+    const { requests } = await response.json();
+    $("#requests tbody").replaceChildren();
+    for (const row of requests || []) addRequestRow(row, false);
+  } catch (err) {
+    console.warn("requests", err);
+  }
+}
+
+// ---------------------------------------------------------------- invites
+
+async function createInvite() {
+  const box = $("#invite-result");
+  box.hidden = false;
+  box.className = "invite-result";
+  box.textContent = "Creating an invite…";
+  try {
+    for (const path of INVITE_PATHS) {
+      const response = await api(path, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body: "{}",
+      });
+      if (response.status === 404 || response.status === 405) continue;
+      if (!response.ok) throw new Error(await errorText(response));
+      const body = await response.json();
+      const token = body.token || body.invite || body.code;
+      if (!token) throw new Error("the node answered without an invite token");
+      const command = body.command || `mesh up --join ${token}`;
+      const expires = body.expires_at ? new Date(body.expires_at * 1000).toLocaleString() : null;
+      box.innerHTML = `Run this on the other Mac${expires ? ` (valid until ${escapeHtml(expires)})` : ""}:
+        <code id="invite-command">${escapeHtml(command)}</code>`;
+      return;
+    }
+    throw new Error("This node has no invite endpoint: the mesh is not running here. Use `mesh invite` in a terminal.");
+  } catch (err) {
+    box.className = "invite-result error";
+    box.textContent = err.message || String(err);
+  }
+}
+
+// ---------------------------------------------------------------- start
+
+setupTabs();
+setupKeyDialog();
+setupChat();
+$("#invite-button").addEventListener("click", createInvite);
+renderTopology($("#topology"), { node: { name: "this node" }, peers: [] });
+loadModels();
+loadRequests();
+runFeed();

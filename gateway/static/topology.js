@@ -1,0 +1,132 @@
+// The mesh picture: this node in the middle, peers around it, one link per peer labelled with
+// its round-trip time. Accepts the /api/status shape loosely (field names vary by version).
+
+import { escapeHtml } from "./markdown.js";
+
+const SVG = "http://www.w3.org/2000/svg";
+
+export function normaliseStatus(status) {
+  const self = status.node || status.self || status.this || {};
+  const peers = Array.isArray(status.peers) ? status.peers : [];
+  return { self: normaliseNode(self, true), peers: peers.map((p) => normaliseNode(p, false)) };
+}
+
+function normaliseNode(raw, isSelf) {
+  const id = String(raw.id || raw.node_id || (isSelf ? "local" : "?"));
+  const models = (raw.models || []).map((m) => (typeof m === "string" ? m : m.id || m.name || "?"));
+  const rtt = raw.rtt_ms ?? raw.rtt ?? null;
+  return {
+    id,
+    name: raw.name || raw.hostname || (id.length > 12 ? id.slice(0, 8) : id),
+    self: isSelf,
+    state: String(raw.state || (isSelf ? "up" : "unknown")).toLowerCase(),
+    addresses: raw.addresses || (raw.address ? [raw.address] : []),
+    gateway: raw.gateway || raw.gateway_url || null,
+    models,
+    load: raw.load ?? null,
+    rttMs: typeof rtt === "number" ? rtt : null,
+    lastSeen: raw.last_seen ?? raw.lastSeen ?? null,
+  };
+}
+
+// A load is a number (queued + active work) or an object with queue/active/tok_s fields.
+export function describeLoad(load) {
+  if (load == null) return "–";
+  if (typeof load === "number") return String(load);
+  const parts = [];
+  const queued = load.queue_depth ?? load.queued ?? load.queue;
+  if (queued != null) parts.push(`queued ${queued}`);
+  if (load.active != null) parts.push(`active ${load.active}`);
+  const tps = load.tok_s ?? load.tokens_per_s ?? load.recent_tok_s;
+  if (tps != null) parts.push(`${Number(tps).toFixed(1)} tok/s`);
+  return parts.join(" · ") || "–";
+}
+
+function loadFraction(load) {
+  if (load == null) return 0;
+  const work =
+    typeof load === "number" ? load : (load.queue_depth ?? load.queued ?? 0) + (load.active ?? 0);
+  return Math.max(0, Math.min(1, work / 8));
+}
+
+function el(name, attrs = {}, text) {
+  const node = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+function shorten(text, max) {
+  return text.length > max ? `${text.slice(0, max - 1)}…` : text;
+}
+
+export function renderTopology(svg, status) {
+  const { self, peers } = normaliseStatus(status);
+  const width = 800;
+  const height = 440;
+  const cx = width / 2;
+  const cy = height / 2;
+  const radius = peers.length ? Math.min(165, 90 + peers.length * 20) : 0;
+  const positions = peers.map((_, i) => {
+    const angle = -Math.PI / 2 + (2 * Math.PI * i) / peers.length;
+    return [cx + Math.cos(angle) * radius * 1.6, cy + Math.sin(angle) * radius];
+  });
+  svg.replaceChildren();
+  const links = el("g", { class: "links" });
+  const nodes = el("g", { class: "nodes" });
+  svg.append(links, nodes);
+  peers.forEach((peer, i) => {
+    const [x, y] = positions[i];
+    const down = peer.state === "down" || peer.state === "left";
+    links.append(el("line", { class: `link${down ? " down" : ""}`, x1: cx, y1: cy, x2: x, y2: y }));
+    const label = peer.rttMs == null ? "?" : `${peer.rttMs.toFixed(peer.rttMs < 10 ? 1 : 0)} ms`;
+    links.append(el("text", { class: "rtt", x: (cx + x) / 2 + 6, y: (cy + y) / 2 - 6 }, label));
+  });
+  nodes.append(drawNode(self, cx, cy));
+  peers.forEach((peer, i) => nodes.append(drawNode(peer, ...positions[i])));
+}
+
+function drawNode(node, x, y) {
+  const g = el("g", {
+    class: `node ${node.self ? "self" : "peer"} ${node.state}`,
+    "data-node-id": node.id,
+    transform: `translate(${x},${y})`,
+  });
+  g.append(el("title", {}, `${node.id}\n${node.addresses.join(", ")}`));
+  g.append(el("circle", { r: 34 }));
+  g.append(el("text", { y: -2 }, shorten(node.self ? `${node.name} (you)` : node.name, 18)));
+  g.append(el("text", { class: "sub", y: 14 }, node.state));
+  const models = node.models.length ? node.models.join(", ") : "no models";
+  g.append(el("text", { class: "sub", y: 54 }, shorten(models, 34)));
+  g.append(el("rect", { class: "loadbar-bg", x: -30, y: 62, width: 60, height: 5, rx: 2 }));
+  const fill = Math.max(2, 60 * loadFraction(node.load));
+  g.append(el("rect", { class: "loadbar", x: -30, y: 62, width: fill, height: 5, rx: 2 }));
+  g.append(el("text", { class: "sub", y: 82 }, describeLoad(node.load)));
+  return g;
+}
+
+function ago(seconds) {
+  if (seconds == null) return "–";
+  const unix = seconds > 1e12 ? seconds / 1000 : seconds;
+  const delta = Math.max(0, Date.now() / 1000 - unix);
+  if (delta < 1.5) return "just now";
+  if (delta < 90) return `${Math.round(delta)} s ago`;
+  return `${Math.round(delta / 60)} min ago`;
+}
+
+export function renderNodeTable(tbody, status) {
+  const { self, peers } = normaliseStatus(status);
+  tbody.innerHTML = [self, ...peers]
+    .map(
+      (n) => `<tr data-node-id="${escapeHtml(n.id)}">
+        <td title="${escapeHtml(n.id)}">${escapeHtml(n.name)}${n.self ? " <span class=muted>(you)</span>" : ""}</td>
+        <td class="${n.state === "up" ? "ok-text" : n.state === "down" ? "bad-text" : ""}">${escapeHtml(n.state)}</td>
+        <td class="num">${escapeHtml(n.addresses.join(", ") || "–")}</td>
+        <td>${escapeHtml(n.models.join(", ") || "–")}</td>
+        <td>${escapeHtml(describeLoad(n.load))}</td>
+        <td class="num">${n.self ? "–" : n.rttMs == null ? "?" : `${n.rttMs.toFixed(1)} ms`}</td>
+        <td>${n.self ? "–" : ago(n.lastSeen)}</td>
+      </tr>`,
+    )
+    .join("");
+}

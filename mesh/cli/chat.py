@@ -1,0 +1,326 @@
+"""``mesh chat``: talk to the mesh from a terminal, one-shot or as a small REPL.
+
+The node is found through ``<home>/node.json`` (written by ``mesh up``) unless ``--url`` is
+given; answers stream from ``/v1/chat/completions`` with reasoning printed dimmed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+import typer
+
+from mesh.cli.app import HomeOption, app, console, err_console, fail, resolve_home
+
+NODE_FILE = "node.json"
+HELP_LINE = "/model NAME switches model, /models lists them, /new starts over, /quit leaves"
+
+
+class ChatError(Exception):
+    """A failure a person can cause or fix; ``str()`` is one clear sentence."""
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    url: str
+    api_key: str | None = None
+
+
+def find_node(home: Path) -> NodeAddress:
+    """The running node recorded in ``<home>/node.json``."""
+    path = home / NODE_FILE
+    try:
+        info = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ChatError(
+            f"no node is running for {home} (no {path}); start one with `mesh up` or pass --url"
+        ) from None
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise ChatError(f"cannot read {path}: {exc}") from None
+    if not isinstance(info, dict) or not isinstance(info.get("url"), str):
+        raise ChatError(f"{path} has no node url; restart the node with `mesh up`")
+    pid = info.get("pid")
+    if isinstance(pid, int) and not _process_alive(pid):
+        raise ChatError(
+            f"the node recorded in {path} (pid {pid}) is not running; start it with `mesh up`"
+        )
+    return NodeAddress(url=info["url"].rstrip("/"), api_key=info.get("api_key"))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def parse_chat_stream(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """Chat-completions SSE lines → ``("reasoning" | "text", fragment)``; raises on error events."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise ChatError(f"the node sent a malformed stream line: {data[:80]!r}") from None
+        if "error" in chunk:
+            raise ChatError(_error_message(chunk, "the node reported an error"))
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                yield "reasoning", reasoning
+            if delta.get("content"):
+                yield "text", delta["content"]
+
+
+def _error_message(body: object, default: str) -> str:
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    return default
+
+
+@dataclass
+class ChatSession:
+    """One conversation against one node: history, the current model, the HTTP client."""
+
+    url: str
+    model: str
+    client: httpx.Client
+    api_key: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    last_headers: dict[str, str] = field(default_factory=dict)
+
+    def _headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def models(self) -> list[str]:
+        response = self._call("GET", "/v1/models")
+        if response.status_code != 200:
+            raise ChatError(self._status_message(response))
+        return [m["id"] for m in response.json().get("data", [])]
+
+    def stream(self, prompt: str) -> Iterator[tuple[str, str]]:
+        """Send ``prompt`` and yield the answer's fragments; the answer joins the history."""
+        self.messages.append({"role": "user", "content": prompt})
+        body = {"model": self.model, "messages": self.messages, "stream": True}
+        answer: list[str] = []
+        try:
+            with self._stream("POST", "/v1/chat/completions", body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise ChatError(self._status_message(response))
+                self.last_headers = dict(response.headers)
+                for kind, fragment in parse_chat_stream(response.iter_lines()):
+                    if kind == "text":
+                        answer.append(fragment)
+                    yield kind, fragment
+        finally:
+            if answer:
+                self.messages.append({"role": "assistant", "content": "".join(answer)})
+            else:
+                self.messages.pop()  # nothing came back: forget the unanswered turn
+
+    def _call(self, method: str, path: str) -> httpx.Response:
+        try:
+            return self.client.request(method, self.url + path, headers=self._headers())
+        except httpx.HTTPError as exc:
+            raise ChatError(_transport_message(self.url, exc)) from None
+
+    def _stream(self, method: str, path: str, body: dict) -> _TranslatingStream:
+        manager = self.client.stream(method, self.url + path, json=body, headers=self._headers())
+        return _TranslatingStream(manager, self.url)
+
+    def _status_message(self, response: httpx.Response) -> str:
+        try:
+            detail = _error_message(response.json(), "")
+        except ValueError:
+            detail = response.text.strip()[:200]
+        if response.status_code == 401:
+            return "the node wants an API key: pass --api-key or set MLX_MESH_API_KEY"
+        if response.status_code == 404:
+            return f"model '{self.model}' is not served in this mesh{self._available_hint()}"
+        return f"the node answered {response.status_code}: {detail or response.reason_phrase}"
+
+    def _available_hint(self) -> str:
+        try:
+            names = self.models()
+        except ChatError:
+            return ""
+        return f" (available: {', '.join([*names, 'mesh'])})"
+
+
+class _TranslatingStream:
+    """Wraps ``client.stream(...)`` so that transport errors surface as :class:`ChatError`."""
+
+    def __init__(self, manager: AbstractContextManager[httpx.Response], url: str) -> None:
+        self._manager = manager
+        self._url = url
+
+    def __enter__(self) -> httpx.Response:
+        try:
+            return self._manager.__enter__()
+        except httpx.HTTPError as exc:
+            raise ChatError(_transport_message(self._url, exc)) from None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._manager.__exit__(*exc_info)
+        if isinstance(exc_info[1], httpx.HTTPError):
+            raise ChatError(_transport_message(self._url, exc_info[1])) from None
+
+
+def _transport_message(url: str, exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+        return f"'{url}' is not a valid node URL (expected http://host:port)"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot reach a node at {url}: is `mesh up` running?"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"the node at {url} did not answer in time"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return f"the node at {url} closed the connection mid-answer"
+    return f"talking to {url} failed: {exc}"
+
+
+def print_answer(session: ChatSession, prompt: str) -> None:
+    """Stream one answer to the terminal: reasoning dimmed, then the text, then a footer."""
+    started = time.monotonic()
+    first: float | None = None
+    count = 0
+    last_kind = None
+    for kind, fragment in session.stream(prompt):
+        first = first or time.monotonic()
+        count += 1
+        if last_kind == "reasoning" and kind == "text":
+            console.print()
+        last_kind = kind
+        style = "dim italic" if kind == "reasoning" else None
+        console.print(fragment, end="", style=style, markup=False, highlight=False, soft_wrap=True)
+    console.print()
+    _print_footer(session.last_headers, started, first, count)
+
+
+def _print_footer(headers: dict[str, str], started: float, first: float | None, count: int) -> None:
+    parts = [headers[h] for h in ("x-route", "x-peer") if headers.get(h)]
+    if headers.get("x-moa-winner"):
+        parts.append(f"winner {headers['x-moa-winner']}")
+    if first is not None:
+        parts.append(f"TTFT {1000 * (first - started):.0f} ms")
+        elapsed = time.monotonic() - first
+        if count > 1 and elapsed > 0:
+            parts.append(f"{count / elapsed:.1f} chunks/s")
+    if parts:
+        err_console.print(" · ".join(parts), style="dim", markup=False, highlight=False)
+
+
+def run_repl(session: ChatSession) -> None:
+    err_console.print(
+        f"chatting with [bold]{session.model}[/] at {session.url} – {HELP_LINE}", highlight=False
+    )
+    while True:
+        try:
+            line = console.input("[bold cyan]you>[/] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not _repl_command(session, line):
+                return
+            continue
+        try:
+            print_answer(session, line)
+        except ChatError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        except KeyboardInterrupt:
+            console.print()
+            err_console.print("stopped", style="yellow")
+
+
+def _repl_command(session: ChatSession, line: str) -> bool:
+    """Handle a ``/command``; False means leave the REPL."""
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if name in ("/quit", "/exit", "/q"):
+        return False
+    if name == "/new":
+        session.messages.clear()
+        err_console.print("new conversation", style="dim")
+    elif name == "/models":
+        try:
+            err_console.print(", ".join([*session.models(), "mesh"]), highlight=False)
+        except ChatError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    elif name == "/model":
+        _switch_model(session, arg)
+    else:
+        err_console.print(f"unknown command {name}; {HELP_LINE}", highlight=False)
+    return True
+
+
+def _switch_model(session: ChatSession, name: str) -> None:
+    if not name:
+        err_console.print(f"current model: {session.model}", highlight=False)
+        return
+    try:
+        known = [*session.models(), "mesh"]
+    except ChatError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return
+    if name not in known:
+        err_console.print(
+            f"[bold red]error:[/] model '{name}' is not served in this mesh "
+            f"(available: {', '.join(known)})",
+            highlight=False,
+        )
+        return
+    session.model = name
+    err_console.print(f"now talking to {name}", style="dim", highlight=False)
+
+
+@app.command("chat")
+def chat_command(
+    prompt: str | None = typer.Argument(None, help="Ask once and exit; without it, a REPL."),
+    model: str = typer.Option("mesh", "--model", "-m", help="A model id, or `mesh` (MoA)."),
+    url: str | None = typer.Option(None, "--url", help="Gateway URL (default: the local node)."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="MLX_MESH_API_KEY", help="Bearer key, if the node needs one."
+    ),
+    home: Path | None = HomeOption,
+) -> None:
+    """Chat with the mesh: streamed answers, reasoning dimmed."""
+    try:
+        node = NodeAddress(url.rstrip("/")) if url else find_node(resolve_home(home))
+    except ChatError as exc:
+        raise fail(str(exc)) from None
+    timeout = httpx.Timeout(10.0, read=None)  # answers may think for a long time
+    with httpx.Client(timeout=timeout) as client:
+        session = ChatSession(
+            url=node.url, model=model, client=client, api_key=api_key or node.api_key
+        )
+        if prompt is None:
+            run_repl(session)
+            return
+        try:
+            print_answer(session, prompt)
+        except ChatError as exc:
+            raise fail(str(exc)) from None
+        except KeyboardInterrupt:
+            raise fail("stopped", code=130) from None
