@@ -1,0 +1,79 @@
+"""The root of mesh's exceptions. Every error mesh raises on purpose is a ``MeshError``::
+
+    MeshError
+    ├── IdentityError            unreadable/mismatched key or certificate in the home dir
+    ├── FrameError               the frame codec got bytes it cannot decode (or a frame too large)
+    │   └── ProtocolViolation    well-formed frames in an order the protocol forbids
+    └── TunnelError              anything on the QUIC tunnel
+        ├── ConnectError         a dial failed: unreachable, handshake failed, timed out
+        │   ├── AuthFailed       the peer's certificate does not match the pin (or the peer
+        │   │                    closed with AUTH_FAILED)
+        │   └── DuplicateNodeError  the peer has OUR node id: a copied home dir
+        ├── ClosedError          you closed it (the connection or stream), then used it
+        └── StreamLost           a stream ended without its terminal frame: never a success
+            ├── StreamReset      the peer reset the stream (``.code``: an ErrorCode)
+            ├── IncompleteResponse  clean EOF but no END (or no BODY_END) frame arrived
+            └── ConnectionLost   the whole connection died (peer closed, ping timeout, idle)
+
+``ClosedError`` is "you closed it"; ``StreamLost`` and below are "the peer or the network broke
+it" (trio's ClosedResourceError vs BrokenResourceError). Other mesh modules add their own
+subclasses of ``MeshError`` (membership, gossip) in their modules.
+"""
+
+from __future__ import annotations
+
+
+class MeshError(Exception):
+    """Root of every error mesh raises on purpose."""
+
+
+class IdentityError(MeshError):
+    """The node identity in the home dir is unusable."""
+
+
+class FrameError(MeshError):
+    """Bytes that do not decode to valid tunnel frames (the codec's only error type)."""
+
+
+class ProtocolViolation(FrameError):
+    """Valid frames in a forbidden order (e.g. DATA before the response HEAD)."""
+
+
+class TunnelError(MeshError):
+    """Root of QUIC tunnel errors."""
+
+
+class ConnectError(TunnelError):
+    """Dialing a peer failed before a usable connection existed."""
+
+
+class AuthFailed(ConnectError):
+    """The peer's certificate did not match the pin, or the peer refused us (AUTH_FAILED)."""
+
+
+class DuplicateNodeError(ConnectError):
+    """The peer presented our own node id: two nodes run from one (copied) home dir."""
+
+
+class ClosedError(TunnelError):
+    """Used a connection or stream after closing it ourselves."""
+
+
+class StreamLost(TunnelError):
+    """The stream ended without its terminal frame. Never treat as success."""
+
+    def __init__(self, message: str = "", code: int | None = None) -> None:
+        super().__init__(message or type(self).__name__)
+        self.code = code
+
+
+class StreamReset(StreamLost):
+    """The peer reset the stream; ``code`` is the ErrorCode it gave."""
+
+
+class IncompleteResponse(StreamLost):
+    """The peer finished the stream cleanly but its terminal frame (END/BODY_END) never came."""
+
+
+class ConnectionLost(StreamLost):
+    """The connection carrying the stream died; ``code`` is the close code if one was given."""
