@@ -1,0 +1,294 @@
+"""OpenAI Chat Completions: request model → ChatRequest, events → chunks / a whole completion."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway import sse
+from gateway.api.common import Accumulator, new_id, place_system_messages
+from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from worker.thinking import normalize_thinking
+
+API = "chat"
+
+
+class _Function(BaseModel):
+    name: str = ""
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _ToolCallIn(BaseModel):
+    id: str = ""
+    type: str = "function"
+    function: _Function
+
+
+class _MessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[_ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class _FunctionDef(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class _ToolIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "function"
+    function: _FunctionDef
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class ChatCompletionBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[_MessageIn] = Field(min_length=1)
+    tools: list[_ToolIn] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    logprobs: bool | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return value
+
+
+def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    """Plain text of an OpenAI content value (string or list of text parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text"):
+            parts.append(str(part.get("text", "")))
+        else:
+            raise RequestInvalid(
+                f"{where}: content part type {kind!r} is not supported (text only)", where
+            )
+    return "".join(parts)
+
+
+def _arguments(value: str | dict[str, Any]) -> str:
+    if isinstance(value, str):
+        return value
+    import orjson
+
+    return orjson.dumps(value).decode()
+
+
+def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
+    try:
+        body = ChatCompletionBody.model_validate(raw)
+    except ValidationError as exc:
+        raise RequestInvalid.from_validation(exc) from exc
+    messages = []
+    for i, m in enumerate(body.messages):
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        messages.append(
+            Message(
+                role=role,  # type: ignore[arg-type]
+                content=content_text(m.content, f"messages.{i}.content"),
+                reasoning=m.reasoning_content or m.reasoning,
+                tool_calls=[
+                    ToolCall(
+                        id=tc.id or new_id("call_"),
+                        name=tc.function.name,
+                        arguments=_arguments(tc.function.arguments),
+                    )
+                    for tc in m.tool_calls or []
+                ],
+                tool_call_id=m.tool_call_id,
+                name=m.name,
+            )
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    metadata = dict(body.metadata or {})
+    if body.logprobs:
+        metadata["logprobs"] = True
+    request = ChatRequest(
+        model=body.model,
+        messages=place_system_messages(messages),
+        tools=[
+            ToolSpec(
+                name=t.function.name,
+                description=t.function.description or "",
+                parameters=t.function.parameters or {"type": "object", "properties": {}},
+            )
+            for t in body.tools or []
+        ],
+        tool_choice=body.tool_choice,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        stop=stop,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        reasoning=normalize_thinking(raw),
+        reasoning_effort=body.reasoning_effort,
+        chat_template_kwargs=body.chat_template_kwargs or {},
+        stream=body.stream,
+        session_key=body.user,
+        metadata=metadata,
+    )
+    return request, body
+
+
+def error_body(error: Error) -> dict[str, Any]:
+    return openai_error_body(error)
+
+
+def _usage_dict(acc: Accumulator) -> dict[str, Any]:
+    return {
+        "prompt_tokens": acc.prompt_tokens,
+        "completion_tokens": acc.completion_tokens,
+        "total_tokens": acc.prompt_tokens + acc.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": acc.cached_tokens},
+    }
+
+
+class ChatStreamEncoder:
+    """Events → ``chat.completion.chunk`` frames; ``[DONE]`` after the terminal one."""
+
+    def __init__(self, request: ChatRequest, body: ChatCompletionBody) -> None:
+        self.id = new_id("chatcmpl-")
+        self.created = int(time.time())
+        self.model = request.model
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.acc = Accumulator()
+        self._role_sent = False
+
+    def start(self) -> bytes:
+        return b""
+
+    def keepalive(self) -> bytes:
+        return sse.KEEPALIVE
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        if not self._role_sent:
+            delta = {"role": "assistant", **delta}
+            self._role_sent = True
+        return sse.data_frame(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                ],
+            }
+        )
+
+    def encode(self, event: Event) -> bytes:
+        opened = self.acc.add(event)
+        if isinstance(event, TextDelta):
+            return self._chunk({"content": event.text})
+        if isinstance(event, ReasoningDelta):
+            return self._chunk({"reasoning_content": event.text})
+        if isinstance(event, ToolCallDelta):
+            if opened is not None:
+                call = {
+                    "index": event.index,
+                    "id": opened.id,
+                    "type": "function",
+                    "function": {"name": opened.name, "arguments": event.arguments},
+                }
+            else:
+                call = {"index": event.index, "function": {"arguments": event.arguments}}
+            return self._chunk({"tool_calls": [call]})
+        if isinstance(event, Done):
+            out = self._chunk({}, self.acc.finish_reason)
+            if self.include_usage:
+                out += sse.data_frame(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": _usage_dict(self.acc),
+                    }
+                )
+            return out + sse.DONE
+        if isinstance(event, Error):
+            return sse.data_frame(error_body(event)) + sse.DONE
+        return b""  # Usage is folded into the accumulator; Meta is for headers
+
+
+def completion_body(request: ChatRequest, acc: Accumulator) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": acc.text if acc.text or not acc.tool_calls else None,
+    }
+    if acc.reasoning:
+        message["reasoning_content"] = acc.reasoning
+    if acc.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in acc.tool_calls.values()
+        ]
+    return {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": acc.finish_reason or "stop",
+            }
+        ],
+        "usage": _usage_dict(acc),
+    }
+
+
+__all__ = ["API", "ChatStreamEncoder", "Usage", "completion_body", "error_body", "parse"]

@@ -1,0 +1,134 @@
+"""Pieces every API shares: ids, tool-name clamping, the answer accumulator, message placement."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.request import Message
+
+MAX_TOOL_NAME = 200
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def clamp_tool_name(name: str | None) -> str:
+    """Models emit empty or runaway names; clients reject both, so clamp once where read."""
+    if not name:
+        return "unknown"
+    return name[:MAX_TOOL_NAME]
+
+
+@dataclass
+class ToolCallState:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class Accumulator:
+    """The whole answer so far: what non-streaming bodies and final events are built from."""
+
+    text: str = ""
+    reasoning: str = ""
+    reasoning_deltas: int = 0
+    tool_calls: dict[int, ToolCallState] = field(default_factory=dict)
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    error: Error | None = None
+
+    def add(self, event: Event) -> ToolCallState | None:
+        """Fold one event in; returns the tool call when ``event`` opened a new one."""
+        if isinstance(event, TextDelta):
+            self.text += event.text
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning += event.text
+            self.reasoning_deltas += 1
+        elif isinstance(event, ToolCallDelta):
+            call = self.tool_calls.get(event.index)
+            if call is None:
+                call = ToolCallState(
+                    id=event.id or new_id("call_"), name=clamp_tool_name(event.name)
+                )
+                call.arguments = event.arguments
+                self.tool_calls[event.index] = call
+                return call
+            call.arguments += event.arguments
+        elif isinstance(event, Usage):
+            self.usage = event
+        elif isinstance(event, Done):
+            self.finish_reason = event.finish_reason
+            # A tool call is a tool call even when the model (or parser) said "stop".
+            if self.tool_calls and event.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+        elif isinstance(event, Error):
+            self.error = event
+        return None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens if self.usage else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage else 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.usage.cached_tokens if self.usage else 0
+
+
+def place_system_messages(messages: list[Message]) -> list[Message]:
+    """Keep leading system messages; fold a later one into the nearest tool result or user turn.
+
+    Agent harnesses inject system reminders mid-conversation. Hoisting them into the leading
+    system prompt would rewrite the prefix every turn (killing the prompt cache) and move the
+    reminder away from the moment it refers to; chat templates often reject a system turn
+    elsewhere. So it is appended to the closest preceding user/tool message, else the next one.
+    """
+    out: list[Message] = []
+    leading = True
+    orphans: list[str] = []
+    for message in messages:
+        if message.role == "system":
+            if leading:
+                out.append(message)
+                continue
+            target = next((m for m in reversed(out) if m.role in ("user", "tool")), None)
+            if target is None:
+                orphans.append(message.content)
+            else:
+                index = _last_index(out, target)
+                out[index] = target.model_copy(
+                    update={"content": _join(target.content, message.content)}
+                )
+            continue
+        leading = False
+        if orphans and message.role in ("user", "tool"):
+            message = message.model_copy(
+                update={"content": _join("\n\n".join(orphans), message.content)}
+            )
+            orphans = []
+        out.append(message)
+    if orphans:
+        out.append(Message(role="user", content="\n\n".join(orphans)))
+    return out
+
+
+def _last_index(items: list[Message], target: Message) -> int:
+    for index in range(len(items) - 1, -1, -1):
+        if items[index] is target:
+            return index
+    raise ValueError("target not in list")
+
+
+def _join(first: str, second: str) -> str:
+    if not first:
+        return second
+    if not second:
+        return first
+    return f"{first}\n\n{second}"

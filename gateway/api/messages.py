@@ -1,0 +1,411 @@
+"""Anthropic Messages: content blocks → ChatRequest; events → named SSE events / a message.
+
+Blocks are opened and closed in order (thinking, text, tool_use); ``message_delta`` carries the
+stop reason and usage; ``message_stop`` ends the stream; ``event: error`` ends a failed one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import sse
+from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
+from gateway.api.errors import RequestInvalid, anthropic_error_body
+from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from worker.thinking import normalize_thinking
+
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "content_filter": "refusal",
+}
+
+
+class _MessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant", "system"]
+    content: str | list[dict[str, Any]]
+
+
+class _ToolIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
+
+
+class MessagesBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[_MessageIn]
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[_ToolIn] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    thinking: dict[str, Any] | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[_MessageIn]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[_ToolIn] | None = None
+
+
+def _blocks_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, block in enumerate(content or []):
+        if block.get("type") != "text":
+            raise RequestInvalid(
+                f"{where}.{j}.type: {block.get('type')!r} is not supported here (text only)",
+                f"{where}.{j}",
+            )
+        out.append(str(block.get("text", "")))
+    return "".join(out)
+
+
+def _convert_message(m: _MessageIn, where: str) -> list[Message]:
+    """One Anthropic message → our turns (a user turn with tool_result blocks → tool turns)."""
+    if isinstance(m.content, str):
+        return [Message(role=m.role, content=m.content)]
+    if m.role == "system":
+        return [Message(role="system", content=_blocks_text(m.content, f"{where}.content"))]
+    out: list[Message] = []
+    if m.role == "assistant":
+        turn = Message(role="assistant", content="")
+        for j, block in enumerate(m.content):
+            kind = block.get("type")
+            if kind == "text":
+                turn.content += str(block.get("text", ""))
+            elif kind == "thinking":
+                turn.reasoning = (turn.reasoning or "") + str(block.get("thinking", ""))
+            elif kind == "redacted_thinking":
+                continue
+            elif kind == "tool_use":
+                args = block.get("input", {})
+                turn.tool_calls.append(
+                    ToolCall(
+                        id=str(block.get("id") or new_id("toolu_")),
+                        name=str(block.get("name", "")),
+                        arguments=orjson.dumps(args).decode(),
+                    )
+                )
+            else:
+                raise RequestInvalid(
+                    f"{where}.content.{j}.type: {kind!r} is not supported in an assistant turn",
+                    f"{where}.content.{j}",
+                )
+        return [turn]
+    text: list[str] = []
+    for j, block in enumerate(m.content):
+        kind = block.get("type")
+        if kind == "text":
+            text.append(str(block.get("text", "")))
+        elif kind == "tool_result":
+            if text:
+                out.append(Message(role="user", content="".join(text)))
+                text = []
+            body = block.get("content", "")
+            result = (
+                body
+                if isinstance(body, str)
+                else _blocks_text(body, f"{where}.content.{j}.content")
+            )
+            if block.get("is_error"):
+                result = f"Error: {result}"
+            out.append(
+                Message(role="tool", content=result, tool_call_id=str(block.get("tool_use_id", "")))
+            )
+        else:
+            raise RequestInvalid(
+                f"{where}.content.{j}.type: {kind!r} is not supported (text, tool_result)",
+                f"{where}.content.{j}",
+            )
+    if text or not out:
+        out.append(Message(role="user", content="".join(text)))
+    return out
+
+
+def _messages(body: MessagesBody | CountTokensBody) -> list[Message]:
+    messages: list[Message] = []
+    if body.system:
+        messages.append(Message(role="system", content=_blocks_text(body.system, "system")))
+    for i, m in enumerate(body.messages):
+        messages += _convert_message(m, f"messages.{i}")
+    return place_system_messages(messages)
+
+
+def _tools(body: MessagesBody | CountTokensBody) -> list[ToolSpec]:
+    return [
+        ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
+        for t in body.tools or []
+    ]
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return {"auto": "auto", "any": "required", "none": "none"}.get(str(kind), "auto")
+
+
+def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
+    try:
+        body = MessagesBody.model_validate(raw)
+    except ValidationError as exc:
+        raise RequestInvalid.from_validation(exc) from exc
+    metadata = dict(body.metadata or {})
+    request = ChatRequest(
+        model=body.model,
+        messages=_messages(body),
+        tools=_tools(body),
+        tool_choice=_tool_choice(body.tool_choice),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        max_tokens=body.max_tokens,
+        stop=list(body.stop_sequences or []),
+        reasoning=normalize_thinking(raw),
+        stream=body.stream,
+        session_key=str(metadata["user_id"]) if metadata.get("user_id") else None,
+        metadata=metadata,
+    )
+    return request, body
+
+
+def error_body(error: Error) -> dict[str, Any]:
+    return anthropic_error_body(error)
+
+
+def _signature(thinking: str) -> str:
+    # Not a cryptographic attestation: a stable digest so clients that echo blocks back work.
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def _usage(acc: Accumulator) -> dict[str, Any]:
+    return {
+        "input_tokens": acc.prompt_tokens - acc.cached_tokens,
+        "output_tokens": acc.completion_tokens,
+        "cache_read_input_tokens": acc.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _stop_reason(acc: Accumulator) -> str:
+    return _STOP_REASONS.get(acc.finish_reason or "stop", "end_turn")
+
+
+class MessagesStreamEncoder:
+    def __init__(self, request: ChatRequest, body: MessagesBody) -> None:
+        self.id = new_id("msg_")
+        self.model = request.model
+        self.acc = Accumulator()
+        self.index = -1
+        self.kind = ""  # kind of the open block, "" when none
+        self.tool_index: int | None = None
+        self.thinking = ""
+
+    def keepalive(self) -> bytes:
+        return sse.named_frame("ping", {"type": "ping"})
+
+    def start(self) -> bytes:
+        message = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        return sse.named_frame("message_start", {"type": "message_start", "message": message})
+
+    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self.index += 1
+        self.kind = kind
+        return out + sse.named_frame(
+            "content_block_start",
+            {"type": "content_block_start", "index": self.index, "content_block": block},
+        )
+
+    def _close(self) -> bytes:
+        if not self.kind:
+            return b""
+        out = b""
+        if self.kind == "thinking":
+            delta = {"type": "signature_delta", "signature": _signature(self.thinking)}
+            out += self._delta(delta)
+            self.thinking = ""
+        self.kind = ""
+        return out + sse.named_frame(
+            "content_block_stop", {"type": "content_block_stop", "index": self.index}
+        )
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse.named_frame(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self.index, "delta": delta},
+        )
+
+    def encode(self, event: Event) -> bytes:
+        opened = self.acc.add(event)
+        if isinstance(event, TextDelta):
+            out = b"" if self.kind == "text" else self._open("text", {"type": "text", "text": ""})
+            return out + self._delta({"type": "text_delta", "text": event.text})
+        if isinstance(event, ReasoningDelta):
+            out = (
+                b""
+                if self.kind == "thinking"
+                else self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            )
+            self.thinking += event.text
+            return out + self._delta({"type": "thinking_delta", "thinking": event.text})
+        if isinstance(event, ToolCallDelta):
+            out = b""
+            if opened is not None or self.kind != "tool_use" or self.tool_index != event.index:
+                call = opened or self.acc.tool_calls[event.index]
+                self.tool_index = event.index
+                block = {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": clamp_tool_name(call.name),
+                    "input": {},
+                }
+                out = self._open("tool_use", block)
+            if event.arguments:
+                out += self._delta({"type": "input_json_delta", "partial_json": event.arguments})
+            return out
+        if isinstance(event, Done):
+            out = self._close()
+            delta = {
+                "type": "message_delta",
+                "delta": {"stop_reason": _stop_reason(self.acc), "stop_sequence": None},
+                "usage": _usage(self.acc),
+            }
+            return (
+                out
+                + sse.named_frame("message_delta", delta)
+                + sse.named_frame("message_stop", {"type": "message_stop"})
+            )
+        if isinstance(event, Error):
+            return sse.named_frame("error", error_body(event))
+        return b""
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return {"_raw_arguments": arguments}  # keep the model's output rather than drop the call
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def message_body(request: ChatRequest, body: MessagesBody, acc: Accumulator) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if acc.reasoning:
+        content.append(
+            {"type": "thinking", "thinking": acc.reasoning, "signature": _signature(acc.reasoning)}
+        )
+    if acc.text:
+        content.append({"type": "text", "text": acc.text})
+    for call in acc.tool_calls.values():
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.id,
+                "name": call.name,
+                "input": _tool_input(call.arguments),
+            }
+        )
+    return {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "content": content,
+        "model": request.model,
+        "stop_reason": _stop_reason(acc),
+        "stop_sequence": None,
+        "usage": _usage(acc),
+    }
+
+
+async def count_tokens(request: Request) -> Response:
+    """Exact count from the serving upstream's tokenizer when it offers one, else an estimate.
+
+    The ``x-token-count`` header says which: ``exact`` or ``estimate``.
+    """
+    from gateway.exchange import error_response, json_response
+    from gateway.router import RouteError
+
+    state = request.app.state.gateway
+    try:
+        raw = orjson.loads(await request.body())
+        body = CountTokensBody.model_validate(raw)
+        chat_request = ChatRequest(
+            model=body.model,
+            messages=_messages(body),
+            tools=_tools(body),
+            max_tokens=1,
+            stream=False,
+        )
+    except orjson.JSONDecodeError as exc:
+        return error_response(
+            error_body, Error(kind="invalid_request", message=f"malformed JSON: {exc}")
+        )
+    except ValidationError as exc:
+        return error_response(error_body, RequestInvalid.from_validation(exc).to_error())
+    except RequestInvalid as exc:
+        return error_response(error_body, exc.to_error())
+    try:
+        routes = state.router.resolve(chat_request)
+    except RouteError as exc:
+        return error_response(error_body, exc.error)
+    for route in routes:
+        counter = getattr(route.upstream, "count_tokens", None)
+        if counter is None:
+            continue
+        count = await counter(chat_request)
+        if count is not None:
+            return json_response({"input_tokens": count}, headers={"x-token-count": "exact"})
+    return json_response(
+        {"input_tokens": estimate_tokens(chat_request)}, headers={"x-token-count": "estimate"}
+    )
+
+
+def estimate_tokens(request: ChatRequest) -> int:
+    """About four characters a token, plus a few per turn for the chat template's markers."""
+    chars = sum(
+        len(m.content)
+        + len(m.reasoning or "")
+        + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
+        for m in request.messages
+    )
+    chars += sum(len(orjson.dumps(t.model_dump())) for t in request.tools)
+    return max(1, chars // 4 + 4 * len(request.messages))

@@ -1,0 +1,454 @@
+"""OpenAI Responses: ``input`` items → ChatRequest; events → typed stream events / a response.
+
+Output is a list of items opened and closed in order (reasoning, message, function_call); every
+event carries a ``sequence_number``; one response id throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway import sse
+from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
+from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from worker.thinking import normalize_thinking
+
+_EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
+_TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+
+
+class ResponsesBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    previous_response_id: str | None = None
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestInvalid(f"{where}: expected a string or a list of content parts", where)
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise RequestInvalid(
+                f"{where}: content part type {kind!r} is not supported (text only)", where
+            )
+        out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
+def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
+    out: list[Message] = []
+    pending_reasoning: str | None = None
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise RequestInvalid(
+                    f"{where}.role: must be user, system, developer or assistant", f"{where}.role"
+                )
+            message = Message(
+                role="system" if role == "developer" else role,
+                content=_text(item.get("content"), f"{where}.content"),
+            )
+            if role == "assistant" and pending_reasoning is not None:
+                message.reasoning, pending_reasoning = pending_reasoning, None
+            out.append(message)
+        elif kind == "function_call":
+            try:
+                call = ToolCall(
+                    id=item["call_id"], name=item["name"], arguments=item.get("arguments") or "{}"
+                )
+            except KeyError as exc:
+                raise RequestInvalid(
+                    f"{where}: function_call needs {exc.args[0]!r}", where
+                ) from exc
+            last = out[-1] if out else None
+            if last is None or last.role != "assistant":
+                last = Message(role="assistant", content="")
+                out.append(last)
+            if pending_reasoning is not None:
+                last.reasoning, pending_reasoning = pending_reasoning, None
+            last.tool_calls.append(call)
+        elif kind == "function_call_output":
+            if "call_id" not in item:
+                raise RequestInvalid(f"{where}: function_call_output needs 'call_id'", where)
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _text(output, f"{where}.output")
+            out.append(Message(role="tool", content=text, tool_call_id=item["call_id"]))
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            pending_reasoning = _text(parts, f"{where}.content")
+        else:
+            raise RequestInvalid(
+                f"{where}.type: item type {kind!r} is not supported", f"{where}.type"
+            )
+    return out
+
+
+def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
+    try:
+        body = ResponsesBody.model_validate(raw)
+    except ValidationError as exc:
+        raise RequestInvalid.from_validation(exc) from exc
+    if body.previous_response_id:
+        raise RequestInvalid(
+            "previous_response_id is not supported: send the whole conversation in input",
+            "previous_response_id",
+        )
+    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
+    if isinstance(body.input, str):
+        messages.append(Message(role="user", content=body.input))
+    else:
+        messages += _input_messages(body.input)
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function" or not tool.get("name"):
+            raise RequestInvalid(
+                f"tools.{i}: only function tools with a name are supported", f"tools.{i}"
+            )
+        tools.append(
+            ToolSpec(
+                name=tool["name"],
+                description=tool.get("description") or "",
+                parameters=tool.get("parameters") or {"type": "object", "properties": {}},
+            )
+        )
+    tool_choice = body.tool_choice
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+    effort = (body.reasoning or {}).get("effort")
+    request = ChatRequest(
+        model=body.model,
+        messages=place_system_messages(messages),
+        tools=tools,
+        tool_choice=tool_choice,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        max_tokens=body.max_output_tokens,
+        reasoning=normalize_thinking(raw),
+        reasoning_effort=effort if isinstance(effort, str) else None,
+        stream=body.stream,
+        session_key=body.prompt_cache_key or body.user,
+        metadata=dict(body.metadata or {}),
+    )
+    return request, body
+
+
+def error_body(error: Error) -> dict[str, Any]:
+    return openai_error_body(error)
+
+
+def _usage(acc: Accumulator) -> dict[str, Any]:
+    return {
+        "input_tokens": acc.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": acc.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": acc.completion_tokens,
+        "output_tokens_details": {
+            "reasoning_tokens": min(acc.reasoning_deltas, acc.completion_tokens)
+        },
+        "total_tokens": acc.prompt_tokens + acc.completion_tokens,
+    }
+
+
+class _Shell:
+    """The response object's fixed fields, echoed from the request."""
+
+    def __init__(self, request: ChatRequest, body: ResponsesBody) -> None:
+        self.id = new_id("resp_")
+        self.created_at = int(time.time())
+        choice = body.tool_choice
+        if not (
+            choice in ("none", "auto", "required")
+            or (isinstance(choice, dict) and choice.get("type") == "function")
+        ):
+            choice = "auto"
+        effort = (body.reasoning or {}).get("effort")
+        self.fields: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": request.model,
+            "instructions": body.instructions,
+            "metadata": body.metadata or {},
+            "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": True,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "tool_choice": choice,
+            "tools": [
+                {
+                    "type": "function",
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                    "strict": None,
+                }
+                for t in request.tools
+            ],
+            "reasoning": {"effort": effort if effort in _EFFORTS else None, "summary": None},
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+        }
+
+    def response(
+        self, status: str, output: list[dict[str, Any]], acc: Accumulator | None = None
+    ) -> dict[str, Any]:
+        out = dict(
+            self.fields,
+            status=status,
+            output=output,
+            error=None,
+            incomplete_details=None,
+            usage=None,
+        )
+        if acc is not None:
+            out["usage"] = _usage(acc)
+            if status == "incomplete":
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+            if acc.error is not None:
+                code = "rate_limit_exceeded" if acc.error.kind == "overloaded" else "server_error"
+                out["error"] = {"code": code, "message": acc.error.message}
+            if status != "in_progress":
+                out["completed_at"] = int(time.time())
+        return out
+
+
+class ResponsesStreamEncoder:
+    """Events → Responses stream events, one open output item at a time."""
+
+    def __init__(self, request: ChatRequest, body: ResponsesBody) -> None:
+        self.shell = _Shell(request, body)
+        self.acc = Accumulator()
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.item: dict[str, Any] | None = None  # the open item
+        self.item_kind = ""
+        self.item_index = -1
+        self.tool_index: int | None = None
+
+    def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **payload}
+        self.seq += 1
+        return sse.named_frame(kind, payload)
+
+    def keepalive(self) -> bytes:
+        return sse.KEEPALIVE
+
+    def start(self) -> bytes:
+        empty = self.shell.response("in_progress", [])
+        return self._event("response.created", {"response": empty}) + self._event(
+            "response.in_progress", {"response": empty}
+        )
+
+    def _open(self, kind: str, item: dict[str, Any]) -> bytes:
+        out = self._close()
+        self.item, self.item_kind = item, kind
+        self.item_index = len(self.output)
+        out += self._event(
+            "response.output_item.added", {"output_index": self.item_index, "item": item}
+        )
+        where = {"item_id": item["id"], "output_index": self.item_index, "content_index": 0}
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self._event("response.content_part.added", {**where, "part": part})
+        elif kind == "reasoning":
+            out += self._event(
+                "response.content_part.added",
+                {**where, "part": {"type": "reasoning_text", "text": ""}},
+            )
+        return out
+
+    def _close(self, status: str = "completed") -> bytes:
+        item = self.item
+        if item is None:
+            return b""
+        self.item = None
+        index = self.item_index
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        out = b""
+        done = dict(item, status=status)
+        if self.item_kind == "message":
+            text = item["_text"]
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out += self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
+            out += self._event("response.content_part.done", {**where, "part": part})
+            done["content"] = [part]
+        elif self.item_kind == "reasoning":
+            text = item["_text"]
+            part = {"type": "reasoning_text", "text": text}
+            out += self._event("response.reasoning_text.done", {**where, "text": text})
+            out += self._event("response.content_part.done", {**where, "part": part})
+            done["content"] = [part]
+        else:
+            out += self._event(
+                "response.function_call_arguments.done",
+                {
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "arguments": item["arguments"],
+                    "name": item["name"],
+                },
+            )
+        done.pop("_text", None)
+        out += self._event("response.output_item.done", {"output_index": index, "item": done})
+        self.output.append(done)
+        return out
+
+    def encode(self, event: Event) -> bytes:
+        opened = self.acc.add(event)
+        if isinstance(event, TextDelta):
+            out = b""
+            if self.item_kind != "message" or self.item is None:
+                out = self._open(
+                    "message",
+                    {
+                        "id": new_id("msg_"),
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "in_progress",
+                        "content": [],
+                        "_text": "",
+                    },
+                )
+            self.item["_text"] += event.text  # type: ignore[index]
+            where = {
+                "item_id": self.item["id"],
+                "output_index": self.item_index,
+                "content_index": 0,
+            }  # type: ignore[index]
+            return out + self._event(
+                "response.output_text.delta", {**where, "delta": event.text, "logprobs": []}
+            )
+        if isinstance(event, ReasoningDelta):
+            out = b""
+            if self.item_kind != "reasoning" or self.item is None:
+                out = self._open(
+                    "reasoning",
+                    {
+                        "id": new_id("rs_"),
+                        "type": "reasoning",
+                        "summary": [],
+                        "status": "in_progress",
+                        "content": [],
+                        "_text": "",
+                    },
+                )
+            self.item["_text"] += event.text  # type: ignore[index]
+            where = {
+                "item_id": self.item["id"],
+                "output_index": self.item_index,
+                "content_index": 0,
+            }  # type: ignore[index]
+            return out + self._event(
+                "response.reasoning_text.delta", {**where, "delta": event.text}
+            )
+        if isinstance(event, ToolCallDelta):
+            out = b""
+            if (
+                opened is not None
+                or self.item_kind != "function_call"
+                or self.item is None
+                or self.tool_index != event.index
+            ):
+                call = opened or self.acc.tool_calls[event.index]
+                self.tool_index = event.index
+                out = self._open(
+                    "function_call",
+                    {
+                        "id": new_id("fc_"),
+                        "type": "function_call",
+                        "status": "in_progress",
+                        "call_id": call.id,
+                        "name": clamp_tool_name(call.name),
+                        "arguments": "",
+                    },
+                )
+            if not event.arguments:
+                return out
+            self.item["arguments"] += event.arguments  # type: ignore[index]
+            payload = {
+                "item_id": self.item["id"],
+                "output_index": self.item_index,
+                "delta": event.arguments,
+            }  # type: ignore[index]
+            return out + self._event("response.function_call_arguments.delta", payload)
+        if isinstance(event, Done):
+            incomplete = self.acc.finish_reason == "length"
+            out = self._close("incomplete" if incomplete else "completed")
+            status = "incomplete" if incomplete else "completed"
+            final = self.shell.response(status, self.output, self.acc)
+            return out + self._event(f"response.{status}", {"response": final})
+        if isinstance(event, Error):
+            out = self._close("incomplete")
+            code = "rate_limit_exceeded" if event.kind == "overloaded" else "server_error"
+            out += self._event("error", {"code": code, "message": event.message, "param": None})
+            return out + self._event(
+                "response.failed",
+                {"response": self.shell.response("failed", self.output, self.acc)},
+            )
+        return b""
+
+
+def response_body(request: ChatRequest, body: ResponsesBody, acc: Accumulator) -> dict[str, Any]:
+    """The whole response object for a non-streaming call."""
+    output: list[dict[str, Any]] = []
+    incomplete = acc.finish_reason == "length"
+    status = "incomplete" if incomplete else "completed"
+    if acc.reasoning:
+        output.append(
+            {
+                "id": new_id("rs_"),
+                "type": "reasoning",
+                "summary": [],
+                "status": status,
+                "content": [{"type": "reasoning_text", "text": acc.reasoning}],
+            }
+        )
+    if acc.text or not acc.tool_calls:
+        part = {"type": "output_text", "text": acc.text, "annotations": [], "logprobs": []}
+        output.append(
+            {
+                "id": new_id("msg_"),
+                "type": "message",
+                "role": "assistant",
+                "status": status,
+                "content": [part],
+            }
+        )
+    for call in acc.tool_calls.values():
+        output.append(
+            {
+                "id": new_id("fc_"),
+                "type": "function_call",
+                "status": status,
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+            }
+        )
+    return _Shell(request, body).response(status, output, acc)

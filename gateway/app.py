@@ -1,0 +1,112 @@
+"""``create_app``: the gateway's Starlette app over a model directory (and optionally MoA)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gateway import models_api
+from gateway.api import chat, messages, responses
+from gateway.config import GatewayConfig
+from gateway.exchange import ApiSpec, handle
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import GatewayGuard
+from gateway.router import Router
+from gateway.upstream import ModelDirectory
+
+
+@dataclass
+class GatewayState:
+    """Everything the endpoints share; lives on ``app.state.gateway``."""
+
+    config: GatewayConfig
+    router: Router
+    metrics: GatewayMetrics
+    status_provider: Callable[[], dict[str, Any]] | None = None
+    in_flight: int = 0  # responses running an upstream
+    in_flight_guarded: int = 0  # admitted by the in-flight limit (includes parsing/routing)
+    started: float = field(default_factory=time.monotonic)
+    started_unix: int = field(default_factory=lambda: int(time.time()))
+
+
+CHAT = ApiSpec(
+    "chat",
+    chat.parse,
+    chat.ChatStreamEncoder,
+    lambda r, b, acc: chat.completion_body(r, acc),
+    chat.error_body,
+)
+RESPONSES = ApiSpec(
+    "responses",
+    responses.parse,
+    responses.ResponsesStreamEncoder,
+    responses.response_body,
+    responses.error_body,
+)
+MESSAGES = ApiSpec(
+    "messages",
+    messages.parse,
+    messages.MessagesStreamEncoder,
+    messages.message_body,
+    messages.error_body,
+)
+
+
+async def _chat(request: Request) -> Response:
+    return await handle(request, CHAT)
+
+
+async def _responses(request: Request) -> Response:
+    return await handle(request, RESPONSES)
+
+
+async def _messages(request: Request) -> Response:
+    return await handle(request, MESSAGES)
+
+
+def create_app(
+    directory: ModelDirectory,
+    config: GatewayConfig | None = None,
+    *,
+    moa: Any = None,
+    extra_routes: Sequence[BaseRoute] = (),
+    status_provider: Callable[[], dict[str, Any]] | None = None,
+) -> Starlette:
+    """The gateway app. ``moa`` (an object with ``.stream(request)``) serves ``model="mesh"``;
+    ``extra_routes`` lets ``mesh`` add endpoints; ``status_provider`` adds fields to /health."""
+    config = config or GatewayConfig()
+    state = GatewayState(
+        config=config,
+        router=Router(directory, moa=moa, retry_backoff_s=config.retry_backoff_ms / 1000),
+        metrics=GatewayMetrics(config.request_log),
+        status_provider=status_provider,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+
+    routes: list[BaseRoute] = [
+        Route("/v1/chat/completions", _chat, methods=["POST"]),
+        Route("/v1/responses", _responses, methods=["POST"]),
+        Route("/v1/messages", _messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/v1/models", models_api.list_models, methods=["GET"]),
+        Route("/health", models_api.health, methods=["GET"]),
+        Route("/metrics", models_api.metrics, methods=["GET"]),
+        *extra_routes,
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=[Middleware(GatewayGuard, state=state)]
+    )
+    app.state.gateway = state
+    return app

@@ -1,0 +1,230 @@
+"""One request's lifetime, shared by every API: parse → route → stream or collect → record.
+
+Streaming: the HTTP response headers are held until the first upstream event or
+``header_wait_s``, whichever comes first, so route/MoA ``Meta`` headers usually make it in and a
+failure before any content still gets a proper HTTP status. Then frames are written as events
+arrive, with keep-alives while idle. A client disconnect cancels the upstream; the producer is
+always closed before the response returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway import sse
+from gateway.api.common import Accumulator
+from gateway.api.errors import RequestInvalid
+from gateway.events import Done, Error, Event, Meta, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.metrics import RequestRecord
+from gateway.request import ChatRequest
+from gateway.router import RouteError
+from gateway.stream import ProducerStream
+
+log = logging.getLogger(__name__)
+
+_DELTAS = (TextDelta, ReasoningDelta, ToolCallDelta)
+
+
+class Encoder(Protocol):
+    def start(self) -> bytes: ...
+    def encode(self, event: Event) -> bytes: ...
+    def keepalive(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class ApiSpec:
+    """How one client API plugs into the shared request lifetime."""
+
+    name: str
+    parse: Callable[[dict[str, Any]], tuple[ChatRequest, Any]]
+    make_encoder: Callable[[ChatRequest, Any], Encoder]
+    make_body: Callable[[ChatRequest, Any, Accumulator], dict[str, Any]]
+    error_body: Callable[[Error], dict[str, Any]]
+
+
+def json_response(
+    payload: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        orjson.dumps(payload), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def error_response(
+    spec_error_body: Callable[[Error], dict[str, Any]],
+    error: Error,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    extra = dict(headers or {})
+    if error.kind in ("overloaded", "unavailable"):
+        extra.setdefault("retry-after", "1")
+    return json_response(spec_error_body(error), status=error.status, headers=extra)
+
+
+async def handle(request: Request, spec: ApiSpec) -> Response:
+    """The endpoint body for every generating API."""
+    state = request.app.state.gateway
+    try:
+        raw = orjson.loads(await request.body())
+        if not isinstance(raw, dict):
+            raise RequestInvalid("the request body must be a JSON object")
+        chat_request, body = spec.parse(raw)
+    except orjson.JSONDecodeError as exc:
+        return error_response(
+            spec.error_body, Error(kind="invalid_request", message=f"malformed JSON: {exc}")
+        )
+    except RequestInvalid as exc:
+        return error_response(spec.error_body, exc.to_error())
+    record = RequestRecord(api=spec.name, model=chat_request.model, stream=chat_request.stream)
+    try:
+        routes = state.router.resolve(chat_request)
+    except RouteError as exc:
+        record.outcome, record.status = exc.error.kind, exc.error.status
+        state.metrics.observe(record)
+        return error_response(spec.error_body, exc.error)
+    return EventResponse(state, spec, chat_request, body, routes, record)
+
+
+class EventResponse:
+    """A pure ASGI response that runs the upstream and writes its events in the API's format."""
+
+    def __init__(
+        self,
+        state: Any,
+        spec: ApiSpec,
+        request: ChatRequest,
+        body: Any,
+        routes: list,
+        record: RequestRecord,
+    ):
+        self.state = state
+        self.spec = spec
+        self.request = request
+        self.body = body
+        self.routes = routes
+        self.record = record
+        self.acc = Accumulator()
+        self.route_headers: dict[str, str] = {}
+        self._t0 = time.perf_counter()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        producer = ProducerStream(state.router.stream(self.request, self.routes))
+        write = self._stream if self.request.stream else self._collect
+        writer = asyncio.create_task(write(producer, send), name="gateway-writer")
+        listener = asyncio.create_task(_wait_for_disconnect(receive), name="gateway-disconnect")
+        state.in_flight += 1
+        state.metrics.in_flight.inc()
+        try:
+            await asyncio.wait([writer, listener], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, listener):
+                task.cancel()
+            await asyncio.wait([writer, listener])
+            await producer.aclose()
+            state.in_flight -= 1
+            state.metrics.in_flight.dec()
+            self._finish_record(writer)
+        if not writer.cancelled() and (exc := writer.exception()) is not None:
+            raise exc
+
+    def _finish_record(self, writer: asyncio.Task) -> None:
+        record = self.record
+        record.duration_s = time.perf_counter() - self._t0
+        record.route = self.route_headers
+        if self.acc.usage is not None:
+            record.prompt_tokens = self.acc.prompt_tokens
+            record.completion_tokens = self.acc.completion_tokens
+            record.cached_tokens = self.acc.cached_tokens
+        if self.acc.error is not None:
+            record.outcome = self.acc.error.kind
+        elif self.acc.finish_reason is None:
+            record.outcome = "cancelled"  # the client went away before the end
+        self.state.metrics.observe(record)
+
+    def _fold(self, event: Event) -> None:
+        if self.record.ttft_s is None and isinstance(event, _DELTAS):
+            self.record.ttft_s = time.perf_counter() - self._t0
+        if isinstance(event, Meta):
+            self.route_headers.update(event.headers)
+        else:
+            self.acc.add(event)
+
+    async def _collect(self, producer: ProducerStream, send: Send) -> None:
+        for event in await producer.collect():
+            self._fold(event)
+        error = self.acc.error
+        if error is not None:
+            self.record.status = error.status
+            response = error_response(self.spec.error_body, error, self.route_headers)
+        else:
+            response = json_response(
+                self.spec.make_body(self.request, self.body, self.acc), headers=self.route_headers
+            )
+        await response({"type": "http"}, _never_receive, send)
+
+    async def _stream(self, producer: ProducerStream, send: Send) -> None:
+        config = self.state.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.header_wait_s
+        first: Event | None = None
+        while (remaining := deadline - loop.time()) > 0:
+            event = await producer.get(remaining)
+            if event is None:
+                break
+            self._fold(event)
+            if not isinstance(event, Meta):
+                first = event
+                break
+        if isinstance(first, Error):  # nothing sent yet: answer with a real status
+            self.record.status = first.status
+            response = error_response(self.spec.error_body, first, self.route_headers)
+            await response({"type": "http"}, _never_receive, send)
+            return
+        headers = [
+            (k.encode(), v.encode()) for k, v in (sse.SSE_HEADERS | self.route_headers).items()
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        encoder = self.spec.make_encoder(self.request, self.body)
+        chunk = encoder.start()
+        if first is not None:
+            chunk += encoder.encode(first)
+        if chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        terminal = isinstance(first, Done | Error)
+        keepalive_s = config.keepalive_s
+        while not terminal:
+            event = await producer.get(keepalive_s)
+            if event is None:
+                await send(
+                    {"type": "http.response.body", "body": encoder.keepalive(), "more_body": True}
+                )
+                continue
+            self._fold(event)
+            frames = encoder.encode(event)
+            terminal = isinstance(event, Done | Error)
+            if frames:
+                await send({"type": "http.response.body", "body": frames, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _never_receive() -> dict:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")

@@ -1,0 +1,85 @@
+"""Prometheus metrics (one registry per app, so several gateways can live in one process) and
+the JSONL request log: one row per finished request, written after the response."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+@dataclass
+class RequestRecord:
+    """What one request did: the metrics update and the request-log row."""
+
+    api: str
+    model: str
+    stream: bool
+    started: float = field(default_factory=time.time)
+    outcome: str = "ok"  # ok | error kind | cancelled
+    status: int = 200
+    ttft_s: float | None = None
+    duration_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    route: dict[str, str] = field(default_factory=dict)
+
+
+class GatewayMetrics:
+    def __init__(self, log_path: Path | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests by API, model and outcome",
+            ["api", "model", "outcome"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "gateway_ttft_seconds",
+            "Time to first content delta",
+            ["api"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Request duration",
+            ["api"],
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "gateway_tokens", "Tokens by direction", ["direction"], registry=self.registry
+        )
+        self.in_flight = Gauge("gateway_in_flight", "Requests being served", registry=self.registry)
+        self._log_path = log_path
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def observe(self, record: RequestRecord) -> None:
+        self.requests.labels(record.api, record.model, record.outcome).inc()
+        if record.ttft_s is not None:
+            self.ttft.labels(record.api).observe(record.ttft_s)
+        self.duration.labels(record.api).observe(record.duration_s)
+        self.tokens.labels("in").inc(record.prompt_tokens)
+        self.tokens.labels("out").inc(record.completion_tokens)
+        self.tokens.labels("cached").inc(record.cached_tokens)
+        if self._log_path is not None:
+            try:
+                with self._log_path.open("ab") as fh:
+                    fh.write(orjson.dumps(asdict(record)) + b"\n")
+            except OSError as exc:  # a full disk must not fail requests; say so once per row
+                log.warning("request log write failed: %s", exc)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

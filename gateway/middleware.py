@@ -1,0 +1,129 @@
+"""Pure ASGI middleware: API key, body size limit and in-flight limit, answered in the error shape
+of the API the client called (Anthropic for /v1/messages, OpenAI otherwise)."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.api.errors import anthropic_error_body, openai_error_body
+from gateway.events import Error
+
+_OPEN_PATHS = frozenset({"/health"})
+_GENERATING = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+
+
+async def _send_error(
+    scope: Scope, send: Send, error: Error, headers: dict[str, str] | None = None
+) -> None:
+    shape = anthropic_error_body if scope["path"].startswith("/v1/messages") else openai_error_body
+    body = orjson.dumps(shape(error))
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GatewayGuard:
+    """Checks the key, buffers the body up to the limit, and counts requests in flight."""
+
+    def __init__(self, app: ASGIApp, *, state: Any) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        config = self.state.config
+        if (
+            config.api_key
+            and scope["path"] not in _OPEN_PATHS
+            and not _key_ok(scope, config.api_key)
+        ):
+            await _send_error(
+                scope, send, Error(kind="authentication", message="invalid or missing API key")
+            )
+            return
+        if scope["method"] in ("POST", "PUT"):
+            body = await _read_body(scope, receive, config.max_body_bytes)
+            if body is None:
+                limit = config.max_body_bytes
+                await _send_error(
+                    scope,
+                    send,
+                    Error(kind="too_large", message=f"request body exceeds {limit} bytes"),
+                )
+                return
+            receive = _replay(body, receive)
+        if scope["path"] in _GENERATING:
+            if self.state.in_flight_guarded >= config.max_in_flight:
+                await _send_error(
+                    scope,
+                    send,
+                    Error(
+                        kind="overloaded",
+                        message=f"too many requests in flight (limit {config.max_in_flight})",
+                    ),
+                    {"retry-after": "1"},
+                )
+                return
+            self.state.in_flight_guarded += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.state.in_flight_guarded -= 1
+            return
+        await self.app(scope, receive, send)
+
+
+def _key_ok(scope: Scope, expected: str) -> bool:
+    given = ""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            text = value.decode("latin-1")
+            if text[:7].lower() == "bearer ":
+                given = text[7:].strip()
+        elif name == b"x-api-key":
+            given = value.decode("latin-1").strip()
+    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None when it exceeds ``limit`` (by header or by counting)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,56 @@
+"""``GET /v1/models``, ``GET /health`` and ``GET /metrics``."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.exchange import json_response
+from gateway.router import MESH_MODEL
+
+
+async def list_models(request: Request) -> Response:
+    state = request.app.state.gateway
+    data = []
+    for info in state.router.directory.models():
+        entry = {
+            "id": info.id,
+            "object": "model",
+            "created": state.started_unix,
+            "owned_by": info.owned_by,
+        }
+        entry["architecture"] = info.architecture
+        if info.parameters is not None:
+            entry["parameters"] = info.parameters
+        if info.context_length is not None:
+            entry["context_length"] = info.context_length
+        data.append(entry)
+    if state.router.moa is not None and all(e["id"] != MESH_MODEL for e in data):
+        data.append(
+            {"id": MESH_MODEL, "object": "model", "created": state.started_unix, "owned_by": "mesh"}
+        )
+    return json_response({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    state = request.app.state.gateway
+    body = {
+        "status": "ok",
+        "version": state.config.version,
+        "models": state.router.model_ids(),
+        "queue_depth": state.in_flight_guarded - state.in_flight,
+        "in_flight": state.in_flight,
+        "uptime_s": round(time.monotonic() - state.started, 3),
+    }
+    if state.status_provider is not None:
+        body |= state.status_provider()
+    return json_response(body)
+
+
+async def metrics(request: Request) -> Response:
+    state = request.app.state.gateway
+    return Response(
+        state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )

@@ -1,0 +1,251 @@
+"""Test doubles shared by every test of the gateway, MoA and mesh (like httpx's MockTransport).
+
+- :class:`ScriptedUpstream` plays a script of events with delays, can raise or stall at given
+  points, records the requests it received and whether it was cancelled.
+- :func:`asgi_request` drives an ASGI app in-process and can disconnect at a chosen moment.
+- :class:`ServerThread` runs an app on uvicorn on 127.0.0.1, port 0, in a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.events import Done, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.request import ChatRequest
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Wait this long before the next script step."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Raise:
+    """Raise this exception from the upstream at this point."""
+
+    exc: BaseException
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Never continue (until cancelled): a hung peer or a very long prefill."""
+
+
+Step = Event | Sleep | Raise | Stall
+
+
+@dataclass
+class ScriptedUpstream:
+    """An :class:`~gateway.upstream.Upstream` that plays scripted steps.
+
+    ``scripts`` holds one script per call (the last one repeats), so a retry test can fail the
+    first call and succeed on the second. ``delay_s`` is slept before every event.
+    """
+
+    scripts: list[list[Step]]
+    name: str = "scripted"
+    delay_s: float = 0.0
+    requests: list[ChatRequest] = field(default_factory=list)
+    cancelled: int = 0
+    completed: int = 0
+    active: int = 0
+
+    @classmethod
+    def of(cls, *steps: Step, name: str = "scripted", delay_s: float = 0.0) -> ScriptedUpstream:
+        return cls(scripts=[list(steps)], name=name, delay_s=delay_s)
+
+    @property
+    def calls(self) -> int:
+        return len(self.requests)
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        script = self.scripts[min(len(self.requests), len(self.scripts) - 1)]
+        self.requests.append(request)
+        self.active += 1
+        try:
+            for step in script:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                elif isinstance(step, Raise):
+                    raise step.exc
+                elif isinstance(step, Stall):
+                    await asyncio.Event().wait()
+                else:
+                    yield step
+            self.completed += 1
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+
+def text_script(
+    text: str = "Hello, world!",
+    *,
+    chunk: int = 3,
+    reasoning: str = "",
+    tool_calls: Sequence[tuple[str, str]] = (),
+    finish: str | None = None,
+    usage: Usage | None = Usage(prompt_tokens=7, completion_tokens=5, cached_tokens=2),
+) -> list[Step]:
+    """A typical answer: reasoning deltas, text deltas, tool calls (name, JSON args), usage, done."""
+    steps: list[Step] = []
+    steps += [ReasoningDelta(reasoning[i : i + chunk]) for i in range(0, len(reasoning), chunk)]
+    steps += [TextDelta(text[i : i + chunk]) for i in range(0, len(text), chunk)]
+    for index, (name, args) in enumerate(tool_calls):
+        steps.append(ToolCallDelta(index=index, id=f"call_{index}", name=name, arguments=""))
+        steps += [
+            ToolCallDelta(index=index, arguments=args[i : i + chunk])
+            for i in range(0, len(args), chunk)
+        ]
+    if usage is not None:
+        steps.append(usage)
+    steps.append(Done(finish or ("tool_calls" if tool_calls else "stop")))  # type: ignore[arg-type]
+    return steps
+
+
+@dataclass
+class AsgiResult:
+    status: int
+    headers: dict[str, str]
+    chunks: list[bytes]
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+async def asgi_request(
+    app: Callable,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    headers: Iterable[tuple[str, str]] = (),
+    disconnect_after_chunks: int | None = None,
+    disconnect_after_s: float | None = None,
+) -> AsgiResult:
+    """Call ``app`` in-process; optionally disconnect after N body chunks or S seconds."""
+    raw = body if isinstance(body, bytes) else (b"" if body is None else orjson.dumps(body))
+    hdrs = [(k.lower().encode(), v.encode()) for k, v in headers]
+    hdrs.append((b"content-length", str(len(raw)).encode()))
+    if body is not None and not isinstance(body, bytes):
+        hdrs.append((b"content-type", b"application/json"))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": hdrs,
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    result = AsgiResult(status=0, headers={}, chunks=[])
+    disconnect = asyncio.Event()
+    request_sent = False
+
+    async def receive() -> dict:
+        nonlocal request_sent
+        if not request_sent:
+            request_sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            result.status = message["status"]
+            result.headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                result.chunks.append(message["body"])
+            if (
+                disconnect_after_chunks is not None
+                and len(result.chunks) >= disconnect_after_chunks
+            ):
+                disconnect.set()
+            if not message.get("more_body", False):
+                disconnect.set()
+
+    timer = None
+    if disconnect_after_s is not None:
+        timer = asyncio.get_running_loop().call_later(disconnect_after_s, disconnect.set)
+    try:
+        await app(scope, receive, send)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return result
+
+
+class ServerThread:
+    """Serve an ASGI app with uvicorn on 127.0.0.1:<free port> in a daemon thread.
+
+    Use as a context manager; ``url`` is the base URL. ``loop`` is the server's event loop (to
+    inspect its tasks from a test with ``asyncio.run_coroutine_threadsafe``).
+    """
+
+    def __init__(self, app: Callable, host: str = "127.0.0.1") -> None:
+        import uvicorn
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+        )
+        self.server = uvicorn.Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gateway-test-server")
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.serve(sockets=[self._sock]))
+        finally:
+            self.loop.close()
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        for _ in range(500):
+            if self.server.started:
+                return self
+            if not self._thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        raise RuntimeError("test server did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def run(self, coro: Any, timeout: float = 10) -> Any:
+        """Run a coroutine on the server's loop and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
