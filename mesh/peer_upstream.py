@@ -1,0 +1,205 @@
+"""PeerUpstream: an :class:`~gateway.upstream.Upstream` that runs a request on a peer.
+
+One tunnel stream per call::
+
+    → RequestHead{path=/mesh/v1/chat, headers{x-mesh-hop, x-mesh-from}, deadline, attempt}
+      Body(ChatRequest JSON) BodyEnd
+    ← ResponseHead{status} Data(event JSON)* End
+
+Failures are mapped so the gateway router can decide about retries (its commit point is the
+first delta): anything before the first delta – connect/auth failure, ``REJECTED``, the tunnel
+lost before the response, a 429/503 head – becomes a retryable ``Error``; after the first delta
+it is ``Error(kind="upstream")``, never retried. Cancelling the consumer resets the stream with
+``CANCELLED`` so the peer stops generating.
+
+The directory makes a fresh ``PeerUpstream`` per routed request, so the number of calls on one
+instance is the request's attempt number on that peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import orjson
+
+from gateway.events import (
+    Done,
+    Error,
+    Event,
+    EventDecodeError,
+    Meta,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    event_from_dict,
+)
+from gateway.request import ChatRequest
+from mesh.errors import MeshError
+from mesh.frames import (
+    Body,
+    BodyEnd,
+    Data,
+    End,
+    ErrorCode,
+    RequestHead,
+    ResponseHead,
+    error_name,
+)
+
+log = logging.getLogger(__name__)
+
+CHAT_PATH = "/mesh/v1/chat"
+HOP_HEADER = "x-mesh-hop"
+FROM_HEADER = "x-mesh-from"
+DEFAULT_DEADLINE_S = 600.0
+_DELTAS = (ReasoningDelta, TextDelta, ToolCallDelta)
+# The serving side's own route headers describe its local hop; keep them under other names so
+# they do not overwrite ours (x-route=peer, x-peer=<node id>).
+_REMOTE_RENAMES = {"x-route": "x-peer-route", "x-peer": "x-peer-upstream", "x-attempts": "x-peer-attempts"}  # fmt: skip
+
+
+class StreamOpener(Protocol):
+    async def open_stream(self): ...
+
+
+@dataclass
+class PeerUpstream:
+    """Runs requests on peer ``name`` (its node id) over the connection ``connect()`` returns.
+
+    ``on_begin``/``on_end`` let the peer table count requests in flight there (routing load).
+    """
+
+    name: str
+    connect: Callable[[], Awaitable[StreamOpener]]
+    self_id: str = ""
+    deadline_s: float = DEFAULT_DEADLINE_S
+    on_begin: Callable[[str], None] | None = None
+    on_end: Callable[[str], None] | None = None
+    calls: int = field(default=0, init=False)
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        attempt = self.calls
+        self.calls += 1
+        if self.on_begin is not None:
+            self.on_begin(self.name)
+        try:
+            async for event in self._stream(request, attempt):
+                yield event
+        finally:
+            if self.on_end is not None:
+                self.on_end(self.name)
+
+    async def _stream(self, request: ChatRequest, attempt: int) -> AsyncIterator[Event]:
+        try:
+            connection = await self.connect()
+            stream = await connection.open_stream()
+        except (MeshError, OSError, TimeoutError) as exc:
+            yield _unavailable(f"cannot reach peer {self.name[:12]}: {exc}")
+            return
+        committed = False
+        complete = False
+        try:
+            head = RequestHead(
+                id=secrets.token_hex(8),
+                path=CHAT_PATH,
+                headers={HOP_HEADER: "1", FROM_HEADER: self.self_id},
+                deadline=self.deadline_s,
+                attempt=attempt,
+            )
+            await stream.send(head)
+            await stream.send(Body(request.model_dump_json().encode()))
+            await stream.send(BodyEnd())
+            first = await stream.recv()
+            if isinstance(first, End):
+                complete = True
+                yield _error_for_end(first, self.name)
+                return
+            if not isinstance(first, ResponseHead):
+                yield _unavailable(f"peer {self.name[:12]} answered without a response head")
+                return
+            if first.status != 200:
+                complete = await _drain(stream)
+                yield _error_for_status(first, self.name)
+                return
+            terminal: Event | None = None
+            async for frame in stream:
+                if isinstance(frame, End):
+                    complete = True
+                    if terminal is None:
+                        yield _error_after(committed, _error_for_end(frame, self.name))
+                    else:
+                        yield terminal
+                    return
+                if not isinstance(frame, Data) or terminal is not None:
+                    continue
+                event = _decode_event(frame.data)
+                if isinstance(event, Meta):
+                    yield Meta({_REMOTE_RENAMES.get(k, k): v for k, v in event.headers.items()})
+                elif isinstance(event, Done | Error):
+                    terminal = event  # yielded once End confirms the stream completed
+                else:
+                    committed = committed or isinstance(event, _DELTAS)
+                    yield event
+            # recv() returns None only after End, which returned above.
+            yield _error_after(committed, _unavailable("peer stream ended without End"))
+        except MeshError as exc:  # stream reset, connection lost, protocol violation
+            log.info("peer %s stream failed (committed=%s): %s", self.name[:12], committed, exc)
+            yield _error_after(committed, _unavailable(f"tunnel to {self.name[:12]} lost: {exc}"))
+        finally:
+            if not complete:
+                # Cancelled consumer or failure: tell the peer to stop generating.
+                stream.reset(ErrorCode.CANCELLED)
+
+
+def _unavailable(message: str) -> Error:
+    return Error(kind="unavailable", message=message, retryable=True)
+
+
+def _error_after(committed: bool, error: Error) -> Error:
+    """After the first delta nothing may be retried: the client already has part of an answer."""
+    if not committed:
+        return error
+    return Error(kind="upstream", message=error.message, retryable=False)
+
+
+def _decode_event(data: bytes) -> Event:
+    try:
+        return event_from_dict(orjson.loads(data))
+    except (orjson.JSONDecodeError, EventDecodeError) as exc:
+        return Error(kind="upstream", message=f"peer sent a bad event: {exc}")
+
+
+def _error_for_end(end: End, peer: str) -> Error:
+    code = end.code
+    text = f"peer {peer[:12]}: {error_name(code)} {end.message}".strip()
+    if code == ErrorCode.REJECTED:
+        return Error(kind="unavailable", message=text, retryable=True)
+    if code == ErrorCode.DEADLINE:
+        return Error(kind="timeout", message=text)
+    if code == ErrorCode.CANCELLED:
+        return Error(kind="cancelled", message=text)
+    return Error(kind="upstream", message=text, retryable=code == ErrorCode.NO_ERROR)
+
+
+def _error_for_status(head: ResponseHead, peer: str) -> Error:
+    message = head.headers.get("x-error", f"peer {peer[:12]} answered {head.status}")
+    if head.status == 429:
+        return Error(kind="overloaded", message=message, retryable=True)
+    if head.status == 503:
+        return Error(kind="unavailable", message=message, retryable=True)
+    kinds = {400: "invalid_request", 404: "not_found", 413: "too_large", 504: "timeout"}
+    return Error(kind=kinds.get(head.status, "upstream"), message=message)  # type: ignore[arg-type]
+
+
+async def _drain(stream) -> bool:
+    """Read to End after an error head; True if the exchange completed cleanly."""
+    with contextlib.suppress(MeshError):
+        async for frame in stream:
+            if isinstance(frame, End):
+                return True
+    return False
