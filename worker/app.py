@@ -1,0 +1,374 @@
+"""The worker's HTTP app: OpenAI chat completions (stream and not), /v1/models, /health.
+
+``create_app(engine)`` builds the Starlette app over a started ``Engine``; ``serve`` runs it with
+uvicorn. The prompt-cache commit runs as the response's background task, i.e. after the terminal
+frame (``[DONE]`` or the JSON body) went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+import orjson
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from worker.engine import Engine, Job
+from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
+from worker.output import DeltaAssembler
+from worker.sampling import SamplingParams
+from worker.schemas import ChatCompletionRequest, describe_validation_error
+from worker.thinking import normalize_thinking
+from worker.tool_parsing import ToolCallSplitter, parse_json_span
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 2048
+
+
+def json_response(
+    body: Any, status: int = 200, background: BackgroundTask | None = None
+) -> Response:
+    return Response(
+        orjson.dumps(body), status_code=status, media_type="application/json", background=background
+    )
+
+
+def error_response(
+    status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None
+) -> Response:
+    error = {"message": message, "type": type_, "param": param, "code": code}
+    return json_response({"error": error}, status)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def create_app(engine: Engine) -> Starlette:
+    """The worker app over a started engine (the caller starts and closes the engine)."""
+
+    async def chat_completions(request: Request) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            return error_response(
+                400, f"request body is not valid JSON: {exc}", type_="invalid_request_error"
+            )
+        if not isinstance(body, dict):
+            return error_response(
+                400, "request body must be a JSON object", type_="invalid_request_error"
+            )
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            param, message = describe_validation_error(exc)
+            return error_response(400, message, type_="invalid_request_error", param=param)
+        if chat.model and chat.model not in (engine.name, engine.model_path):
+            return error_response(
+                404,
+                f"model '{chat.model}' is not served here (this worker serves '{engine.name}')",
+                type_="invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
+        try:
+            job, assembler = await _start_job(engine, chat, body)
+        except BadRequest as exc:
+            return error_response(
+                400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
+            )
+        commit = BackgroundTask(engine.commit, job)
+        meta = {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "created": int(time.time()),
+            "model": engine.name,
+        }
+        if chat.stream:
+            include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+            frames = _sse_frames(engine, job, assembler, meta, include_usage)
+            return StreamingResponse(
+                frames,
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                background=commit,
+            )
+        collected = await _collect_unless_disconnected(request, engine, job, assembler)
+        if collected is None:
+            return Response(status_code=499)
+        result, logprobs = collected
+        if isinstance(result, Failed):
+            return error_response(500, result.message, type_="server_error")
+        body = _completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
+        return json_response(body, background=commit)
+
+    async def models(_: Request) -> Response:
+        info = engine.info
+        entry = {
+            "id": engine.name,
+            "object": "model",
+            "created": int(info.loaded_at),
+            "owned_by": "mlx-mesh",
+            "architecture": info.architecture,
+            "parameters": info.parameters,
+            "context_length": info.context_length,
+            "quantization": info.quantization,
+        }
+        return json_response({"object": "list", "data": [entry]})
+
+    async def health(_: Request) -> Response:
+        stats = engine.stats
+        return json_response(
+            {
+                "status": "ok",
+                "model": engine.name,
+                "queue_depth": stats.queue_depth,
+                "in_flight": stats.in_flight,
+                "tokens_per_second": round(engine.tokens_per_second(), 3),
+                "uptime_s": round(engine.uptime_s, 3),
+            }
+        )
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.engine = engine
+    return app
+
+
+async def _start_job(
+    engine: Engine, chat: ChatCompletionRequest, body: dict[str, Any]
+) -> tuple[Job, DeltaAssembler]:
+    template_kwargs = dict(chat.chat_template_kwargs or {})
+    thinking = normalize_thinking(body)
+    if thinking is not None:
+        template_kwargs["enable_thinking"] = thinking
+    messages = [m.to_template() for m in chat.messages]
+    tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+    try:
+        prompt, in_reasoning = await asyncio.to_thread(
+            engine.render_prompt, messages, tools, template_kwargs
+        )
+    except jinja2.TemplateError as exc:
+        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
+    context = engine.info.context_length
+    if len(prompt) >= context:
+        raise BadRequest(
+            f"prompt is {len(prompt)} tokens; the model's context length is {context}",
+            "messages",
+            "context_length_exceeded",
+        )
+    try:
+        logit_bias = chat.logit_bias_ids()
+    except ValueError as exc:
+        raise BadRequest(str(exc), "logit_bias") from exc
+    vocab = len(engine.tokenizer)
+    if logit_bias and any(not 0 <= t < vocab for t in logit_bias):
+        raise BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    limit = chat.max_completion_tokens or chat.max_tokens or DEFAULT_MAX_TOKENS
+    sampling = SamplingParams(
+        temperature=1.0 if chat.temperature is None else chat.temperature,
+        top_p=chat.top_p or 1.0,
+        top_k=chat.top_k or 0,
+        min_p=chat.min_p or 0.0,
+        seed=chat.seed,
+        repetition_penalty=chat.repetition_penalty,
+        presence_penalty=chat.presence_penalty,
+        frequency_penalty=chat.frequency_penalty,
+        logit_bias=logit_bias,
+    )
+    job = engine.submit(
+        GenerationRequest(
+            prompt=prompt,
+            max_tokens=max(1, min(limit, context - len(prompt))),
+            sampling=sampling,
+            stop=chat.stop_strings(),
+            logprobs=bool(chat.logprobs),
+        )
+    )
+    tok = engine.tokenizer
+    splitter = None
+    if tools:
+        if tok.has_tool_calling:
+            splitter = ToolCallSplitter(
+                start=tok.tool_call_start,
+                end=tok.tool_call_end,
+                parser=tok.tool_parser,
+                tools=tools,
+            )
+        else:
+            splitter = ToolCallSplitter(parser=parse_json_span, tools=tools)
+    think_tags = (tok.think_start, tok.think_end) if tok.has_thinking else None
+    return job, DeltaAssembler(
+        think_tags=think_tags, in_reasoning=in_reasoning, tool_splitter=splitter
+    )
+
+
+def _usage(done: Finished) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+def _logprob_entries(logprobs: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    return [{"token": t, "logprob": lp, "top_logprobs": []} for t, lp in logprobs]
+
+
+def _finish_reason(assembler: DeltaAssembler, done: Finished) -> str:
+    return "tool_calls" if assembler.tool_calls else done.finish_reason
+
+
+async def _sse_frames(
+    engine: Engine,
+    job: Job,
+    assembler: DeltaAssembler,
+    meta: dict[str, Any],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    base = {**meta, "object": "chat.completion.chunk"}
+    first = True
+    pending_logprobs: list[tuple[str, float]] = []
+
+    def frame(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        nonlocal first
+        if first:
+            delta = {"role": "assistant", **delta}
+            first = False
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        if pending_logprobs:
+            choice["logprobs"] = {"content": _logprob_entries(pending_logprobs)}
+            pending_logprobs.clear()
+        return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+
+    try:
+        async for event in job.events():
+            if isinstance(event, TokenChunk):
+                if event.logprobs:
+                    pending_logprobs.extend(event.logprobs)
+                for delta in assembler.feed(event.text):
+                    yield frame(delta)
+            elif isinstance(event, Finished):
+                for delta in assembler.finish():
+                    yield frame(delta)
+                yield frame({}, _finish_reason(assembler, event))
+                if include_usage:
+                    usage = {**base, "choices": [], "usage": _usage(event)}
+                    yield b"data: " + orjson.dumps(usage) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            else:
+                error = {"message": event.message, "type": "server_error", "code": "internal"}
+                yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+    finally:
+        # Client gone (generator closed/cancelled) before the end: stop generating now.
+        engine.cancel(job)
+
+
+async def _collect(job: Job, assembler: DeltaAssembler) -> tuple[Finished | Failed, list[Any]]:
+    logprobs: list[tuple[str, float]] = []
+    async for event in job.events():
+        if isinstance(event, TokenChunk):
+            if event.logprobs:
+                logprobs.extend(event.logprobs)
+            assembler.feed(event.text)
+        else:
+            if isinstance(event, Finished):
+                assembler.finish()
+            return event, logprobs
+    raise AssertionError("job ended without a terminal event")
+
+
+async def _collect_unless_disconnected(
+    request: Request, engine: Engine, job: Job, assembler: DeltaAssembler
+) -> tuple[Finished | Failed, list[Any]] | None:
+    """The job's result, or None when the client went away first (then the job is cancelled)."""
+    collect = asyncio.ensure_future(_collect(job, assembler))
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (collect, disconnect):
+            if not task.done():
+                task.cancel()
+    if not collect.done() or collect.cancelled():
+        engine.cancel(job)
+        await asyncio.gather(collect, return_exceptions=True)
+        return None
+    return collect.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _completion_body(
+    meta: dict[str, Any],
+    assembler: DeltaAssembler,
+    done: Finished,
+    logprobs: list[tuple[str, float]] | None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": assembler.message(),
+        "finish_reason": _finish_reason(assembler, done),
+        "logprobs": {"content": _logprob_entries(logprobs)} if logprobs is not None else None,
+    }
+    return {
+        **meta,
+        "object": "chat.completion",
+        "choices": [choice],
+        "usage": _usage(done),
+    }
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 picks a free one) so the URL is known before serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def serve(
+    engine: Engine, host: str = "127.0.0.1", port: int = 9339, *, announce: bool = True
+) -> None:
+    """Serve ``engine`` until interrupted; prints ``worker listening on URL (model NAME)``."""
+    import uvicorn
+
+    sock = bind_socket(host, port)
+    actual_port = sock.getsockname()[1]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{actual_port}"
+    config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    if announce:
+        print(f"worker listening on {url} (model {engine.name})", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

@@ -1,0 +1,478 @@
+"""The MLX engine: one owner thread runs the model; asyncio callers submit jobs and await tokens.
+
+MLX streams are thread-local, so loading, prefill, decode and every KV-cache operation happen on
+the owner thread. Callers talk to it through a command queue (submit, cancel, commit); tokens come
+back through each job's asyncio queue via ``loop.call_soon_threadsafe``.
+
+Concurrent jobs share the model through mlx-lm's ``BatchGenerator`` (continuous batching) when the
+model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Commands are
+drained between decode steps, so a cancel stops its job within one step.
+
+Prompt cache commit happens *after* the response: a finished job's KV cache is held as a pending
+commit until the HTTP layer calls ``commit`` (after writing the terminal frame). A new job whose
+prompt would reuse a pending commit waits for it (at most ``commit_wait_s``), so it never reads a
+half-committed cache and the client of the first job never waits for the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.engine_types import (
+    EngineConfig,
+    EngineError,
+    EngineStats,
+    Failed,
+    Finished,
+    GenerationRequest,
+    JobEvent,
+    ModelInfo,
+    TokenChunk,
+)
+from worker.prompt_cache import PromptCacheStore
+from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Job"]
+
+
+class Job:
+    """One submitted generation; iterate ``events()`` for TokenChunk… then Finished or Failed."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = request.request_id or uuid.uuid4().hex
+        self.request = request
+        self._loop = loop
+        self._queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self.done = False  # a terminal event was delivered to the consumer
+
+    def _deliver(self, event: JobEvent) -> bool:
+        """Owner thread → event loop. False when the loop is gone (the consumer cannot read)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            return False
+        return True
+
+    async def events(self) -> AsyncIterator[JobEvent]:
+        while True:
+            event = await self._queue.get()
+            if isinstance(event, Finished | Failed):
+                self.done = True
+                yield event
+                return
+            yield event
+
+
+@dataclass
+class _Active:
+    job: Job
+    uid: int
+    detokenizer: Any
+    stop: StopMatcher
+    cached_tokens: int
+    completion_tokens: int = 0
+    first_token: bool = False
+
+
+@dataclass
+class _Parked:
+    job: Job
+    waits_for: set[str]
+    deadline: float
+
+
+@dataclass
+class _Pending:
+    tokens: list[int]
+    cache: list[Any]
+    created: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    """Loads a model and serves generation jobs from one owner thread."""
+
+    def __init__(
+        self, model_path: str, *, name: str | None = None, config: EngineConfig | None = None
+    ) -> None:
+        self.model_path = model_path
+        self.name = name or model_path.rstrip("/").split("/")[-1]
+        self.config = config or EngineConfig()
+        self.stats = EngineStats()
+        self.info = ModelInfo()
+        self.tokenizer: Any = None
+        # Test hook: called on the owner thread right before a commit lands in the store.
+        self.before_commit: Callable[[str], None] | None = None
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._rate: deque[tuple[float, int]] = deque()
+        self._started = time.monotonic()
+        # Owner-thread state.
+        self._generator: Any = None
+        self._active: dict[int, _Active] = {}
+        self._parked: list[_Parked] = []
+        self._pending: dict[str, _Pending] = {}
+        self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
+
+    # ---- lifecycle (caller side) -------------------------------------------------------------
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the owner thread and block until the model is loaded (raises EngineError)."""
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise EngineError(f"model {self.model_path} did not load in {timeout}s")
+        if self._load_error is not None:
+            raise EngineError(f"cannot load model {self.model_path}: {self._load_error}")
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout=30)
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started
+
+    # ---- calls from the event loop -----------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Job:
+        job = Job(request, asyncio.get_running_loop())
+        with self._lock:
+            self.stats.queue_depth += 1
+            self.stats.submitted += 1
+        self._inbox.put(("submit", job))
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (client gone). Safe to call at any time, also after it finished."""
+        if not job.done:
+            self._inbox.put(("cancel", job.id))
+
+    def commit(self, job: Job) -> None:
+        """Land a finished job's KV cache in the prompt cache. Returns at once."""
+        self.stats.log("commit_requested", job.id)
+        self._inbox.put(("commit", job.id))
+
+    def tokens_per_second(self, window_s: float = 10.0) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._rate and now - self._rate[0][0] > window_s:
+                self._rate.popleft()
+            if not self._rate:
+                return 0.0
+            tokens = sum(n for _, n in self._rate)
+            span = max(now - self._rate[0][0], 1e-3)
+        return tokens / span
+
+    def render_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+    ) -> tuple[list[int], bool]:
+        """Prompt tokens through the chat template, and whether generation starts in a think
+        block (the template opened ``<think>``). Raises jinja errors for bad conversations."""
+        tok = self.tokenizer
+        if tok.has_chat_template:
+            text = tok.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **template_kwargs,
+            )
+        else:
+            text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+            text += "assistant: "
+        in_reasoning = False
+        if tok.has_thinking:
+            in_reasoning = text.rfind(tok.think_start) > text.rfind(tok.think_end)
+        tokens = list(tok.encode(text, add_special_tokens=False))
+        return tokens, in_reasoning
+
+    # ---- owner thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # reported to start(); the thread ends
+            log.exception("model load failed")
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        handlers = {
+            "submit": self._on_submit,
+            "cancel": self._on_cancel,
+            "commit": self._on_commit,
+        }
+        while True:
+            idle = not self._active and not self._parked
+            commands = self._drain(block=idle)
+            if any(kind == "stop" for kind, _ in commands):
+                break
+            for kind, arg in commands:
+                handlers[kind](arg)
+            self._admit_parked()
+            self._expire_pending()
+            if self._active:
+                try:
+                    self._step()
+                except Exception as exc:
+                    log.exception("generation step failed")
+                    self._fail_all(f"generation failed: {exc}")
+        self._shutdown()
+
+    def _load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.generate import BatchGenerator, make_stop_sequences
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from worker.sequential import SequentialGenerator
+
+        model, tokenizer, config = load(self.model_path, return_config=True)
+        self.tokenizer = tokenizer
+        self.info = ModelInfo.from_config(config, model)
+        self.context_length = self.info.context_length
+        stream = mx.default_stream(mx.default_device())
+        self.batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        cfg = self.config
+        if self.batchable:
+            self._generator = BatchGenerator(
+                model,
+                completion_batch_size=cfg.completion_batch_size,
+                prefill_batch_size=cfg.prefill_batch_size,
+                prefill_step_size=cfg.prefill_step_size,
+                stream=stream,
+            )
+        else:
+            self._generator = SequentialGenerator(
+                model, eos_token_ids=set(tokenizer.eos_token_ids), stream=stream
+            )
+        self._eos_stops = make_stop_sequences(tokenizer)
+        self._model = model
+
+    def _drain(self, *, block: bool) -> list[tuple[str, Any]]:
+        commands = []
+        try:
+            if block:
+                commands.append(self._inbox.get(timeout=0.25))
+            while True:
+                commands.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _on_submit(self, job: Job) -> None:
+        prompt = job.request.prompt
+        cached = self._store.best_prefix(prompt)
+        waits = {
+            job_id
+            for job_id, pending in self._pending.items()
+            if self._store.usable_prefix(pending.tokens, prompt, True) > cached
+        }
+        if waits:
+            self.stats.commit_waits += 1
+            self.stats.log("parked", job.id)
+            deadline = time.monotonic() + self.config.commit_wait_s
+            self._parked.append(_Parked(job, waits, deadline))
+            return
+        self._admit(job)
+
+    def _admit_parked(self) -> None:
+        if not self._parked:
+            return
+        now = time.monotonic()
+        still = []
+        for parked in self._parked:
+            if not (parked.waits_for & self._pending.keys()):
+                self._admit(parked.job)
+            elif now >= parked.deadline:
+                self.stats.commit_wait_timeouts += 1
+                self._admit(parked.job)
+            else:
+                still.append(parked)
+        self._parked = still
+
+    def _admit(self, job: Job) -> None:
+        req = job.request
+        cache, cached = self._store.fetch(req.prompt)
+        params = req.sampling
+        kwargs: dict[str, Any] = {}
+        if self.batchable:
+            kwargs["stop_sequences"] = [self._eos_stops]
+        (uid,) = self._generator.insert(
+            [req.prompt[cached:]],
+            max_tokens=[req.max_tokens],
+            caches=[cache],
+            all_tokens=[req.prompt[:cached]],
+            samplers=[make_request_sampler(params)],
+            logits_processors=[make_request_processors(params)],
+            **kwargs,
+        )
+        self._active[uid] = _Active(
+            job, uid, self.tokenizer.detokenizer, StopMatcher(req.stop), cached
+        )
+        self.stats.log("admitted", job.id)
+
+    def _on_cancel(self, job_id: str) -> None:
+        parked = [p for p in self._parked if p.job.id == job_id]
+        if parked:
+            self._parked = [p for p in self._parked if p.job.id != job_id]
+            with self._lock:
+                self.stats.queue_depth -= 1
+                self.stats.cancelled += 1
+            self.stats.log("cancelled", job_id)
+        for uid, active in list(self._active.items()):
+            if active.job.id == job_id:
+                self._generator.remove([uid])
+                self._drop(uid)
+                with self._lock:
+                    self.stats.cancelled += 1
+                self.stats.log("cancelled", job_id)
+
+    def _on_commit(self, job_id: str) -> None:
+        pending = self._pending.pop(job_id, None)
+        if pending is None:
+            return
+        if self.before_commit is not None:
+            self.before_commit(job_id)
+        self._store.insert(pending.tokens, pending.cache)
+        self.stats.commits += 1
+        self.stats.log("committed", job_id)
+
+    def _expire_pending(self) -> None:
+        if not self._pending:
+            return
+        now = time.monotonic()
+        for job_id, pending in list(self._pending.items()):
+            if now - pending.created > self.config.pending_commit_ttl_s:
+                del self._pending[job_id]
+                self.stats.log("commit_expired", job_id)
+
+    def _step(self) -> None:
+        _, responses = self._generator.next()
+        decoded = 0
+        for r in responses:
+            active = self._active.get(r.uid)
+            if active is None:
+                continue
+            decoded += 1
+            self._on_token(active, r)
+        if decoded:
+            with self._lock:
+                self._rate.append((time.monotonic(), decoded))
+                self.stats.generated_tokens += decoded
+
+    def _on_token(self, active: _Active, r: Any) -> None:
+        job = active.job
+        if not active.first_token:
+            active.first_token = True
+            with self._lock:
+                self.stats.queue_depth -= 1
+                self.stats.in_flight += 1
+        active.completion_tokens += 1
+        detok = active.detokenizer
+        is_eos = r.finish_reason == "stop"
+        if not is_eos:
+            detok.add_token(r.token)
+        if r.finish_reason is not None:
+            detok.finalize()
+        text, stopped = active.stop.feed(detok.last_segment)
+        finish = r.finish_reason
+        if stopped:
+            finish = "stop"
+        elif finish is not None:
+            text += active.stop.flush()
+        logprobs = None
+        if job.request.logprobs and not is_eos:
+            logprob = r.logprobs[r.token].item()
+            logprobs = [(self.tokenizer.decode([r.token]), logprob)]
+        if (text or logprobs) and not self._send(active, TokenChunk(text, logprobs)):
+            return
+        if finish is None:
+            return
+        if stopped and r.finish_reason is None:
+            caches = self._generator.remove([r.uid], return_prompt_caches=True)
+            cache, tokens = caches.get(r.uid, (None, None))
+        else:
+            cache, tokens = r.prompt_cache, r.all_tokens
+        self._drop(r.uid)
+        if cache is not None and tokens:
+            self._pending[job.id] = _Pending(list(tokens), cache)
+        self.stats.log("finished", job.id)
+        self._send(
+            active,
+            Finished(
+                finish_reason=finish,
+                prompt_tokens=len(job.request.prompt),
+                completion_tokens=active.completion_tokens,
+                cached_tokens=active.cached_tokens,
+            ),
+        )
+        with self._lock:
+            self.stats.completed += 1
+
+    def _send(self, active: _Active, event: JobEvent) -> bool:
+        if active.job._deliver(event):
+            return True
+        self._generator.remove([active.uid])
+        self._drop(active.uid)
+        return False
+
+    def _drop(self, uid: int) -> None:
+        active = self._active.pop(uid, None)
+        if active is None:
+            return
+        with self._lock:
+            if active.first_token:
+                self.stats.in_flight -= 1
+            else:
+                self.stats.queue_depth -= 1
+
+    def _fail_all(self, message: str) -> None:
+        for uid, active in list(self._active.items()):
+            active.job._deliver(Failed(message))
+            self._drop(uid)
+        self._reset_generator()
+
+    def _reset_generator(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        if self.batchable:
+            self._generator.close()
+            self._generator = BatchGenerator(
+                self._model,
+                completion_batch_size=self.config.completion_batch_size,
+                prefill_batch_size=self.config.prefill_batch_size,
+                prefill_step_size=self.config.prefill_step_size,
+                stream=self._generator.stream,
+            )
+
+    def _shutdown(self) -> None:
+        for uid, active in list(self._active.items()):
+            active.job._deliver(Failed("worker shutting down"))
+            self._drop(uid)
+        for parked in self._parked:
+            parked.job._deliver(Failed("worker shutting down"))
+            with self._lock:
+                self.stats.queue_depth -= 1
+        self._parked = []
+        self._generator.close()
+        self._store.clear()
+        self._pending.clear()

@@ -1,0 +1,130 @@
+"""What goes into and comes out of the engine: requests, job events, config, stats, model facts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.sampling import SamplingParams
+
+DEFAULT_CONTEXT_LENGTH = 4096
+
+
+class EngineError(Exception):
+    """The engine cannot serve (model failed to load, shut down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    prompt_cache_bytes: int = 2 << 30
+    commit_wait_s: float = 2.0  # a job waiting for a pending commit proceeds without it after this
+    pending_commit_ttl_s: float = 30.0  # a commit never requested is dropped after this
+    completion_batch_size: int = 16
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Text decoded since the previous chunk (stop strings already removed)."""
+
+    text: str
+    logprobs: list[tuple[str, float]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    message: str
+
+
+JobEvent = TokenChunk | Finished | Failed
+
+
+@dataclass
+class EngineStats:
+    """Counters read by /health and tests. ``events`` keeps the recent (kind, job_id) order."""
+
+    queue_depth: int = 0  # submitted, no token yet
+    in_flight: int = 0  # producing tokens
+    submitted: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    generated_tokens: int = 0
+    commits: int = 0
+    commit_waits: int = 0
+    commit_wait_timeouts: int = 0
+    events: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=1000))
+    _events_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def log(self, kind: str, job_id: str) -> None:
+        with self._events_lock:
+            self.events.append((kind, job_id))
+
+    def events_for(self, job_id: str) -> list[str]:
+        with self._events_lock:
+            return [kind for kind, jid in self.events if jid == job_id]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    architecture: str = "unknown"
+    parameters: int = 0
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    quantization: str = "none"
+    loaded_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], model: Any) -> ModelInfo:
+        text = config.get("text_config") or {}
+        context = None
+        for key in ("max_position_embeddings", "max_seq_len", "n_ctx", "seq_length"):
+            context = config.get(key) or text.get(key)
+            if context:
+                break
+        quant = config.get("quantization") or config.get("quantization_config") or {}
+        bits = quant.get("bits") if isinstance(quant, dict) else None
+        if bits:
+            quantization = f"q{bits}"
+        else:
+            quantization = str(config.get("torch_dtype") or config.get("dtype") or "none")
+        return cls(
+            architecture=str(config.get("model_type", "unknown")),
+            parameters=_count_parameters(model, bits),
+            context_length=int(context or DEFAULT_CONTEXT_LENGTH),
+            quantization=quantization,
+        )
+
+
+def _count_parameters(model: Any, bits: int | None) -> int:
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for name, array in tree_flatten(model.parameters()):
+        if name.endswith((".scales", ".biases")):
+            continue
+        size = int(array.size)
+        if bits and str(array.dtype) == "mlx.core.uint32":
+            size = size * 32 // bits
+        total += size
+    return total

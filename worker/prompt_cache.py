@@ -1,0 +1,128 @@
+"""Prompt (KV) cache store: reuse the longest cached token prefix across requests.
+
+Entries are (tokens, per-layer KV cache) pairs kept in LRU order and bounded by bytes. A lookup
+returns a *copy* of the best entry trimmed to the shared prefix, so the stored entry is never
+mutated by generation. Only the engine's owner thread touches a store (MLX arrays are not shared
+across threads here).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def cache_nbytes(cache: list[Any]) -> int:
+    return sum(getattr(c, "nbytes", 0) for c in cache)
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    cache: list[Any]
+    nbytes: int
+    trimmable: bool
+
+
+@dataclass
+class PromptCacheStats:
+    hits: int = 0
+    misses: int = 0
+    inserts: int = 0
+    evictions: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class PromptCacheStore:
+    """LRU store of KV caches keyed by the tokens they hold, bounded by ``max_bytes``."""
+
+    max_bytes: int = 2 << 30
+    max_entries: int = 64
+    stats: PromptCacheStats = field(default_factory=PromptCacheStats)
+    _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
+    _next_key: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def usable_prefix(
+        self, entry_tokens: Sequence[int], prompt: Sequence[int], trimmable: bool
+    ) -> int:
+        """Tokens of ``prompt`` an entry can serve (at least one prompt token is left to run)."""
+        shared = min(common_prefix(entry_tokens, prompt), len(prompt) - 1)
+        if shared <= 0:
+            return 0
+        if shared < len(entry_tokens) and not trimmable:
+            return 0
+        return shared
+
+    def best_prefix(self, prompt: Sequence[int]) -> int:
+        """How many prompt tokens a lookup would serve from the cache (no copy, no LRU touch)."""
+        return max(
+            (self.usable_prefix(e.tokens, prompt, e.trimmable) for e in self._entries.values()),
+            default=0,
+        )
+
+    def fetch(self, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """A private copy of the best cache for ``prompt`` and how many tokens it covers."""
+        best_key, best_len = None, 0
+        for key, entry in self._entries.items():
+            n = self.usable_prefix(entry.tokens, prompt, entry.trimmable)
+            if n > best_len:
+                best_key, best_len = key, n
+        if best_key is None:
+            self.stats.misses += 1
+            return None, 0
+        entry = self._entries[best_key]
+        self._entries.move_to_end(best_key)
+        cache = copy.deepcopy(entry.cache)
+        excess = len(entry.tokens) - best_len
+        if excess:
+            trim_prompt_cache(cache, excess)
+        self.stats.hits += 1
+        self.stats.cached_tokens += best_len
+        return cache, best_len
+
+    def insert(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Store a cache holding exactly ``tokens``; entries it extends are dropped."""
+        if not tokens or not cache:
+            return
+        trimmable = can_trim_prompt_cache(cache)
+        key_tokens = tuple(tokens)
+        for key, entry in list(self._entries.items()):
+            covered = common_prefix(entry.tokens, key_tokens) == len(entry.tokens)
+            if covered and (trimmable or entry.tokens == key_tokens):
+                del self._entries[key]
+        entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable)
+        self._entries[self._next_key] = entry
+        self._next_key += 1
+        self.stats.inserts += 1
+        self._evict()
+
+    def _evict(self) -> None:
+        total = self.nbytes
+        while self._entries and (total > self.max_bytes or len(self._entries) > self.max_entries):
+            _, dropped = self._entries.popitem(last=False)
+            total -= dropped.nbytes
+            self.stats.evictions += 1
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,106 @@
+"""Per-request sampling: parameters, a seeded sampler, logits processors and stop strings.
+
+Each request owns its sampler (and, when seeded, its own PRNG key), so requests batched together
+never share random state: the same seed gives the same tokens whatever else is running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+)
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def make_request_sampler(params: SamplingParams) -> Sampler:
+    """A sampler for one request; seeded samplers draw from their own key chain."""
+    if params.temperature <= 0:
+        return greedy
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < params.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p > 0:
+        filters.append(lambda x: apply_min_p(x, params.min_p))
+    if params.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, params.top_k))
+    inverse_temperature = 1.0 / params.temperature
+    key: list[mx.array] = [] if params.seed is None else [mx.random.key(params.seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for apply in filters:
+            logprobs = apply(logprobs)
+        if key:
+            key[0], step_key = mx.random.split(key[0])
+            return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
+        return mx.random.categorical(logprobs * inverse_temperature)
+
+    return sample
+
+
+def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    return make_logits_processors(
+        logit_bias=params.logit_bias or None,
+        repetition_penalty=params.repetition_penalty or None,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, even when split across tokens.
+
+    ``feed`` returns the text that is safe to emit and whether a stop string completed; text that
+    might be the start of a stop string is held back. The stop string itself is never emitted.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buffer[: min(hits)], True
+        keep = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(buffer)), keep, -1):
+                if buffer.endswith(stop[:n]):
+                    keep = n
+                    break
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of generation (no stop string came)."""
+        held, self._held = self._held, ""
+        return held
