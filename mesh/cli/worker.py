@@ -1,0 +1,31 @@
+"""``mesh worker``: serve one model with the MLX worker (OpenAI chat completions on loopback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from mesh.cli.app import HomeOption, app, fail, resolve_home
+
+
+@app.command("worker")
+def worker_command(
+    model: str = typer.Option(..., "--model", help="Model: store name, MLX directory or hub id."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(9339, "--port", help="Port to listen on (0 = any free port)."),
+    home: Path | None = HomeOption,
+    name: str | None = typer.Option(None, "--name", help="Serve the model under this name."),
+) -> None:
+    """Serve MODEL over HTTP (OpenAI chat completions, /v1/models, /health)."""
+    from worker.engine import EngineError
+    from worker.serve_main import run
+
+    try:
+        run(model, host=host, port=port, home=resolve_home(home), name=name)
+    except EngineError as exc:
+        raise fail(str(exc)) from exc
+    except LookupError as exc:
+        raise fail(f"unknown model {model!r}: {exc}") from exc
+    except OSError as exc:
+        raise fail(f"cannot serve on {host}:{port}: {exc}") from exc

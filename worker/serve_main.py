@@ -1,0 +1,84 @@
+"""``python -m worker --model X [--host H] [--port N] [--home DIR] [--name NAME]``.
+
+The node supervisor starts the worker as a child process with this command line; it prints
+``worker listening on URL (model NAME)`` once the model is loaded and the port is bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from worker.engine import Engine, EngineError
+from worker.engine_types import EngineConfig
+
+
+def locate_model(model: str, home: Path | None) -> str:
+    """A store name (via worker.store when present), a local directory, or a hub id."""
+    candidate = Path(model).expanduser()
+    if candidate.is_dir():
+        return str(candidate.resolve())
+    try:
+        from worker import store
+    except ImportError:
+        store = None  # type: ignore[assignment]
+    if store is not None and hasattr(store, "resolve_model"):
+        root = home if home is not None else Path.home() / ".mlx-mesh"
+        return str(store.resolve_model(root, model))
+    return model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser.add_argument("--model", required=True, help="store name, MLX directory or hub id")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9339)
+    parser.add_argument("--home", type=Path, default=None, help="mlx-mesh home (model store)")
+    parser.add_argument("--name", default=None, help="model name to serve as (default: --model)")
+    parser.add_argument("--prompt-cache-gb", type=float, default=2.0)
+    return parser
+
+
+def run(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 9339,
+    home: Path | None = None,
+    name: str | None = None,
+    prompt_cache_gb: float = 2.0,
+) -> None:
+    """Load the model and serve it until interrupted (raises EngineError if it cannot load)."""
+    from worker.app import serve
+
+    path = locate_model(model, home)
+    served_name = name or (Path(model).name if Path(model).expanduser().is_dir() else model)
+    config = EngineConfig(prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)))
+    engine = Engine(path, name=served_name, config=config)
+    engine.start()
+    try:
+        serve(engine, host, port)
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        run(
+            args.model,
+            host=args.host,
+            port=args.port,
+            home=args.home,
+            name=args.name,
+            prompt_cache_gb=args.prompt_cache_gb,
+        )
+    except (EngineError, OSError, LookupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
