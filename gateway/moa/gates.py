@@ -37,26 +37,26 @@ def is_refusal(text: str) -> bool:
     return _REFUSAL.match(text.replace("’", "'")) is not None
 
 
-def is_repetition_loop(text: str, *, max_period: int = 40) -> bool:
+def is_repetition_loop(text: str, *, max_period: int = 40, window: int = 400) -> bool:
     """True when the text ends in the same short unit repeated over and over.
 
-    A period of one or two characters must repeat 16 times ("!!!!…", "ababab…"); longer units
-    (words, phrases) 4 times and over at least 24 characters. Short legitimate runs ("1000",
-    "---") stay below both bars.
+    A unit of one or two characters must repeat 16 times ("!!!!…", "ababab…"); longer units
+    (words, phrases) 3.5 times and over at least 24 characters. Short legitimate runs ("1000",
+    "---", "ha ha ha") stay below both bars. Only the last ``window`` characters are examined.
     """
-    tail = text.rstrip()
-    for period in range(1, min(max_period, len(tail) // 2) + 1):
-        unit = tail[-period:]
-        if not unit.strip():
+    tail = text[-window:]
+    n = len(tail)
+    for period in range(1, min(max_period, n // 2) + 1):
+        if not tail[n - period :].strip():
             continue
-        copies = 1
-        end = len(tail) - period
-        while end >= period and tail[end - period : end] == unit:
-            copies += 1
-            end -= period
-        if period <= 2 and copies >= 16:
+        # Walk back while the text stays periodic with this period.
+        j = n - period - 1
+        while j >= 0 and tail[j] == tail[j + period]:
+            j -= 1
+        span = n - 1 - j
+        if period <= 2 and span >= 16 * period:
             return True
-        if period > 2 and copies >= 4 and copies * period >= 24:
+        if period > 2 and span >= 3.5 * period and span >= 24:
             return True
     return False
 

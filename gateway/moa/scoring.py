@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 _MARKDOWN = re.compile(r"[*_`#>]+")
 _SPACE = re.compile(r"\s+")
-_EDGE_PUNCT = re.compile(r"^[\s\W]+|[\s.!,;:]+$")
+# Leading punctuation goes, except the minus of a negative number.
+_EDGE_PUNCT = re.compile(r"^(?:[^\w-]|-(?!\d))+|[\s.!,;:]+$")
 _DECIMAL = re.compile(r"^-?\d+\.\d+$")
 
 
