@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute, Route
 from gateway import models_api
 from gateway.api import chat, messages, responses
 from gateway.config import GatewayConfig
+from gateway.console import RecentRequests, console_routes
 from gateway.exchange import ApiSpec, handle
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard
@@ -91,6 +92,9 @@ def create_app(
         status_provider=status_provider,
     )
 
+    recent_requests = RecentRequests()  # the console's live request table
+    state.metrics.listeners.append(recent_requests.record)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
@@ -104,6 +108,7 @@ def create_app(
         Route("/health", models_api.health, methods=["GET"]),
         Route("/metrics", models_api.metrics, methods=["GET"]),
         *extra_routes,
+        *console_routes(requests=recent_requests),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, middleware=[Middleware(GatewayGuard, state=state)]

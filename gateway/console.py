@@ -57,9 +57,8 @@ class RecentRequests:
             data = dataclasses.asdict(row)
         else:
             data = dict(row)
-        data.setdefault("at", time.time())
         self._last_seq = next(self._counter)
-        self._rows.append((self._last_seq, data))
+        self._rows.append((self._last_seq, console_row(data)))
 
     @property
     def last_seq(self) -> int:
@@ -71,6 +70,29 @@ class RecentRequests:
 
     def rows(self) -> list[dict[str, Any]]:
         return [row for _, row in self._rows]
+
+
+def console_row(data: dict[str, Any]) -> dict[str, Any]:
+    """Flatten a request-log row (``gateway.metrics.RequestRecord`` as a dict, or any dict) into
+    the table's columns: route/peer/attempts/winner out of the route headers, TTFT in ms, tok/s."""
+    row = dict(data)
+    route = row.get("route")
+    if isinstance(route, Mapping):
+        row["route"] = route.get("x-route") or route.get("route") or route.get("kind")
+        for key in ("peer", "attempts", "moa-winner"):
+            value = route.get(f"x-{key}", route.get(key))
+            if value is not None:
+                row.setdefault(key.replace("-", "_"), value)
+    row.setdefault("at", row.get("started", time.time()))
+    ttft_s = row.get("ttft_s")
+    if row.get("ttft_ms") is None and isinstance(ttft_s, int | float):
+        row["ttft_ms"] = round(ttft_s * 1000, 1)
+    tokens, duration = row.get("completion_tokens"), row.get("duration_s")
+    if row.get("tok_s") is None and isinstance(tokens, int) and isinstance(duration, int | float):
+        decode_s = duration - (ttft_s if isinstance(ttft_s, int | float) else 0.0)
+        if tokens > 1 and decode_s > 0:
+            row["tok_s"] = round(tokens / decode_s, 1)
+    return row
 
 
 def sse_frame(event: str, data: Any) -> bytes:
@@ -126,14 +148,14 @@ def directory_status(directory: ModelDirectory) -> dict[str, Any]:
 async def read_status(
     provider: StatusProvider | None, directory: ModelDirectory | None
 ) -> dict[str, Any] | None:
-    if provider is not None:
-        result = provider()
-        if inspect.isawaitable(result):
-            result = await result
-        return dict(result)
-    if directory is not None:
-        return directory_status(directory)
-    return None
+    base = directory_status(directory) if directory is not None else None
+    if provider is None:
+        return base
+    result = provider()
+    if inspect.isawaitable(result):
+        result = await result
+    # A provider may know only part of the picture (no peers yet): the directory fills the rest.
+    return {**(base or {}), **result}
 
 
 def console_routes(
@@ -146,8 +168,10 @@ def console_routes(
 ) -> list[BaseRoute]:
     """The console's routes, to be added to the gateway's route list.
 
-    ``status_provider`` returns the same object as ``GET /api/status`` (this node + peers); without
-    one, ``directory`` supplies a one-node picture. ``requests`` is the gateway's request log.
+    ``status_provider`` returns the mesh picture (``{"node": {...}, "peers": [...]}``, as
+    ``GET /api/status``); ``directory`` fills in this node's models when the provider does not
+    say. Both default to the gateway's own (``app.state.gateway``) when mounted in
+    :func:`gateway.app.create_app`. ``requests`` is the gateway's recent-request buffer.
     """
 
     async def index(request: Request) -> Response:
@@ -158,8 +182,12 @@ def console_routes(
         return JSONResponse({"requests": rows})
 
     async def events(request: Request) -> Response:
+        # Inside the gateway app, default to its status provider and model directory.
+        gateway = getattr(request.app.state, "gateway", None)
+        provider = status_provider or getattr(gateway, "status_provider", None)
+        models = directory or (gateway.router.directory if gateway is not None else None)
         return StreamingResponse(
-            _event_stream(status_provider, directory, requests, poll_s, heartbeat_s),
+            _event_stream(provider, models, requests, poll_s, heartbeat_s),
             media_type="text/event-stream",
             headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class RequestRecord:
 class GatewayMetrics:
     def __init__(self, log_path: Path | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.listeners: list[Callable[[RequestRecord], None]] = []
         self.requests = Counter(
             "gateway_requests",
             "Requests by API, model and outcome",
@@ -67,6 +69,8 @@ class GatewayMetrics:
             log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def observe(self, record: RequestRecord) -> None:
+        for listener in self.listeners:  # e.g. the console's recent-requests table
+            listener(record)
         self.requests.labels(record.api, record.model, record.outcome).inc()
         if record.ttft_s is not None:
             self.ttft.labels(record.api).observe(record.ttft_s)

@@ -12,7 +12,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.events import Error
 
-_OPEN_PATHS = frozenset({"/health"})
+# The console page and its static files hold no data; they ask for the key themselves.
+_OPEN_PATHS = frozenset({"/health", "/"})
+_OPEN_PREFIXES = ("/static/",)
 _GENERATING = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
 
@@ -45,6 +47,7 @@ class GatewayGuard:
         if (
             config.api_key
             and scope["path"] not in _OPEN_PATHS
+            and not scope["path"].startswith(_OPEN_PREFIXES)
             and not _key_ok(scope, config.api_key)
         ):
             await _send_error(
