@@ -1,0 +1,260 @@
+"""``WorkerUpstream``: the :class:`~gateway.upstream.Upstream` over the local worker's HTTP API.
+
+ChatRequest → OpenAI chat-completions body (+ the worker's extensions); streamed chunks →
+internal events. Connection refused before any byte → ``Error(unavailable, retryable)``.
+Cancelling the consumer closes the HTTP response, which stops the worker's generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.events import (
+    Done,
+    Error,
+    ErrorKind,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.request import ChatRequest, Message
+
+log = logging.getLogger(__name__)
+
+_KIND_BY_STATUS: dict[int, ErrorKind] = {
+    400: "invalid_request",
+    401: "authentication",
+    404: "not_found",
+    413: "too_large",
+    429: "overloaded",
+    503: "unavailable",
+    504: "timeout",
+}
+_FINISH = {"stop", "length", "tool_calls", "content_filter"}
+
+
+def _message(m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
+    """The worker request for ``request``: always streamed, usage always included."""
+    body: dict[str, Any] = {
+        "model": model_name,
+        "messages": [_message(m) for m in request.messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                },
+            }
+            for t in request.tools
+        ]
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
+    optional = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "max_tokens": request.max_tokens,
+        "repetition_penalty": request.repetition_penalty,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "reasoning_effort": request.reasoning_effort,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    if request.stop:
+        body["stop"] = request.stop
+    kwargs = dict(request.chat_template_kwargs)
+    if request.reasoning is not None:
+        kwargs.setdefault("enable_thinking", request.reasoning)
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    if request.metadata.get("logprobs"):
+        body["logprobs"] = True
+    return body
+
+
+class ChunkDecoder:
+    """Worker ``chat.completion.chunk`` payloads → internal events (pure: no I/O)."""
+
+    def __init__(self) -> None:
+        self.finish_reason = "stop"
+        self.usage: Usage | None = None
+
+    def decode(self, payload: dict[str, Any]) -> list[Event]:
+        if "error" in payload:
+            err = (
+                payload["error"]
+                if isinstance(payload["error"], dict)
+                else {"message": str(payload["error"])}
+            )
+            return [
+                Error(
+                    kind="upstream",
+                    message=str(err.get("message", "worker error")),
+                    code=err.get("code"),
+                )
+            ]
+        events: list[Event] = []
+        usage = payload.get("usage")
+        if usage:
+            details = usage.get("prompt_tokens_details") or {}
+            self.usage = Usage(
+                prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                completion_tokens=int(usage.get("completion_tokens", 0)),
+                cached_tokens=int(details.get("cached_tokens") or 0),
+            )
+        for choice in payload.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if reasoning := delta.get("reasoning_content"):
+                events.append(ReasoningDelta(reasoning))
+            if content := delta.get("content"):
+                events.append(TextDelta(content, logprob=_mean_logprob(choice.get("logprobs"))))
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function") or {}
+                events.append(
+                    ToolCallDelta(
+                        index=int(call.get("index", 0)),
+                        id=call.get("id"),
+                        name=function.get("name"),
+                        arguments=function.get("arguments") or "",
+                    )
+                )
+            if (finish := choice.get("finish_reason")) in _FINISH:
+                self.finish_reason = finish
+        return events
+
+    def finish(self) -> list[Event]:
+        tail: list[Event] = [self.usage] if self.usage is not None else []
+        return [*tail, Done(self.finish_reason)]  # type: ignore[arg-type]
+
+
+def _mean_logprob(logprobs: Any) -> float | None:
+    content = (logprobs or {}).get("content") if isinstance(logprobs, dict) else None
+    if not content:
+        return None
+    values = [float(t["logprob"]) for t in content if "logprob" in t]
+    return sum(values) / len(values) if values else None
+
+
+class WorkerUpstream:
+    """Streams chat requests to one worker; ``name`` goes into route headers ("local")."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_name: str,
+        *,
+        name: str = "local",
+        client: httpx.AsyncClient | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model_name = model_name
+        self.name = name
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0, pool=30.0),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def stream(self, request: ChatRequest) -> AsyncGenerator[Event, None]:
+        body = orjson.dumps(worker_body(request, self.model_name))
+        url = f"{self.base_url}/v1/chat/completions"
+        decoder = ChunkDecoder()
+        try:
+            async with self._client.stream(
+                "POST", url, content=body, headers={"content-type": "application/json"}
+            ) as response:
+                if response.status_code != 200:
+                    yield await _status_error(response)
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        for event in decoder.finish():
+                            yield event
+                        return
+                    for event in decoder.decode(orjson.loads(data)):
+                        yield event
+                        if isinstance(event, Error):
+                            return
+            yield Error(kind="upstream", message="the worker closed the stream before [DONE]")
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            yield Error(kind="unavailable", message=f"worker unreachable: {exc}", retryable=True)
+        except httpx.HTTPError as exc:
+            yield Error(
+                kind="upstream", message=f"worker connection failed: {type(exc).__name__}: {exc}"
+            )
+        except orjson.JSONDecodeError as exc:
+            yield Error(kind="upstream", message=f"worker sent malformed JSON: {exc}")
+
+    async def count_tokens(self, request: ChatRequest) -> int | None:
+        """Prompt tokens by the worker's own tokenizer and chat template (a 1-token request,
+        which also warms the prompt cache); None when the worker cannot be reached."""
+        probe = request.model_copy(update={"max_tokens": 1, "stream": True})
+        async with contextlib.aclosing(self.stream(probe)) as events:
+            async for event in events:
+                if isinstance(event, Usage):
+                    return event.prompt_tokens
+                if isinstance(event, Error | Done):
+                    return None
+        return None
+
+    async def health(self) -> dict[str, Any] | None:
+        try:
+            response = await self._client.get(f"{self.base_url}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        return response.json() if response.status_code == 200 else None
+
+
+async def _status_error(response: httpx.Response) -> Error:
+    raw = await response.aread()
+    message = raw.decode(errors="replace")[:500]
+    code = None
+    try:
+        err = orjson.loads(raw).get("error", {})
+        message = str(err.get("message", message))
+        code = err.get("code")
+    except (orjson.JSONDecodeError, AttributeError):
+        pass  # not JSON: the raw text is the message
+    status = response.status_code
+    kind = _KIND_BY_STATUS.get(status, "upstream")
+    return Error(
+        kind=kind, message=message, retryable=kind in ("overloaded", "unavailable"), code=code
+    )
