@@ -254,7 +254,8 @@ async def measure_request(
             return finish(Outcome.TRUNCATED, f"non-JSON body: {bytes(raw[:120])!r}")
         if not isinstance(payload, dict):
             return finish(Outcome.TRANSPORT_ERROR, f"body is not an object: {bytes(raw[:120])!r}")
-        if "error" in payload:
+        if payload.get("error") or payload.get("status") == "failed":
+            # A 200 body that reports failure (Responses carries "error": null when fine).
             return finish(Outcome.ERROR_EVENT, error_message(payload))
         ex.first_content = time.perf_counter()
         text, tokens = parse_nonstream(api, payload)

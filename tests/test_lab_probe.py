@@ -344,3 +344,34 @@ def test_cli_arguments() -> None:
         parse_args(["--url", "http://h:1", "--apis", "chat,smoke"])
     with pytest.raises(SystemExit):
         parse_args(["--url", "http://h:1", "--count", "1", "--duration", "2"])
+
+
+async def test_probe_against_the_real_gateway_over_a_scripted_upstream(tmp_path: Path) -> None:
+    """The gateway's own encoders for all three APIs, read by the probe: every probe ok."""
+    from gateway.app import create_app
+    from gateway.testing import ScriptedUpstream, text_script
+    from gateway.upstream import ModelInfo, StaticDirectory
+
+    directory = StaticDirectory()
+    upstream = ScriptedUpstream(scripts=[text_script("Pineapple, then more words")], name="local")
+    directory.add(ModelInfo("scripted"), upstream)
+    with ServerThread(create_app(directory)) as server:
+        config = ProbeConfig(
+            urls=[server.url],
+            count=1,
+            out_dir=tmp_path,
+            timeout_s=10,
+            include_mesh=False,
+            show_progress=False,
+        )
+        summary = await run_probe(config)
+    rows = read_rows(tmp_path / "rows.jsonl")
+    assert summary.outcomes == {"ok": 1 + 3 * 2}, [r.error for r in rows if not r.ok]
+    probes = [r for r in rows if r.kind != "models"]
+    assert {r.api for r in probes} == {"chat", "responses", "messages"}
+    assert all(r.text == "Pineapple, then more words" and r.route == "local" for r in probes)
+    assert all(r.sentinel_ok for r in probes if r.kind == "sentinel")
+    assert all(r.tokens == 5 for r in probes)  # the script's usage, through every API
+    # thinking off went through each API's own knob
+    assert [req.reasoning for req in upstream.requests] == [False] * 6
+    assert all(req.temperature == 0 for req in upstream.requests)
