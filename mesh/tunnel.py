@@ -1,0 +1,330 @@
+"""QUIC tunnels between nodes: one pinned, mutually authenticated connection per peer pair.
+
+The asyncio/aioquic adapter around the sans-IO frame codec (``mesh/frames.py``). Modules:
+``tunnel.py`` (endpoint + config), ``tunnel_connection.py`` (``PeerConnection``),
+``tunnel_stream.py`` (``TunnelStream``), ``tunnel_dial.py`` (reconnect with backoff).
+
+API for the integrator::
+
+    endpoint = TunnelEndpoint(identity, "0.0.0.0", 9338, config=TunnelConfig())
+    endpoint.on_connection = on_conn          # async def on_conn(conn: PeerConnection)
+    await endpoint.start()                    # endpoint.port is the bound UDP port
+    conn = await endpoint.connect(host, port, expected_fingerprint=fp)   # or expected_node_id=
+    ...
+    await endpoint.close()
+
+    # on every new connection (incoming AND outgoing, ``conn.is_client`` tells which):
+    conn.on_stream = serve                    # async def serve(stream: TunnelStream)
+    await conn.control.send(Control(kind="auth", body={...}))   # control stream, both ways
+    msg = await conn.control.recv()
+    conn.mark_authenticated()                 # peer streams are served only after this
+    conn.close(ErrorCode.AUTH_FAILED, "bad secret")
+
+    # a request (either side may open streams):
+    stream = await conn.open_stream()
+    async with stream:                        # leaving early resets the stream with CANCELLED
+        await stream.send(RequestHead(id=..., path="/v1/chat/completions", deadline=30.0))
+        await stream.send(Body(payload)); await stream.send(BodyEnd())
+        async for frame in stream:            # ResponseHead, Data*, End; then iteration stops
+            ...                               # EOF without End raises IncompleteResponse
+
+    # serving one (on_stream handler):
+    head = await stream.recv()                # RequestHead, Body*, BodyEnd
+    await stream.send(ResponseHead(status=200)); await stream.send(Data(b"..."))
+    await stream.send(End())                  # or End(code=ErrorCode.REJECTED, message=...)
+
+Security: TLS 1.3 with each node's Ed25519 certificate (ALPN ``mlx-mesh/1``, no 0-RTT). The
+dialer pins the server's certificate fingerprint or node id. The server requests the client's
+certificate (mutual TLS, via a private aioquic flag – see ``_request_client_certificate``); TLS
+proves the client holds the key, so ``conn.peer_node_id`` / ``peer_public_key`` are known on
+both sides. Whether a peer is a MEMBER is decided above this layer (membership handshake on the
+control stream); until ``mark_authenticated()`` the peer's request streams are held (up to
+``max_held_streams``, beyond that reset with REJECTED), never served.
+
+Behaviour: a peer with our own node id (copied home dir) is refused with DUPLICATE_NODE and a
+``DuplicateNodeError`` (raised by ``connect``, logged and passed to ``on_duplicate_node`` on the
+accepting side). Simultaneous dials collapse to one connection: the one initiated by the lower
+node id wins on both sides, the other is closed with SUPERSEDED (``connect`` then returns the
+winner). Pings every ``ping_interval`` s; no answer within ``ping_timeout`` s closes the
+connection (PING_TIMEOUT) and every stream's reader/sender gets ``ConnectionLost``. Peer resets
+reach readers as ``StreamReset(code)``. Each stream direction is flow-controlled by the
+reader's consumption (see ``tunnel_stream.py``). Finished streams leave no state behind.
+
+Large transfers (model weights) never go through the tunnel: it carries requests, token
+streams and control messages only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aioquic.asyncio.server import QuicServer, serve
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
+from mesh.errors import ConnectError, DuplicateNodeError
+from mesh.frames import ErrorCode
+from mesh.identity import NodeIdentity
+from mesh.tunnel_connection import PeerConnection, Pin, Superseded, TunnelProtocol
+from mesh.tunnel_stream import TunnelStream
+
+__all__ = ["ALPN", "PeerConnection", "TunnelConfig", "TunnelEndpoint", "TunnelStream"]
+
+log = logging.getLogger(__name__)
+
+ALPN = "mlx-mesh/1"
+DEFAULT_PORT = 9338
+
+ConnectionHandler = Callable[[PeerConnection], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class TunnelConfig:
+    """Tunnel tuning. Defaults detect a dead peer in < 5 s (interval + timeout)."""
+
+    ping_interval: float = 1.5
+    ping_timeout: float = 3.0
+    idle_timeout: float = 30.0
+    handshake_timeout: float = 10.0
+    stream_window: int = 256 * 1024  # unconsumed bytes a sender may have in flight per stream
+    max_held_streams: int = 64  # peer streams held while the connection is unauthenticated
+    max_datagram_size: int = 1200
+    close_grace: float = 1.0  # how long close() waits for connections to finish closing
+
+
+class TunnelEndpoint:
+    """This node's tunnel: a UDP listener plus outgoing connections, one per peer."""
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        host: str = "0.0.0.0",
+        port: int = DEFAULT_PORT,
+        *,
+        config: TunnelConfig | None = None,
+    ) -> None:
+        self.identity = identity
+        self.host = host
+        self.port = port
+        self.config = config or TunnelConfig()
+        self.on_connection: ConnectionHandler | None = None
+        self.on_duplicate_node: Callable[[DuplicateNodeError], None] | None = None
+        self._server: QuicServer | None = None
+        self._by_node: dict[str, PeerConnection] = {}
+        self._all: set[PeerConnection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._registered = asyncio.Event()  # set and replaced on every registration
+        self._closing = False
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        """Listen on ``host:port`` (UDP). With port 0, ``self.port`` is the bound port after."""
+        self._server = await serve(
+            self.host,
+            self.port,
+            configuration=self._quic_config(is_client=False),
+            create_protocol=self._server_protocol,
+        )
+        sockname = self._server._transport.get_extra_info("sockname")  # type: ignore[union-attr]
+        self.port = sockname[1]
+        log.info(
+            "tunnel listening on %s:%d (node %s)", self.host, self.port, self.identity.short_id
+        )
+
+    async def close(self) -> None:
+        """Close every connection (SHUTDOWN), wait up to ``close_grace`` s, stop listening."""
+        self._closing = True
+        conns = list(self._all)
+        for conn in conns:
+            conn.close(ErrorCode.SHUTDOWN, "node shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        pending = [c._protocol.wait_closed() for c in conns]
+        if pending:
+            _, not_done = await asyncio.wait(
+                [asyncio.ensure_future(p) for p in pending], timeout=self.config.close_grace
+            )
+            for fut in not_done:
+                fut.cancel()
+        for conn in conns:
+            conn._protocol.terminated()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # ---- connections ----
+
+    @property
+    def connections(self) -> list[PeerConnection]:
+        """Live, registered connections (one per peer)."""
+        return [c for c in self._by_node.values() if not c.is_closed]
+
+    def connection_for(self, node_id: str) -> PeerConnection | None:
+        conn = self._by_node.get(node_id)
+        return conn if conn is not None and not conn.is_closed else None
+
+    async def connect(
+        self,
+        host: str,
+        port: int,
+        *,
+        expected_fingerprint: str | None = None,
+        expected_node_id: str | None = None,
+    ) -> PeerConnection:
+        """Dial a peer, pinned by certificate fingerprint and/or node id; reuse a live one.
+
+        Raises ``AuthFailed`` (pin mismatch / refused), ``DuplicateNodeError``, or
+        ``ConnectError`` (unreachable, handshake timeout, ...)."""
+        if not expected_fingerprint and not expected_node_id:
+            raise ValueError("connect() needs expected_fingerprint or expected_node_id")
+        if self._closing:
+            raise ConnectError("endpoint is closed")
+        pin = Pin(expected_fingerprint, expected_node_id)
+        existing = self._find(pin)
+        if existing is not None:
+            return existing
+        addr = await self._resolve(host, port)
+        loop = asyncio.get_running_loop()
+        local = ("::", 0) if ":" in addr[0] else ("0.0.0.0", 0)
+        try:
+            _, protocol = await loop.create_datagram_endpoint(
+                lambda: TunnelProtocol(
+                    QuicConnection(configuration=self._quic_config(is_client=True)),
+                    endpoint=self,
+                    is_client=True,
+                    pin=pin,
+                ),
+                local_addr=local,
+            )
+        except OSError as exc:
+            raise ConnectError(f"cannot open a UDP socket: {exc}") from exc
+        conn = protocol.conn
+        self._all.add(conn)
+        protocol.connect(addr)
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout):
+                await conn.wait_ready()
+        except TimeoutError:
+            conn.close(ErrorCode.CANCELLED, "handshake timed out")
+            raise ConnectError(f"no answer from {host}:{port} (handshake timed out)") from None
+        except Superseded:
+            winner = await self._await_registered(conn.peer_node_id)
+            if winner is None:
+                raise ConnectError(
+                    f"simultaneous dial to {host}:{port} left no connection"
+                ) from None
+            return winner
+        return conn
+
+    def _find(self, pin: Pin) -> PeerConnection | None:
+        for conn in self.connections:
+            if pin.node_id and conn.peer_node_id == pin.node_id.lower():
+                return conn
+            if pin.fingerprint and conn.peer_cert_fingerprint == pin.fingerprint.lower():
+                return conn
+        return None
+
+    async def _await_registered(self, node_id: str | None) -> PeerConnection | None:
+        if node_id is None:
+            return None
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout):
+                while (conn := self.connection_for(node_id)) is None:
+                    await self._registered.wait()
+                await conn.wait_ready()
+        except TimeoutError:
+            return None
+        return conn
+
+    @staticmethod
+    async def _resolve(host: str, port: int) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except OSError as exc:
+            raise ConnectError(f"cannot resolve {host}: {exc}") from exc
+        sockaddr = infos[0][4]
+        return str(sockaddr[0]), int(sockaddr[1])
+
+    # ---- called by PeerConnection ----
+
+    def _register(self, conn: PeerConnection) -> bool:
+        """Make ``conn`` THE connection to its peer; False if an existing one wins the tie."""
+        assert conn.peer_node_id is not None
+        self._all.add(conn)
+        existing = self.connection_for(conn.peer_node_id)
+        if existing is not None and existing is not conn:
+            if self._initiator(existing) == self._initiator(conn):
+                loser = existing  # same side dialed again: the old one is stale
+            elif self._initiator(conn) < self._initiator(existing):
+                loser = existing
+            else:
+                return False
+            log.info("collapsing duplicate connection to %s", conn.peer_node_id[:12])
+            loser.close(ErrorCode.SUPERSEDED, "simultaneous dial: kept the other connection")
+        self._by_node[conn.peer_node_id] = conn
+        self._notify_registered()
+        return True
+
+    def _initiator(self, conn: PeerConnection) -> str:
+        return self.identity.node_id if conn.is_client else (conn.peer_node_id or "")
+
+    def _unregister(self, conn: PeerConnection) -> None:
+        if conn.peer_node_id is not None and self._by_node.get(conn.peer_node_id) is conn:
+            del self._by_node[conn.peer_node_id]
+
+    def _announce(self, conn: PeerConnection) -> None:
+        handler = self.on_connection
+        if handler is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._run_on_connection(handler, conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_on_connection(self, handler: ConnectionHandler, conn: PeerConnection) -> None:
+        try:
+            await handler(conn)
+        except Exception:
+            log.exception("on_connection handler failed for %r", conn)
+            conn.close(ErrorCode.INTERNAL, "connection handler failed")
+
+    def _report_duplicate(self, exc: DuplicateNodeError) -> None:
+        if self.on_duplicate_node is not None:
+            self.on_duplicate_node(exc)
+
+    def _notify_registered(self) -> None:
+        event, self._registered = self._registered, asyncio.Event()
+        event.set()
+
+    def _forget(self, conn: PeerConnection) -> None:
+        """aioquic finished closing ``conn``: drop the last reference."""
+        self._all.discard(conn)
+
+    # ---- aioquic plumbing ----
+
+    def _server_protocol(
+        self, quic: QuicConnection, stream_handler: object = None
+    ) -> TunnelProtocol:
+        protocol = TunnelProtocol(quic, endpoint=self, is_client=False)
+        self._all.add(protocol.conn)
+        return protocol
+
+    def _quic_config(self, *, is_client: bool) -> QuicConfiguration:
+        config = QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=[ALPN],
+            max_datagram_size=self.config.max_datagram_size,
+            idle_timeout=self.config.idle_timeout,
+            verify_mode=ssl.CERT_NONE,  # self-signed by design: PeerConnection pins instead
+        )
+        config.certificate = self.identity.certificate
+        config.private_key = self.identity.private_key
+        if is_client:
+            config.server_name = "mlx-mesh"
+        return config

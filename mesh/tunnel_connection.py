@@ -1,0 +1,457 @@
+"""One QUIC connection to one peer: the aioquic event adapter behind ``PeerConnection``.
+
+See ``mesh/tunnel.py`` for the API as a whole. This module turns aioquic events into tunnel
+behaviour: certificate pinning and duplicate-node detection at handshake, the control stream,
+holding peer streams until the connection is authenticated, keep-alive pings with a timeout,
+resets surfaced to readers, and ``ConnectionLost`` for every stream when the connection dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+
+from mesh.errors import (
+    AuthFailed,
+    ClosedError,
+    ConnectError,
+    ConnectionLost,
+    DuplicateNodeError,
+    IdentityError,
+    StreamLost,
+    TunnelError,
+)
+from mesh.frames import ErrorCode, StreamRole, Window, encode, error_name
+from mesh.identity import cert_fingerprint_of, node_id_of_cert, public_key_of_cert
+from mesh.tunnel_stream import TunnelStream
+
+if TYPE_CHECKING:
+    from mesh.tunnel import TunnelConfig, TunnelEndpoint
+
+log = logging.getLogger(__name__)
+
+StreamHandler = Callable[[TunnelStream], Awaitable[None]]
+CONTROL_STREAM_ID = 0  # the client's first bidirectional stream
+
+
+class Superseded(ConnectError):
+    """This dial lost a simultaneous-dial tie-break; the endpoint keeps the other connection."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What the dialer expects the peer to be: a certificate fingerprint and/or a node id."""
+
+    fingerprint: str | None = None
+    node_id: str | None = None
+
+
+_CLOSE_ERRORS: dict[int, type[ConnectError]] = {
+    ErrorCode.AUTH_FAILED: AuthFailed,
+    ErrorCode.DUPLICATE_NODE: DuplicateNodeError,
+    ErrorCode.SUPERSEDED: Superseded,
+}
+
+
+class PeerConnection:
+    """A live, pinned QUIC connection to one peer, usable in both directions.
+
+    Attributes: ``peer_node_id``, ``peer_public_key`` (raw Ed25519), ``peer_cert_fingerprint``,
+    ``peer_address``, ``is_client`` (we dialed), ``rtt`` (seconds, from pings; None until the
+    first), ``authenticated`` (event), ``closed`` (event), ``close_code``/``close_reason``,
+    ``control`` (the control stream), ``on_stream`` (handler for peer-opened streams)."""
+
+    def __init__(
+        self,
+        endpoint: TunnelEndpoint,
+        protocol: TunnelProtocol,
+        is_client: bool,
+        pin: Pin | None,
+    ) -> None:
+        self.is_client = is_client
+        self.peer_node_id: str | None = None
+        self.peer_public_key: bytes | None = None
+        self.peer_cert_fingerprint: str | None = None
+        self.peer_certificate: x509.Certificate | None = None
+        self.rtt: float | None = None
+        self.on_stream: StreamHandler | None = None
+        self.authenticated = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.close_code: int | None = None
+        self.close_reason = ""
+        self.control: TunnelStream | None = None
+        self._endpoint = endpoint
+        self._config: TunnelConfig = endpoint.config
+        self._protocol = protocol
+        self._quic: QuicConnection = protocol._quic
+        self._pin = pin
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._ready.add_done_callback(_retrieve)  # failures are raised to connect(), if any
+        self._handshake_done = False
+        self._streams: dict[int, TunnelStream] = {}
+        self._held: list[TunnelStream] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._next_stream_id = 0 if is_client else 1
+        self._highest_peer_stream = -1
+        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._ping_ids = itertools.count(1)
+        self._keepalive: asyncio.Task[None] | None = None
+        self._lost: ConnectionLost | None = None
+
+    # ---- public API ----
+
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        addr = self._quic.get_peer_address()
+        return (addr[0], addr[1]) if addr else None
+
+    @property
+    def is_closed(self) -> bool:
+        return self._lost is not None
+
+    @property
+    def active_streams(self) -> int:
+        """Request streams not yet done in both directions (the control stream not counted)."""
+        return sum(1 for s in self._streams.values() if s is not self.control)
+
+    def mark_authenticated(self) -> None:
+        """Allow peer-opened streams to be served (held ones are dispatched now)."""
+        if self.authenticated.is_set():
+            return
+        self.authenticated.set()
+        held, self._held = self._held, []
+        for stream in held:
+            if not stream.done:
+                self._serve(stream)
+
+    async def open_stream(self) -> TunnelStream:
+        """A new request stream (we send RequestHead...; the peer answers)."""
+        if self._lost is not None:
+            raise self._lost
+        if not self._ready.done() or self._ready.exception() is not None:
+            raise ClosedError("connection is not established")
+        stream_id = self._next_stream_id
+        self._next_stream_id += 4
+        stream = TunnelStream(self, stream_id, StreamRole.RESPONSE, self._config.stream_window)
+        self._streams[stream_id] = stream
+        return stream
+
+    def close(self, code: int = ErrorCode.NO_ERROR, reason: str = "") -> None:
+        """Close the connection with an application ``code`` (an ErrorCode); idempotent.
+        Every open stream gets ``ConnectionLost``."""
+        if self._lost is not None:
+            return
+        self._quic.close(error_code=int(code), reason_phrase=reason)
+        self._protocol.transmit()
+        self._mark_lost(ConnectionLost(f"closed locally: {error_name(code)} {reason}", int(code)))
+
+    async def wait_closed(self) -> None:
+        await self.closed.wait()
+
+    async def wait_ready(self) -> None:
+        """Handshake done, pins checked, control stream up. Raises the ConnectError subtype."""
+        await asyncio.shield(self._ready)
+
+    def __repr__(self) -> str:
+        peer = self.peer_node_id[:12] if self.peer_node_id else "?"
+        side = "out" if self.is_client else "in"
+        return f"<PeerConnection {side} {peer} {self.peer_address} closed={self.is_closed}>"
+
+    # ---- StreamHost (called by TunnelStream) ----
+
+    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
+        self._protocol._transmit_soon()
+
+    def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
+        if send:
+            self._quic.reset_stream(stream_id, int(code))
+        if receive:
+            with contextlib.suppress(ValueError):  # never sent nor received: nothing to stop
+                self._quic.stop_stream(stream_id, int(code))
+        self._protocol._transmit_soon()
+
+    def _stream_done(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    def _lost_error(self) -> ConnectionLost | None:
+        return self._lost
+
+    # ---- aioquic events ----
+
+    def handle_event(self, event: events.QuicEvent) -> None:
+        handler = _EVENT_HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+
+    def _on_handshake(self, event: events.HandshakeCompleted) -> None:
+        try:
+            self._check_peer_certificate()
+        except ConnectError as exc:
+            code = (
+                ErrorCode.DUPLICATE_NODE
+                if isinstance(exc, DuplicateNodeError)
+                else ErrorCode.AUTH_FAILED
+            )
+            if isinstance(exc, DuplicateNodeError):
+                log.error("%s", exc)
+                self._endpoint._report_duplicate(exc)
+            self._fail_handshake(exc, code)
+            return
+        self._handshake_done = True
+        if self.is_client:
+            stream_id = self._next_stream_id
+            self._next_stream_id += 4
+            self.control = TunnelStream(
+                self, stream_id, StreamRole.CONTROL, self._config.stream_window
+            )
+            self._streams[stream_id] = self.control
+            self._stream_write(stream_id, encode(Window(0)), False)  # opens it at the peer
+        elif self.control is not None:
+            self._become_ready()
+
+    def _check_peer_certificate(self) -> None:
+        cert = _peer_certificate(self._quic)
+        if cert is None:
+            raise AuthFailed("peer presented no client certificate")
+        try:
+            public_key = public_key_of_cert(cert)
+        except IdentityError as exc:
+            raise AuthFailed(f"peer certificate unusable: {exc}") from None
+        self.peer_certificate = cert
+        self.peer_public_key = public_key
+        self.peer_node_id = node_id_of_cert(cert)
+        self.peer_cert_fingerprint = cert_fingerprint_of(cert)
+        if self.peer_node_id == self._endpoint.identity.node_id:
+            raise DuplicateNodeError(
+                f"peer at {self.peer_address} runs with OUR node id "
+                f"{self.peer_node_id[:12]}: two nodes share one identity (a copied home dir?). "
+                "Give one of them a fresh home dir; refusing the connection."
+            )
+        pin = self._pin
+        if pin is not None:
+            if pin.fingerprint and pin.fingerprint.lower() != self.peer_cert_fingerprint:
+                raise AuthFailed(
+                    f"certificate pin mismatch at {self.peer_address}: expected "
+                    f"{pin.fingerprint[:16]}…, got {self.peer_cert_fingerprint[:16]}…"
+                )
+            if pin.node_id and pin.node_id.lower() != self.peer_node_id:
+                raise AuthFailed(
+                    f"node id mismatch at {self.peer_address}: expected {pin.node_id[:12]}, "
+                    f"got {self.peer_node_id[:12]}"
+                )
+
+    def _on_stream_data(self, event: events.StreamDataReceived) -> None:
+        stream = self._streams.get(event.stream_id)
+        if stream is None:
+            stream = self._accept_stream(event.stream_id)
+            if stream is None:
+                return
+        stream._on_data(event.data, event.end_stream)
+        if stream is self.control and self.is_client and not self._ready.done():
+            self._become_ready()  # the server's first control bytes = it accepted us
+
+    def _accept_stream(self, stream_id: int) -> TunnelStream | None:
+        peer_bit = 0 if not self.is_client else 1
+        if stream_id & 0x3 != peer_bit or stream_id <= self._highest_peer_stream:
+            return None  # not a new peer bidi stream: stale data for a stream we dropped
+        self._highest_peer_stream = stream_id
+        window = self._config.stream_window
+        if stream_id == CONTROL_STREAM_ID and not self.is_client:
+            self.control = TunnelStream(self, stream_id, StreamRole.CONTROL, window)
+            self._streams[stream_id] = self.control
+            if self._handshake_done:
+                self._become_ready()
+            return self.control
+        stream = TunnelStream(self, stream_id, StreamRole.REQUEST, window)
+        self._streams[stream_id] = stream
+        if self.authenticated.is_set():
+            self._serve(stream)
+        elif len(self._held) < self._config.max_held_streams:
+            self._held.append(stream)
+        else:
+            stream.reset(ErrorCode.REJECTED)
+        return stream
+
+    def _on_reset(self, event: events.StreamReset) -> None:
+        stream = self._streams.get(event.stream_id)
+        if stream is not None:
+            stream._on_reset(event.error_code)
+
+    def _on_stop_sending(self, event: events.StopSendingReceived) -> None:
+        stream = self._streams.get(event.stream_id)
+        if stream is not None:
+            stream._on_stop_sending(event.error_code)
+
+    def _on_ping_ack(self, event: events.PingAcknowledged) -> None:
+        waiter = self._pings.pop(event.uid, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_terminated(self, event: events.ConnectionTerminated) -> None:
+        if self._lost is None:
+            reason = event.reason_phrase or error_name(event.error_code)
+            self._mark_lost(
+                ConnectionLost(f"peer closed the connection: {reason}", event.error_code)
+            )
+        self._protocol.terminated()
+
+    # ---- lifecycle ----
+
+    def _become_ready(self) -> None:
+        if self._ready.done() or self._lost is not None:
+            return
+        if not self._endpoint._register(self):
+            self._fail_handshake(
+                Superseded("simultaneous dial: kept the other connection"), ErrorCode.SUPERSEDED
+            )
+            return
+        if not self.is_client and self.control is not None:
+            self._stream_write(self.control.stream_id, encode(Window(0)), False)  # accepted
+        self._ready.set_result(None)
+        self._keepalive = self._loop.create_task(self._ping_forever())
+        self._endpoint._announce(self)
+
+    def _fail_handshake(self, exc: ConnectError, code: ErrorCode) -> None:
+        if not self._ready.done():
+            self._ready.set_exception(exc)
+        self.close(code, str(exc)[:200])
+
+    def _serve(self, stream: TunnelStream) -> None:
+        task = self._loop.create_task(self._run_handler(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_handler(self, stream: TunnelStream) -> None:
+        handler = self.on_stream
+        if handler is None:
+            stream.reset(ErrorCode.REJECTED)
+            return
+        try:
+            await handler(stream)
+        except StreamLost as exc:
+            log.debug("stream %d of %r lost: %s", stream.stream_id, self, exc)
+        except TunnelError as exc:
+            log.warning("stream %d of %r: %s", stream.stream_id, self, exc)
+        except Exception:
+            log.exception("stream handler failed on stream %d of %r", stream.stream_id, self)
+            stream.reset(ErrorCode.INTERNAL)
+        finally:
+            if not stream._local_finished:
+                stream.reset(ErrorCode.INTERNAL)  # the handler left without sending End
+
+    async def _ping_forever(self) -> None:
+        interval, timeout = self._config.ping_interval, self._config.ping_timeout
+        while self._lost is None:
+            uid = next(self._ping_ids)
+            waiter = self._loop.create_future()
+            self._pings[uid] = waiter
+            started = self._loop.time()
+            self._quic.send_ping(uid)
+            self._protocol.transmit()
+            try:
+                async with asyncio.timeout(timeout):
+                    await waiter
+            except TimeoutError:
+                self._pings.pop(uid, None)
+                log.warning("%r: no answer to ping for %.1fs, closing", self, timeout)
+                self.close(ErrorCode.PING_TIMEOUT, f"no ping answer for {timeout:.1f}s")
+                return
+            sample = self._loop.time() - started
+            self.rtt = sample if self.rtt is None else 0.8 * self.rtt + 0.2 * sample
+            await asyncio.sleep(interval)
+
+    def _mark_lost(self, error: ConnectionLost) -> None:
+        self._lost = error
+        self.close_code, self.close_reason = error.code, str(error)
+        if not self._ready.done():
+            err_type = _CLOSE_ERRORS.get(error.code or 0, ConnectError)
+            self._ready.set_exception(err_type(f"connection failed: {error}"))
+        streams, self._streams, self._held = list(self._streams.values()), {}, []
+        for stream in streams:
+            stream._on_connection_lost(error)
+        for waiter in self._pings.values():
+            waiter.cancel()
+        self._pings.clear()
+        current = asyncio.current_task()
+        for task in [*self._tasks, self._keepalive]:
+            if task is not None and task is not current:
+                task.cancel()
+        self.closed.set()
+        self._endpoint._unregister(self)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _peer_certificate(quic: QuicConnection) -> x509.Certificate | None:
+    """The certificate the peer presented. aioquic keeps it on the TLS context only."""
+    tls: Any = getattr(quic, "tls", None)
+    return getattr(tls, "_peer_certificate", None)
+
+
+def _request_client_certificate(quic: QuicConnection) -> None:
+    """Make a server-side connection ask for the client's certificate (mutual TLS).
+
+    aioquic's TLS server can send a CertificateRequest and verifies the client's
+    CertificateVerify signature, but only exposes it through a private flag, set on the TLS
+    context it creates on the first datagram. We wrap that creation step for this connection.
+    The chain is not verified (self-signed by design): the tunnel pins and checks node ids."""
+    initialize = quic._initialize  # type: ignore[attr-defined]
+
+    def initialize_with_client_cert(peer_cid: bytes) -> None:
+        initialize(peer_cid)
+        quic.tls._request_client_certificate = True  # type: ignore[attr-defined]
+
+    quic._initialize = initialize_with_client_cert  # type: ignore[attr-defined,method-assign]
+
+
+_EVENT_HANDLERS: dict[type, Callable[[PeerConnection, Any], None]] = {
+    events.HandshakeCompleted: PeerConnection._on_handshake,
+    events.StreamDataReceived: PeerConnection._on_stream_data,
+    events.StreamReset: PeerConnection._on_reset,
+    events.StopSendingReceived: PeerConnection._on_stop_sending,
+    events.PingAcknowledged: PeerConnection._on_ping_ack,
+    events.ConnectionTerminated: PeerConnection._on_terminated,
+}
+
+
+class TunnelProtocol(QuicConnectionProtocol):
+    """aioquic's datagram protocol, with events routed to a ``PeerConnection``."""
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        stream_handler: object = None,
+        *,
+        endpoint: TunnelEndpoint,
+        is_client: bool,
+        pin: Pin | None = None,
+    ) -> None:
+        super().__init__(quic)
+        if not is_client:
+            _request_client_certificate(quic)
+        self.conn = PeerConnection(endpoint, self, is_client, pin)
+        self._is_client = is_client
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        self.conn.handle_event(event)
+
+    def terminated(self) -> None:
+        """aioquic finished closing; a dialed connection owns its UDP socket."""
+        if self._is_client and self._transport is not None:
+            self._transport.close()
+        self.conn._endpoint._forget(self.conn)
