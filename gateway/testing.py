@@ -59,6 +59,7 @@ class ScriptedUpstream:
     cancelled: int = 0
     completed: int = 0
     active: int = 0
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # set on the first call
 
     @classmethod
     def of(cls, *steps: Step, name: str = "scripted", delay_s: float = 0.0) -> ScriptedUpstream:
@@ -72,6 +73,7 @@ class ScriptedUpstream:
         script = self.scripts[min(len(self.requests), len(self.scripts) - 1)]
         self.requests.append(request)
         self.active += 1
+        self.started.set()
         try:
             for step in script:
                 if self.delay_s:

@@ -23,7 +23,11 @@ SCRIPTS = {
     "full": FULL,
     "plain": text_script("Just text."),
     "cut": text_script("Cut short", finish="length"),
-    "broken": [TextDelta("partial "), TextDelta("answer"), Error(kind="upstream", message="worker died")],
+    "broken": [
+        TextDelta("partial "),
+        TextDelta("answer"),
+        Error(kind="upstream", message="worker died"),
+    ],
     "refused": [Error(kind="invalid_request", message="context_length_exceeded: too long")],
     "empty": [Usage(3, 0), Done("stop")],
 }
@@ -41,13 +45,17 @@ def server():
 
 @pytest.fixture
 def oai(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0) as client:
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0
+    ) as client:
         yield client
 
 
 @pytest.fixture
 def claude(server):
-    with anthropic.Anthropic(base_url=server.url, api_key="k", _strict_response_validation=True, max_retries=0) as client:
+    with anthropic.Anthropic(
+        base_url=server.url, api_key="k", _strict_response_validation=True, max_retries=0
+    ) as client:
         yield client
 
 
@@ -64,19 +72,27 @@ def test_chat_create_full(oai):
     assert choice.message.model_extra["reasoning_content"] == "let me think"
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
-    assert (call.id, call.function.name, call.function.arguments) == ("call_0", "get_weather", '{"city": "Paris"}')
+    assert (call.id, call.function.name, call.function.arguments) == (
+        "call_0",
+        "get_weather",
+        '{"city": "Paris"}',
+    )
     assert completion.usage.prompt_tokens == 7
     assert completion.usage.prompt_tokens_details.cached_tokens == 2
 
 
 def test_chat_stream_chunks(oai):
     chunks = list(
-        oai.chat.completions.create(model="full", messages=USER, stream=True, stream_options={"include_usage": True})
+        oai.chat.completions.create(
+            model="full", messages=USER, stream=True, stream_options={"include_usage": True}
+        )
     )
     with_choices = [c for c in chunks if c.choices]
     roles = [c.choices[0].delta.role for c in with_choices]
     assert roles[0] == "assistant" and not any(roles[1:])
-    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in with_choices)
+    reasoning = "".join(
+        c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in with_choices
+    )
     assert reasoning == "let me think"
     assert "".join(c.choices[0].delta.content or "" for c in with_choices) == "Hello there, friend!"
     fragments = [tc for c in with_choices for tc in c.choices[0].delta.tool_calls or []]
@@ -130,13 +146,19 @@ def test_models_list(oai):
 
 
 def test_responses_create_full(oai):
-    response = oai.responses.create(model="full", input="hi", instructions="be brief", max_output_tokens=50)
+    response = oai.responses.create(
+        model="full", input="hi", instructions="be brief", max_output_tokens=50
+    )
     kinds = [item.type for item in response.output]
     assert kinds == ["reasoning", "message", "function_call"]
     assert response.output_text == "Hello there, friend!"
     assert response.output[0].content[0].text == "let me think"
     call = response.output[2]
-    assert (call.name, call.arguments, call.call_id) == ("get_weather", '{"city": "Paris"}', "call_0")
+    assert (call.name, call.arguments, call.call_id) == (
+        "get_weather",
+        '{"city": "Paris"}',
+        "call_0",
+    )
     assert response.status == "completed"
     assert response.usage.input_tokens_details.cached_tokens == 2
     assert response.max_output_tokens == 50 and response.instructions == "be brief"
@@ -160,7 +182,9 @@ def test_responses_stream_events(oai):
         "response.function_call_arguments.done",
     ):
         assert expected in types
-    assert types.count("response.output_item.added") == types.count("response.output_item.done") == 3
+    assert (
+        types.count("response.output_item.added") == types.count("response.output_item.done") == 3
+    )
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
     assert final.usage.output_tokens == 5
@@ -191,8 +215,18 @@ def test_responses_tool_round_trip_input(oai, server):
     upstream = ScriptedUpstream.of(*text_script("ok"))
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "use tool"}]},
-        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "use tool"}],
+        },
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city":"Oslo"}',
+        },
         {"type": "function_call_output", "call_id": "c1", "output": "rainy"},
     ]
     from gateway.api.responses import parse

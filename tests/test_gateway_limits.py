@@ -1,0 +1,102 @@
+"""Limits and bad input: 401/413/429/400 in each API's error shape; the gateway keeps serving.
+Also /health, /metrics and the JSONL request log."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.events import TextDelta
+from gateway.testing import ScriptedUpstream, Stall, asgi_request, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+
+
+def _app(upstream: ScriptedUpstream | None = None, **config):
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), upstream or ScriptedUpstream.of(*text_script("ok")))
+    return create_app(directory, GatewayConfig(**config))
+
+
+async def test_api_key_required_in_each_shape():
+    app = _app(api_key="sekrit")
+    denied = await asgi_request(app, "POST", "/v1/chat/completions", CHAT)
+    assert denied.status == 401 and denied.json()["error"]["type"] == "authentication_error"
+    denied = await asgi_request(
+        app, "POST", "/v1/messages", MESSAGES, headers=[("x-api-key", "wrong")]
+    )
+    assert denied.status == 401 and denied.json() == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "invalid or missing API key"},
+    }
+    ok = await asgi_request(
+        app, "POST", "/v1/chat/completions", CHAT, headers=[("authorization", "Bearer sekrit")]
+    )
+    assert ok.status == 200
+    ok = await asgi_request(
+        app, "POST", "/v1/messages", MESSAGES, headers=[("x-api-key", "sekrit")]
+    )
+    assert ok.status == 200
+    assert (await asgi_request(app, "GET", "/health")).status == 200
+
+
+async def test_body_too_large_is_413_then_still_serving():
+    app = _app(max_body_bytes=200)
+    big = dict(CHAT, messages=[{"role": "user", "content": "y" * 500}])
+    result = await asgi_request(app, "POST", "/v1/chat/completions", big)
+    assert result.status == 413 and "exceeds 200 bytes" in result.json()["error"]["message"]
+    assert (await asgi_request(app, "POST", "/v1/chat/completions", CHAT)).status == 200
+
+
+async def test_malformed_json_and_schema_errors_name_the_problem():
+    app = _app()
+    bad = await asgi_request(app, "POST", "/v1/chat/completions", b"{not json")
+    assert bad.status == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    bad = await asgi_request(app, "POST", "/v1/chat/completions", {"model": "m"})
+    assert bad.status == 400 and bad.json()["error"]["message"].startswith("messages")
+    bad = await asgi_request(
+        app, "POST", "/v1/responses", {"model": "m", "input": [{"type": "wat"}]}
+    )
+    assert bad.status == 400 and "input.0.type" in bad.json()["error"]["message"]
+    bad = await asgi_request(app, "POST", "/v1/messages", [1, 2])
+    assert bad.status == 400 and bad.json()["type"] == "error"
+    assert (await asgi_request(app, "POST", "/v1/chat/completions", CHAT)).status == 200
+
+
+async def test_in_flight_limit_is_429_with_retry_after():
+    upstream = ScriptedUpstream(scripts=[[TextDelta("a"), Stall()], text_script("ok")])
+    app = _app(upstream, max_in_flight=1, header_wait_s=0.01)
+    stream_body = dict(CHAT, stream=True)
+    first = asyncio.create_task(
+        asgi_request(app, "POST", "/v1/chat/completions", stream_body, disconnect_after_s=0.2)
+    )
+    await upstream.started.wait()
+    second = await asgi_request(app, "POST", "/v1/chat/completions", CHAT)
+    assert second.status == 429 and second.headers["retry-after"] == "1"
+    await first
+    assert (await asgi_request(app, "POST", "/v1/chat/completions", CHAT)).status == 200
+
+
+async def test_health_metrics_and_request_log(tmp_path):
+    log_path = tmp_path / "requests.jsonl"
+    app = _app(request_log=log_path)
+    await asgi_request(app, "POST", "/v1/chat/completions", dict(CHAT, stream=True))
+    await asgi_request(app, "POST", "/v1/chat/completions", dict(CHAT, model="nope"))
+    health = (await asgi_request(app, "GET", "/health")).json()
+    assert health["status"] == "ok" and health["models"] == ["m"] and health["in_flight"] == 0
+    assert {"version", "queue_depth", "uptime_s"} <= set(health)
+    metrics = (await asgi_request(app, "GET", "/metrics")).body.decode()
+    assert 'gateway_requests_total{api="chat",model="m",outcome="ok"} 1.0' in metrics
+    assert 'gateway_requests_total{api="chat",model="nope",outcome="not_found"} 1.0' in metrics
+    assert "gateway_ttft_seconds_count" in metrics
+    rows = [orjson.loads(line) for line in log_path.read_bytes().splitlines()]
+    ok = next(r for r in rows if r["outcome"] == "ok")
+    assert (
+        ok["prompt_tokens"] == 7 and ok["cached_tokens"] == 2 and ok["route"]["x-route"] == "local"
+    )
+    assert ok["ttft_s"] is not None

@@ -1,0 +1,118 @@
+"""Router: retry once before the commit point (first content delta), never after; route headers."""
+
+from __future__ import annotations
+
+from gateway.events import Done, Error, Meta, TextDelta
+from gateway.request import ChatRequest, Message
+from gateway.router import RouteError, Router
+from gateway.testing import Raise, ScriptedUpstream, asgi_request, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+
+REQUEST = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+BUSY = Error(kind="unavailable", message="busy", retryable=True)
+
+
+def _router(*upstreams: ScriptedUpstream) -> Router:
+    directory = StaticDirectory()
+    for upstream in upstreams:
+        directory.add(
+            ModelInfo(id="m"), upstream, kind="local" if upstream.name == "local" else "peer"
+        )
+    return Router(directory, retry_backoff_s=0.001)
+
+
+async def _run(router: Router) -> list:
+    return [event async for event in router.stream(REQUEST, router.resolve(REQUEST))]
+
+
+async def test_retryable_error_before_first_delta_is_retried_on_same_route():
+    upstream = ScriptedUpstream(scripts=[[BUSY], text_script("ok")], name="local")
+    events = await _run(_router(upstream))
+    assert upstream.calls == 2
+    meta = events[0]
+    assert isinstance(meta, Meta)
+    assert meta.headers["x-attempts"] == "2" and meta.headers["x-route"] == "local"
+    assert "local:unavailable" in meta.headers["x-retry-reasons"]
+    assert isinstance(events[-1], Done)
+
+
+async def test_exception_before_first_delta_is_retried_then_next_route():
+    first = ScriptedUpstream(scripts=[[Raise(ConnectionError("refused"))]], name="local")
+    second = ScriptedUpstream.of(*text_script("from peer"), name="peer-b")
+    events = await _run(_router(first, second))
+    assert first.calls == 2 and second.calls == 1
+    meta = events[0]
+    assert meta.headers["x-attempts"] == "3" and meta.headers["x-peer"] == "peer-b"
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "from peer"
+
+
+async def test_error_after_first_delta_is_not_retried():
+    upstream = ScriptedUpstream(
+        scripts=[[TextDelta("par"), BUSY], text_script("never")], name="local"
+    )
+    events = await _run(_router(upstream))
+    assert upstream.calls == 1
+    assert events[-1] == BUSY
+    assert [e.text for e in events if isinstance(e, TextDelta)] == ["par"]
+
+
+async def test_exception_after_first_delta_becomes_error_event():
+    upstream = ScriptedUpstream.of(
+        TextDelta("a"), Raise(RuntimeError("socket closed")), name="local"
+    )
+    events = await _run(_router(upstream))
+    assert upstream.calls == 1
+    assert isinstance(events[-1], Error) and events[-1].kind == "upstream"
+
+
+async def test_non_retryable_error_is_passed_on_at_once():
+    refused = Error(kind="invalid_request", message="bad")
+    upstream = ScriptedUpstream.of(refused, name="local")
+    events = await _run(_router(upstream))
+    assert upstream.calls == 1 and events[-1] == refused
+
+
+async def test_all_attempts_fail_gives_last_error():
+    upstream = ScriptedUpstream.of(BUSY, name="local")
+    events = await _run(_router(upstream))
+    assert upstream.calls == 2
+    assert events[-1] == BUSY and events[0].headers["x-attempts"] == "2"
+
+
+def test_unknown_model_and_unreachable_model():
+    router = _router(ScriptedUpstream.of(Done(), name="local"))
+    try:
+        router.resolve(ChatRequest(model="zzz", messages=[]))
+    except RouteError as exc:
+        assert exc.error.status == 404 and "available: m" in exc.error.message
+    else:
+        raise AssertionError("expected RouteError")
+
+
+async def test_retry_reaches_client_with_route_headers():
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    upstream = ScriptedUpstream(scripts=[[BUSY], text_script("ok")], name="local")
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), upstream)
+    app = create_app(directory, GatewayConfig(retry_backoff_ms=1))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    result = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert result.status == 200
+    assert result.headers["x-attempts"] == "2" and result.headers["x-route"] == "local"
+    assert result.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_moa_hook_serves_model_mesh():
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    moa = ScriptedUpstream.of(Meta({"x-moa-winner": "a"}), *text_script("mixed"), name="moa")
+    app = create_app(StaticDirectory(), GatewayConfig(), moa=moa)
+    models = await asgi_request(app, "GET", "/v1/models")
+    assert [m["id"] for m in models.json()["data"]] == ["mesh"]
+    body = {"model": "mesh", "messages": [{"role": "user", "content": "x"}]}
+    result = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert result.json()["choices"][0]["message"]["content"] == "mixed"
+    assert result.headers["x-moa-winner"] == "a" and result.headers["x-route"] == "moa"
