@@ -1,0 +1,107 @@
+"""Judging a scenario run from its probe rows: pure, so it is tested without any node running."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from lab.rows import PROPER_FAILURES, Outcome, ProbeRow
+from lab.scenario import Scenario
+
+
+class Verdict(BaseModel):
+    scenario: str
+    sent: int
+    succeeded: int
+    failed_proper: int  # the server said no properly: an error event or an HTTP error
+    failed_improper: int  # timeouts, truncated bodies, transport errors (not hung)
+    hung: int  # must be 0
+    identical: int | None  # ok fault-phase outputs equal to the no-fault baseline's
+    compared: int | None  # ok fault-phase outputs that had a baseline to compare with
+    recovery_s: float | None  # from the last step to the first ok after which all were ok
+    recovered: bool
+    passed: bool
+    reasons: list[str]  # why it did not pass (empty when it did)
+
+    @property
+    def success_rate(self) -> float:
+        return self.succeeded / self.sent if self.sent else 0.0
+
+
+def _key(row: ProbeRow) -> tuple[str, str | None, str]:
+    return (row.model, row.api, row.kind)
+
+
+def baseline_outputs(rows: Sequence[ProbeRow], until: float) -> dict[tuple, str]:
+    """The most common ok output per model × api × kind among rows started before ``until``."""
+    seen: dict[tuple, Counter[str]] = {}
+    for row in rows:
+        if row.t < until and row.ok and row.text is not None:
+            seen.setdefault(_key(row), Counter())[row.text] += 1
+    return {key: counts.most_common(1)[0][0] for key, counts in seen.items()}
+
+
+def recovery_time(rows: Sequence[ProbeRow], since: float) -> float | None:
+    """Seconds from ``since`` to the start of the first ok row after which every row was ok."""
+    after = sorted((row for row in rows if row.t >= since), key=lambda row: row.t)
+    if not after or not after[-1].ok:
+        return None
+    index = len(after) - 1
+    while index > 0 and after[index - 1].ok:
+        index -= 1
+    return after[index].t - since
+
+
+def judge(scenario: Scenario, rows: Sequence[ProbeRow], started_at: float) -> Verdict:
+    """``started_at`` is the wall time of the probe's t=0 (what the steps' ``at`` count from)."""
+    probes = [row for row in rows if row.kind != "models"]
+    counts = Counter(row.outcome for row in probes)
+    ok = counts[Outcome.OK]
+    proper = sum(counts[o] for o in PROPER_FAILURES)
+    hung = counts[Outcome.HUNG]
+
+    identical = compared = None
+    first_fault = scenario.first_fault_at
+    if first_fault is not None:
+        boundary = started_at + first_fault
+        baseline = baseline_outputs(probes, boundary)
+        if baseline:
+            later = [r for r in probes if r.t >= boundary and r.ok and _key(r) in baseline]
+            compared = len(later)
+            identical = sum(1 for r in later if r.text == baseline[_key(r)])
+
+    recovery_s = None
+    recovered = True
+    if scenario.recovery_from is not None:
+        recovery_s = recovery_time(probes, started_at + scenario.recovery_from)
+        recovered = recovery_s is not None
+
+    expect = scenario.expect
+    reasons = []
+    if hung > expect.max_hung:
+        reasons.append(f"{hung} hung requests (allowed {expect.max_hung})")
+    rate = ok / len(probes) if probes else 0.0
+    if not probes:
+        reasons.append("no probe requests were sent")
+    if expect.min_success_rate is not None and rate < expect.min_success_rate:
+        reasons.append(f"success rate {rate:.1%} below {expect.min_success_rate:.0%}")
+    if not recovered:
+        reasons.append("did not recover: the last probes still failed")
+    elif expect.recover_within_s is not None and (recovery_s or 0.0) > expect.recover_within_s:
+        reasons.append(f"recovered after {recovery_s:.1f}s (allowed {expect.recover_within_s:g}s)")
+    return Verdict(
+        scenario=scenario.name,
+        sent=len(probes),
+        succeeded=ok,
+        failed_proper=proper,
+        failed_improper=len(probes) - ok - proper - hung,
+        hung=hung,
+        identical=identical,
+        compared=compared,
+        recovery_s=recovery_s,
+        recovered=recovered,
+        passed=not reasons,
+        reasons=reasons,
+    )

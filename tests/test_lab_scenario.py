@@ -1,0 +1,194 @@
+"""Scenario files (TOML → validated model) and the verdict computed from probe rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab.rows import ProbeRow
+from lab.scenario import (
+    SCENARIO_DIR,
+    FaultStep,
+    NodeStep,
+    PartitionStep,
+    ScenarioError,
+    load_scenario,
+    parse_link,
+    parse_scenario,
+)
+from lab.verdict import baseline_outputs, judge, recovery_time
+
+MINIMAL = """
+name = "x"
+duration_s = 20
+[[nodes]]
+[[nodes]]
+"""
+
+
+def test_every_bundled_scenario_loads() -> None:
+    names = sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+    assert {
+        "asymmetric-loss",
+        "kill-restart",
+        "sigstop",
+        "partition-heal",
+        "slow-worker",
+        "join-midrun",
+        "ci-loss-kill",
+    } <= set(names)
+    for name in names:
+        scenario = load_scenario(name)
+        assert scenario.name == name
+        assert scenario.expect.max_hung == 0
+
+
+def test_asymmetric_loss_is_two_one_way_faults() -> None:
+    scenario = load_scenario("asymmetric-loss")
+    faults = [s for s in scenario.steps if isinstance(s, FaultStep)]
+    assert [(f.directions, f.settings.loss) for f in faults] == [([(0, 1)], 0.05), ([(1, 0)], 0.30)]
+    assert scenario.first_fault_at == 8 and scenario.recovery_from == 33
+
+
+def test_defaults_and_model_ids() -> None:
+    scenario = parse_scenario(
+        MINIMAL + '[[nodes]]\nmodel = "tiny:shared"\n[[nodes]]\nmodel = "smollm2-135m"\n'
+    )
+    assert scenario.probe.target == 0 and scenario.probe.apis == ["chat"]
+    assert [n.model_id(i) for i, n in enumerate(scenario.nodes)] == [
+        "tiny-0",
+        "tiny-1",
+        "shared",
+        "smollm2-135m",
+    ]
+    assert [n.is_tiny for n in scenario.nodes] == [True, True, True, False]
+    assert scenario.steps == [] and scenario.first_fault_at is None
+
+
+@pytest.mark.parametrize(
+    ("text", "pairs"),
+    [("0->1", [(0, 1)]), ("2 <- 0", [(0, 2)]), ("1<->3", [(1, 3), (3, 1)])],
+)
+def test_parse_link(text: str, pairs: list) -> None:
+    assert parse_link(text) == pairs
+
+
+@pytest.mark.parametrize("text", ["0-1", "1->1", "a->b", "0->", ""])
+def test_parse_link_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_link(text)
+
+
+@pytest.mark.parametrize(
+    ("extra", "complaint"),
+    [
+        ('[[steps]]\nat = 1\naction = "kill"\nnode = 5\n', "names node 5"),
+        ('[[steps]]\nat = 30\naction = "heal"\n', "after duration_s"),
+        ('[[steps]]\nat = 1\naction = "explode"\n', "explode"),
+        ('[[steps]]\nat = 1\naction = "fault"\nlink = "0->1"\nloss = 1.5\n', "loss"),
+        ('[[steps]]\nat = 1\naction = "fault"\nlink = "0-1"\n', "bad link"),
+        ('[[steps]]\nat = 1\naction = "partition"\ngroups = [[0], [0, 1]]\n', "disjoint"),
+        ('[[steps]]\nat = 1\naction = "join"\nnode = 1\n', "start = false"),
+        ('[[steps]]\nat = 1\naction = "slow"\nnode = 1\nduty = 0\n', "duty"),
+        ('[[steps]]\nat = 5\naction = "heal"\n[[steps]]\nat = 1\naction = "heal"\n', "time order"),
+        ('[[steps]]\nat = 1\naction = "kill"\nnode = 1\nsurprise = 1\n', "surprise"),
+        ("[probe]\ntarget = 2\n", "probe.target"),
+        ('[probe]\napis = ["smoke"]\n', "smoke"),
+    ],
+)
+def test_invalid_scenarios_say_what_is_wrong(extra: str, complaint: str) -> None:
+    with pytest.raises(ScenarioError) as info:
+        parse_scenario(MINIMAL + extra, "bad.toml")
+    assert "bad.toml" in str(info.value) and complaint in str(info.value)
+
+
+def test_late_nodes_need_a_join_and_node_zero_starts() -> None:
+    with pytest.raises(ScenarioError, match="never start"):
+        parse_scenario(MINIMAL + "[[nodes]]\nstart = false\n")
+    with pytest.raises(ScenarioError, match="node 0"):
+        parse_scenario('name = "x"\nduration_s = 5\n[[nodes]]\nstart = false\n')
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        parse_scenario("name = ")
+    with pytest.raises(ScenarioError, match="bundled"):
+        load_scenario("no-such-scenario")
+
+
+def test_step_kinds_are_discriminated() -> None:
+    scenario = parse_scenario(
+        MINIMAL
+        + '[[steps]]\nat = 1\naction = "partition"\ngroups = [[0], [1]]\n'
+        + '[[steps]]\nat = 2\naction = "stop"\nnode = 1\n'
+    )
+    assert isinstance(scenario.steps[0], PartitionStep) and isinstance(scenario.steps[1], NodeStep)
+
+
+# --- verdict -------------------------------------------------------------------------------------
+
+
+def _row(t: float, outcome: str = "ok", text: str | None = "a b c", **kw) -> ProbeRow:
+    return ProbeRow(
+        t=t,
+        url="u",
+        kind="stream",
+        model="tiny-1",
+        api="chat",
+        outcome=outcome,
+        duration_s=0.1,
+        text=text,
+        **kw,
+    )
+
+
+SCENARIO = parse_scenario(
+    MINIMAL
+    + '[[steps]]\nat = 5\naction = "kill"\nnode = 1\n[[steps]]\nat = 10\naction = "restart"\nnode = 1\n'
+    + "[expect]\nrecover_within_s = 3\n"
+)
+
+
+def test_verdict_counts_compares_and_times_recovery() -> None:
+    start = 1000.0
+    rows = [
+        _row(1000.5),
+        _row(1001.0),
+        _row(1002.0, text="odd"),  # baseline: "a b c" wins
+        ProbeRow(t=1001.0, url="u", kind="models", model="*", outcome="ok", duration_s=0.1),
+        _row(1006.0, "http_error", text=None, status=503),
+        _row(1007.0, "error_event", text=None),
+        _row(1008.0, "timeout", text=None),
+        _row(1009.0),  # ok during the outage (another route), but not yet "recovered"
+        _row(1010.5, "transport_error", text=None),
+        _row(1012.0, text="different"),
+        _row(1013.0),
+    ]
+    verdict = judge(SCENARIO, rows, started_at=start)
+    assert (
+        verdict.sent,
+        verdict.succeeded,
+        verdict.failed_proper,
+        verdict.failed_improper,
+        verdict.hung,
+    ) == (10, 6, 2, 2, 0)
+    assert (verdict.identical, verdict.compared) == (2, 3)
+    assert verdict.recovery_s == pytest.approx(2.0) and verdict.recovered
+    assert verdict.passed and verdict.reasons == []
+
+
+def test_verdict_fails_on_hung_and_on_no_recovery() -> None:
+    rows = [_row(1001.0), _row(1006.0, "hung"), _row(1011.0), _row(1012.0, "timeout", text=None)]
+    verdict = judge(SCENARIO, rows, started_at=1000.0)
+    assert not verdict.passed and verdict.hung == 1 and not verdict.recovered
+    assert any("hung" in r for r in verdict.reasons) and any(
+        "recover" in r for r in verdict.reasons
+    )
+    slow = judge(SCENARIO, [_row(1001.0), _row(1011.0, "timeout", text=None), _row(1014.5)], 1000.0)
+    assert slow.recovery_s == pytest.approx(4.5) and not slow.passed
+    assert "allowed 3s" in slow.reasons[0]
+    assert not judge(SCENARIO, [], 1000.0).passed
+
+
+def test_recovery_and_baseline_helpers() -> None:
+    assert recovery_time([], 0.0) is None
+    assert recovery_time([_row(5.0)], 2.0) == pytest.approx(3.0)
+    assert baseline_outputs([_row(1.0), _row(2.0, "hung")], until=3.0) == {
+        ("tiny-1", "chat", "stream"): "a b c"
+    }
