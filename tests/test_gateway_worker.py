@@ -1,0 +1,125 @@
+"""The gateway over the real worker (tiny MLX models, real HTTP on loopback): the three SDKs,
+thinking, tool calls, usage with cached tokens, cancellation and an unreachable worker."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.testing import ServerThread
+from gateway.upstream import ModelInfo, StaticDirectory
+from gateway.worker_client import WorkerUpstream
+from worker.app import create_app as create_worker_app
+from worker.engine import Engine
+
+USER = [{"role": "user", "content": "What is 2+2?"}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_dir, tiny_think_model_dir, tiny_tool_model_dir):
+    engines, servers = [], []
+    directory = StaticDirectory()
+    try:
+        for name, path in (("plain", tiny_model_dir), ("think", tiny_think_model_dir), ("tool", tiny_tool_model_dir)):
+            engine = Engine(str(path), name=name)
+            engine.start()
+            engines.append(engine)
+            server = ServerThread(create_worker_app(engine)).__enter__()
+            servers.append(server)
+            directory.add(ModelInfo(id=name), WorkerUpstream(server.url, name))
+        directory.add(ModelInfo(id="down"), WorkerUpstream("http://127.0.0.1:9", "down"))
+        with ServerThread(create_app(directory, GatewayConfig(retry_backoff_ms=1))) as front:
+            yield front
+    finally:
+        for server in servers:
+            server.__exit__(None, None, None)
+        for engine in engines:
+            engine.close()
+
+
+@pytest.fixture
+def oai(gateway):
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def claude(gateway):
+    with anthropic.Anthropic(base_url=gateway.url, api_key="k", _strict_response_validation=True, max_retries=0) as c:
+        yield c
+
+
+def test_chat_plain_runs_to_max_tokens(oai):
+    completion = oai.chat.completions.create(model="plain", messages=USER, max_tokens=4)
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 4 and completion.usage.prompt_tokens > 0
+    chunks = list(
+        oai.chat.completions.create(
+            model="plain", messages=USER, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # same prompt again
+
+
+def test_chat_thinking_on_and_off(oai):
+    on = oai.chat.completions.create(model="think", messages=USER, max_tokens=20)
+    message = on.choices[0].message
+    assert message.model_extra["reasoning_content"].strip() == "Let me think"
+    assert message.content.strip() == "The answer is 4."
+    off = oai.chat.completions.create(model="think", messages=USER, max_tokens=20, reasoning_effort="none")
+    assert off.choices[0].message.content.strip() == "The answer is 4."
+    assert not off.choices[0].message.model_extra.get("reasoning_content")
+
+
+def test_chat_tool_call(oai):
+    with oai.chat.completions.stream(model="tool", messages=USER, tools=[WEATHER_TOOL], max_tokens=30) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and '"Paris"' in call.function.arguments
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_responses_thinking_and_tools(oai):
+    response = oai.responses.create(model="think", input="2+2?", max_output_tokens=20)
+    assert [i.type for i in response.output] == ["reasoning", "message"]
+    assert response.output_text.strip() == "The answer is 4."
+    tool_tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}
+    with oai.responses.stream(model="tool", input="weather?", tools=[tool_tool], max_output_tokens=30) as stream:
+        final = stream.get_final_response()
+    assert [i.type for i in final.output] == ["function_call"]
+    assert final.output[0].name == "get_weather"
+
+
+def test_messages_thinking_and_tools(claude):
+    message = claude.messages.create(
+        model="think", max_tokens=20, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
+    with claude.messages.stream(model="tool", max_tokens=30, messages=USER, tools=tools) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert final.content[-1].type == "tool_use" and final.content[-1].input == {"city": "Paris"}
+
+
+def test_count_tokens_uses_worker_tokenizer(gateway):
+    import httpx
+
+    body = {"model": "plain", "messages": USER}
+    response = httpx.post(gateway.url + "/v1/messages/count_tokens", json=body)
+    assert response.headers["x-token-count"] == "exact" and response.json()["input_tokens"] > 0
+
+
+def test_unreachable_worker_is_503_after_retry(oai):
+    with pytest.raises(openai.InternalServerError) as info:
+        oai.chat.completions.create(model="down", messages=USER, max_tokens=2)
+    assert info.value.status_code == 503
+    assert info.value.response.headers["x-attempts"] == "2"
