@@ -38,7 +38,9 @@ def test_feed_sends_status_once_until_it_changes() -> None:
     assert [f.split(b"\n")[0] for f in first] == [b"event: status"]
     assert feed.step(1.0, {"peers": [], "node": {"id": "a"}}) == []  # same content, other order
     changed = feed.step(2.0, {"node": {"id": "a"}, "peers": [{"id": "b"}]})
-    assert frames_of(b"".join(changed)) == [("status", {"node": {"id": "a"}, "peers": [{"id": "b"}]})]
+    assert frames_of(b"".join(changed)) == [
+        ("status", {"node": {"id": "a"}, "peers": [{"id": "b"}]})
+    ]
 
 
 def test_feed_heartbeats_only_when_quiet() -> None:
@@ -113,7 +115,10 @@ def test_console_row_leaves_unknown_numbers_alone() -> None:
 async def test_events_stream_status_requests_and_ends_on_disconnect() -> None:
     log = RecentRequests()
     log.record({"model": "old"})  # history is served by /api/requests, not replayed
-    statuses = iter([{"node": {"id": "n1"}, "peers": []}] * 2 + [{"node": {"id": "n1"}, "peers": [{"id": "p"}]}] * 100)
+    statuses = iter(
+        [{"node": {"id": "n1"}, "peers": []}] * 2
+        + [{"node": {"id": "n1"}, "peers": [{"id": "p"}]}] * 100
+    )
     calls = 0
 
     async def provider() -> dict:
@@ -132,9 +137,14 @@ async def test_events_stream_status_requests_and_ends_on_disconnect() -> None:
     frames = frames_of(result.body)
     kinds = [kind for kind, _ in frames]
     assert kinds[0] == "status"
-    assert [data for kind, data in frames if kind == "request"] == [{"model": "new", "at": frames[1][1]["at"]}]
+    assert [data for kind, data in frames if kind == "request"] == [
+        {"model": "new", "at": frames[1][1]["at"]}
+    ]
     statuses_sent = [data for kind, data in frames if kind == "status"]
-    assert statuses_sent == [{"node": {"id": "n1"}, "peers": []}, {"node": {"id": "n1"}, "peers": [{"id": "p"}]}]
+    assert statuses_sent == [
+        {"node": {"id": "n1"}, "peers": []},
+        {"node": {"id": "n1"}, "peers": [{"id": "p"}]},
+    ]
     assert "heartbeat" in kinds
     # The poll loop ended with the response: no further provider calls after the disconnect.
     settled = calls

@@ -89,15 +89,16 @@ async function loadModels() {
     console.warn("models", err);
   }
   const wanted = select.value || localStorage.getItem(MODEL_STORAGE);
+  const choices = [...new Set([...ids, "mesh"])];
   select.replaceChildren(
-    ...[...ids, "mesh"].map((id) => {
+    ...choices.map((id) => {
       const option = document.createElement("option");
       option.value = id;
       option.textContent = id === "mesh" ? "mesh (mixture of agents)" : id;
       return option;
     }),
   );
-  if (wanted && [...ids, "mesh"].includes(wanted)) select.value = wanted;
+  if (wanted && choices.includes(wanted)) select.value = wanted;
 }
 
 function addMessage(role) {
@@ -219,7 +220,7 @@ function renderFooter(footer, run, headers, model, outcome) {
   const peer = header("x-peer");
   const winner = header("x-moa-winner");
   if (route) parts.push(`<span class="tag" title="route">${escapeHtml(route)}</span>`);
-  if (peer) parts.push(`<span class="tag" title="peer">peer ${escapeHtml(peer.slice(0, 12))}</span>`);
+  if (peer && peer !== "local" && peer !== route) parts.push(`<span class="tag" title="peer">peer ${escapeHtml(peer.slice(0, 12))}</span>`);
   if (winner) parts.push(`<span class="tag" title="MoA winner">winner ${escapeHtml(winner)}</span>`);
   if (!route && !peer) parts.push(`<span class="tag">${escapeHtml(model)}</span>`);
   if (run.first != null) parts.push(`<span>TTFT ${Math.round(run.first - run.started)} ms</span>`);

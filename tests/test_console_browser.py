@@ -1,0 +1,227 @@
+"""The web console end to end: a real gateway on loopback driven by headless Chromium.
+
+Needs Debian's Chromium at /usr/bin/chromium (``make test`` installs it when it can) and the
+``playwright`` package; Playwright's own browser download is not used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.events import TextDelta
+from gateway.testing import ScriptedUpstream, ServerThread, Stall, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+
+CHROMIUM = Path(os.environ.get("MLX_MESH_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOT = Path("/tmp/mlx-mesh-console.png")
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+if not CHROMIUM.exists():
+    pytest.skip(
+        f"no Chromium at {CHROMIUM}: run `apt-get install chromium` (make test does it as root)",
+        allow_module_level=True,
+    )
+
+ANSWER = "Here is **bold** and `code`:\n\n- one\n- two\n\n```python\nprint('hi')\n```\nDone."
+
+
+class Gateway:
+    def __init__(self, api_key: str | None = None) -> None:
+        self.tiny = ScriptedUpstream.of(
+            *text_script(ANSWER, reasoning="Let me think about it.", chunk=4),
+            name="local",
+            delay_s=0.04,
+        )
+        self.endless = ScriptedUpstream.of(
+            TextDelta("never "), TextDelta("ending "), Stall(), name="local"
+        )
+        directory = StaticDirectory()
+        directory.add(ModelInfo(id="tiny"), self.tiny)
+        directory.add(ModelInfo(id="endless"), self.endless)
+        self.app = create_app(directory, GatewayConfig(api_key=api_key))
+        self.server = ServerThread(self.app)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
+    gw = Gateway()
+    with gw.server:
+        yield gw
+
+
+@pytest.fixture
+def page(browser, gateway: Gateway):  # type: ignore[no-untyped-def]
+    context = browser.new_context(viewport={"width": 1280, "height": 820})
+    context.set_default_timeout(10_000)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(gateway.server.url + "/")
+    page.wait_for_selector("#model option[value='tiny']", state="attached")
+    yield page
+    context.close()
+    assert errors == [], f"JavaScript errors on the page: {errors}"
+
+
+def watch_text(page, selector: str) -> None:  # type: ignore[no-untyped-def]
+    """Record every distinct text the element takes (once it exists) in window.__seen."""
+    page.evaluate(
+        """(selector) => {
+            window.__seen = [];
+            const note = () => {
+                const el = document.querySelector(selector);
+                if (el && el.textContent && window.__seen.at(-1) !== el.textContent)
+                    window.__seen.push(el.textContent);
+            };
+            new MutationObserver(note).observe(document.body,
+                {subtree: true, childList: true, characterData: true});
+        }""",
+        selector,
+    )
+
+
+def send(page, text: str, model: str = "tiny") -> None:  # type: ignore[no-untyped-def]
+    page.select_option("#model", model)
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def test_chat_streams_markdown_in_pieces_with_reasoning_and_footer(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]
+    models = page.eval_on_selector_all("#model option", "els => els.map(e => e.value)")
+    assert models == ["tiny", "endless", "mesh"]
+    watch_text(page, ".msg.assistant .body")
+    send(page, "Show me some markdown")
+    page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']", timeout=15_000)
+
+    seen = page.evaluate("window.__seen")
+    assert len(seen) >= 5, f"text arrived in {len(seen)} updates: {seen}"
+    assert len(seen[0]) < 10 and seen[-1].endswith("Done."), seen  # partial first, whole last
+    body = page.locator(".msg.assistant .body")
+    assert body.locator("strong").inner_text() == "bold"
+    assert body.locator("li").all_inner_texts() == ["one", "two"]
+    assert body.locator("pre code").inner_text() == "print('hi')"
+    # Reasoning is there but collapsed.
+    details = page.locator(".msg.assistant details.reasoning")
+    assert details.is_visible()
+    assert details.get_attribute("open") is None
+    assert page.locator(".reasoning-text").text_content() == "Let me think about it."
+    footer = page.locator(".msg.assistant .footer").inner_text()
+    assert "local" in footer and "TTFT" in footer and "tok/s" in footer
+    assert gateway.tiny.requests[-1].messages[-1].content == "Show me some markdown"
+
+    # The second turn carries the first one as history.
+    send(page, "again")
+    page.wait_for_function(
+        "document.querySelectorAll(\".footer[data-outcome='ok']\").length === 2", timeout=15_000
+    )
+    history = gateway.tiny.requests[-1].messages
+    assert [m.role for m in history] == ["user", "assistant", "user"]
+    assert history[1].content == ANSWER
+
+    page.screenshot(path=str(SCREENSHOT))
+
+
+def test_stop_cancels_the_upstream(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]
+    cancelled_before = gateway.endless.cancelled
+    send(page, "go on forever", model="endless")
+    page.wait_for_function(
+        "document.querySelector('.msg.assistant .body')?.textContent.includes('ending')"
+    )
+    assert page.locator("#stop").is_visible()
+    page.click("#stop")
+    page.wait_for_selector(".msg.assistant .footer[data-outcome='stopped']")
+    assert page.locator("#send").is_enabled()
+    deadline = time.monotonic() + 10
+    while gateway.endless.cancelled == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gateway.endless.cancelled == cancelled_before + 1
+    assert gateway.endless.active == 0
+
+
+def test_topology_and_node_table_show_this_node(page) -> None:  # type: ignore[no-untyped-def]
+    page.click("[data-tab='mesh']")
+    page.wait_for_selector("#topology .node.self")
+    assert page.locator("#topology .node").count() == 1
+    assert "tiny" in page.locator("#nodes tbody").inner_text()
+    assert page.locator("#live").inner_text() == "live"
+
+
+def test_requests_table_fills_live(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]
+    page.click("[data-tab='requests']")
+    before = page.locator("#requests tbody tr").count()
+    page.click("[data-tab='chat']")
+    send(page, "count me")
+    page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']", timeout=15_000)
+    page.click("[data-tab='requests']")
+    page.wait_for_function(
+        f"document.querySelectorAll('#requests tbody tr').length > {before}", timeout=10_000
+    )
+    row = page.locator("#requests tbody tr").first.inner_text()
+    assert "responses" in row and "tiny" in row and "ok" in row
+
+
+def test_invite_without_a_mesh_says_so(page) -> None:  # type: ignore[no-untyped-def]
+    page.click("[data-tab='mesh']")
+    page.click("#invite-button")
+    result = page.locator("#invite-result.error")
+    result.wait_for()
+    assert "mesh invite" in result.inner_text()
+
+
+def test_markdown_renderer_escapes_html(page) -> None:  # type: ignore[no-untyped-def]
+    html = page.evaluate(
+        """async () => {
+            const { renderMarkdown } = await import('/static/markdown.js');
+            return renderMarkdown(
+                '<img src=x onerror=alert(1)> **b** [x](javascript:alert(1))\\n\\n```\\n<b>code</b>\\n```'
+            );
+        }"""
+    )
+    assert "<img" not in html and "<b>code" not in html
+    assert "&lt;img" in html and "&lt;b&gt;code&lt;/b&gt;" in html
+    assert "<strong>b</strong>" in html
+    assert "href" not in html  # only http(s) links become anchors
+
+
+def test_api_key_is_asked_for_and_sent(browser) -> None:  # type: ignore[no-untyped-def]
+    gw = Gateway(api_key="sekret")
+    with gw.server:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(gw.server.url + "/")
+        dialog = page.locator("#key-dialog")
+        dialog.wait_for(state="visible")
+        assert "needs an API key" in page.locator("#key-reason").inner_text()
+        page.fill("#key-input", "sekret")
+        page.click("#key-save")
+        page.wait_for_selector("#model option[value='tiny']", state="attached")
+        assert page.evaluate("localStorage.getItem('mlx-mesh.api-key')") == "sekret"
+        send(page, "with a key")
+        page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']", timeout=15_000)
+        page.wait_for_function("document.querySelector('#live').textContent === 'live'")
+        context.close()
