@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: run test setup lint bench clean
+.PHONY: run test setup lint browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,16 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 
-test: setup lint
+# The console's browser tests drive Debian's Chromium: install it when missing and we are root,
+# otherwise those tests skip with the reason.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
+		|| echo "note: could not install chromium; the console browser tests will be skipped"; \
+	else echo "note: no /usr/bin/chromium and not root; the console browser tests will be skipped"; fi
+
+test: setup lint browser
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
