@@ -167,7 +167,10 @@ def _payload(frame: Frame) -> tuple[FrameType, bytes]:
     ftype = _JSON_TYPES.get(type(frame))
     if ftype is None:
         raise FrameError(f"not a frame: {type(frame).__name__}")
-    return ftype, orjson.dumps(frame.model_dump(mode="json"))
+    try:
+        return ftype, orjson.dumps(frame.model_dump(mode="json"))
+    except orjson.JSONEncodeError as exc:
+        raise FrameError(f"cannot encode {ftype.name}: {exc}") from None
 
 
 def encode(frame: Frame) -> bytes:
