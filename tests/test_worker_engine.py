@@ -1,0 +1,235 @@
+"""Engine on the tiny real models: batching, seeds, stops, cancel, prompt cache and its commit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from worker.engine import Engine, Job
+from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
+from worker.prompt_cache import PromptCacheStore, common_prefix
+from worker.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    engine = Engine(str(tiny_model_dir), name="tiny")
+    engine.start(timeout=60)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def think_engine(tiny_think_model_dir: Path) -> Iterator[Engine]:
+    engine = Engine(str(tiny_think_model_dir), name="tiny-think")
+    engine.start(timeout=60)
+    yield engine
+    engine.close()
+
+
+def prompt_of(engine: Engine, text: str, **kwargs: object) -> list[int]:
+    tokens, _ = engine.render_prompt([{"role": "user", "content": text}], None, dict(kwargs))
+    return tokens
+
+
+async def run(
+    engine: Engine, request: GenerationRequest, *, commit: bool = True
+) -> tuple[Job, str, Finished]:
+    """Run a job to its end; commit its cache like the HTTP layer does (unless told not to)."""
+    job = engine.submit(request)
+    text = []
+    async for event in job.events():
+        if isinstance(event, TokenChunk):
+            text.append(event.text)
+        else:
+            assert isinstance(event, Finished), event
+            if commit:
+                engine.commit(job)
+            return job, "".join(text), event
+    raise AssertionError("no terminal event")
+
+
+async def wait_until(predicate: Callable[[], bool], limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_greedy_runs_to_max_tokens(engine: Engine) -> None:
+    prompt = prompt_of(engine, "Hello")
+    _, text, done = await run(engine, GenerationRequest(prompt, max_tokens=7, sampling=GREEDY))
+    assert done.finish_reason == "length"
+    assert done.completion_tokens == 7
+    assert done.prompt_tokens == len(prompt)
+    assert text
+
+
+async def test_scripted_model_stops_at_eos(think_engine: Engine) -> None:
+    prompt = prompt_of(think_engine, "Hi", enable_thinking=False)
+    _, text, done = await run(think_engine, GenerationRequest(prompt, 50, GREEDY))
+    assert text == "The answer is 4."
+    assert done.finish_reason == "stop"
+
+
+async def test_stop_string_split_across_tokens(think_engine: Engine) -> None:
+    prompt = prompt_of(think_engine, "Hi", enable_thinking=False)
+    # "swer i" spans three tokens (" answer", " is"); none of it may be emitted.
+    request = GenerationRequest(prompt, 50, GREEDY, stop=("swer i",))
+    _, text, done = await run(think_engine, request)
+    assert (text, done.finish_reason) == ("The an", "stop")
+    assert done.completion_tokens == 3
+
+
+async def test_seeded_sampling_is_deterministic(engine: Engine) -> None:
+    prompt = prompt_of(engine, "Tell me a story")
+
+    def request(seed: int) -> GenerationRequest:
+        return GenerationRequest(prompt, 24, SamplingParams(temperature=1.0, seed=seed))
+
+    first = await run(engine, request(7))
+    second = await run(engine, request(7))
+    other = await run(engine, request(8))
+    assert first[1] == second[1]
+    assert first[1] != other[1]
+
+
+async def test_concurrent_jobs_are_batched_and_match_solo_runs(engine: Engine) -> None:
+    prompts = [prompt_of(engine, f"question number {i}") for i in range(8)]
+    solo = [(await run(engine, GenerationRequest(p, 12, GREEDY)))[1] for p in prompts[:2]]
+    results = await asyncio.gather(
+        *(run(engine, GenerationRequest(p, 12, GREEDY)) for p in prompts)
+    )
+    assert all(done.completion_tokens == 12 for _, _, done in results)
+    assert [text for _, text, _ in results[:2]] == solo
+    assert engine.stats.in_flight == 0 and engine.stats.queue_depth == 0
+
+
+async def test_cancel_stops_generation(engine: Engine) -> None:
+    before = engine.stats.cancelled
+    job = engine.submit(GenerationRequest(prompt_of(engine, "go on forever"), 3000, GREEDY))
+    seen = 0
+    async for event in job.events():
+        assert isinstance(event, TokenChunk)
+        seen += 1
+        if seen == 3:
+            break
+    engine.cancel(job)
+    await wait_until(lambda: engine.stats.cancelled == before + 1 and engine.stats.in_flight == 0)
+    generated = engine.stats.generated_tokens
+    await asyncio.sleep(0.2)
+    assert engine.stats.generated_tokens == generated  # nothing runs any more
+    assert generated < 3000
+
+
+async def test_second_turn_reuses_committed_prefix(think_engine: Engine) -> None:
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    kwargs = {"enable_thinking": False}
+    first_prompt, _ = think_engine.render_prompt(messages, None, kwargs)
+    _, text, _ = await run(think_engine, GenerationRequest(first_prompt, 50, GREEDY))
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And 3+3?"}]
+    second_prompt, _ = think_engine.render_prompt(messages, None, kwargs)
+    _, _, second = await run(think_engine, GenerationRequest(second_prompt, 50, GREEDY))
+    # The template drops the empty think block from history: reuse runs up to where they differ.
+    shared = common_prefix(first_prompt, second_prompt)
+    assert shared > 0
+    assert second.cached_tokens == shared
+
+
+async def test_whole_first_turn_reused_when_history_renders_the_same(
+    tiny_tool_model_dir: Path,
+) -> None:
+    engine = Engine(str(tiny_tool_model_dir))
+    engine.start(timeout=60)
+    try:
+        messages = [{"role": "user", "content": "Weather?"}]
+        first_prompt, _ = engine.render_prompt(messages, None, {})
+        _, text, done = await run(engine, GenerationRequest(first_prompt, 50, GREEDY))
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks"}]
+        second_prompt, _ = engine.render_prompt(messages, None, {})
+        _, _, second = await run(engine, GenerationRequest(second_prompt, 50, GREEDY))
+        # Prompt and every generated token (the last one, <|im_end|>, included) were cached.
+        assert second.cached_tokens == len(first_prompt) + done.completion_tokens
+        assert second.cached_tokens < second.prompt_tokens
+    finally:
+        engine.close()
+
+
+async def test_next_request_waits_for_pending_commit(tiny_think_model_dir: Path) -> None:
+    engine = Engine(str(tiny_think_model_dir), config=EngineConfig(commit_wait_s=30))
+    engine.start(timeout=60)
+    try:
+        prompt = prompt_of(engine, "Remember this long question please", enable_thinking=False)
+        job, _, _ = await run(engine, GenerationRequest(prompt, 50, GREEDY), commit=False)
+        follow_up = GenerationRequest([*prompt, *prompt_of(engine, "more")], 50, GREEDY)
+        second = engine.submit(follow_up)
+        await wait_until(lambda: engine.stats.commit_waits == 1)
+        assert "admitted" not in engine.stats.events_for(second.id)  # parked, not running
+        engine.commit(job)
+        events = [e async for e in second.events()]
+        done = events[-1]
+        assert isinstance(done, Finished)
+        assert done.cached_tokens >= len(prompt)
+        order = [kind for kind, jid in engine.stats.events if jid in (job.id, second.id)]
+        assert order.index("committed") < order.index("admitted", order.index("parked"))
+        assert engine.stats.commit_wait_timeouts == 0
+    finally:
+        engine.close()
+
+
+async def test_wait_for_commit_is_bounded(tiny_think_model_dir: Path) -> None:
+    engine = Engine(str(tiny_think_model_dir), config=EngineConfig(commit_wait_s=0.2))
+    engine.start(timeout=60)
+    try:
+        prompt = prompt_of(engine, "Question", enable_thinking=False)
+        await run(engine, GenerationRequest(prompt, 50, GREEDY), commit=False)
+        _, _, done = await run(engine, GenerationRequest([*prompt, 5, 6], 5, GREEDY))
+        assert engine.stats.commit_wait_timeouts == 1
+        assert done.cached_tokens == 0  # proceeded without the cache
+    finally:
+        engine.close()
+
+
+async def test_bad_model_path_fails_to_start(tmp_path: Path) -> None:
+    from worker.engine import EngineError
+
+    engine = Engine(str(tmp_path / "missing"))
+    with pytest.raises(EngineError):
+        engine.start(timeout=60)
+
+
+def test_prompt_cache_store_trims_evicts_and_copies(tiny_model_dir: Path) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    def cache_for(n: int) -> list[KVCache]:
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros((1, 2, n, 8)), mx.zeros((1, 2, n, 8)))
+        return [cache]
+
+    store = PromptCacheStore(max_bytes=10**9)
+    store.insert([1, 2, 3, 4], cache_for(4))
+    cache, n = store.fetch([1, 2, 3, 9, 9])
+    assert n == 3 and cache is not None and cache[0].offset == 3
+    # The stored entry is untouched by the trim of the copy.
+    cache, n = store.fetch([1, 2, 3, 4, 5])
+    assert n == 4 and cache[0].offset == 4
+    # At least one prompt token is always left to run.
+    assert store.fetch([1, 2, 3, 4])[1] == 3
+    assert store.fetch([7, 8])[1] == 0
+    # An entry that extends another replaces it.
+    store.insert([1, 2, 3, 4, 5, 6], cache_for(6))
+    assert len(store) == 1
+    # Bytes bound: the least recently used entry goes.
+    one = cache_for(6)[0].nbytes
+    small = PromptCacheStore(max_bytes=one * 2)
+    for start in (10, 20, 30):
+        small.insert([start, start + 1, start + 2, 1, 1, 1], cache_for(6))
+    assert len(small) == 2 and small.stats.evictions == 1
+    assert small.fetch([10, 11, 12, 1, 1, 1, 1])[1] == 0
