@@ -216,7 +216,7 @@ def test_no_models_no_candidates():
 
 def test_worker_request_drops_moa_metadata_and_carries_thinking_off():
     out = worker_request(ask(metadata={"moa_policy": "race", "user": "x"}), "m", name="m")
-    assert out.metadata == {"user": "x", "moa_worker": "m"}
+    assert out.metadata == {"user": "x", "moa_worker": "m", "logprobs": True}
     assert out.model == "m" and out.stream is True and out.reasoning is False
 
 

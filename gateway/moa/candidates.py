@@ -51,6 +51,7 @@ def worker_request(request: ChatRequest, model: str, *, name: str) -> ChatReques
     """The request one worker receives: the caller's, for ``model``, thinking as opted."""
     metadata = {k: v for k, v in request.metadata.items() if not k.startswith("moa_")}
     metadata["moa_worker"] = name
+    metadata["logprobs"] = True  # the consensus score uses each delta's mean log-probability
     out = with_thinking(request, thinking_opted_in(request))
     return out.model_copy(update={"model": model, "stream": True, "metadata": metadata})
 
