@@ -20,6 +20,7 @@ import typer
 from mesh.cli.app import HomeOption, app, console, err_console, fail, resolve_home
 
 NODE_FILE = "node.json"
+MESH_MODEL = "mesh"
 HELP_LINE = "/model NAME switches model, /models lists them, /new starts over, /quit leaves"
 
 
@@ -112,10 +113,12 @@ class ChatSession:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def models(self) -> list[str]:
+        """Every model the node offers, plus ``mesh`` (MoA)."""
         response = self._call("GET", "/v1/models")
         if response.status_code != 200:
             raise ChatError(self._status_message(response))
-        return [m["id"] for m in response.json().get("data", [])]
+        names = [m["id"] for m in response.json().get("data", [])]
+        return names if MESH_MODEL in names else [*names, MESH_MODEL]
 
     def stream(self, prompt: str) -> Iterator[tuple[str, str]]:
         """Send ``prompt`` and yield the answer's fragments; the answer joins the history."""
@@ -164,7 +167,7 @@ class ChatSession:
             names = self.models()
         except ChatError:
             return ""
-        return f" (available: {', '.join([*names, 'mesh'])})"
+        return f" (available: {', '.join(names)})"
 
 
 class _TranslatingStream:
@@ -265,7 +268,7 @@ def _repl_command(session: ChatSession, line: str) -> bool:
         err_console.print("new conversation", style="dim")
     elif name == "/models":
         try:
-            err_console.print(", ".join([*session.models(), "mesh"]), highlight=False)
+            err_console.print(", ".join(session.models()), highlight=False)
         except ChatError as exc:
             err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
     elif name == "/model":
@@ -280,7 +283,7 @@ def _switch_model(session: ChatSession, name: str) -> None:
         err_console.print(f"current model: {session.model}", highlight=False)
         return
     try:
-        known = [*session.models(), "mesh"]
+        known = session.models()
     except ChatError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return

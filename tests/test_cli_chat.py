@@ -1,0 +1,185 @@
+"""``mesh chat``: the stream parser, finding the node, and the command against a real gateway."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.events import Error
+from gateway.testing import ScriptedUpstream, ServerThread, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+from mesh.cli import app
+from mesh.cli.chat import ChatError, find_node, parse_chat_stream
+
+runner = CliRunner()
+
+
+def sse(*chunks: object) -> list[str]:
+    return [f"data: {orjson.dumps(c).decode()}" for c in chunks] + ["", "data: [DONE]"]
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def test_parse_chat_stream_splits_reasoning_and_text() -> None:
+    lines = [
+        ": keep-alive",
+        *sse(
+            {"choices": [{"delta": {"role": "assistant"}}]},
+            {"choices": [{"delta": {"reasoning_content": "hmm"}}]},
+            {"choices": [{"delta": {"reasoning": " ok"}}]},
+            {"choices": [{"delta": {"content": "Hi"}}]},
+            {"choices": [{"delta": {"content": "!"}, "finish_reason": "stop"}]},
+        ),
+        'data: {"choices": [{"delta": {"content": "after done"}}]}',
+    ]
+    assert list(parse_chat_stream(lines)) == [
+        ("reasoning", "hmm"),
+        ("reasoning", " ok"),
+        ("text", "Hi"),
+        ("text", "!"),
+    ]
+
+
+def test_parse_chat_stream_raises_on_error_events_and_garbage() -> None:
+    with pytest.raises(ChatError, match="worker fell over"):
+        list(parse_chat_stream(sse({"error": {"message": "worker fell over", "type": "x"}})))
+    with pytest.raises(ChatError, match="malformed"):
+        list(parse_chat_stream(["data: {not json"]))
+
+
+def test_find_node_reads_node_json(tmp_path: Path) -> None:
+    (tmp_path / "node.json").write_bytes(
+        orjson.dumps({"url": "http://127.0.0.1:9337/", "pid": os.getpid(), "api_key": "k"})
+    )
+    node = find_node(tmp_path)
+    assert node.url == "http://127.0.0.1:9337"
+    assert node.api_key == "k"
+
+
+def test_find_node_explains_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(ChatError, match=r"no node is running.*mesh up"):
+        find_node(tmp_path)
+    (tmp_path / "node.json").write_text("{")
+    with pytest.raises(ChatError, match="cannot read"):
+        find_node(tmp_path)
+    (tmp_path / "node.json").write_text('{"pid": 1}')
+    with pytest.raises(ChatError, match="no node url"):
+        find_node(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "node.json").write_bytes(orjson.dumps({"url": "http://x", "pid": dead.pid}))
+    with pytest.raises(ChatError, match=rf"pid {dead.pid}.*not running"):
+        find_node(tmp_path)
+
+
+# ---------------------------------------------------------------- against a gateway
+
+
+class Node:
+    def __init__(self, api_key: str | None = None) -> None:
+        self.tiny = ScriptedUpstream.of(
+            *text_script("The answer is 4.", reasoning="Two plus two.", chunk=3), name="local"
+        )
+        self.broken = ScriptedUpstream.of(Error(kind="upstream", message="worker crashed"))
+        directory = StaticDirectory()
+        directory.add(ModelInfo(id="tiny"), self.tiny)
+        directory.add(ModelInfo(id="broken"), self.broken)
+        self.server = ServerThread(create_app(directory, GatewayConfig(api_key=api_key)))
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Node]:
+    n = Node()
+    with n.server:
+        yield n
+
+
+def chat(*args: str, input: str | None = None):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["chat", *args], input=input)
+
+
+def assert_clean_failure(result, needle: str) -> None:  # type: ignore[no-untyped-def]
+    assert result.exit_code == 1, result.output
+    assert needle in result.stderr
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_one_shot_streams_text_and_reasoning(node: Node) -> None:
+    result = chat("--url", node.server.url, "--model", "tiny", "What is 2+2?")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "Two plus two.\nThe answer is 4.\n"
+    assert "local" in result.stderr and "TTFT" in result.stderr
+    sent = node.tiny.requests[-1]
+    assert sent.model == "tiny" and sent.messages[-1].content == "What is 2+2?"
+
+
+def test_node_is_found_through_home(node: Node, tmp_path: Path) -> None:
+    (tmp_path / "node.json").write_bytes(orjson.dumps({"url": node.server.url, "pid": os.getpid()}))
+    result = chat("--home", str(tmp_path), "-m", "tiny", "hi")
+    assert result.exit_code == 0, result.output
+    assert "The answer is 4." in result.stdout
+
+
+def test_unknown_model_is_one_clear_sentence(node: Node) -> None:
+    result = chat("--url", node.server.url, "--model", "nope", "hi")
+    assert_clean_failure(result, "model 'nope' is not served in this mesh")
+    assert "available: tiny, broken, mesh" in result.stderr
+
+
+def test_upstream_error_is_reported(node: Node) -> None:
+    result = chat("--url", node.server.url, "--model", "broken", "hi")
+    assert_clean_failure(result, "worker crashed")
+
+
+def test_no_node_bad_url_and_refused_connection(tmp_path: Path) -> None:
+    assert_clean_failure(chat("--home", str(tmp_path), "hi"), "no node is running")
+    assert_clean_failure(chat("--url", "not a url", "hi"), "is not a valid node URL")
+    with ServerThread(create_app(StaticDirectory())) as server:
+        url = server.url  # a port that was just served and is now closed
+    assert_clean_failure(chat("--url", url, "hi"), f"cannot reach a node at {url}")
+
+
+def test_repl_switches_models_and_keeps_history(node: Node) -> None:
+    script = "\n".join(
+        ["/model", "/model nope", "/model tiny", "first", "second", "/models", "/bogus", "/quit"]
+    )
+    calls = node.tiny.calls
+    result = chat("--url", node.server.url, input=script + "\n")
+    assert result.exit_code == 0, result.output
+    assert "current model: mesh" in result.stderr
+    assert "model 'nope' is not served" in result.stderr
+    assert "now talking to tiny" in result.stderr
+    assert "tiny, broken, mesh" in result.stderr
+    assert "unknown command /bogus" in result.stderr
+    assert result.stdout.count("The answer is 4.") == 2
+    assert node.tiny.calls == calls + 2
+    second = node.tiny.requests[-1].messages
+    assert [m.role for m in second] == ["user", "assistant", "user"]
+    assert second[1].content == "The answer is 4."
+
+
+def test_repl_ends_on_eof_and_survives_errors(node: Node) -> None:
+    result = chat("--url", node.server.url, "-m", "broken", input="hello\n")
+    assert result.exit_code == 0, result.output
+    assert "worker crashed" in result.stderr
+
+
+def test_api_key_is_sent_and_its_absence_explained() -> None:
+    guarded = Node(api_key="sekret")
+    with guarded.server:
+        url = guarded.server.url
+        assert_clean_failure(chat("--url", url, "-m", "tiny", "hi"), "wants an API key")
+        ok = chat("--url", url, "-m", "tiny", "--api-key", "sekret", "hi")
+        assert ok.exit_code == 0, ok.output
+        assert "The answer is 4." in ok.stdout
