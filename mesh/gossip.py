@@ -85,6 +85,14 @@ def encode_gossip(message: GossipMessage) -> bytes:
     return orjson.dumps(message.model_dump())
 
 
+def gossip_from_dict(data: dict) -> GossipMessage:
+    """Parse a message carried as a dict (the tunnel's Control frame body)."""
+    try:
+        return _MESSAGE.validate_python(data)
+    except ValidationError as exc:
+        raise GossipDecodeError(f"bad gossip message: {exc.error_count()} errors") from exc
+
+
 def decode_gossip(data: bytes) -> GossipMessage:
     try:
         return _MESSAGE.validate_python(orjson.loads(data))

@@ -194,6 +194,14 @@ def encode_message(message: HandshakeMessage) -> bytes:
     return orjson.dumps(message.model_dump())
 
 
+def message_from_dict(data: dict) -> HandshakeMessage:
+    """Parse a message carried as a dict (the tunnel's Control frame body)."""
+    try:
+        return _MESSAGE.validate_python(data)
+    except ValidationError as exc:
+        raise ValueError(f"bad handshake message: {exc.error_count()} errors") from exc
+
+
 def decode_message(data: bytes) -> HandshakeMessage:
     """Raises ValueError on anything that is not one of our messages."""
     try:
@@ -236,6 +244,7 @@ class _Handshake:
     state: HandshakeState = field(init=False)
     failure: AuthFailure | None = field(init=False, default=None)
     peer: Member | None = field(init=False, default=None)
+    denied_reason: str = field(init=False, default="")  # what the other side said when it refused
 
     def _set_state(self, state: HandshakeState) -> None:
         log.debug("%s %s -> %s", type(self).__name__, self.state.value, state.value)
@@ -256,6 +265,7 @@ class _Handshake:
         if handler is None:
             if isinstance(message, Denied) and not self.done:
                 self.failure = AuthFailure.DENIED
+                self.denied_reason = message.reason
                 self._set_state(HandshakeState.REFUSED)
                 return []
             return [] if self.done else self._refuse(AuthFailure.PROTOCOL)
@@ -277,8 +287,8 @@ def _check_identity(node_id: str, public_key_hex: str) -> bytes | None:
 class ServerHandshake(_Handshake):
     """The accepting side. ``store`` is mutated (member added, invite consumed) on success.
 
-    ``peer_fingerprint``: the certificate fingerprint the transport saw, when it saw one; it
-    must then match what the client claims.
+    ``peer_fingerprint`` / ``peer_node_id``: what the transport (mutual TLS) saw, when it saw
+    it; the client's claims must then match.
     """
 
     me: Signer
@@ -286,6 +296,7 @@ class ServerHandshake(_Handshake):
     store: MemberStore
     now: float
     peer_fingerprint: str | None = None
+    peer_node_id: str | None = None
     nonce: str = field(default_factory=_new_nonce)
     _hello: Hello | None = field(init=False, default=None)
 
@@ -304,6 +315,8 @@ class ServerHandshake(_Handshake):
         if _check_identity(hello.node_id, hello.public_key) is None:
             return self._refuse(AuthFailure.BAD_IDENTITY)
         if self.peer_fingerprint is not None and hello.fingerprint != self.peer_fingerprint:
+            return self._refuse(AuthFailure.BAD_IDENTITY)
+        if self.peer_node_id is not None and hello.node_id != self.peer_node_id:
             return self._refuse(AuthFailure.BAD_IDENTITY)
         if hello.mode == "member":
             known = self.store.members.get(hello.node_id)

@@ -15,7 +15,6 @@ cancelled at once, so the worker stops generating.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -124,10 +123,16 @@ class TunnelServer:
 
 
 async def _until_peer_gone(stream) -> None:
-    """Returns when the requester reset its side (or finished it early): stop working for it."""
-    with contextlib.suppress(MeshError):
-        while await stream.recv() is not None:
-            pass
+    """Returns once the requester reset the stream or the connection died.
+
+    ``TunnelStream.recv`` returns None for good after BodyEnd, so it cannot report a later
+    reset. The stream records one in ``_error`` and wakes ``_readable``; nobody else reads the
+    stream at this point, so waiting on that event here is safe. (A public "wait until broken"
+    on TunnelStream would replace this helper.)
+    """
+    while getattr(stream, "_error", None) is None:
+        stream._readable.clear()
+        await stream._readable.wait()
 
 
 def _encode(event: Event) -> bytes:

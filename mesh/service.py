@@ -1,0 +1,566 @@
+"""MeshService: the asyncio adapter that runs membership, gossip and forwarding on the tunnel.
+
+It owns the :class:`~mesh.tunnel.TunnelEndpoint` and, per peer connection, runs the membership
+handshake on the control stream (``Control(kind="auth")``), then gossip on the same stream
+(``Control(kind="gossip")``) and serves the peer's request streams with the LOCAL routes
+(:class:`~mesh.serve.TunnelServer`). A background dialer keeps a link to every known member
+(static ``--peer`` addresses and LAN discovery add addresses to try). The gateway sees the mesh
+only through :attr:`MeshService.directory`.
+
+Lifecycle::
+
+    service = MeshService(home, identity, local_directory, MeshConfig(port=0, join_token=...))
+    await service.start()        # creates or joins the mesh; raises MembershipError if refused
+    app = create_app(service.directory, extra_routes=mesh_routes(service))
+    ...
+    await service.stop()         # announces Leave, closes every link
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.upstream import ModelDirectory
+from mesh.directory import MeshDirectory
+from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
+from mesh.errors import ConnectError, MeshError
+from mesh.frames import Control, ErrorCode
+from mesh.gossip import (
+    GossipDecodeError,
+    GossipMessage,
+    GossipPublisher,
+    Leave,
+    Members,
+    ModelAd,
+    NodeState,
+    gossip_from_dict,
+)
+from mesh.identity import NodeIdentity
+from mesh.invite import InviteError, InviteToken, decode_invite, make_invite
+from mesh.membership import (
+    ClientHandshake,
+    HandshakeState,
+    Member,
+    MeshCredentials,
+    ServerHandshake,
+    load_credentials,
+    load_members,
+    message_from_dict,
+    save_credentials,
+    save_members,
+)
+from mesh.peer_upstream import PeerUpstream
+from mesh.peers import PeerTable
+from mesh.serve import TunnelServer
+from mesh.tunnel import DEFAULT_PORT, PeerConnection, TunnelConfig, TunnelEndpoint
+
+log = logging.getLogger(__name__)
+
+LoadProbe = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class MembershipError(MeshError):
+    """This node cannot be (or become) a member: bad token, join refused, another mesh."""
+
+
+@dataclass
+class MeshConfig:
+    """How this node takes part in the mesh. Built by the CLI; tests pass ``port=0``."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    advertise: list[str] = field(default_factory=list)  # host:port peers dial; default: derived
+    static_peers: list[str] = field(default_factory=list)  # host:port always tried
+    join_token: str | None = None
+    discovery: bool = True
+    gossip_interval_s: float = 2.0
+    down_after_s: float = 6.0
+    drop_after_s: float = 30.0
+    redial_s: float = 1.0
+    max_redial_backoff_s: float = 15.0
+    retry_backoff_s: float = 0.75
+    auth_timeout_s: float = 5.0
+    version: str = ""
+    gateway_url: str = ""
+    tunnel: TunnelConfig = field(default_factory=TunnelConfig)
+
+
+class MeshService:
+    def __init__(
+        self,
+        home: Path,
+        identity: NodeIdentity,
+        local: ModelDirectory,
+        config: MeshConfig | None = None,
+        *,
+        load_probe: LoadProbe | None = None,
+    ) -> None:
+        self.home = Path(home)
+        self.identity = identity
+        self.node_id = identity.node_id
+        self.local = local
+        self.config = config or MeshConfig()
+        self.load_probe = load_probe
+        self.peers = PeerTable(
+            self.node_id,
+            down_after_s=self.config.down_after_s,
+            drop_after_s=self.config.drop_after_s,
+        )
+        self.directory = MeshDirectory(local, self.peers, self._peer_upstream)
+        self.tunnel_server = TunnelServer(local, retry_backoff_s=self.config.retry_backoff_s)
+        self.endpoint = TunnelEndpoint(
+            identity, self.config.host, self.config.port, config=self.config.tunnel
+        )
+        self.credentials: MeshCredentials | None = None
+        self.members = load_members(self.home)
+        self.addresses: list[str] = []
+        self.links: dict[str, PeerConnection] = {}  # authenticated connections by peer id
+        self._join: InviteToken | None = None
+        self._join_refusal = ""
+        self._publisher = GossipPublisher(self.node_id, interval_s=self.config.gossip_interval_s)
+        self._last_state: NodeState | None = None
+        self._load: dict[str, Any] = {}
+        self._dialing: dict[str, asyncio.Task[None]] = {}
+        self._redial_at: dict[str, tuple[float, int]] = {}  # node id → (not before, failures)
+        self._found: dict[str, tuple[str, ...]] = {}  # node id → addresses seen on the LAN
+        self._tasks: list[asyncio.Task[None]] = []
+        self._discovery: LanDiscovery | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def mesh_id(self) -> str:
+        return self.credentials.mesh_id if self.credentials else ""
+
+    async def start(self) -> None:
+        token = self._decode_token(self.config.join_token)
+        self.credentials = load_credentials(self.home)
+        if token is not None and self.credentials is not None:
+            if self.credentials.mesh_id != token.mesh_id:
+                raise MembershipError(
+                    f"{self.home} already belongs to mesh {self.credentials.mesh_id}; "
+                    "use a fresh --home to join another mesh"
+                )
+            token = None  # already a member: rejoin by key, not by token
+        if token is None and self.credentials is None:
+            self.credentials = MeshCredentials.create()
+            save_credentials(self.home, self.credentials)
+            log.info("created mesh %s", self.credentials.mesh_id)
+        self.endpoint.on_connection = self._on_connection
+        await self.endpoint.start()
+        self.addresses = self.config.advertise or default_addresses(
+            self.config.host, self.endpoint.port
+        )
+        self._remember_self()
+        if token is not None:
+            try:
+                await self._join_mesh(token)
+            except BaseException:
+                await self.endpoint.close()
+                raise
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._gossip_loop()), loop.create_task(self._dial_loop())]
+        if self.config.discovery:
+            await self._start_discovery()
+
+    async def stop(self) -> None:
+        """Announce leaving, then close every link and the endpoint. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for task in [*self._tasks, *self._dialing.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._dialing.values(), return_exceptions=True)
+        leave = Control(kind="gossip", body=Leave(node_id=self.node_id).model_dump())
+        for conn in list(self.links.values()):
+            with contextlib.suppress(MeshError, TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await conn.control.send(leave)
+        await asyncio.sleep(0.05)  # let the Leave frames go out before the close frames
+        if self._discovery is not None:
+            await self._discovery.stop()
+        await self.endpoint.close()
+        save_members(self.home, self.members)
+
+    def _decode_token(self, text: str | None) -> InviteToken | None:
+        if not text:
+            return None
+        try:
+            token = decode_invite(text)
+        except InviteError as exc:
+            raise MembershipError(str(exc)) from exc
+        if token.is_expired(time.time()):
+            raise MembershipError("the invite token has expired; ask for a new one")
+        return token
+
+    def _remember_self(self) -> None:
+        me = Member(
+            node_id=self.node_id,
+            public_key=self.identity.public_key_bytes.hex(),
+            fingerprint=self.identity.cert_fingerprint,
+            addresses=self.addresses,
+        )
+        self.members.add_member(me)
+        save_members(self.home, self.members)
+
+    # ------------------------------------------------------------------ invites and joining
+
+    def create_invite(self, ttl_s: float) -> InviteToken:
+        """A one-use token for a newcomer; remembered (as a digest) until it expires."""
+        now = time.time()
+        token = make_invite(
+            mesh_id=self.mesh_id,
+            inviter=self.node_id,
+            fingerprint=self.identity.cert_fingerprint,
+            addresses=self.addresses,
+            now=now,
+            ttl_s=ttl_s,
+        )
+        self.members.prune_invites(now)
+        self.members.remember_invite(token)
+        save_members(self.home, self.members)
+        return token
+
+    async def _join_mesh(self, token: InviteToken) -> None:
+        self._join = token
+        problems: list[str] = []
+        for address in token.addresses:
+            host, port = split_address(address)
+            try:
+                conn = await self.endpoint.connect(
+                    host,
+                    port,
+                    expected_fingerprint=token.fingerprint,
+                    expected_node_id=token.inviter,
+                )
+            except ConnectError as exc:
+                problems.append(f"{address}: {exc}")
+                continue
+            if await self._wait_link(conn) and self.credentials is not None:
+                log.info("joined mesh %s through %s", token.mesh_id, token.inviter[:12])
+                self._join = None
+                return
+            problems.append(f"{address}: {self._join_refusal or conn.close_reason}")
+        self._join = None
+        raise MembershipError("could not join the mesh: " + "; ".join(problems))
+
+    async def _wait_link(self, conn: PeerConnection) -> bool:
+        """Wait until ``conn`` is authenticated (True) or closed (False)."""
+        waits = [
+            asyncio.ensure_future(conn.authenticated.wait()),
+            asyncio.ensure_future(conn.closed.wait()),
+        ]
+        try:
+            async with asyncio.timeout(self.config.auth_timeout_s + 1):
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            return False
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        return conn.authenticated.is_set() and not conn.is_closed
+
+    # ------------------------------------------------------------------ connections
+
+    async def _on_connection(self, conn: PeerConnection) -> None:
+        """Every new connection, ours or theirs: authenticate, then run the link."""
+        peer_id = conn.peer_node_id or "?"
+        try:
+            async with asyncio.timeout(self.config.auth_timeout_s):
+                refusal = await (
+                    self._client_auth(conn) if conn.is_client else self._server_auth(conn)
+                )
+        except (MeshError, TimeoutError, ValueError) as exc:
+            refusal = f"handshake failed: {type(exc).__name__}: {exc}"
+        if refusal:
+            log.warning(
+                "membership with %s at %s refused: %s", peer_id[:12], conn.peer_address, refusal
+            )
+            # The reason travels in the CLOSE frame: a Denied message sent just before may be lost.
+            conn.close(ErrorCode.AUTH_FAILED, f"auth failed: {refusal}"[:200])
+            return
+        await self._run_link(conn, peer_id)
+
+    async def _server_auth(self, conn: PeerConnection) -> str:
+        """Empty string when the peer proved membership, else why not."""
+        if self.credentials is None:
+            return "this node is not a member of any mesh yet"
+        handshake = ServerHandshake(
+            me=self.identity,
+            credentials=self.credentials,
+            store=self.members,
+            now=time.time(),
+            peer_fingerprint=conn.peer_cert_fingerprint,
+            peer_node_id=conn.peer_node_id,
+        )
+        await self._exchange(conn, handshake, [])
+        if handshake.state is not HandshakeState.ACCEPTED:
+            return handshake.failure.value if handshake.failure else "refused"
+        save_members(self.home, self.members)  # a new member, or a consumed invite
+        if conn.peer_node_id not in self.links:
+            # Tell the others, so the newcomer can reach them (they authenticate it by key).
+            self._spawn(
+                self._broadcast(_gossip(Members(members=list(self.members.members.values()))))
+            )
+        return ""
+
+    async def _client_auth(self, conn: PeerConnection) -> str:
+        join = self._join if self._join and self._join.inviter == conn.peer_node_id else None
+        if join is None and self.credentials is None:
+            return "no credentials to present"
+        handshake = ClientHandshake(
+            me=self.identity,
+            mesh_id=join.mesh_id if join else self.mesh_id,
+            expected_peer=conn.peer_node_id,
+            invite=join,
+            credentials=None if join else self.credentials,
+            fingerprint=self.identity.cert_fingerprint,
+            addresses=self.addresses,
+        )
+        await self._exchange(conn, handshake, [handshake.start()])
+        welcome = handshake.welcome
+        if handshake.state is not HandshakeState.ACCEPTED or welcome is None:
+            self._join_refusal = handshake.denied_reason or str(handshake.failure)
+            return f"refused by the peer: {self._join_refusal}"
+        if join is not None and welcome.mesh_secret:
+            self.credentials = MeshCredentials(
+                mesh_id=welcome.mesh_id, mesh_secret=welcome.mesh_secret
+            )
+            save_credentials(self.home, self.credentials)
+        self.members.merge(welcome.members)
+        save_members(self.home, self.members)
+        return ""
+
+    async def _exchange(self, conn: PeerConnection, handshake, outbox: list) -> None:
+        control = conn.control
+        assert control is not None
+        while True:
+            for message in outbox:
+                await control.send(Control(kind="auth", body=message.model_dump()))
+            if handshake.done:
+                return
+            frame = await control.recv()
+            if not isinstance(frame, Control) or frame.kind != "auth":
+                raise ValueError(f"expected an auth message, got {type(frame).__name__}")
+            outbox = handshake.receive(message_from_dict(frame.body))
+
+    async def _run_link(self, conn: PeerConnection, peer_id: str) -> None:
+        self.links[peer_id] = conn
+        self._redial_at.pop(peer_id, None)
+        conn.on_stream = lambda stream: self.tunnel_server.handle(stream, peer_id)
+        conn.mark_authenticated()
+        log.info("linked with %s at %s", peer_id[:12], conn.peer_address)
+        control = conn.control
+        assert control is not None
+        try:
+            await control.send(_gossip(Members(members=list(self.members.members.values()))))
+            if self._last_state is not None:
+                await control.send(_gossip(self._last_state))
+            while (frame := await control.recv()) is not None:
+                if isinstance(frame, Control) and frame.kind == "gossip":
+                    self._on_gossip(peer_id, gossip_from_dict(frame.body))
+        except (MeshError, GossipDecodeError) as exc:
+            log.info("link with %s ended: %s", peer_id[:12], exc)
+        finally:
+            if self.links.get(peer_id) is conn:
+                del self.links[peer_id]
+                if conn.close_code == ErrorCode.SHUTDOWN:  # its Leave may not have made it
+                    self._on_gossip(peer_id, Leave(node_id=peer_id))
+                else:
+                    self.peers.on_disconnected(peer_id)
+            conn.close(ErrorCode.NO_ERROR, "link ended")
+
+    def _on_gossip(self, peer_id: str, message: GossipMessage) -> None:
+        now = time.monotonic()
+        if isinstance(message, NodeState):
+            if message.node_id == peer_id:  # a peer speaks only for itself
+                self.peers.on_state(message, now)
+        elif isinstance(message, Leave):
+            if message.node_id == peer_id:
+                self.peers.on_leave(peer_id)
+                self._redial_at[peer_id] = (time.monotonic() + self.config.max_redial_backoff_s, 4)
+        elif isinstance(message, Members):
+            if self.members.merge([m for m in message.members if m.node_id != self.node_id]):
+                save_members(self.home, self.members)
+
+    def _peer_upstream(self, node_id: str) -> PeerUpstream:
+        async def connect() -> PeerConnection:
+            conn = self.links.get(node_id)
+            if conn is None or conn.is_closed:
+                raise ConnectError(f"no live link to {node_id[:12]}")
+            return conn
+
+        return PeerUpstream(
+            name=node_id,
+            connect=connect,
+            self_id=self.node_id,
+            on_begin=self.peers.begin_request,
+            on_end=self.peers.end_request,
+        )
+
+    # ------------------------------------------------------------------ background loops
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    async def _gossip_loop(self) -> None:
+        probe_at = 0.0
+        while True:
+            now = time.monotonic()
+            if self.load_probe is not None and now >= probe_at:
+                probe_at = now + self.config.gossip_interval_s
+                try:
+                    async with asyncio.timeout(1.0):
+                        self._load = await self.load_probe()
+                except (OSError, TimeoutError, ValueError) as exc:
+                    log.debug("load probe failed: %s", exc)
+            state = self._publisher.poll(self.local_state(), now)
+            if state is not None:
+                self._last_state = state
+                await self._broadcast(_gossip(state))
+            for peer_id, conn in list(self.links.items()):
+                if conn.rtt is not None:
+                    self.peers.on_rtt(peer_id, conn.rtt)
+            self.peers.tick(now)
+            await asyncio.sleep(min(0.5, self.config.gossip_interval_s / 2))
+
+    async def _broadcast(self, frame: Control) -> None:
+        for peer_id, conn in list(self.links.items()):
+            try:
+                async with asyncio.timeout(1.0):
+                    await conn.control.send(frame)
+            except (MeshError, TimeoutError) as exc:
+                log.debug("gossip to %s failed: %s", peer_id[:12], exc)
+
+    def local_state(self) -> NodeState:
+        load = self._load
+        return NodeState(
+            node_id=self.node_id,
+            version=self.config.version,
+            gateway_url=self.config.gateway_url,
+            addresses=self.addresses,
+            models=[
+                ModelAd(
+                    name=info.id,
+                    architecture=info.architecture,
+                    parameters=info.parameters,
+                    context_length=info.context_length,
+                )
+                for info in self.local.models()
+            ],
+            queue_depth=int(load.get("queue_depth", 0)),
+            in_flight=int(load.get("in_flight", 0)) + self.tunnel_server.active,
+            tok_s=float(load.get("tok_s", 0.0)),
+        )
+
+    async def _dial_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for member in list(self.members.members.values()):
+                node_id = member.node_id
+                if node_id == self.node_id or node_id in self.links or node_id in self._dialing:
+                    continue
+                if now < self._redial_at.get(node_id, (0.0, 0))[0]:
+                    continue
+                task = asyncio.get_running_loop().create_task(self._dial(member))
+                self._dialing[node_id] = task
+                task.add_done_callback(lambda _t, n=node_id: self._dialing.pop(n, None))
+            await asyncio.sleep(self.config.redial_s)
+
+    async def _dial(self, member: Member) -> None:
+        candidates = [
+            *member.addresses,
+            *self._found.get(member.node_id, ()),
+            *self.config.static_peers,
+        ]
+        for address in dict.fromkeys(candidates):
+            if member.node_id in self.links:
+                return
+            try:
+                host, port = split_address(address)
+                conn = await self.endpoint.connect(host, port, expected_node_id=member.node_id)
+            except (ConnectError, ValueError) as exc:
+                log.debug("dial %s at %s: %s", member.node_id[:12], address, exc)
+                continue
+            if await self._wait_link(conn):
+                return
+        _, failures = self._redial_at.get(member.node_id, (0.0, 0))
+        delay = min(self.config.max_redial_backoff_s, self.config.redial_s * 2**failures)
+        self._redial_at[member.node_id] = (time.monotonic() + delay, failures + 1)
+
+    # ------------------------------------------------------------------ discovery
+
+    async def _start_discovery(self) -> None:
+        self._discovery = LanDiscovery(
+            node_id=self.node_id,
+            mesh_id=self.mesh_id,
+            port=self.endpoint.port,
+            host_addresses=[split_address(a)[0] for a in self.addresses],
+            on_found=self._on_found,
+        )
+        await self._discovery.start()
+
+    def _on_found(self, advert: Advert) -> None:
+        if should_dial(
+            advert,
+            self_id=self.node_id,
+            own_mesh_hash=mesh_hash(self.mesh_id),
+            members=self.members.members,
+            connected=self.links,
+        ):
+            log.info("found member %s on the LAN at %s", advert.node_id[:12], advert.addresses)
+            self._found[advert.node_id] = advert.addresses
+            self._redial_at.pop(advert.node_id, None)  # dial at the next round
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """``GET /api/status``: this node and every peer it knows."""
+        now = time.monotonic()
+        me = self.local_state().model_dump(exclude={"type", "seq", "epoch"})
+        me |= {"mesh_id": self.mesh_id, "members": len(self.members.members)}
+        peers = self.peers.snapshot(now)
+        for row in peers:
+            conn = self.links.get(row["node_id"])
+            row["connected"] = conn is not None
+            if conn is not None and conn.rtt is not None:
+                row["rtt_ms"] = round(conn.rtt * 1000, 2)
+        return {"node": me, "peers": peers}
+
+
+def _gossip(message: GossipMessage) -> Control:
+    return Control(kind="gossip", body=message.model_dump())
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port); ValueError for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def default_addresses(host: str, port: int) -> list[str]:
+    """Where peers can reach us: the bound host, or this machine's addresses for a wildcard."""
+    if host not in ("0.0.0.0", "::", ""):
+        return [f"{host}:{port}"]
+    found: list[str] = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
+        found.append(probe.getsockname()[0])
+    with contextlib.suppress(OSError):
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            found.append(str(info[4][0]))
+    found = [ip for ip in dict.fromkeys(found) if not ip.startswith("127.")]
+    return [f"{ip}:{port}" for ip in [*found, "127.0.0.1"]]

@@ -1,0 +1,241 @@
+"""MeshService over real QUIC on loopback, in-process, with scripted local upstreams:
+join, refusals, gossip, forwarding, failover, leave and rejoin."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.events import Done, Error, Meta, TextDelta
+from gateway.request import ChatRequest, Message
+from gateway.router import Router
+from gateway.testing import ScriptedUpstream, Stall, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+from mesh.identity import NodeIdentity
+from mesh.invite import decode_invite
+from mesh.membership import load_credentials, load_members
+from mesh.service import MembershipError, MeshConfig, MeshService
+from mesh.tunnel import TunnelConfig
+
+FAST_TUNNEL = TunnelConfig(ping_interval=0.3, ping_timeout=1.0, handshake_timeout=3.0)
+
+
+def _config(**kw) -> MeshConfig:
+    base = dict(
+        port=0,
+        discovery=False,
+        gossip_interval_s=0.2,
+        down_after_s=2.0,
+        drop_after_s=10.0,
+        redial_s=0.2,
+        max_redial_backoff_s=0.5,
+        retry_backoff_s=0.05,
+        tunnel=FAST_TUNNEL,
+    )
+    return MeshConfig(**(base | kw))
+
+
+def _node(home: Path, models: dict[str, ScriptedUpstream], **kw) -> MeshService:
+    local = StaticDirectory()
+    for name, upstream in models.items():
+        local.add(ModelInfo(id=name, context_length=256), upstream)
+    return MeshService(home, NodeIdentity.load_or_create(home), local, _config(**kw))
+
+
+async def _until(predicate, timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+def _request(model: str, session: str | None = None) -> ChatRequest:
+    return ChatRequest(
+        model=model,
+        messages=[Message(role="user", content="hi")],
+        temperature=0,
+        session_key=session,
+    )
+
+
+async def _ask(node: MeshService, model: str, session: str | None = None) -> list:
+    router = Router(node.directory, retry_backoff_s=0.05)
+    request = _request(model, session)
+    return [e async for e in router.stream(request, router.resolve(request))]
+
+
+def _meta(events) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for e in events:
+        if isinstance(e, Meta):
+            out |= e.headers
+    return out
+
+
+@pytest.fixture
+async def mesh(tmp_path):
+    """Start nodes lazily; stop all at the end."""
+    started: list[MeshService] = []
+
+    async def start(name: str, models=None, **kw) -> MeshService:
+        node = _node(tmp_path / name, models or {}, **kw)
+        await node.start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in reversed(started):
+        await node.stop()
+
+
+async def _pair(mesh, script=None):
+    worker = ScriptedUpstream.of(*(script or text_script("Hello from A", chunk=4)), name="local")
+    a = await mesh("a", {"tiny": worker})
+    token = a.create_invite(60).encode()
+    b = await mesh("b", join_token=token)
+    await _until(lambda: "tiny" in b.peers.models())
+    return a, b, worker
+
+
+async def test_join_then_forward_a_request(mesh, tmp_path):
+    a, b, worker = await _pair(mesh)
+    assert b.mesh_id == a.mesh_id
+    assert load_credentials(tmp_path / "b") == load_credentials(tmp_path / "a")
+    assert set(load_members(tmp_path / "b").members) == {a.node_id, b.node_id}
+    events = await _ask(b, "tiny")
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert text == "Hello from A" and isinstance(events[-1], Done)
+    meta = _meta(events)
+    assert meta["x-route"] == "peer" and meta["x-peer"] == a.node_id
+    assert meta["x-peer-route"] == "local"
+    assert worker.calls == 1
+    # Both directions: A's table lists B (no models) and B lists A's model with its context.
+    assert {m.id for m in b.directory.models()} == {"tiny"}
+    assert b.directory.models()[0].context_length == 256
+    await _until(lambda: b.node_id in a.peers.peers)
+    status = b.status()
+    assert status["node"]["node_id"] == b.node_id
+    (peer,) = status["peers"]
+    assert peer["node_id"] == a.node_id and peer["state"] == "up" and peer["connected"]
+
+
+async def test_reused_token_is_refused(mesh):
+    a = await mesh("a", {"tiny": ScriptedUpstream.of(*text_script())})
+    token = a.create_invite(60).encode()
+    await mesh("b", join_token=token)
+    with pytest.raises(MembershipError, match="invite_used"):
+        await mesh("c", join_token=token)
+
+
+async def test_wrong_secret_and_wrong_pin_are_refused(mesh):
+    a = await mesh("a", {"tiny": ScriptedUpstream.of(*text_script())})
+    token = decode_invite(a.create_invite(60).encode())
+    forged = token.model_copy(update={"secret": "not-the-secret"}).encode()
+    with pytest.raises(MembershipError, match="bad_invite"):
+        await mesh("b", join_token=forged)
+    wrong_pin = token.model_copy(update={"fingerprint": "00" * 32}).encode()
+    with pytest.raises(MembershipError, match="pin"):
+        await mesh("c", join_token=wrong_pin)
+    assert len(a.members.members) == 1  # nobody got in
+
+
+async def test_expired_token_is_refused(mesh):
+    a = await mesh("a", {"tiny": ScriptedUpstream.of(*text_script())})
+    token = a.create_invite(0.5).encode()
+    await asyncio.sleep(0.6)
+    with pytest.raises(MembershipError, match="expired"):
+        await mesh("b", join_token=token)
+
+
+async def test_restarted_member_rejoins_without_token(mesh, tmp_path):
+    a, b, _ = await _pair(mesh)
+    await b.stop()
+    await _until(lambda: b.node_id not in a.links)
+    b2 = await mesh("b")  # same home: same key, same mesh; no token
+    await _until(lambda: "tiny" in b2.peers.models())
+    events = await _ask(b2, "tiny")
+    assert isinstance(events[-1], Done)
+
+
+async def test_stranger_with_copied_mesh_secret_is_refused(mesh, tmp_path):
+    """Knowing the mesh secret is not enough: the key must be in the member list."""
+    a = await mesh("a", {"tiny": ScriptedUpstream.of(*text_script())})
+    stranger_home = tmp_path / "stranger"
+    stranger_home.mkdir()
+    (stranger_home / "mesh.json").write_bytes((tmp_path / "a" / "mesh.json").read_bytes())
+    stranger = await mesh("stranger", static_peers=a.addresses)
+    # It does not know A as a member either, so dial A by hand, pinned by node id.
+    host, port = a.addresses[0].split(":")
+    conn = await stranger.endpoint.connect(host, int(port), expected_node_id=a.node_id)
+    assert not await stranger._wait_link(conn)
+    assert stranger.node_id not in a.links
+
+
+async def test_leave_on_clean_shutdown(mesh):
+    a, b, _ = await _pair(mesh)
+    await _until(lambda: b.node_id in a.peers.peers)
+    await b.stop()
+    await _until(lambda: b.node_id not in a.peers.peers, timeout=3)
+
+
+async def test_peer_killed_before_first_byte_fails_over(mesh):
+    """B serves, C serves the same model; B dies silently while holding the request: the
+    router retries and the request ends on C (or with a clear retryable error)."""
+    stalled = ScriptedUpstream.of(Stall(), name="local")
+    a = await mesh("a", {})
+    b = await mesh("b", {"tiny": stalled}, join_token=a.create_invite(60).encode())
+    c_worker = ScriptedUpstream.of(*text_script("from C"), name="local")
+    c = await mesh("c", {"tiny": c_worker}, join_token=a.create_invite(60).encode())
+    await _until(lambda: len(a.peers.candidates("tiny")) == 2)
+    # Make B the first choice, then silence it (no close frames: like SIGKILL).
+    a.peers.peers[c.node_id].outstanding = 5
+    request = _request("tiny")
+    router = Router(a.directory, retry_backoff_s=0.05)
+    routes = router.resolve(request)
+    assert routes[0].peer == b.node_id
+    a.peers.peers[c.node_id].outstanding = 0
+    task = asyncio.create_task(_collect(router.stream(request, routes)))
+    await _until(lambda: stalled.active == 1)
+    _silence(b)
+    events = await asyncio.wait_for(task, 10)
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert text == "from C"
+    assert _meta(events)["x-peer"] == c.node_id
+
+
+async def test_peer_killed_mid_stream_gives_error_without_retry(mesh):
+    worker = ScriptedUpstream.of(TextDelta("partial"), Stall(), name="local")
+    a = await mesh("a", {})
+    b = await mesh("b", {"tiny": worker}, join_token=a.create_invite(60).encode())
+    await _until(lambda: "tiny" in a.peers.models())
+    router = Router(a.directory, retry_backoff_s=0.05)
+    request = _request("tiny")
+    seen: list = []
+    started = time.monotonic()
+    async for event in router.stream(request, router.resolve(request)):
+        seen.append(event)
+        if isinstance(event, TextDelta):
+            _silence(b)
+    assert isinstance(seen[-1], Error) and not seen[-1].retryable
+    assert time.monotonic() - started < 5
+    assert worker.calls == 1
+
+
+async def _collect(events) -> list:
+    return [e async for e in events]
+
+
+def _silence(node: MeshService) -> None:
+    """Drop every datagram the node sends or receives from now on (a SIGKILLed peer)."""
+    for conn in list(node.endpoint._all):
+        transport = conn._protocol._transport
+        if transport is not None:
+            transport.sendto = lambda *a, **k: None  # type: ignore[method-assign]
+        conn._protocol.datagram_received = lambda *a, **k: None  # type: ignore[method-assign]
+    server = node.endpoint._server
+    if server is not None:
+        server.datagram_received = lambda *a, **k: None  # type: ignore[method-assign]
