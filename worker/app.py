@@ -1,8 +1,8 @@
 """The worker's HTTP app: OpenAI chat completions (stream and not), /v1/models, /health.
 
 ``create_app(engine)`` builds the Starlette app over a started ``Engine``; ``serve`` runs it with
-uvicorn. The prompt-cache commit runs as the response's background task, i.e. after the terminal
-frame (``[DONE]`` or the JSON body) went out.
+uvicorn. The prompt-cache commit is requested only after the terminal frame (``[DONE]`` or the
+JSON body) went out; the engine makes the next request that needs it wait for it.
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ def create_app(engine: Engine) -> Starlette:
             return error_response(
                 400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
             )
-        commit = BackgroundTask(engine.commit, job)
         meta = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
             "created": int(time.time()),
@@ -105,7 +104,6 @@ def create_app(engine: Engine) -> Starlette:
                 frames,
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-                background=commit,
             )
         collected = await _collect_unless_disconnected(request, engine, job, assembler)
         if collected is None:
@@ -114,7 +112,8 @@ def create_app(engine: Engine) -> Starlette:
         if isinstance(result, Failed):
             return error_response(500, result.message, type_="server_error")
         body = _completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
-        return json_response(body, background=commit)
+        # The commit runs as a background task: after the body went out.
+        return json_response(body, background=BackgroundTask(engine.commit, job))
 
     async def models(_: Request) -> Response:
         info = engine.info
@@ -280,8 +279,13 @@ async def _sse_frames(
                 yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
                 yield b"data: [DONE]\n\n"
     finally:
-        # Client gone (generator closed/cancelled) before the end: stop generating now.
-        engine.cancel(job)
+        if job.done:
+            # Runs only after [DONE] was handed to the transport (the generator resumes after
+            # each send): the cache bookkeeping never delays the client.
+            engine.commit(job)
+        else:
+            # Client gone before the end: stop generating now.
+            engine.cancel(job)
 
 
 async def _collect(job: Job, assembler: DeltaAssembler) -> tuple[Finished | Failed, list[Any]]:

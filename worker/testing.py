@@ -13,9 +13,13 @@ deterministic for a seed; special tokens are never favoured so greedy junk runs 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -215,3 +219,39 @@ def make_tiny_model(
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path
+
+
+@contextlib.contextmanager
+def run_worker_in_thread(
+    model_dir: str | Path, *, name: str | None = None, config: Any = None
+) -> Iterator[tuple[str, Any]]:
+    """Serve a model with the real worker app on 127.0.0.1 (free port) in a background thread.
+
+    Yields ``(base_url, engine)``; ``base_url`` ends in ``/v1``. For tests of HTTP clients.
+    """
+    import uvicorn
+
+    from worker.app import bind_socket, create_app
+    from worker.engine import Engine
+
+    engine = Engine(str(model_dir), name=name, config=config)
+    engine.start(timeout=120)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine), log_level="warning", access_log=False, lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("worker server did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}/v1", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+        engine.close()

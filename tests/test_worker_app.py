@@ -1,0 +1,408 @@
+"""The worker's HTTP app over real uvicorn on loopback, driven by the openai SDK and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from worker.app import create_app
+from worker.engine import Engine
+from worker.testing import make_tiny_model, run_worker_in_thread
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> Iterator[tuple[str, Engine]]:
+    with run_worker_in_thread(tiny_model_dir, name="tiny") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def think(tiny_think_model_dir: Path) -> Iterator[tuple[str, Engine]]:
+    with run_worker_in_thread(tiny_think_model_dir, name="tiny-think") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def tool(tiny_tool_model_dir: Path) -> Iterator[tuple[str, Engine]]:
+    with run_worker_in_thread(tiny_tool_model_dir, name="tiny-tool") as served:
+        yield served
+
+
+def client(served: tuple[str, Engine]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0], api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_until(predicate: Callable[[], bool], limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+HI = [{"role": "user", "content": "Hi"}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_non_stream_with_thinking_split(think: tuple[str, Engine]) -> None:
+    reply = client(think).chat.completions.create(model="tiny-think", messages=HI, temperature=0)
+    message = reply.choices[0].message
+    assert message.content == "The answer is 4."
+    assert message.model_extra["reasoning_content"] == "Let me think"
+    assert reply.choices[0].finish_reason == "stop"
+    usage = reply.usage
+    assert usage.completion_tokens == 11  # 10 script tokens + <|im_end|>
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_stream_with_thinking_split_and_usage(think: tuple[str, Engine]) -> None:
+    stream = client(think).chat.completions.create(
+        model="tiny-think",
+        messages=[{"role": "user", "content": "Stream please"}],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    assert roles == ["assistant"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        for c in chunks
+        if c.choices
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (reasoning, content) == ("Let me think", "The answer is 4.")
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 11
+
+
+@pytest.mark.parametrize(
+    "knob",
+    [
+        {"reasoning_effort": "none"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"thinking": {"type": "disabled"}},
+        {"enable_thinking": False},
+    ],
+)
+def test_thinking_off_knobs(think: tuple[str, Engine], knob: dict[str, Any]) -> None:
+    reply = client(think).chat.completions.create(
+        model="tiny-think", messages=HI, temperature=0, extra_body=knob
+    )
+    message = reply.choices[0].message
+    assert message.content == "The answer is 4."
+    assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_tool_calls_non_stream_and_stream(tool: tuple[str, Engine]) -> None:
+    api = client(tool)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = api.chat.completions.create(
+        model="tiny-tool", messages=messages, tools=[WEATHER_TOOL], temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_")
+
+    chunks = list(
+        api.chat.completions.create(
+            model="tiny-tool", messages=messages, tools=[WEATHER_TOOL], temperature=0, stream=True
+        )
+    )
+    fragments = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert fragments[0].id and fragments[0].function.name == "get_weather"
+    assert json.loads("".join(f.function.arguments or "" for f in fragments)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # The call goes back into the conversation (assistant tool_calls + tool result).
+    follow = api.chat.completions.create(
+        model="tiny-tool",
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        messages=[
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ],
+    )
+    assert follow.choices[0].finish_reason in ("tool_calls", "stop", "length")
+
+
+def test_without_tools_tool_text_stays_content(tool: tuple[str, Engine]) -> None:
+    reply = client(tool).chat.completions.create(model="tiny-tool", messages=HI, temperature=0)
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content.startswith("<tool_call>")
+
+
+def test_max_tokens_and_stop(plain: tuple[str, Engine], think: tuple[str, Engine]) -> None:
+    reply = client(plain).chat.completions.create(
+        model="tiny", messages=HI, temperature=0, max_tokens=5
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 5
+    reply = client(think).chat.completions.create(
+        model="tiny-think", messages=HI, temperature=0, stop=["answer"], reasoning_effort="none"
+    )
+    assert reply.choices[0].message.content == "The "
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_seeded_determinism(plain: tuple[str, Engine]) -> None:
+    def sample(seed: int) -> str:
+        reply = client(plain).chat.completions.create(
+            model="tiny", messages=HI, temperature=1.0, seed=seed, max_tokens=16
+        )
+        return reply.choices[0].message.content
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_logprobs_in_stream(think: tuple[str, Engine]) -> None:
+    chunks = list(
+        client(think).chat.completions.create(
+            model="tiny-think",
+            messages=HI,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            reasoning_effort="none",
+        )
+    )
+    entries = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert "".join(e.token for e in entries) == "The answer is 4."
+    assert all(e.logprob <= 0 for e in entries)
+
+
+async def test_eight_concurrent_streams(plain: tuple[str, Engine]) -> None:
+    api = openai.AsyncOpenAI(base_url=plain[0], api_key="unused", max_retries=0, timeout=60)
+
+    async def one(i: int) -> tuple[str, int]:
+        stream = await api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": f"request {i}"}],
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, usage
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(8)))
+    finally:
+        await api.close()
+    assert [usage for _, usage in results] == [12] * 8
+    assert all(text for text, _ in results)
+
+
+def test_disconnect_cancels_generation(plain: tuple[str, Engine]) -> None:
+    url, engine = plain
+    before = engine.stats.cancelled
+    body = {"messages": HI, "max_tokens": 3000, "temperature": 0, "stream": True}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{url}/chat/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        received = [line for _, line in zip(range(6), lines, strict=False) if line]
+        assert received[0].startswith("data: ")
+    wait_until(lambda: engine.stats.cancelled == before + 1 and engine.stats.in_flight == 0)
+    generated = engine.stats.generated_tokens
+    time.sleep(0.2)
+    assert engine.stats.generated_tokens == generated
+    assert "cancelled" in [kind for kind, _ in list(engine.stats.events)[-5:]]
+
+
+def test_second_turn_reports_cached_tokens(tool: tuple[str, Engine]) -> None:
+    api = client(tool)
+    messages = [{"role": "user", "content": "A question that starts a conversation"}]
+    first = api.chat.completions.create(model="tiny-tool", messages=messages, temperature=0)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and a follow-up"},
+    ]
+    chunks = list(
+        api.chat.completions.create(
+            model="tiny-tool",
+            messages=messages,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+def test_client_never_waits_for_the_commit(think: tuple[str, Engine]) -> None:
+    _, engine = think
+    release = threading.Event()
+    engine.before_commit = lambda _job_id: release.wait(20)
+    commits = engine.stats.commits
+    try:
+        chunks = list(
+            client(think).chat.completions.create(
+                model="tiny-think", messages=[{"role": "user", "content": "x"}], stream=True
+            )
+        )
+        # The whole response arrived while the commit could not land yet.
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert engine.stats.commits == commits
+    finally:
+        release.set()
+        engine.before_commit = None
+    wait_until(lambda: engine.stats.commits == commits + 1)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_commit_is_requested_after_the_terminal_frame(
+    tiny_think_model_dir: Path, stream: bool
+) -> None:
+    engine = Engine(str(tiny_think_model_dir), name="m")
+    engine.start(timeout=60)
+    order: list[str] = []
+    real_commit = engine.commit
+
+    def commit(job: Any) -> None:
+        order.append("commit")
+        real_commit(job)
+
+    engine.commit = commit  # type: ignore[method-assign]
+    app = create_app(engine)
+    body = json.dumps({"messages": HI, "stream": stream, "temperature": 0}).encode()
+    inbox = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if inbox:
+            return inbox.pop()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            data = message.get("body", b"")
+            if b"[DONE]" in data or (not stream and data):
+                order.append("terminal")
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "scheme": "http",
+        "root_path": "",
+    }
+    try:
+        await asyncio.wait_for(app(scope, receive, send), 60)
+    finally:
+        engine.close()
+    assert order == ["terminal", "commit"]
+
+
+def post(url: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{url}/chat/completions", content=content, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": []}, "messages"),
+        ({}, "messages"),
+        ({"messages": HI, "temperature": 5}, "temperature"),
+        ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+        ({"messages": HI, "stop": 3}, "stop"),
+        ({"messages": HI, "logit_bias": {"99999": 1}}, "logit_bias"),
+    ],
+)
+def test_bad_requests_name_the_field(plain: tuple[str, Engine], body: Any, param: str) -> None:
+    response = post(plain[0], body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param or error["param"].startswith(param)
+    assert param.split(".")[0] in error["message"]
+
+
+def test_malformed_json_unknown_model_and_still_serving(plain: tuple[str, Engine]) -> None:
+    url, _ = plain
+    for raw in (b"{not json", b"[1, 2]", b""):
+        response = post(url, raw)
+        assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    response = post(url, {"model": "no-such-model", "messages": HI})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+    ok = post(url, {"model": "tiny", "messages": HI, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_context_length_exceeded(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "short", max_position_embeddings=64)
+    with run_worker_in_thread(model, name="short") as (url, _):
+        long = [{"role": "user", "content": "hello world " * 100}]
+        response = post(url, {"messages": long})
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        # max_tokens is clamped to what the context leaves; the server keeps serving.
+        ok = post(url, {"messages": HI, "max_tokens": 1000, "temperature": 0})
+        assert ok.status_code == 200
+        usage = ok.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= 64
+
+
+def test_health_and_models(plain: tuple[str, Engine]) -> None:
+    url, _ = plain
+    base = url.removesuffix("/v1")
+    health = httpx.get(f"{base}/health").json()
+    assert health["status"] == "ok" and health["model"] == "tiny"
+    assert {"queue_depth", "in_flight", "tokens_per_second", "uptime_s"} <= health.keys()
+    assert isinstance(health["tokens_per_second"], float)
+    models = httpx.get(f"{url}/models").json()
+    (entry,) = models["data"]
+    assert entry["id"] == "tiny" and entry["owned_by"] == "mlx-mesh"
+    assert entry["architecture"] == "llama" and entry["context_length"] == 4096
+    assert entry["parameters"] > 0 and entry["quantization"]
