@@ -302,6 +302,13 @@ class PeerConnection:
     def _on_terminated(self, event: events.ConnectionTerminated) -> None:
         if self._lost is None:
             reason = event.reason_phrase or error_name(event.error_code)
+            if event.error_code == ErrorCode.DUPLICATE_NODE and not self._ready.done():
+                exc = DuplicateNodeError(
+                    f"peer at {self.peer_address} refused us: it runs with our node id "
+                    f"{self._endpoint.identity.short_id} (a copied home dir?)"
+                )
+                log.error("%s", exc)
+                self._endpoint._report_duplicate(exc)
             self._mark_lost(
                 ConnectionLost(f"peer closed the connection: {reason}", event.error_code)
             )
@@ -326,6 +333,9 @@ class PeerConnection:
     def _fail_handshake(self, exc: ConnectError, code: ErrorCode) -> None:
         if not self._ready.done():
             self._ready.set_exception(exc)
+        # Flush our TLS Finished first: a close inside the handshake is sent as a bare
+        # transport error and the peer would never see our code.
+        self._protocol.transmit()
         self.close(code, str(exc)[:200])
 
     def _serve(self, stream: TunnelStream) -> None:

@@ -1,0 +1,456 @@
+"""QUIC tunnel on loopback: two real endpoints, real aioquic, optional chaos proxy between."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from mesh.chaos import ChaosProxy
+from mesh.errors import (
+    AuthFailed,
+    ConnectError,
+    ConnectionLost,
+    DuplicateNodeError,
+    IncompleteResponse,
+    StreamReset,
+)
+from mesh.frames import (
+    Body,
+    BodyEnd,
+    Control,
+    Data,
+    End,
+    ErrorCode,
+    RequestHead,
+    ResponseHead,
+)
+from mesh.identity import NodeIdentity
+from mesh.tunnel import PeerConnection, TunnelConfig, TunnelEndpoint, TunnelStream
+from mesh.tunnel_dial import backoff_delays, connect_with_retry
+
+FAST = TunnelConfig(ping_interval=0.2, ping_timeout=1.0, handshake_timeout=3.0, close_grace=0.5)
+Handler = Callable[[TunnelStream], Awaitable[None]]
+
+
+async def echo_handler(stream: TunnelStream) -> None:
+    """Answers with the request path and body, upper-cased."""
+    head = await stream.recv()
+    assert isinstance(head, RequestHead)
+    body = b"".join([f.data async for f in stream if isinstance(f, Body)])
+    await stream.send(ResponseHead(status=200, headers={"x-path": head.path}))
+    await stream.send(Data(body.upper()))
+    await stream.send(End())
+
+
+def serve_with(endpoint: TunnelEndpoint, handler: Handler, authenticate: bool = True) -> None:
+    async def on_connection(conn: PeerConnection) -> None:
+        conn.on_stream = handler
+        if authenticate:
+            conn.mark_authenticated()
+
+    endpoint.on_connection = on_connection
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[TunnelEndpoint, TunnelEndpoint]]:
+    a = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0, config=FAST)
+    b = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0, config=FAST)
+    serve_with(a, echo_handler)
+    serve_with(b, echo_handler)
+    await a.start()
+    await b.start()
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def dial(a: TunnelEndpoint, b: TunnelEndpoint, port: int | None = None) -> PeerConnection:
+    return await a.connect(
+        "127.0.0.1", port or b.port, expected_fingerprint=b.identity.cert_fingerprint
+    )
+
+
+async def request(conn: PeerConnection, path: str, body: bytes = b"") -> list:
+    stream = await conn.open_stream()
+    async with stream:
+        await stream.send(RequestHead(id=path, path=path, deadline=5.0))
+        if body:
+            await stream.send(Body(body))
+        await stream.send(BodyEnd())
+        return [frame async for frame in stream]
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_request_and_response_in_both_directions(pair) -> None:
+    a, b = pair
+    conn = await dial(a, b)
+    assert conn.peer_node_id == b.identity.node_id
+    frames = await request(conn, "/a-to-b", b"hello")
+    assert frames == [
+        ResponseHead(status=200, headers={"x-path": "/a-to-b"}),
+        Data(b"HELLO"),
+        End(),
+    ]
+    # the same connection, opened by the other side (mutual TLS: b knows a's node id)
+    await eventually(lambda: b.connection_for(a.identity.node_id) is not None)
+    back = b.connection_for(a.identity.node_id)
+    assert back is not None and not back.is_client
+    assert back.peer_public_key == a.identity.public_key_bytes
+    frames = await request(back, "/b-to-a", b"world")
+    assert frames[1] == Data(b"WORLD") and frames[-1] == End()
+    assert len(a.connections) == len(b.connections) == 1
+
+
+async def test_connect_reuses_the_live_connection(pair) -> None:
+    a, b = pair
+    first = await dial(a, b)
+    again = await a.connect("127.0.0.1", b.port, expected_node_id=b.identity.node_id)
+    assert again is first
+
+
+async def test_control_stream_both_ways(pair) -> None:
+    a, b = pair
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def on_connection(conn: PeerConnection) -> None:
+        assert conn.control is not None
+        await got.put(await conn.control.recv())
+        await conn.control.send(Control(kind="welcome", body={"to": conn.peer_node_id}))
+
+    b.on_connection = on_connection
+    conn = await dial(a, b)
+    assert conn.control is not None
+    await conn.control.send(Control(kind="hello", body={"n": 1}))
+    assert await got.get() == Control(kind="hello", body={"n": 1})
+    assert await conn.control.recv() == Control(kind="welcome", body={"to": a.identity.node_id})
+
+
+async def test_wrong_fingerprint_is_refused(pair) -> None:
+    a, b = pair
+    other = NodeIdentity.generate()
+    with pytest.raises(AuthFailed, match="pin mismatch"):
+        await a.connect("127.0.0.1", b.port, expected_fingerprint=other.cert_fingerprint)
+    with pytest.raises(AuthFailed, match="node id mismatch"):
+        await a.connect("127.0.0.1", b.port, expected_node_id=other.node_id)
+    assert a.connections == []
+
+
+async def test_pin_is_required(pair) -> None:
+    a, b = pair
+    with pytest.raises(ValueError):
+        await a.connect("127.0.0.1", b.port)
+
+
+async def test_duplicate_node_id_is_refused_on_both_sides(pair) -> None:
+    _, b = pair
+    clone = TunnelEndpoint(b.identity, "127.0.0.1", 0, config=FAST)  # a copied home dir
+    seen: list[DuplicateNodeError] = []
+    b.on_duplicate_node = seen.append
+    await clone.start()
+    try:
+        with pytest.raises(DuplicateNodeError, match="copied home dir"):
+            await clone.connect("127.0.0.1", b.port, expected_node_id=b.identity.node_id)
+        await eventually(lambda: bool(seen))
+        assert b.connections == []
+    finally:
+        await clone.close()
+
+
+async def test_unreachable_peer_is_a_connect_error() -> None:
+    a = TunnelEndpoint(
+        NodeIdentity.generate(), "127.0.0.1", 0, config=TunnelConfig(handshake_timeout=0.5)
+    )
+    await a.start()
+    silent = ChaosProxy(("127.0.0.1", 9), seed=0)
+    await silent.start()
+    silent.set_faults(blackhole=True)
+    try:
+        with pytest.raises(ConnectError, match="timed out"):
+            await a.connect("127.0.0.1", silent.port, expected_node_id="00" * 32)
+    finally:
+        await a.close()
+        await silent.close()
+
+
+async def test_peer_reset_reaches_the_reader(pair) -> None:
+    a, b = pair
+
+    async def failing(stream: TunnelStream) -> None:
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        stream.reset(ErrorCode.UPSTREAM_FAILED)
+
+    serve_with(b, failing)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    await stream.send(RequestHead(id="1", path="/"))
+    await stream.send(BodyEnd())
+    with pytest.raises(StreamReset) as info:
+        async for _ in stream:
+            pass
+    assert info.value.code == ErrorCode.UPSTREAM_FAILED
+
+
+async def test_requester_cancel_reaches_the_handler(pair) -> None:
+    a, b = pair
+    outcome: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def waiting(stream: TunnelStream) -> None:
+        await stream.recv()
+        try:
+            await stream.recv()  # the rest of the body never comes
+        except StreamReset as exc:
+            outcome.set_result(exc.code)
+            raise
+
+    serve_with(b, waiting)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    async with stream:
+        await stream.send(RequestHead(id="1", path="/"))
+        await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(outcome, 5) == ErrorCode.CANCELLED
+
+
+async def test_eof_without_end_is_a_failure(pair) -> None:
+    a, b = pair
+
+    async def truncating(stream: TunnelStream) -> None:
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        await stream.send(Data(b"partial"))
+        stream.finish()  # FIN, but no End
+
+    serve_with(b, truncating)
+    conn = await dial(a, b)
+    with pytest.raises(IncompleteResponse):
+        await request(conn, "/")
+
+
+async def test_handler_that_returns_without_end_resets(pair) -> None:
+    a, b = pair
+
+    async def forgetful(stream: TunnelStream) -> None:
+        await stream.recv()
+
+    serve_with(b, forgetful)
+    conn = await dial(a, b)
+    with pytest.raises(StreamReset) as info:
+        await request(conn, "/")
+    assert info.value.code == ErrorCode.INTERNAL
+
+
+async def test_protocol_violation_resets_the_stream(pair) -> None:
+    a, b = pair
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    await stream.send(Data(b"no head first"))
+    with pytest.raises(StreamReset) as info:
+        await stream.recv()
+    assert info.value.code == ErrorCode.PROTOCOL
+
+
+async def test_streams_are_held_until_authenticated(pair) -> None:
+    a, b = pair
+    server_side: list[PeerConnection] = []
+
+    async def on_connection(conn: PeerConnection) -> None:
+        conn.on_stream = echo_handler
+        server_side.append(conn)
+
+    b.on_connection = on_connection
+    conn = await dial(a, b)
+    pending = asyncio.create_task(request(conn, "/held", b"x"))
+    await eventually(lambda: bool(server_side) and len(server_side[0]._held) == 1)
+    assert not pending.done()
+    server_side[0].mark_authenticated()
+    frames = await asyncio.wait_for(pending, 5)
+    assert frames[-1] == End()
+
+
+async def test_dead_peer_is_detected_quickly(pair) -> None:
+    a, b = pair
+    proxy = ChaosProxy(("127.0.0.1", b.port), seed=1)
+    await proxy.start()
+
+    async def slow(stream: TunnelStream) -> None:
+        await stream.recv()
+        await asyncio.sleep(60)
+
+    serve_with(b, slow)
+    try:
+        conn = await dial(a, b, proxy.port)
+        stream = await conn.open_stream()
+        await stream.send(RequestHead(id="1", path="/"))
+        await stream.send(BodyEnd())
+        proxy.set_faults(blackhole=True)  # the peer vanishes without a word
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ConnectionLost) as info:
+            await asyncio.wait_for(stream.recv(), 10)
+        assert info.value.code == ErrorCode.PING_TIMEOUT
+        elapsed = asyncio.get_running_loop().time() - started
+        assert elapsed < FAST.ping_interval + FAST.ping_timeout + 2.0
+        assert conn.is_closed and conn.closed.is_set()
+        assert a.connection_for(b.identity.node_id) is None
+        with pytest.raises(ConnectionLost):
+            await conn.open_stream()
+    finally:
+        await proxy.close()
+
+
+async def test_large_response_survives_20_percent_loss(pair) -> None:
+    a, b = pair
+    payload = bytes(range(256)) * 400  # 100 KiB
+
+    async def big(stream: TunnelStream) -> None:
+        await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        for i in range(0, len(payload), 8192):
+            await stream.send(Data(payload[i : i + 8192]))
+        await stream.send(End())
+
+    serve_with(b, big)
+    proxy = ChaosProxy(("127.0.0.1", b.port), seed=7)
+    await proxy.start()
+    try:
+        conn = await dial(a, b, proxy.port)
+        proxy.set_faults(loss=0.2)
+        frames = await asyncio.wait_for(request(conn, "/big"), 60)
+        assert b"".join(f.data for f in frames if isinstance(f, Data)) == payload
+        assert frames[-1] == End()
+        assert proxy.stats["downstream"].dropped > 0
+    finally:
+        await proxy.close()
+
+
+async def test_500_concurrent_streams_leave_no_state(pair) -> None:
+    a, b = pair
+    conn = await dial(a, b)
+    results = await asyncio.gather(*(request(conn, f"/{i}", str(i).encode()) for i in range(500)))
+    for i, frames in enumerate(results):
+        assert frames[1] == Data(str(i).encode()) and frames[-1] == End()
+    server = b.connection_for(a.identity.node_id)
+    assert server is not None
+    await eventually(lambda: conn.active_streams == 0 and server.active_streams == 0)
+    assert not server._held and not server._tasks
+    # aioquic discards its own stream state once both sides' FINs are acknowledged
+    await eventually(lambda: len(conn._quic._streams) <= 1 and len(server._quic._streams) <= 1)
+
+
+async def test_slow_reader_bounds_the_sender(pair) -> None:
+    a, b = pair
+    window = FAST.stream_window
+    chunk = 16 * 1024
+    total = 8 * window
+    served: list[TunnelStream] = []
+
+    async def flood(stream: TunnelStream) -> None:
+        served.append(stream)
+        await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        for _ in range(total // chunk):
+            await stream.send(Data(b"z" * chunk))
+        await stream.send(End())
+
+    serve_with(b, flood)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    await stream.send(RequestHead(id="1", path="/"))
+    await stream.send(BodyEnd())
+    # nobody reads: the sender must stall at about one window
+    await eventually(lambda: bool(served) and served[0]._sent >= window)
+    await asyncio.sleep(0.3)
+    sender = served[0]
+    assert sender._sent <= window + chunk + 64
+    assert sender.unconsumed_sent <= window + chunk + 64
+    assert len(stream._inbound) * chunk <= window + chunk
+    received = 0
+    async for frame in stream:
+        if isinstance(frame, Data):
+            received += len(frame.data)
+    assert received == total
+
+
+async def test_simultaneous_dials_collapse_to_one_connection(pair) -> None:
+    a, b = pair
+    ab, ba = await asyncio.gather(dial(a, b), dial(b, a))
+    lower = min(a.identity.node_id, b.identity.node_id)
+    await eventually(lambda: len(a.connections) == 1 and len(b.connections) == 1)
+    kept_a, kept_b = a.connections[0], b.connections[0]
+    # both sides keep the connection dialed by the lower node id
+    assert kept_a.is_client == (a.identity.node_id == lower)
+    assert kept_b.is_client == (b.identity.node_id == lower)
+    assert ab is kept_a and ba is kept_b
+    assert (await request(kept_a, "/x", b"q"))[-1] == End()
+
+
+async def test_endpoint_close_tells_the_peer(pair) -> None:
+    a, b = pair
+    conn = await dial(a, b)
+    await eventually(lambda: b.connection_for(a.identity.node_id) is not None)
+    server = b.connection_for(a.identity.node_id)
+    assert server is not None
+    await a.close()
+    assert conn.is_closed
+    await asyncio.wait_for(server.closed.wait(), 5)
+    assert server.close_code == ErrorCode.SHUTDOWN
+
+
+def test_backoff_delays_grow_with_jitter_and_cap() -> None:
+    import random
+
+    delays = backoff_delays(base=0.1, cap=2.0, rng=random.Random(3))
+    taken = [next(delays) for _ in range(20)]
+    assert all(0 <= d <= 2.0 for d in taken)
+    assert max(taken[:3]) <= 0.4
+    again = backoff_delays(base=0.1, cap=2.0, rng=random.Random(3))
+    assert [next(again) for _ in range(20)] == taken
+
+
+async def test_connect_with_retry_waits_for_the_peer_to_come_up() -> None:
+    a = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0, config=FAST)
+    b_ident = NodeIdentity.generate()
+    await a.start()
+    proxy = ChaosProxy(("127.0.0.1", 9), seed=0)  # address known before the peer exists
+    await proxy.start()
+    proxy.set_faults(blackhole=True)
+    b: TunnelEndpoint | None = None
+    try:
+        fast_fail = TunnelConfig(**{**FAST.__dict__, "handshake_timeout": 0.3})
+        a.config = fast_fail
+        dialing = asyncio.create_task(
+            connect_with_retry(
+                a, "127.0.0.1", proxy.port, expected_node_id=b_ident.node_id, base=0.05, cap=0.2
+            )
+        )
+        await asyncio.sleep(0.5)
+        assert not dialing.done()
+        b = TunnelEndpoint(b_ident, "127.0.0.1", 0, config=FAST)
+        serve_with(b, echo_handler)
+        await b.start()
+        proxy.target = ("127.0.0.1", b.port)
+        proxy.heal()
+        conn = await asyncio.wait_for(dialing, 10)
+        assert conn.peer_node_id == b_ident.node_id
+    finally:
+        await a.close()
+        if b is not None:
+            await b.close()
+        await proxy.close()
+
+
+async def test_connect_with_retry_stops_on_pin_mismatch(pair) -> None:
+    a, b = pair
+    with pytest.raises(AuthFailed):
+        await connect_with_retry(
+            a, "127.0.0.1", b.port, expected_node_id="ab" * 32, attempts=5, base=0.01
+        )
