@@ -35,6 +35,7 @@ from starlette.staticfiles import StaticFiles
 from gateway.upstream import ModelDirectory
 
 STATIC_DIR = Path(__file__).with_name("static")
+STATUS_PATH = "/api/status"  # the mesh's status endpoint, when mounted
 
 StatusProvider = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
 
@@ -182,9 +183,14 @@ def console_routes(
         return JSONResponse({"requests": rows})
 
     async def events(request: Request) -> Response:
-        # Inside the gateway app, default to its status provider and model directory.
+        # Inside the gateway app, default to the mesh's /api/status, else the gateway's own
+        # status provider, and fill this node's models in from its directory.
         gateway = getattr(request.app.state, "gateway", None)
-        provider = status_provider or getattr(gateway, "status_provider", None)
+        provider = (
+            status_provider
+            or _status_route_provider(request)
+            or getattr(gateway, "status_provider", None)
+        )
         models = directory or (gateway.router.directory if gateway is not None else None)
         return StreamingResponse(
             _event_stream(provider, models, requests, poll_s, heartbeat_s),
@@ -198,6 +204,28 @@ def console_routes(
         Route("/api/requests", recent_requests, methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="console-static"),
     ]
+
+
+def _status_route_provider(request: Request) -> StatusProvider | None:
+    """Read the app's own ``GET /api/status`` (mounted by ``mesh``) in-process, if it has one."""
+    endpoints = [
+        route.endpoint
+        for route in request.app.routes
+        if isinstance(route, Route) and route.path == STATUS_PATH
+    ]
+    if not endpoints:
+        return None
+    endpoint = endpoints[0]
+
+    async def provider() -> Mapping[str, Any]:
+        response = endpoint(request)
+        if inspect.isawaitable(response):
+            response = await response
+        if response.status_code != 200:
+            raise RuntimeError(f"{STATUS_PATH} answered {response.status_code}")
+        return orjson.loads(response.body)
+
+    return provider
 
 
 async def _event_stream(

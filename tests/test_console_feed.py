@@ -206,3 +206,30 @@ async def test_page_static_files_and_request_history() -> None:
     assert [row["model"] for row in history["requests"]] == ["tiny"]
     empty = await asgi_request(Starlette(routes=console_routes()), "GET", "/api/requests")
     assert empty.json() == {"requests": []}
+
+
+async def test_events_read_the_mesh_status_route_in_process() -> None:
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    mesh_status = {
+        "node": {"node_id": "n1", "models": [{"name": "tiny"}]},
+        "peers": [{"node_id": "p"}],
+    }
+
+    async def status(request):  # type: ignore[no-untyped-def]
+        return JSONResponse(mesh_status)
+
+    app = Starlette(routes=[Route("/api/status", status), *console_routes(poll_s=0.01)])
+    result = await asgi_request(app, "GET", "/api/events", disconnect_after_s=0.1)
+    assert frames_of(result.body)[0] == ("status", mesh_status)
+
+
+async def test_inside_the_gateway_the_status_provider_and_directory_are_used() -> None:
+    from gateway.app import create_app
+
+    app = create_app(make_directory("tiny"), status_provider=lambda: {"workers": {"tiny": {}}})
+    result = await asgi_request(app, "GET", "/api/events", disconnect_after_s=0.6)
+    _, status = frames_of(result.body)[0]
+    assert status["node"]["models"] == ["tiny"]
+    assert status["workers"] == {"tiny": {}}

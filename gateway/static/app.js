@@ -6,7 +6,7 @@ import { renderNodeTable, renderTopology } from "./topology.js";
 
 const KEY_STORAGE = "mlx-mesh.api-key";
 const MODEL_STORAGE = "mlx-mesh.model";
-const INVITE_PATHS = ["/api/invite", "/api/invites"];
+const INVITE_PATH = "/api/mesh/invite"; // mesh/mesh_api.py
 const $ = (selector) => document.querySelector(selector);
 
 // ---------------------------------------------------------------- API key and fetch
@@ -352,24 +352,23 @@ async function createInvite() {
   box.className = "invite-result";
   box.textContent = "Creating an invite…";
   try {
-    for (const path of INVITE_PATHS) {
-      const response = await api(path, {
-        method: "POST",
-        headers: { "content-type": "application/json" },
-        body: "{}",
-      });
-      if (response.status === 404 || response.status === 405) continue;
-      if (!response.ok) throw new Error(await errorText(response));
-      const body = await response.json();
-      const token = body.token || body.invite || body.code;
-      if (!token) throw new Error("the node answered without an invite token");
-      const command = body.command || `mesh up --join ${token}`;
-      const expires = body.expires_at ? new Date(body.expires_at * 1000).toLocaleString() : null;
-      box.innerHTML = `Run this on the other Mac${expires ? ` (valid until ${escapeHtml(expires)})` : ""}:
-        <code id="invite-command">${escapeHtml(command)}</code>`;
-      return;
+    const response = await api(INVITE_PATH, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: "{}",
+    });
+    if (response.status === 404 || response.status === 405) {
+      throw new Error(
+        "This node has no invite endpoint: the mesh is not running here. Use `mesh invite` in a terminal.",
+      );
     }
-    throw new Error("This node has no invite endpoint: the mesh is not running here. Use `mesh invite` in a terminal.");
+    if (!response.ok) throw new Error(await errorText(response));
+    const body = await response.json();
+    if (!body.token) throw new Error("the node answered without an invite token");
+    const command = `mesh up --join ${body.token}`;
+    const expires = body.expires_at ? new Date(body.expires_at * 1000).toLocaleString() : null;
+    box.innerHTML = `Run this on the other Mac${expires ? ` (valid until ${escapeHtml(expires)})` : ""}:
+      <code id="invite-command">${escapeHtml(command)}</code>`;
   } catch (err) {
     box.className = "invite-result error";
     box.textContent = err.message || String(err);

@@ -15,18 +15,27 @@ function normaliseNode(raw, isSelf) {
   const id = String(raw.id || raw.node_id || (isSelf ? "local" : "?"));
   const models = (raw.models || []).map((m) => (typeof m === "string" ? m : m.id || m.name || "?"));
   const rtt = raw.rtt_ms ?? raw.rtt ?? null;
+  let state = String(raw.state || (isSelf ? "up" : "unknown")).toLowerCase();
+  if (state === "up" && raw.connected === false) state = "connecting";
   return {
     id,
     name: raw.name || raw.hostname || (id.length > 12 ? id.slice(0, 8) : id),
     self: isSelf,
-    state: String(raw.state || (isSelf ? "up" : "unknown")).toLowerCase(),
+    state,
     addresses: raw.addresses || (raw.address ? [raw.address] : []),
     gateway: raw.gateway || raw.gateway_url || null,
     models,
-    load: raw.load ?? null,
+    load: raw.load ?? loadOf(raw),
     rttMs: typeof rtt === "number" ? rtt : null,
-    lastSeen: raw.last_seen ?? raw.lastSeen ?? null,
+    // Either an absolute time (last_seen, unix s or ms) or an age (last_seen_s, seconds ago).
+    lastSeen: raw.last_seen ?? (raw.last_seen_s != null ? Date.now() / 1000 - raw.last_seen_s : null),
   };
+}
+
+// The mesh's gossip state carries queue_depth / in_flight / tok_s at the top level.
+function loadOf(raw) {
+  if (raw.queue_depth == null && raw.in_flight == null && raw.tok_s == null) return null;
+  return { queue_depth: raw.queue_depth ?? 0, active: raw.in_flight ?? 0, tok_s: raw.tok_s ?? 0 };
 }
 
 // A load is a number (queued + active work) or an object with queue/active/tok_s fields.
