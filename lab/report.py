@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import IO
 
 import orjson
+from rich.table import Table
 
 from lab.rows import ProbeRow
 from lab.stats import GroupStats, Summary
+from lab.verdict import Verdict
 
 
 class RowWriter:
@@ -107,3 +109,29 @@ def write_summary(out_dir: Path, summary: Summary, rows: Iterable[ProbeRow] = ()
 
         written += write_plots(out_dir, rows)
     return written
+
+
+def verdict_table(verdict: Verdict) -> Table:
+    table = Table(title=f"scenario {verdict.scenario}: {'PASS' if verdict.passed else 'FAIL'}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    identical = "n/a" if verdict.compared is None else f"{verdict.identical}/{verdict.compared}"
+    recovery = (
+        "n/a"
+        if verdict.recovery_s is None and verdict.recovered
+        else (f"{verdict.recovery_s:.1f} s" if verdict.recovery_s is not None else "not recovered")
+    )
+    rows = [
+        ("requests sent", str(verdict.sent)),
+        ("succeeded", f"{verdict.succeeded} ({verdict.success_rate:.1%})"),
+        ("failed with a proper error", str(verdict.failed_proper)),
+        ("failed otherwise (timeout, cut off, refused)", str(verdict.failed_improper)),
+        ("hung (must be 0)", f"[{'red' if verdict.hung else 'green'}]{verdict.hung}[/]"),
+        ("outputs identical to the no-fault run", identical),
+        ("time to recover", recovery),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    for reason in verdict.reasons:
+        table.add_row("[red]reason[/]", reason)
+    return table

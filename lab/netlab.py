@@ -1,0 +1,437 @@
+"""The fault lab: run a scenario against N local nodes joined through chaos proxies.
+
+    python lab/netlab.py SCENARIO [--out DIR] [--model NAME] [--seed N] [--keep]
+
+SCENARIO is a TOML file or the name of one in ``lab/scenarios/``. The lab builds tiny models
+(or uses ``--model``), starts node 0, joins the others with invites dialled through their
+proxies, waits until every node lists every model, then runs the probe against
+``probe.target`` while it plays the scenario's timeline (faults, SIGKILL/SIGSTOP/SIGCONT,
+restarts, late joins). It prints a verdict table; nodes and proxies are always torn down.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+from rich.console import Console
+
+from lab.links import LinkFabric, namespace_support
+from lab.nodes import (
+    LabError,
+    LabNode,
+    healthy,
+    listed_models,
+    mesh_up_flags,
+    mint_invite,
+    missing_up_flags,
+    rewrite_invite,
+    wait_until,
+)
+from lab.probe import ProbeConfig, Prober
+from lab.procs import ProcessRegistry, cmdline
+from lab.report import RowWriter, verdict_table, write_summary
+from lab.rows import ProbeRow
+from lab.scenario import (
+    ClearStep,
+    FaultStep,
+    HealStep,
+    NodeStep,
+    PartitionStep,
+    Scenario,
+    SlowStep,
+    load_scenario,
+)
+from lab.stats import summarize
+from lab.verdict import Verdict, judge
+
+
+@dataclass
+class LabOptions:
+    out_dir: Path
+    model: str | None = None  # a real model for every node instead of tiny ones
+    seed: int | None = 1
+    start_timeout_s: float = 240.0  # model load on a busy CPU is slow
+    show: bool = True
+
+
+@dataclass
+class LabRun:
+    """What a finished run leaves behind (also written under ``out_dir``)."""
+
+    verdict: Verdict
+    rows: list[ProbeRow]
+    events: list[dict]
+    leftovers: list[int] = field(default_factory=list)
+
+
+class NetLab:
+    """One scenario run: nodes, proxies, the probe and the timeline. Use ``async with``."""
+
+    def __init__(self, scenario: Scenario, options: LabOptions, console: Console | None = None):
+        self.scenario = scenario
+        self.options = options
+        self.console = console or Console(stderr=True, quiet=not options.show)
+        self.registry = ProcessRegistry()
+        self.nodes: list[LabNode] = []
+        self.fabric: LinkFabric | None = None
+        self.events: list[dict] = []
+        self.flags: set[str] = set()
+        self._client = httpx.AsyncClient(trust_env=False)
+        self._slow_tasks: dict[int, asyncio.Task] = {}
+        self._t0 = time.time()
+
+    async def __aenter__(self) -> NetLab:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def event(self, what: str, **details: object) -> None:
+        entry = {
+            "t": time.time(),
+            "rel_s": round(time.time() - self._t0, 3),
+            "event": what,
+            **details,
+        }
+        self.events.append(entry)
+        self.console.log(f"[cyan]{what}[/] {' '.join(f'{k}={v}' for k, v in details.items())}")
+
+    # ------------------------------------------------------------------ set-up
+
+    def _model_arg(self, index: int) -> str:
+        spec = self.scenario.nodes[index]
+        if self.options.model and spec.is_tiny:
+            return self.options.model
+        if not spec.is_tiny:
+            return spec.model
+        from worker.testing import make_tiny_model  # heavy (numpy, tokenizers): only when needed
+
+        path = self.options.out_dir / "models" / spec.model_id(index)
+        if not (path / "config.json").exists():  # same name → same weights, built once
+            make_tiny_model(path)
+        return str(path)
+
+    async def setup(self) -> None:
+        """Models, proxies, node 0, then every initial node joined and seeing every model."""
+        self.registry.install_cleanup()
+        self.flags = await asyncio.to_thread(mesh_up_flags)
+        missing = missing_up_flags(self.flags)
+        if missing:
+            raise LabError(f"`mesh up` lacks the flags the lab needs: {', '.join(missing)}")
+        ok, why = namespace_support()
+        self.event(
+            "network", method="chaos proxies", netns=("available" if ok else "unavailable"), why=why
+        )
+        for index, spec in enumerate(self.scenario.nodes):
+            home = self.options.out_dir / f"node-{index}"
+            home.mkdir(parents=True, exist_ok=True)
+            model_arg = await asyncio.to_thread(self._model_arg, index)
+            self.nodes.append(LabNode(index=index, spec=spec, home=home, model_arg=model_arg))
+        self.fabric = LinkFabric([n.mesh_port for n in self.nodes], seed=self.options.seed)
+        await self.fabric.start()
+        self.event("proxies", count=len(self.fabric.proxies))
+        first = self.nodes[0]
+        await self.start_node(first, join_token=None)
+        await wait_until(
+            "node 0 healthy",
+            lambda: healthy(self._client, first),
+            self.options.start_timeout_s,
+            first,
+        )
+        for node in self.nodes[1:]:
+            if node.spec.start:
+                await self.join(node, wait=True)
+        await self.wait_converged()
+
+    async def start_node(self, node: LabNode, join_token: str | None) -> None:
+        assert self.fabric is not None
+        argv = node.up_argv(
+            peers=self.fabric.peers_of(node.index),
+            join_token=join_token,
+            flags=self.flags,
+            extra=[],
+        )
+        node.process = self.registry.spawn(
+            f"node-{node.index}", argv, log_path=node.log_path, env=_node_env(node.home)
+        )
+        node.starts += 1
+        self.event("start", node=node.index, pid=node.process.pid, join=bool(join_token))
+
+    async def join(self, node: LabNode, *, wait: bool) -> None:
+        """Invite from the first running node, dialled through this node's proxy towards it."""
+        assert self.fabric is not None
+        inviter = next(n for n in self.nodes if n.running() and n.index != node.index)
+        token = rewrite_invite(
+            await mint_invite(self._client, inviter), self.fabric.address(node.index, inviter.index)
+        )
+        await self.start_node(node, join_token=token)
+        if wait:
+            await wait_until(
+                f"node {node.index} healthy",
+                lambda: healthy(self._client, node),
+                self.options.start_timeout_s,
+                node,
+            )
+
+    def running_nodes(self) -> list[LabNode]:
+        return [n for n in self.nodes if n.running()]
+
+    async def wait_converged(self, timeout_s: float | None = None) -> None:
+        """Until every running node lists the models of every running node."""
+        running = self.running_nodes()
+        expected = {n.model_id for n in running}
+
+        async def converged() -> bool:
+            listed = [await listed_models(self._client, n) for n in running]
+            return all(expected <= models for models in listed)
+
+        await wait_until(
+            f"every node to list {sorted(expected)}",
+            converged,
+            timeout_s or self.options.start_timeout_s,
+        )
+        self.registry.note_descendants()
+        self.event("converged", models=",".join(sorted(expected)))
+
+    # ------------------------------------------------------------------ the timeline
+
+    async def apply(self, step: object) -> None:
+        assert self.fabric is not None
+        handlers: dict[type, Callable] = {
+            FaultStep: self._fault,
+            ClearStep: self._clear,
+            PartitionStep: self._partition,
+            HealStep: self._heal,
+            NodeStep: self._node_step,
+            SlowStep: self._slow,
+        }
+        await handlers[type(step)](step)
+
+    async def _fault(self, step: FaultStep) -> None:
+        self.fabric.set_link(step.link, step.settings)  # type: ignore[union-attr]
+        self.event("fault", link=step.link, **step.settings.model_dump(exclude_defaults=True))
+
+    async def _clear(self, step: ClearStep) -> None:
+        self.fabric.clear(step.link)  # type: ignore[union-attr]
+        self.event("clear", link=step.link or "all")
+
+    async def _partition(self, step: PartitionStep) -> None:
+        self.fabric.partition(step.groups)  # type: ignore[union-attr]
+        self.event("partition", groups=step.groups)
+
+    async def _heal(self, step: HealStep) -> None:
+        self.fabric.clear()  # type: ignore[union-attr]
+        self.event("heal")
+
+    async def _node_step(self, step: NodeStep) -> None:
+        node = self.nodes[step.node]
+        if step.action == "join":
+            await self.join(node, wait=False)
+            return
+        if step.action == "restart":
+            if node.running():
+                raise LabError(
+                    f"restart of node {node.index}, which is still running: kill it first"
+                )
+            await self.start_node(node, join_token=None)  # it is a member: its home remembers
+            return
+        if node.process is None:
+            raise LabError(f"{step.action} of node {node.index}, which never started")
+        self.registry.note_descendants()
+        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[step.action]
+        node.process.signal_tree(sig)
+        if step.action == "kill":
+            await asyncio.to_thread(node.process.popen.wait, 10)
+        self.event(step.action, node=node.index)
+
+    async def _slow(self, step: SlowStep) -> None:
+        old = self._slow_tasks.pop(step.node, None)
+        if old is not None:
+            old.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await old
+        if step.duty < 1:
+            self._slow_tasks[step.node] = asyncio.create_task(self._duty_cycle(step))
+        self.event("slow", node=step.node, duty=step.duty)
+
+    async def _duty_cycle(self, step: SlowStep) -> None:
+        """SIGSTOP/SIGCONT the node's worker processes (its whole tree if none is found)."""
+        node = self.nodes[step.node]
+        assert node.process is not None
+        period = step.period_ms / 1000
+        try:
+            while True:
+                pids = [
+                    p for p in node.process.tree()[1:] if "worker" in cmdline(p)
+                ] or node.process.tree()
+                _signal_all(pids, signal.SIGSTOP)
+                await asyncio.sleep(period * (1 - step.duty))
+                _signal_all(pids, signal.SIGCONT)
+                await asyncio.sleep(period * step.duty)
+        finally:
+            _signal_all(node.process.tree(), signal.SIGCONT)  # never leave it frozen
+
+    async def play(self, started_at: float) -> None:
+        for step in self.scenario.steps:
+            delay = started_at + step.at - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await self.apply(step)
+        remaining = started_at + self.scenario.duration_s - time.time()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+
+    # ------------------------------------------------------------------ run and tear down
+
+    async def run(self) -> LabRun:
+        out = self.options.out_dir
+        await self.setup()
+        probe = self.scenario.probe
+        target = self.nodes[probe.target]
+        config = ProbeConfig(
+            urls=[target.url],
+            models=probe.models,
+            apis=list(probe.apis),
+            interval_s=probe.interval_s,
+            timeout_s=probe.timeout_s,
+            max_tokens=probe.max_tokens,
+            sentinel=probe.sentinel,
+            include_mesh=probe.include_mesh,
+            show_progress=False,
+        )
+        writer = RowWriter(out / "rows.jsonl")
+
+        def on_row(row: ProbeRow) -> None:
+            writer.write(row)
+            if not row.ok:
+                self.console.log(
+                    f"[yellow]{row.outcome.value}[/] {row.model}/{row.api}: {row.error}"
+                )
+
+        prober = Prober(config, on_row=on_row)
+        stop = asyncio.Event()
+        started_at = time.time()
+        self.event("probe-start", target=target.url)
+        probe_task = asyncio.create_task(prober.run(stop))
+        try:
+            await self.play(started_at)
+        finally:
+            stop.set()
+            # In-flight requests finish within their own hard deadline.
+            await asyncio.wait_for(probe_task, probe.timeout_s + 10)
+            writer.close()
+        self.event("probe-end", rows=len(prober.rows))
+        verdict = judge(self.scenario, prober.rows, started_at)
+        write_summary(out, summarize(prober.rows), prober.rows)
+        return LabRun(verdict=verdict, rows=prober.rows, events=self.events)
+
+    async def close(self) -> None:
+        for task in self._slow_tasks.values():
+            task.cancel()
+        for task in self._slow_tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._slow_tasks.clear()
+        await asyncio.to_thread(self.registry.close)
+        if self.fabric is not None:
+            (self.options.out_dir / "links.json").write_bytes(
+                orjson.dumps(self.fabric.stats(), option=orjson.OPT_INDENT_2)
+            )
+            await self.fabric.close()
+        await self._client.aclose()
+        self.registry.uninstall_cleanup()
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _node_env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["MLX_MESH_HOME"] = str(home)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def run_scenario(
+    scenario: Scenario, options: LabOptions, console: Console | None = None
+) -> LabRun:
+    """Run one scenario end to end; always tears everything down. Writes verdict.json too."""
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    lab = NetLab(scenario, options, console)
+    try:
+        result = await lab.run()
+    finally:
+        await lab.close()
+        (options.out_dir / "events.jsonl").write_bytes(
+            b"".join(orjson.dumps(e) + b"\n" for e in lab.events)
+        )
+    result.leftovers = lab.registry.leftovers()
+    (options.out_dir / "verdict.json").write_bytes(
+        orjson.dumps(
+            {**result.verdict.model_dump(mode="json"), "leftover_pids": result.leftovers},
+            option=orjson.OPT_INDENT_2,
+        )
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", help="TOML file, or a name in lab/scenarios/")
+    parser.add_argument("--out", type=Path, help="output directory (default: a new temp dir)")
+    parser.add_argument("--model", help="serve this real model on every tiny node instead")
+    parser.add_argument("--seed", type=int, default=1, help="chaos proxies' RNG seed")
+    args = parser.parse_args(argv)
+    return run_scenario_cli(args.scenario, out_dir=args.out, model=args.model, seed=args.seed)
+
+
+def run_scenario_cli(
+    name: str, *, out_dir: Path | None, model: str | None, seed: int | None
+) -> int:
+    """Exit status: 0 pass, 1 fail, 2 the lab itself could not run, 130 interrupted."""
+    console = Console(stderr=True)
+    try:
+        scenario = load_scenario(name)
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    out = out_dir or Path(tempfile.mkdtemp(prefix=f"mesh-lab-{scenario.name}-"))
+    console.print(f"scenario [bold]{scenario.name}[/]: {scenario.description} → {out}")
+    try:
+        result = asyncio.run(
+            run_scenario(scenario, LabOptions(out_dir=out, model=model, seed=seed), console)
+        )
+    except KeyboardInterrupt:
+        console.print("interrupted: nodes and proxies were torn down")
+        return 130
+    except LabError as exc:
+        console.print(f"[bold red]lab error:[/] {exc}")
+        return 2
+    Console().print(verdict_table(result.verdict))
+    if result.leftovers:
+        console.print(f"[red]processes left behind: {result.leftovers}[/]")
+    console.print(f"rows, summary, plots, events and logs in {out}")
+    return 0 if result.verdict.passed and not result.leftovers else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

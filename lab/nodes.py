@@ -1,0 +1,185 @@
+"""Nodes of the fault lab: ``mesh up`` processes on loopback, each with its own home and ports.
+
+The lab drives nodes only through the public surfaces a person would use: the ``mesh`` CLI
+(``mesh up``; ``mesh invite`` as a fallback) and the gateway's HTTP API (``/health``,
+``/v1/models``, ``POST /api/mesh/invite``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from lab.procs import ManagedProcess
+from lab.scenario import NodeSpec
+from mesh.invite import decode_invite
+
+# `python -c` rather than the console script: works from a checkout without an installed `mesh`.
+MESH_MAIN = "import sys; sys.argv[0] = 'mesh'; from mesh.cli import main; main()"
+REQUIRED_UP_FLAGS = (
+    "--home",
+    "--model",
+    "--port",
+    "--mesh-port",
+    "--peer",
+    "--join",
+    "--no-discovery",
+)
+
+
+class LabError(RuntimeError):
+    """The lab could not set up or drive its mesh; the message says which node and why."""
+
+
+def mesh_argv(*args: str) -> list[str]:
+    return [sys.executable, "-c", MESH_MAIN, *args]
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    """A port that was free a moment ago (TCP for gateways, UDP for mesh endpoints)."""
+    with socket.socket(socket.AF_INET, kind) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def mesh_up_flags() -> set[str]:
+    """The flags this checkout's ``mesh up`` accepts (from its --help)."""
+    result = subprocess.run(
+        mesh_argv("up", "--help"), capture_output=True, text=True, timeout=60, check=False
+    )
+    if result.returncode != 0:
+        raise LabError(
+            f"`mesh up --help` failed: {(result.stderr or result.stdout).strip()[-300:]}"
+        )
+    return set(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
+
+
+def missing_up_flags(flags: set[str]) -> list[str]:
+    return [flag for flag in REQUIRED_UP_FLAGS if flag not in flags]
+
+
+def rewrite_invite(token: str, address: str) -> str:
+    """The same invite, dialled at ``address`` (the joiner's proxy towards the inviter)."""
+    invite = decode_invite(token)
+    return invite.model_copy(update={"addresses": [address]}).encode()
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class LabNode:
+    index: int
+    spec: NodeSpec
+    home: Path
+    model_arg: str  # a directory (tiny models) or a store name for `mesh up --model`
+    http_port: int = field(default_factory=free_port)
+    mesh_port: int = field(default_factory=lambda: free_port(socket.SOCK_DGRAM))
+    process: ManagedProcess | None = None
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def model_id(self) -> str:
+        return self.spec.model_id(self.index)
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / f"node-{self.index}.log"
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.running()
+
+    def up_argv(
+        self, *, peers: list[str], join_token: str | None, flags: set[str], extra: list[str]
+    ) -> list[str]:
+        argv = mesh_argv(
+            "up",
+            "--home", str(self.home),
+            "--model", self.model_arg,
+            "--port", str(self.http_port),
+            "--mesh-port", str(self.mesh_port),
+            "--no-discovery",
+        )  # fmt: skip
+        if "--host" in flags:
+            argv += ["--host", "127.0.0.1"]
+        for peer in peers:
+            argv += ["--peer", peer]
+        if join_token:
+            argv += ["--join", join_token]
+        return argv + extra
+
+    def check_alive(self) -> None:
+        if self.process is not None and not self.process.running():
+            code = self.process.popen.returncode
+            raise LabError(
+                f"node {self.index} exited ({code}); log tail:\n{log_tail(self.log_path)}"
+            )
+
+
+async def wait_until(what: str, check, timeout_s: float, node: LabNode | None = None) -> None:
+    """Poll ``check()`` (async, returns bool) every 0.25 s; LabError on timeout or node death."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if node is not None:
+            node.check_alive()
+        if await check():
+            return
+        if time.monotonic() > deadline:
+            tail = f"; log tail:\n{log_tail(node.log_path)}" if node is not None else ""
+            raise LabError(f"timed out after {timeout_s:g}s waiting for {what}{tail}")
+        await asyncio.sleep(0.25)
+
+
+async def listed_models(client: httpx.AsyncClient, node: LabNode) -> set[str]:
+    try:
+        response = await client.get(f"{node.url}/v1/models", timeout=5)
+        if response.status_code != 200:
+            return set()
+        return {str(item["id"]) for item in response.json().get("data", [])}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return set()
+
+
+async def healthy(client: httpx.AsyncClient, node: LabNode) -> bool:
+    try:
+        return (await client.get(f"{node.url}/health", timeout=5)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def mint_invite(client: httpx.AsyncClient, node: LabNode) -> str:
+    """An invite from ``node``: its HTTP API, else ``mesh invite --home`` (last stdout line)."""
+    try:
+        response = await client.post(f"{node.url}/api/mesh/invite", json={"ttl_s": 600}, timeout=10)
+        if response.status_code == 200:
+            return str(response.json()["token"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass  # fall back to the CLI below
+    result = await asyncio.to_thread(
+        subprocess.run,
+        mesh_argv("invite", "--home", str(node.home)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise LabError(f"`mesh invite` on node {node.index} failed: {result.stderr.strip()[-300:]}")
+    return lines[-1].strip()
