@@ -225,3 +225,94 @@ def test_api_key_is_asked_for_and_sent(browser) -> None:  # type: ignore[no-unty
         page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']", timeout=15_000)
         page.wait_for_function("document.querySelector('#live').textContent === 'live'")
         context.close()
+
+
+# ---------------------------------------------------------------- a two-node mesh
+
+
+class MeshNode:
+    """A MeshService (real QUIC on loopback) under a real gateway, both on one server loop."""
+
+    def __init__(self, home: Path, models: dict[str, ScriptedUpstream], join: str | None = None):
+        from mesh.identity import NodeIdentity
+        from mesh.mesh_api import mesh_routes
+        from mesh.service import MeshConfig, MeshService
+        from mesh.tunnel import TunnelConfig
+
+        local = StaticDirectory()
+        for name, upstream in models.items():
+            local.add(ModelInfo(id=name), upstream)
+        config = MeshConfig(
+            port=0,
+            discovery=False,
+            gossip_interval_s=0.2,
+            redial_s=0.2,
+            retry_backoff_s=0.05,
+            join_token=join,
+            tunnel=TunnelConfig(ping_interval=0.3, ping_timeout=1.0, handshake_timeout=3.0),
+        )
+        self.service = MeshService(home, NodeIdentity.load_or_create(home), local, config)
+        app = create_app(self.service.directory, extra_routes=mesh_routes(self.service))
+        self.server = ServerThread(app)
+
+    def __enter__(self) -> MeshNode:
+        self.server.__enter__()
+        self.server.run(self.service.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.run(self.service.stop())
+        self.server.__exit__(*exc)
+
+
+def test_two_node_mesh_topology_forwarded_chat_and_invite(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    worker = ScriptedUpstream.of(
+        *text_script("Answered by node A.", chunk=3), name="local", delay_s=0.03
+    )
+    with MeshNode(tmp_path / "a", {"tiny": worker}) as a:
+        token = a.server.run(on_loop(a.service.create_invite, 60)).encode()
+        with MeshNode(tmp_path / "b", {}, join=token) as b:
+            context = browser.new_context(viewport={"width": 1280, "height": 820})
+            context.set_default_timeout(15_000)
+            page = context.new_page()
+            page.goto(b.server.url + "/")
+            # B serves nothing itself: "tiny" appears once gossip brought A's model over.
+            page.wait_for_function(
+                """async () => {
+                    const r = await fetch('/v1/models');
+                    return (await r.json()).data.some((m) => m.id === 'tiny');
+                }"""
+            )
+            page.reload()
+            page.wait_for_selector("#model option[value='tiny']", state="attached")
+            page.click("[data-tab='mesh']")
+            page.wait_for_selector("#topology .node.peer.up")
+            peer = page.locator("#topology .node.peer")
+            assert peer.get_attribute("data-node-id") == a.service.node_id
+            assert "tiny" in peer.inner_html()
+            page.wait_for_function(
+                "[...document.querySelectorAll('#topology .rtt')].some(t => t.textContent.endsWith('ms'))"
+            )
+            table = page.locator("#nodes tbody").inner_text()
+            assert a.service.node_id[:8] in table and b.service.node_id[:8] in table
+            page.screenshot(path=str(SCREENSHOT.with_name("mlx-mesh-console-mesh.png")))
+
+            page.click("#invite-button")
+            command = page.locator("#invite-command")
+            command.wait_for()
+            assert command.inner_text().startswith("mesh up --join mlxmesh1.")
+
+            page.click("[data-tab='chat']")
+            send(page, "who answers?")
+            page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']")
+            assert page.locator(".msg.assistant .body").inner_text() == "Answered by node A."
+            footer = page.locator(".msg.assistant .footer").inner_text()
+            assert "peer" in footer and a.service.node_id[:12] in footer
+            assert worker.calls == 1
+            context.close()
+
+
+async def on_loop(fn, *args):  # type: ignore[no-untyped-def]
+    """Wrap a plain call so ServerThread.run runs it on the server's loop (MeshService is not
+    thread-safe)."""
+    return fn(*args)

@@ -69,17 +69,16 @@ function shorten(text, max) {
   return text.length > max ? `${text.slice(0, max - 1)}…` : text;
 }
 
+// Peers sit on an ellipse around this node, the first one to its right; labels hang below
+// each circle, so the ellipse is wide rather than tall.
 export function renderTopology(svg, status) {
   const { self, peers } = normaliseStatus(status);
-  const width = 800;
-  const height = 440;
-  const cx = width / 2;
-  const cy = height / 2;
-  const radius = peers.length ? Math.min(165, 90 + peers.length * 20) : 0;
-  const positions = peers.map((_, i) => {
-    const angle = -Math.PI / 2 + (2 * Math.PI * i) / peers.length;
-    return [cx + Math.cos(angle) * radius * 1.6, cy + Math.sin(angle) * radius];
-  });
+  const [middle, cy, rx, ry] = [450, 190, 300, 120];
+  const offsets = peers.map((_, i) => (2 * Math.PI * i) / peers.length);
+  // Centre the drawing as a whole (one peer: the pair sits side by side in the middle).
+  const xs = [0, ...offsets.map((a) => Math.cos(a) * rx)];
+  const cx = middle - (Math.min(...xs) + Math.max(...xs)) / 2;
+  const positions = offsets.map((a) => [cx + Math.cos(a) * rx, cy + Math.sin(a) * ry]);
   svg.replaceChildren();
   const links = el("g", { class: "links" });
   const nodes = el("g", { class: "nodes" });
@@ -89,7 +88,7 @@ export function renderTopology(svg, status) {
     const down = peer.state === "down" || peer.state === "left";
     links.append(el("line", { class: `link${down ? " down" : ""}`, x1: cx, y1: cy, x2: x, y2: y }));
     const label = peer.rttMs == null ? "?" : `${peer.rttMs.toFixed(peer.rttMs < 10 ? 1 : 0)} ms`;
-    links.append(el("text", { class: "rtt", x: (cx + x) / 2 + 6, y: (cy + y) / 2 - 6 }, label));
+    links.append(el("text", { class: "rtt", x: (cx + x) / 2, y: (cy + y) / 2 - 8 }, label));
   });
   nodes.append(drawNode(self, cx, cy));
   peers.forEach((peer, i) => nodes.append(drawNode(peer, ...positions[i])));
@@ -102,15 +101,15 @@ function drawNode(node, x, y) {
     transform: `translate(${x},${y})`,
   });
   g.append(el("title", {}, `${node.id}\n${node.addresses.join(", ")}`));
-  g.append(el("circle", { r: 34 }));
-  g.append(el("text", { y: -2 }, shorten(node.self ? `${node.name} (you)` : node.name, 18)));
-  g.append(el("text", { class: "sub", y: 14 }, node.state));
+  g.append(el("circle", { r: 42 }));
+  g.append(el("text", { y: -3 }, shorten(node.name, 12)));
+  g.append(el("text", { class: "sub", y: 14 }, node.self ? `${node.state} · you` : node.state));
   const models = node.models.length ? node.models.join(", ") : "no models";
-  g.append(el("text", { class: "sub", y: 54 }, shorten(models, 34)));
-  g.append(el("rect", { class: "loadbar-bg", x: -30, y: 62, width: 60, height: 5, rx: 2 }));
+  g.append(el("text", { class: "models", y: 62 }, shorten(models, 34)));
+  g.append(el("rect", { class: "loadbar-bg", x: -30, y: 70, width: 60, height: 5, rx: 2 }));
   const fill = Math.max(2, 60 * loadFraction(node.load));
-  g.append(el("rect", { class: "loadbar", x: -30, y: 62, width: fill, height: 5, rx: 2 }));
-  g.append(el("text", { class: "sub", y: 82 }, describeLoad(node.load)));
+  g.append(el("rect", { class: "loadbar", x: -30, y: 70, width: fill, height: 5, rx: 2 }));
+  g.append(el("text", { class: "sub", y: 90 }, describeLoad(node.load)));
   return g;
 }
 
