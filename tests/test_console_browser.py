@@ -183,6 +183,7 @@ def test_requests_table_fills_live(page, gateway: Gateway) -> None:  # type: ign
     )
     row = page.locator("#requests tbody tr").first.inner_text()
     assert "responses" in row and "tiny" in row and "ok" in row
+    page.screenshot(path=str(SCREENSHOT.with_name("mlx-mesh-console-requests.png")))
 
 
 def test_invite_without_a_mesh_says_so(page) -> None:  # type: ignore[no-untyped-def]

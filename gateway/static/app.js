@@ -318,7 +318,9 @@ function addRequestRow(row, fresh) {
   if (fresh) tr.className = "fresh";
   const at = row.at ?? row.started_at ?? row.time;
   const time = at ? new Date((at > 1e12 ? at : at * 1000)).toLocaleTimeString() : "–";
-  const route = [row.route, row.peer ? String(row.peer).slice(0, 8) : null].filter(Boolean).join(" → ");
+  const peer = row.peer && row.peer !== "local" && row.peer !== row.route ? String(row.peer).slice(0, 8) : null;
+  const winner = row.moa_winner ? `winner ${row.moa_winner}` : null;
+  const route = [row.route, peer, winner].filter(Boolean).join(" → ");
   const outcome = String(row.outcome ?? row.status ?? "–");
   const good = outcome === "ok" || outcome === "200" || outcome === "done";
   const ttft = row.ttft_ms ?? (row.ttft_s != null ? row.ttft_s * 1000 : null);
