@@ -156,7 +156,16 @@ class MeshService:
             save_credentials(self.home, self.credentials)
             log.info("created mesh %s", self.credentials.mesh_id)
         self.endpoint.on_connection = self._on_connection
-        await self.endpoint.start()
+        try:
+            await self.endpoint.start()
+        except OSError as exc:
+            if self.config.port == 0:
+                raise MembershipError(f"cannot open the mesh tunnel: {exc}") from exc
+            # Peers learn our addresses from the handshake and gossip, so any port works for
+            # them; only static --peer entries pointing at the default port would miss us.
+            log.warning("mesh port %d unavailable (%s); using a free port", self.config.port, exc)
+            self.endpoint.port = 0
+            await self.endpoint.start()
         self.addresses = self.config.advertise or default_addresses(
             self.config.host, self.endpoint.port
         )

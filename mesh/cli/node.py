@@ -31,10 +31,30 @@ def up_command(
     request_log: Path | None = typer.Option(
         None, "--request-log", help="Append one JSON row per request here."
     ),
+    join: str | None = typer.Option(
+        None, "--join", help="Join the mesh of this invite token (from `mesh invite`)."
+    ),
+    mesh_host: str = typer.Option(
+        "0.0.0.0", "--mesh-host", help="Address for the mesh tunnel (QUIC, UDP)."
+    ),
+    mesh_port: int = typer.Option(9338, "--mesh-port", help="Mesh tunnel UDP port (0 = any)."),
+    peer: list[str] = typer.Option(
+        [], "--peer", help="HOST:PORT of a member's tunnel to always try; repeatable."
+    ),
+    no_discovery: bool = typer.Option(
+        False, "--no-discovery", help="Do not advertise or browse on the LAN (mDNS)."
+    ),
+    retry_backoff_ms: int = typer.Option(
+        750, "--retry-backoff-ms", help="Wait before retrying a failed route (before first byte)."
+    ),
 ) -> None:
     """Start a node: one MLX worker per --model and the OpenAI/Anthropic gateway in front."""
+    from gateway import __version__
     from gateway.config import GatewayConfig
-    from mesh.node import NodeConfig, NodeError, run_node
+    from mesh.errors import MeshError
+    from mesh.mesh_node import run_mesh_node
+    from mesh.node import NodeConfig, NodeError
+    from mesh.service import MeshConfig
 
     home_dir = resolve_home(home)
     config = NodeConfig(
@@ -44,11 +64,23 @@ def up_command(
         port=port,
         start_workers=not no_worker,
         gateway=GatewayConfig(
-            api_key=api_key, max_in_flight=max_in_flight, request_log=request_log
+            api_key=api_key,
+            max_in_flight=max_in_flight,
+            request_log=request_log,
+            retry_backoff_ms=retry_backoff_ms,
         ),
+    )
+    mesh_config = MeshConfig(
+        host=mesh_host,
+        port=mesh_port,
+        static_peers=list(peer),
+        join_token=join,
+        discovery=not no_discovery,
+        retry_backoff_s=retry_backoff_ms / 1000,
+        version=__version__,
     )
     try:
         config.check()
-        run_node(config)
-    except NodeError as exc:
+        run_mesh_node(config, mesh_config)
+    except (NodeError, MeshError) as exc:
         raise fail(str(exc)) from exc

@@ -1,0 +1,154 @@
+"""Two real ``mesh up`` processes on loopback with the tiny model: B (no worker) joins A's mesh
+with an invite from ``mesh invite``, and serves A's model. Under greedy decoding the text that
+streams through B equals a direct request to A, for all three client APIs. Then B restarts
+without a token and serves again (rejoin by key); ``mesh status`` shows the peer."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import orjson
+import pytest
+
+MESH_ARGS = ["--port", "0", "--mesh-host", "127.0.0.1", "--mesh-port", "0", "--no-discovery"]
+MAX_TOKENS = 6
+
+
+def _mesh(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from mesh.cli import main; main()", *args]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
+            value = predicate()
+            if value:
+                return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Running:
+    """One ``mesh up`` subprocess, ready once it wrote ``node.json``."""
+
+    def __init__(self, home: Path, *args: str) -> None:
+        self.home = home
+        self.process = subprocess.Popen(
+            _mesh("up", "--home", str(home), *MESH_ARGS, *args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        node_file = home / "node.json"
+
+        def ready():
+            if self.process.poll() is not None:
+                raise AssertionError(self.output())
+            return node_file.exists() and orjson.loads(node_file.read_bytes())
+
+        self.info = _wait_for(ready, 180, f"node in {home}")
+        self.url = self.info["url"]
+
+    def output(self) -> str:
+        return self.process.communicate(timeout=30)[0].decode(errors="replace")
+
+    def stop(self) -> str:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        out = self.output()
+        assert self.process.returncode == 0, out
+        return out
+
+
+def _texts(url: str, model: str) -> dict[str, str]:
+    """The streamed text of one greedy request per client API."""
+    prompt = [{"role": "user", "content": "Say something."}]
+    out: dict[str, str] = {}
+    with openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client:
+        chunks = client.chat.completions.create(
+            model=model, messages=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        out["chat"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        events = client.responses.create(
+            model=model, input=prompt, max_output_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        out["responses"] = "".join(
+            e.delta for e in events if e.type == "response.output_text.delta"
+        )
+    with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0) as client:
+        events = client.messages.create(
+            model=model,
+            messages=prompt,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            extra_body={"temperature": 0},  # this SDK version has no temperature argument
+        )
+        out["messages"] = "".join(
+            e.delta.text
+            for e in events
+            if e.type == "content_block_delta" and e.delta.type == "text_delta"
+        )
+    return out
+
+
+def _model_ids(url: str) -> list[str]:
+    return [m["id"] for m in httpx.get(url + "/v1/models", timeout=5).json()["data"]]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
+    a = Running(tmp_path / "a", "--model", str(tiny_model_dir))
+    b = None
+    try:
+        invite = subprocess.run(
+            _mesh("invite", "--home", str(a.home), "--ttl", "10m"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert invite.returncode == 0, invite.stderr
+        token = invite.stdout.strip().splitlines()[-1]
+        assert token.startswith("mlxmesh1.")
+
+        b = Running(tmp_path / "b", "--no-worker", "--join", token)
+        _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
+
+        direct = _texts(a.url, "model")
+        via_b = _texts(b.url, "model")
+        assert all(direct.values()), direct  # the model produced text on every API
+        assert via_b == direct
+
+        body = {"model": "model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        response = httpx.post(b.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.headers["x-route"] == "peer"
+
+        status = subprocess.run(
+            _mesh("status", "--home", str(b.home), "--json"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        peers = orjson.loads(status.stdout)["peers"]
+        assert [p["state"] for p in peers] == ["up"]
+        assert [m["name"] for m in peers[0]["models"]] == ["model"]
+        assert response.headers["x-peer"] == peers[0]["node_id"]
+
+        # A restarted member comes back without a token: members know each other by key.
+        b.stop()
+        b = Running(tmp_path / "b", "--no-worker")
+        _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on restarted B")
+        assert _texts(b.url, "model")["chat"] == direct["chat"]
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
