@@ -91,6 +91,12 @@ class LinkFabric:
         for direction in partition_directions(groups):
             self.set_direction(direction, FaultSettings(blackhole=True))
 
+    def datagrams(self, a: int, b: int) -> int:
+        """Datagrams seen so far between nodes a and b (either proxy, either lane)."""
+        return sum(
+            lane.received for pair in ((a, b), (b, a)) for lane in self.proxies[pair].stats.values()
+        )
+
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         return {
             f"{i}->{j}": {lane: vars(s).copy() for lane, s in proxy.stats.items()}

@@ -209,6 +209,31 @@ class NetLab:
         self.registry.note_descendants()
         self.event("converged", models=",".join(sorted(expected)))
 
+    async def bypassed_links(self, window_s: float = 4.0) -> list[tuple[int, int]]:
+        """Connected node pairs whose proxies carried nothing for ``window_s`` (> 2 pings).
+
+        The tunnel pings every 1.5 s, so a live link through the lab's proxies always moves
+        datagrams; a connected pair with none dialled around them (e.g. a member's advertised
+        address) and its faults were never applied.
+        """
+        assert self.fabric is not None
+        ids: dict[str, int] = {}
+        connected: set[tuple[int, int]] = set()
+        statuses = {}
+        for node in self.running_nodes():
+            statuses[node.index] = await _status(self._client, node)
+            node_id = (statuses[node.index].get("node") or {}).get("node_id")
+            if node_id:
+                ids[str(node_id)] = node.index
+        for index, status in statuses.items():
+            for peer in status.get("peers") or []:
+                other = ids.get(str(peer.get("node_id")))
+                if peer.get("connected") and other is not None:
+                    connected.add((min(index, other), max(index, other)))
+        before = {pair: self.fabric.datagrams(*pair) for pair in connected}
+        await asyncio.sleep(window_s)
+        return sorted(pair for pair in connected if self.fabric.datagrams(*pair) == before[pair])
+
     # ------------------------------------------------------------------ the timeline
 
     async def apply(self, step: object) -> None:
@@ -337,7 +362,20 @@ class NetLab:
             await asyncio.wait_for(probe_task, probe.timeout_s + 10)
             writer.close()
         self.event("probe-end", rows=len(prober.rows))
+        bypassed = await self.bypassed_links()
         verdict = judge(self.scenario, prober.rows, started_at)
+        if bypassed:
+            links = ", ".join(f"{a}<->{b}" for a, b in bypassed)
+            self.event("bypassed", links=links)
+            verdict = verdict.model_copy(
+                update={
+                    "passed": False,
+                    "reasons": [
+                        *verdict.reasons,
+                        f"links {links} bypassed the chaos proxies: their faults were not applied",
+                    ],
+                }
+            )
         write_summary(out, summarize(prober.rows), prober.rows)
         return LabRun(verdict=verdict, rows=prober.rows, events=self.events)
 
@@ -356,6 +394,14 @@ class NetLab:
             await self.fabric.close()
         await self._client.aclose()
         self.registry.uninstall_cleanup()
+
+
+async def _status(client: httpx.AsyncClient, node: LabNode) -> dict:
+    try:
+        response = await client.get(f"{node.url}/api/status", timeout=5)
+        return response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

@@ -118,6 +118,8 @@ class LabNode:
         )  # fmt: skip
         if "--host" in flags:
             argv += ["--host", "127.0.0.1"]
+        if "--mesh-host" in flags:  # default is every interface: keep the lab on loopback
+            argv += ["--mesh-host", "127.0.0.1"]
         for peer in peers:
             argv += ["--peer", peer]
         if join_token:
