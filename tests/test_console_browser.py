@@ -43,7 +43,7 @@ ANSWER = "Here is **bold** and `code`:\n\n- one\n- two\n\n```python\nprint('hi')
 
 
 class Gateway:
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, moa: bool = False) -> None:
         self.tiny = ScriptedUpstream.of(
             *text_script(ANSWER, reasoning="Let me think about it.", chunk=4),
             name="local",
@@ -55,7 +55,14 @@ class Gateway:
         directory = StaticDirectory()
         directory.add(ModelInfo(id="tiny"), self.tiny)
         directory.add(ModelInfo(id="endless"), self.endless)
-        self.app = create_app(directory, GatewayConfig(api_key=api_key))
+        mixture = None
+        if moa:
+            from gateway.moa import MixtureOfAgents, MoaConfig
+
+            only_tiny = StaticDirectory()
+            only_tiny.add(ModelInfo(id="tiny"), self.tiny)
+            mixture = MixtureOfAgents(only_tiny, MoaConfig(race_min_tokens=2))
+        self.app = create_app(directory, GatewayConfig(api_key=api_key), moa=mixture)
         self.server = ServerThread(self.app)
 
 
@@ -317,3 +324,21 @@ async def on_loop(fn, *args):  # type: ignore[no-untyped-def]
     """Wrap a plain call so ServerThread.run runs it on the server's loop (MeshService is not
     thread-safe)."""
     return fn(*args)
+
+
+def test_mesh_model_shows_the_moa_winner(browser) -> None:  # type: ignore[no-untyped-def]
+    gw = Gateway(moa=True)
+    with gw.server:
+        context = browser.new_context()
+        context.set_default_timeout(15_000)
+        page = context.new_page()
+        page.goto(gw.server.url + "/")
+        page.wait_for_selector("#model option[value='tiny']", state="attached")
+        models = page.eval_on_selector_all("#model option", "els => els.map(e => e.value)")
+        assert models.count("mesh") == 1
+        send(page, "mix it", model="mesh")
+        page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']")
+        assert page.locator(".msg.assistant .body").inner_text().endswith("Done.")
+        assert "winner tiny" in page.locator(".msg.assistant .footer").inner_text()
+        assert gw.tiny.calls >= 1
+        context.close()
