@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.events import Done, Error, Event, Meta, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.events import Done, Error, Event, Meta
 from gateway.request import ChatRequest
 from gateway.upstream import ModelDirectory, Route
 
@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 
 MESH_MODEL = "mesh"
 _RETRY_KINDS = frozenset({"overloaded", "unavailable"})
-_DELTAS = (ReasoningDelta, TextDelta, ToolCallDelta)
 
 
 class RouteError(Exception):

@@ -298,9 +298,11 @@ class Node:
         if self.config.gateway.api_key:
             info["api_key"] = self.config.gateway.api_key
         path = self.config.home / NODE_FILE
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold the API key
+        partial = path.with_suffix(".json.tmp")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold the API key
         with os.fdopen(fd, "wb") as fh:
             fh.write(orjson.dumps(info, option=orjson.OPT_INDENT_2))
+        partial.replace(path)  # readers never see a half-written file
 
 
 def _bind(host: str, port: int) -> socket.socket:
