@@ -45,8 +45,8 @@ def _node(home: Path, models: dict[str, ScriptedUpstream], **kw) -> MeshService:
     return MeshService(home, NodeIdentity.load_or_create(home), local, _config(**kw))
 
 
-async def _until(predicate, timeout: float = 8.0) -> None:
-    deadline = time.monotonic() + timeout
+async def _until(predicate, within: float = 8.0) -> None:
+    deadline = time.monotonic() + within
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
@@ -179,7 +179,7 @@ async def test_leave_on_clean_shutdown(mesh):
     a, b, _ = await _pair(mesh)
     await _until(lambda: b.node_id in a.peers.peers)
     await b.stop()
-    await _until(lambda: b.node_id not in a.peers.peers, timeout=3)
+    await _until(lambda: b.node_id not in a.peers.peers, within=3)
 
 
 async def test_peer_killed_before_first_byte_fails_over(mesh):
