@@ -20,7 +20,6 @@ import typer
 from mesh.cli.app import HomeOption, app, console, err_console, fail, resolve_home
 
 NODE_FILE = "node.json"
-MESH_MODEL = "mesh"
 HELP_LINE = "/model NAME switches model, /models lists them, /new starts over, /quit leaves"
 
 
@@ -53,6 +52,12 @@ def find_node(home: Path) -> NodeAddress:
             f"the node recorded in {path} (pid {pid}) is not running; start it with `mesh up`"
         )
     return NodeAddress(url=info["url"].rstrip("/"), api_key=info.get("api_key"))
+
+
+def _base_url(url: str) -> str:
+    """Accept the gateway's base URL as people paste it: with or without ``/v1`` or a slash."""
+    url = url.strip().rstrip("/")
+    return url.removesuffix("/v1")
 
 
 def _process_alive(pid: int) -> bool:
@@ -113,12 +118,11 @@ class ChatSession:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def models(self) -> list[str]:
-        """Every model the node offers, plus ``mesh`` (MoA)."""
+        """Every model the node offers (``mesh`` among them when it runs mixture-of-agents)."""
         response = self._call("GET", "/v1/models")
         if response.status_code != 200:
             raise ChatError(self._status_message(response))
-        names = [m["id"] for m in response.json().get("data", [])]
-        return names if MESH_MODEL in names else [*names, MESH_MODEL]
+        return [m["id"] for m in response.json().get("data", [])]
 
     def stream(self, prompt: str) -> Iterator[tuple[str, str]]:
         """Send ``prompt`` and yield the answer's fragments; the answer joins the history."""
@@ -310,7 +314,7 @@ def chat_command(
 ) -> None:
     """Chat with the mesh: streamed answers, reasoning dimmed."""
     try:
-        node = NodeAddress(url.rstrip("/")) if url else find_node(resolve_home(home))
+        node = NodeAddress(_base_url(url)) if url else find_node(resolve_home(home))
     except ChatError as exc:
         raise fail(str(exc)) from None
     timeout = httpx.Timeout(10.0, read=None)  # answers may think for a long time
