@@ -183,3 +183,11 @@ def test_api_key_is_sent_and_its_absence_explained() -> None:
         ok = chat("--url", url, "-m", "tiny", "--api-key", "sekret", "hi")
         assert ok.exit_code == 0, ok.output
         assert "The answer is 4." in ok.stdout
+
+
+def test_a_node_without_models_says_so() -> None:
+    with ServerThread(create_app(StaticDirectory())) as server:
+        result = chat("--url", server.url, "hi")
+    assert_clean_failure(
+        result, "model 'mesh' is not served in this mesh (no models are served yet)"
+    )

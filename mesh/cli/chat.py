@@ -171,7 +171,7 @@ class ChatSession:
             names = self.models()
         except ChatError:
             return ""
-        return f" (available: {', '.join(names)})"
+        return f" (available: {', '.join(names)})" if names else " (no models are served yet)"
 
 
 class _TranslatingStream:
@@ -294,7 +294,7 @@ def _switch_model(session: ChatSession, name: str) -> None:
     if name not in known:
         err_console.print(
             f"[bold red]error:[/] model '{name}' is not served in this mesh "
-            f"(available: {', '.join(known)})",
+            f"(available: {', '.join(known) or 'none'})",
             highlight=False,
         )
         return
