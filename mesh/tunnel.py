@@ -45,8 +45,8 @@ Behaviour: a peer with our own node id (copied home dir) is refused with DUPLICA
 ``DuplicateNodeError`` (raised by ``connect``, logged and passed to ``on_duplicate_node`` on the
 accepting side). Simultaneous dials collapse to one connection: the one initiated by the lower
 node id wins on both sides, the other is closed with SUPERSEDED (``connect`` then returns the
-winner). Pings every ``ping_interval`` s; no answer within ``ping_timeout`` s closes the
-connection (PING_TIMEOUT) and every stream's reader/sender gets ``ConnectionLost``. Peer resets
+winner). Pings every ``ping_interval`` s; a peer silent for ``ping_timeout`` s (no datagram at
+all) gets the connection closed (PING_TIMEOUT) and every stream's reader/sender gets ``ConnectionLost``. Peer resets
 reach readers as ``StreamReset(code)``. Each stream direction is flow-controlled by the
 reader's consumption (see ``tunnel_stream.py``). Finished streams leave no state behind.
 
@@ -85,10 +85,11 @@ ConnectionHandler = Callable[[PeerConnection], Awaitable[None]]
 
 @dataclass(frozen=True)
 class TunnelConfig:
-    """Tunnel tuning. Defaults detect a dead peer in < 5 s (interval + timeout)."""
+    """Tunnel tuning. A peer silent for ``ping_timeout`` s is dead: detected within
+    ``ping_timeout + ping_timeout / 4`` s, under 5 s with the defaults."""
 
-    ping_interval: float = 1.5
-    ping_timeout: float = 3.0
+    ping_interval: float = 1.0
+    ping_timeout: float = 3.5
     idle_timeout: float = 30.0
     handshake_timeout: float = 10.0
     stream_window: int = 256 * 1024  # unconsumed bytes a sender may have in flight per stream
@@ -258,6 +259,9 @@ class TunnelEndpoint:
         """Make ``conn`` THE connection to its peer; False if an existing one wins the tie."""
         assert conn.peer_node_id is not None
         self._all.add(conn)
+        if not conn.is_client and self.identity.node_id < conn.peer_node_id:
+            if any(self._dialing_to(dial, conn) for dial in self._all):
+                return False  # our own dial to this peer is under way and will win the tie
         existing = self.connection_for(conn.peer_node_id)
         if existing is not None and existing is not conn:
             if self._initiator(existing) == self._initiator(conn):
@@ -271,6 +275,16 @@ class TunnelEndpoint:
         self._by_node[conn.peer_node_id] = conn
         self._notify_registered()
         return True
+
+    @staticmethod
+    def _dialing_to(dial: PeerConnection, incoming: PeerConnection) -> bool:
+        """``dial`` is our unfinished outgoing dial to the peer behind ``incoming``."""
+        if not dial.is_client or dial.is_closed or dial.is_ready or dial._pin is None:
+            return False
+        pin = dial._pin
+        return (pin.node_id or "").lower() == incoming.peer_node_id or (
+            pin.fingerprint or ""
+        ).lower() == incoming.peer_cert_fingerprint
 
     def _initiator(self, conn: PeerConnection) -> str:
         return self.identity.node_id if conn.is_client else (conn.peer_node_id or "")

@@ -14,6 +14,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -119,6 +120,13 @@ class PeerConnection:
     @property
     def is_closed(self) -> bool:
         return self._lost is not None
+
+    @property
+    def is_ready(self) -> bool:
+        """Established: handshake done, pins checked, registered as THE connection to the peer."""
+        return (
+            self._ready.done() and not self._ready.cancelled() and self._ready.exception() is None
+        )
 
     @property
     def active_streams(self) -> int:
@@ -362,25 +370,37 @@ class PeerConnection:
                 stream.reset(ErrorCode.INTERNAL)  # the handler left without sending End
 
     async def _ping_forever(self) -> None:
+        """Ping every ``ping_interval``; close when the peer was silent for ``ping_timeout``.
+
+        Silence, not a lost ping, is the signal: under packet loss a ping or its ack may be
+        dropped while the peer is alive, but a live peer is never silent for long."""
         interval, timeout = self._config.ping_interval, self._config.ping_timeout
+        tick = min(interval, timeout / 4)
+        next_ping = self._loop.time()
         while self._lost is None:
-            uid = next(self._ping_ids)
-            waiter = self._loop.create_future()
-            self._pings[uid] = waiter
-            started = self._loop.time()
-            self._quic.send_ping(uid)
-            self._protocol.transmit()
-            try:
-                async with asyncio.timeout(timeout):
-                    await waiter
-            except TimeoutError:
-                self._pings.pop(uid, None)
-                log.warning("%r: no answer to ping for %.1fs, closing", self, timeout)
-                self.close(ErrorCode.PING_TIMEOUT, f"no ping answer for {timeout:.1f}s")
+            now = self._loop.time()
+            if now >= next_ping:
+                for stale in self._pings.values():
+                    stale.cancel()  # its ack was lost or is late: no RTT sample from it
+                uid = next(self._ping_ids)
+                waiter = self._loop.create_future()
+                waiter.add_done_callback(partial(self._ping_answered, now))
+                self._pings = {uid: waiter}
+                self._quic.send_ping(uid)
+                self._protocol.transmit()
+                next_ping = now + interval
+            await asyncio.sleep(tick)
+            silent = self._loop.time() - self._protocol.last_heard
+            if silent > timeout:
+                log.warning("%r: peer silent for %.1fs, closing", self, silent)
+                self.close(ErrorCode.PING_TIMEOUT, f"peer silent for {silent:.1f}s")
                 return
-            sample = self._loop.time() - started
-            self.rtt = sample if self.rtt is None else 0.8 * self.rtt + 0.2 * sample
-            await asyncio.sleep(interval)
+
+    def _ping_answered(self, sent_at: float, waiter: asyncio.Future[None]) -> None:
+        if waiter.cancelled():
+            return
+        sample = self._loop.time() - sent_at
+        self.rtt = sample if self.rtt is None else 0.8 * self.rtt + 0.2 * sample
 
     def _mark_lost(self, error: ConnectionLost) -> None:
         self._lost = error
@@ -456,6 +476,11 @@ class TunnelProtocol(QuicConnectionProtocol):
             _request_client_certificate(quic)
         self.conn = PeerConnection(endpoint, self, is_client, pin)
         self._is_client = is_client
+        self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self.last_heard = self._loop.time()
+        super().datagram_received(data, addr)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         self.conn.handle_event(event)
