@@ -239,3 +239,90 @@ def _silence(node: MeshService) -> None:
     server = node.endpoint._server
     if server is not None:
         server.datagram_received = lambda *a, **k: None  # type: ignore[method-assign]
+
+
+async def test_lossy_link_gives_identical_output(mesh):
+    """20 % datagram loss both ways between B and A: QUIC recovers, the text is identical."""
+    from mesh.chaos import ChaosProxy
+
+    text = "".join(f"token{i} " for i in range(150))
+    worker = ScriptedUpstream.of(*text_script(text, chunk=5), name="local")
+    a = await mesh("a", {"tiny": worker})
+    proxy = ChaosProxy(("127.0.0.1", a.endpoint.port), seed=7)
+    await proxy.start()
+    try:
+        token = decode_invite(a.create_invite(60).encode())
+        via_proxy = token.model_copy(update={"addresses": [f"127.0.0.1:{proxy.port}"]})
+        # The default tunnel timing: a fast ping timeout would call a lossy link dead.
+        b = await mesh("b", join_token=via_proxy.encode(), tunnel=TunnelConfig())
+        await _until(lambda: "tiny" in b.peers.models())
+        proxy.set_faults(loss=0.2)
+        events = await asyncio.wait_for(_ask(b, "tiny"), 60)
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text
+        assert isinstance(events[-1], Done)
+        assert proxy.stats["upstream"].dropped + proxy.stats["downstream"].dropped > 0
+    finally:
+        proxy.heal()
+        await proxy.close()
+
+
+async def test_only_server_killed_before_first_byte_gives_clear_503(mesh):
+    stalled = ScriptedUpstream.of(Stall(), name="local")
+    a = await mesh("a", {})
+    b = await mesh("b", {"tiny": stalled}, join_token=a.create_invite(60).encode())
+    await _until(lambda: "tiny" in a.peers.models())
+    task = asyncio.create_task(_ask(a, "tiny"))
+    await _until(lambda: stalled.active == 1)
+    _silence(b)
+    events = await asyncio.wait_for(task, 10)
+    assert isinstance(events[-1], Error) and events[-1].status == 503
+    assert _meta(events)["x-attempts"] == "2"  # one retry on the same peer, then give up
+
+
+async def test_three_nodes_kill_b_then_c_serves_and_restarted_b_serves_again(mesh, tmp_path):
+    a = await mesh("a", {})
+    b_worker = ScriptedUpstream.of(*text_script("from B"), name="local")
+    b = await mesh("b", {"tiny": b_worker}, join_token=a.create_invite(60).encode())
+    c_worker = ScriptedUpstream.of(*text_script("from C"), name="local")
+    c = await mesh("c", {"tiny": c_worker}, join_token=a.create_invite(60).encode())
+    await _until(lambda: len(a.peers.candidates("tiny")) == 2)
+    # B and C know each other too (C learned B from the member list).
+    await _until(lambda: b.node_id in c.links and c.node_id in b.links)
+
+    _silence(b)  # SIGKILL: nothing more from B
+    await _until(lambda: b.node_id not in a.links, within=5)
+    events = await _ask(a, "tiny")
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "from C"
+    await b.stop()
+
+    b2 = _node(tmp_path / "b", {"tiny": b_worker})  # same home: same key, no token
+    await b2.start()
+    try:
+        await _until(lambda: b2.node_id in a.peers.candidates("tiny"))
+        a.peers.peers[c.node_id].outstanding = 3  # C is busy: B is the better choice now
+        events = await _ask(a, "tiny")
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "from B"
+    finally:
+        await b2.stop()
+
+
+async def test_status_and_invite_endpoints(mesh):
+    from gateway.app import create_app
+    from gateway.testing import asgi_request
+    from mesh.mesh_api import mesh_routes
+
+    a, b, _ = await _pair(mesh)
+    app = create_app(b.directory, extra_routes=mesh_routes(b))
+    status = await asgi_request(app, "GET", "/api/status")
+    assert status.status == 200
+    body = status.json()
+    assert body["node"]["node_id"] == b.node_id and body["node"]["mesh_id"] == a.mesh_id
+    assert [p["node_id"] for p in body["peers"]] == [a.node_id]
+    models = await asgi_request(app, "GET", "/v1/models")
+    assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+    invite = await asgi_request(app, "POST", "/api/mesh/invite", {"ttl_s": 120})
+    token = decode_invite(invite.json()["token"])
+    assert token.inviter == b.node_id and token.mesh_id == a.mesh_id
+    assert token.addresses == b.addresses
+    bad = await asgi_request(app, "POST", "/api/mesh/invite", {"ttl_s": -1})
+    assert bad.status == 400
