@@ -19,7 +19,14 @@ from gateway.moa.events import (
     WorkerStarted,
 )
 
-CONFIG = MoaConfig(race_min_tokens=3, grace_s=1.0, first_token_timeout_s=5.0, total_timeout_s=60.0)
+# N-token race semantics (early commit has its own tests below).
+CONFIG = MoaConfig(
+    race_min_tokens=3,
+    race_early_commit=False,
+    grace_s=1.0,
+    first_token_timeout_s=5.0,
+    total_timeout_s=60.0,
+)
 
 
 def make(policy: str, workers=("a", "b", "c"), **overrides) -> Arbiter:
@@ -114,6 +121,25 @@ def test_race_empty_answer_is_not_committed_while_others_may_answer():
     arbiter.handle(WorkerFinished("a"), 0.1)  # finished with nothing
     assert arbiter.state is ArbiterState.WATCHING
     assert commits(feed(arbiter, "b", ["x", "y", "z"], start=0.2)) == [Commit("b", "race")]
+
+
+def test_race_early_commit_takes_a_conclusive_opening_at_once():
+    arbiter = make("race", race_early_commit=True, race_min_tokens=8)
+    assert arbiter.handle(TokenArrived("a", "I"), 0.1) == []  # might become "I'm sorry"
+    assert arbiter.handle(TokenArrived("b", "<thi"), 0.1) == []  # might become markup
+    assert arbiter.handle(TokenArrived("c", " "), 0.1) == []  # nothing yet
+    decisions = arbiter.handle(TokenArrived("c", "The"), 0.2)
+    assert commits(decisions) == [Commit("c", "race")]
+    assert cancels(decisions) == {"a", "b"}
+
+
+def test_race_early_commit_still_skips_refusals_and_markup():
+    arbiter = make("race", race_early_commit=True, race_min_tokens=8)
+    assert feed(arbiter, "a", ["I", "'m", " sorry"], start=0.1) == []
+    assert arbiter.handle(TokenArrived("b", "<think>"), 0.2) == []
+    assert commits(arbiter.handle(TokenArrived("c", "I think it is 4"), 0.3)) == [
+        Commit("c", "race")
+    ]
 
 
 def test_reasoning_and_tool_calls_count_as_output():

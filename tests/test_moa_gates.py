@@ -232,3 +232,23 @@ def test_reducer_request_lists_the_answers_under_the_callers_system_prompt():
     assert system.startswith("Be terse.")
     assert "Response 1:\nParis" in system and "Response 2:\nLyon" in system
     assert out.chat_template_kwargs["enable_thinking"] is False
+
+
+@pytest.mark.parametrize(
+    ("text", "conclusive"),
+    [
+        ("The", True),
+        ("42", True),
+        ("As a result", True),
+        ("Sorry, no", True),  # conclusively a refusal
+        ("I", False),
+        ("I'm", False),
+        ("As an", False),
+        ("Sorry", False),
+        (" \n", False),
+        ("Ok <th", False),
+        ("Ok <b>x</b>", True),
+    ],
+)
+def test_is_conclusive(text, conclusive):
+    assert gates.is_conclusive(text) is conclusive

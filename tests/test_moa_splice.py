@@ -26,7 +26,14 @@ from gateway.request import ChatRequest, Message
 from gateway.testing import Raise, ScriptedUpstream, Sleep, Stall, Step
 from gateway.upstream import ModelInfo, StaticDirectory
 
-FAST = MoaConfig(race_min_tokens=4, grace_s=0.2, first_token_timeout_s=5.0, total_timeout_s=20.0)
+# N-token race semantics, so tests control exactly when the race decides.
+FAST = MoaConfig(
+    race_min_tokens=4,
+    race_early_commit=False,
+    grace_s=0.2,
+    first_token_timeout_s=5.0,
+    total_timeout_s=20.0,
+)
 
 
 def paced(
@@ -137,10 +144,22 @@ async def test_deltas_are_spread_over_the_winners_generation_not_one_burst():
     assert sum(g >= every / 2 for g in gaps) >= live // 2
 
 
+async def test_default_race_commits_on_a_conclusive_first_delta():
+    quick = ScriptedUpstream.of(TextDelta("The"), Sleep(0.3), *paced(" sky is blue."))
+    hesitant = ScriptedUpstream.of(TextDelta("I"), Stall())
+    moa = MixtureOfAgents(mesh_of(("q", 1, quick), ("h", 2, hesitant)), MoaConfig())
+    events = await collect(moa, ask())
+    # The first delta went out before the quick worker's pause ended, not after 4 deltas.
+    first_text = next(t for t, e in events if isinstance(e, TextDelta))
+    assert first_text < events[-1][0] - 0.2
+    assert text_of(events) == "The sky is blue." and meta_of(events)["x-moa-winner"] == "q"
+    assert hesitant.cancelled == 1
+
+
 async def test_meta_headers_and_optional_progress_precede_any_text():
     a = ScriptedUpstream.of(*paced("Alpha beta gamma"))
     b = ScriptedUpstream.of(*paced("Delta", ttft=0.3))
-    config = MoaConfig(race_min_tokens=2, progress=True)
+    config = MoaConfig(race_min_tokens=2, race_early_commit=False, progress=True)
     events = await collect(MixtureOfAgents(mesh_of(("a", 1, a), ("b", 2, b)), config), ask())
     assert_well_formed(events)
     assert isinstance(events[0][1], ReasoningDelta) and "2 models" in events[0][1].text
@@ -242,7 +261,8 @@ async def test_broken_workers_are_skipped():
     eof = ScriptedUpstream.of(TextDelta("half"))  # ends without a terminal event
     good = ScriptedUpstream.of(*paced("Fine answer.", ttft=0.1))
     directory = mesh_of(("r", 4, raises), ("e", 3, errors), ("f", 2, eof), ("g", 1, good))
-    events = await collect(MixtureOfAgents(directory, MoaConfig(max_workers=4)), ask())
+    config = MoaConfig(max_workers=4, race_early_commit=False)
+    events = await collect(MixtureOfAgents(directory, config), ask())
     assert_well_formed(events)
     assert text_of(events) == "Fine answer." and isinstance(events[-1][1], Done)
     assert meta_of(events)["x-moa-decision"] == "survivor"
@@ -280,7 +300,7 @@ async def test_all_workers_hanging_ends_with_a_timeout_error():
 async def test_a_winner_that_fails_after_commit_ends_the_stream_with_an_error(tail, kind):
     winner = ScriptedUpstream.of(*paced("partial answer", end=False), *tail)
     loser = ScriptedUpstream.of(Sleep(10), *paced("late"))
-    config = MoaConfig(race_min_tokens=2, total_timeout_s=0.5)
+    config = MoaConfig(race_min_tokens=2, race_early_commit=False, total_timeout_s=0.5)
     events = await collect(
         MixtureOfAgents(mesh_of(("w", 1, winner), ("l", 2, loser)), config), ask()
     )

@@ -73,8 +73,6 @@ class WorkerView:
     logprob_count: int = 0
     failure: str | None = None
     timed_out: bool = False
-    # When this worker's first N deltas were in (race order).
-    ready_at: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -199,14 +197,10 @@ class Arbiter:
         if event.logprob is not None:
             view.logprob_sum += event.logprob
             view.logprob_count += 1
-        if view.ready_at is None and view.tokens >= self.config.race_min_tokens:
-            view.ready_at = now
 
     def _on_finished(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
         if view.running:
             view.status = WorkerStatus.FINISHED
-            if view.ready_at is None:
-                view.ready_at = now
 
     def _on_failed(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
         assert isinstance(event, WorkerFailed)
@@ -305,12 +299,20 @@ class Arbiter:
             return self._commit(self._best(candidates).name, "fallback", now)
         return []
 
+    def _race_ready(self, view: WorkerView) -> bool:
+        """Has this worker shown enough for the gates to judge it?"""
+        if view.finished or view.tokens >= self.config.race_min_tokens:
+            return True
+        if not (self.config.race_early_commit and view.tokens):
+            return False
+        return bool(view.tool_calls) or gates.is_conclusive(
+            view.text if view.text.strip() else view.reasoning
+        )
+
     def _decide_race(self, now: float) -> list[Decision]:
         candidates = [v for v in self.workers.values() if v.alive]
-        ready = sorted(
-            (v for v in candidates if v.ready_at is not None), key=lambda v: v.ready_at or 0.0
-        )
-        for view in ready:
+        ready = [v for v in candidates if self._race_ready(v)]
+        for view in sorted(ready, key=lambda v: v.first_token_at or now):
             if view.verdict() is gates.Verdict.PASS:
                 return self._commit(view.name, "race", now)
         return self._fallback_if_settled(candidates, now)

@@ -22,8 +22,11 @@ class MoaConfig:
     max_workers: int = 3
     # Temperatures of the self-mixture samples; None keeps the caller's own temperature.
     sample_temperatures: tuple[float | None, ...] = (None, 0.7, 1.0)
-    # race: commit to the first worker whose first N deltas pass the gates.
+    # race: commit to the first worker whose first N deltas pass the gates – or, with
+    # race_early_commit, as soon as its opening is conclusive (cannot still become a refusal or
+    # markup: "The…" commits at once, "I…" waits for more).
     race_min_tokens: int = 4
+    race_early_commit: bool = True
     # consensus: workers agree when their normalised texts share this many leading characters.
     agree_prefix_chars: int = 24
     # consensus/reduce: after the first content delta anywhere, wait at most this long to decide.

@@ -14,11 +14,33 @@ _MARKUP = re.compile(
     r"</?\s*(think|thinking|reasoning|reflection)\s*>|<\|(im_start|im_end|endoftext|channel)\|>",
     re.IGNORECASE,
 )
-_REFUSAL = re.compile(
-    r"^\W*(i'?m sorry|i am sorry|sorry,|i (?:cannot|can't|can not|won't|will not|am unable|"
-    r"am not able|'m unable|'m not able)|as an ai\b|i apologi[sz]e)",
-    re.IGNORECASE,
+# How refusals open (lower case, straight apostrophes).
+REFUSAL_OPENINGS = (
+    "i'm sorry",
+    "im sorry",
+    "i am sorry",
+    "sorry,",
+    "sorry but",
+    "i cannot",
+    "i can't",
+    "i can not",
+    "i won't",
+    "i will not",
+    "i am unable",
+    "i'm unable",
+    "i am not able",
+    "i'm not able",
+    "as an ai",
+    "i apologize",
+    "i apologise",
 )
+_LEAD = re.compile(r"^[\W_]+")
+_SPACE = re.compile(r"\s+")
+
+
+def _opening(text: str) -> str:
+    text = text.replace("’", "'").lower()
+    return _SPACE.sub(" ", _LEAD.sub("", text))
 
 
 class Verdict(enum.Enum):
@@ -34,7 +56,23 @@ def has_leaked_markup(text: str) -> bool:
 
 
 def is_refusal(text: str) -> bool:
-    return _REFUSAL.match(text.replace("’", "'")) is not None
+    opening = _opening(text)
+    return any(opening.startswith(p) for p in REFUSAL_OPENINGS)
+
+
+def is_conclusive(text: str) -> bool:
+    """True when more tokens cannot change the opening gates' verdict: the text has content,
+    cannot still grow into a refusal opening ("I" might become "I'm sorry"; "The" cannot), and
+    does not end in what may be the start of markup ("<thi…")."""
+    opening = _opening(text)
+    if not opening.strip():
+        return False
+    if is_refusal(text):
+        return True
+    if any(p.startswith(opening) for p in REFUSAL_OPENINGS):
+        return False
+    dangling = text.rfind("<")
+    return dangling == -1 or ">" in text[dangling:] or len(text) - dangling > 16
 
 
 def is_repetition_loop(text: str, *, max_period: int = 40, window: int = 400) -> bool:
