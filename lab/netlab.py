@@ -145,7 +145,11 @@ class NetLab:
             self.nodes.append(LabNode(index=index, spec=spec, home=home, model_arg=model_arg))
         self.fabric = LinkFabric([n.mesh_port for n in self.nodes], seed=self.options.seed)
         await self.fabric.start()
-        self.event("proxies", count=len(self.fabric.proxies))
+        self.event(
+            "proxies",
+            count=len(self.fabric.proxies),
+            ports=[proxy.port for proxy in self.fabric.proxies.values()],
+        )
         first = self.nodes[0]
         await self.start_node(first, join_token=None)
         await wait_until(
