@@ -10,15 +10,13 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway import models_api
 from gateway.api import chat, messages, responses
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
-from gateway.exchange import ApiSpec, handle
+from gateway.exchange import ApiEndpoint, ApiSpec
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard
 from gateway.router import Router
@@ -62,18 +60,6 @@ MESSAGES = ApiSpec(
 )
 
 
-async def _chat(request: Request) -> Response:
-    return await handle(request, CHAT)
-
-
-async def _responses(request: Request) -> Response:
-    return await handle(request, RESPONSES)
-
-
-async def _messages(request: Request) -> Response:
-    return await handle(request, MESSAGES)
-
-
 def create_app(
     directory: ModelDirectory,
     config: GatewayConfig | None = None,
@@ -100,9 +86,9 @@ def create_app(
         yield
 
     routes: list[BaseRoute] = [
-        Route("/v1/chat/completions", _chat, methods=["POST"]),
-        Route("/v1/responses", _responses, methods=["POST"]),
-        Route("/v1/messages", _messages, methods=["POST"]),
+        Route("/v1/chat/completions", ApiEndpoint(CHAT), methods=["POST"]),
+        Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
+        Route("/v1/messages", ApiEndpoint(MESSAGES), methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/models", models_api.list_models, methods=["GET"]),
         Route("/health", models_api.health, methods=["GET"]),

@@ -36,6 +36,8 @@ _DELTAS = (TextDelta, ReasoningDelta, ToolCallDelta)
 
 
 class Encoder(Protocol):
+    acc: Accumulator  # the answer so far, folded in by ``encode``
+
     def start(self) -> bytes: ...
     def encode(self, event: Event) -> bytes: ...
     def keepalive(self) -> bytes: ...
@@ -71,7 +73,19 @@ def error_response(
     return json_response(spec_error_body(error), status=error.status, headers=extra)
 
 
-async def handle(request: Request, spec: ApiSpec) -> Response:
+class ApiEndpoint:
+    """The ASGI endpoint of one generating API (a plain ASGI app, not a request/response
+    function, so Starlette adds no per-chunk ``send`` wrapper to the hot path)."""
+
+    def __init__(self, spec: ApiSpec) -> None:
+        self.spec = spec
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await handle(Request(scope, receive), self.spec)
+        await response(scope, receive, send)
+
+
+async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
     """The endpoint body for every generating API."""
     state = request.app.state.gateway
     try:
@@ -152,17 +166,19 @@ class EventResponse:
             record.outcome = "cancelled"  # the client went away before the end
         self.state.metrics.observe(record)
 
-    def _fold(self, event: Event) -> None:
+    def _fold(self, event: Event, acc: Accumulator | None) -> None:
+        """Note TTFT and route headers; fold content into ``acc`` unless an encoder already
+        accumulates it (streaming: the encoder's accumulator becomes ``self.acc``)."""
         if self.record.ttft_s is None and isinstance(event, _DELTAS):
             self.record.ttft_s = time.perf_counter() - self._t0
         if isinstance(event, Meta):
             self.route_headers.update(event.headers)
-        else:
-            self.acc.add(event)
+        elif acc is not None:
+            acc.add(event)
 
     async def _collect(self, producer: ProducerStream, send: Send) -> None:
         for event in await producer.collect():
-            self._fold(event)
+            self._fold(event, self.acc)
         error = self.acc.error
         if error is not None:
             self.record.status = error.status
@@ -182,11 +198,12 @@ class EventResponse:
             event = await producer.get(remaining)
             if event is None:
                 break
-            self._fold(event)
+            self._fold(event, None)
             if not isinstance(event, Meta):
                 first = event
                 break
         if isinstance(first, Error):  # nothing sent yet: answer with a real status
+            self.acc.add(first)
             self.record.status = first.status
             response = error_response(self.spec.error_body, first, self.route_headers)
             await response({"type": "http"}, _never_receive, send)
@@ -196,6 +213,7 @@ class EventResponse:
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         encoder = self.spec.make_encoder(self.request, self.body)
+        self.acc = encoder.acc
         chunk = encoder.start()
         if first is not None:
             chunk += encoder.encode(first)
@@ -204,15 +222,20 @@ class EventResponse:
         terminal = isinstance(first, Done | Error)
         keepalive_s = config.keepalive_s
         while not terminal:
-            event = await producer.get(keepalive_s)
+            event = await producer.next_or_idle(keepalive_s)
             if event is None:
                 await send(
                     {"type": "http.response.body", "body": encoder.keepalive(), "more_body": True}
                 )
                 continue
-            self._fold(event)
-            frames = encoder.encode(event)
-            terminal = isinstance(event, Done | Error)
+            # Events already queued go out in the same write (whole frames only).
+            frames = b""
+            for queued in (event, *producer.ready()):
+                self._fold(queued, None)
+                frames += encoder.encode(queued)
+                if isinstance(queued, Done | Error):
+                    terminal = True
+                    break
             if frames:
                 await send({"type": "http.response.body", "body": frames, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

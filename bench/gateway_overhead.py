@@ -1,0 +1,244 @@
+"""What the gateway adds on top of the engine: TTFT and CPU per streamed token, per API.
+
+Baseline: the same scripted engine (``ScriptedUpstream``, no delays) served by a minimal
+Starlette SSE app that writes one ``data:`` frame per token. Candidate: the full gateway
+(``create_app``: parsing, router, producer task, API encoder, metrics). Each server runs in its
+own process; CPU is that process's user+system time over the streaming runs, divided by the
+tokens it streamed. Writes bench/results/gateway.md.
+
+    python bench/gateway_overhead.py [--tokens 256] [--runs 20] [--ttft-runs 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+APIS = {
+    "chat": ("/v1/chat/completions", lambda n: {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": n}),
+    "responses": ("/v1/responses", lambda n: {"model": "m", "input": "x", "stream": True, "max_output_tokens": n}),
+    "messages": ("/v1/messages", lambda n: {"model": "m", "max_tokens": n, "messages": [{"role": "user", "content": "x"}], "stream": True}),
+}
+
+
+def _script(tokens: int) -> list:
+    """One token per event; the engine yields to the loop between tokens, as a real one does,
+    so neither server can batch tokens it has not been given yet."""
+    from gateway.events import Done, TextDelta, Usage
+    from gateway.testing import Sleep
+
+    steps: list = []
+    for _ in range(tokens):
+        steps += [Sleep(0), TextDelta(" tok")]
+    return [*steps, Usage(5, tokens), Done("stop")]
+
+
+def _cpu_route():
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def cpu(request):
+        return JSONResponse({"cpu_s": time.process_time()})
+
+    return Route("/_cpu", cpu)
+
+
+def make_direct_app():
+    """The baseline: engine events → one chat-style data frame per token, nothing else."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from gateway.events import TextDelta
+    from gateway.request import ChatRequest, Message
+    from gateway.testing import ScriptedUpstream
+
+    async def generate(request):
+        body = orjson.loads(await request.body())
+        tokens = body.get("max_tokens") or body.get("max_output_tokens")
+        upstream = ScriptedUpstream.of(*_script(tokens))
+        chat = ChatRequest(model="m", messages=[Message(role="user", content="x")])
+
+        async def frames():
+            async for event in upstream.stream(chat):
+                if isinstance(event, TextDelta):
+                    yield b"data: " + orjson.dumps({"choices": [{"delta": {"content": event.text}}]}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    routes = [Route(path, generate, methods=["POST"]) for path, _ in APIS.values()]
+    return Starlette(routes=[*routes, _cpu_route()])
+
+
+class _TokenCountingUpstream:
+    """Plays a script sized by the request's max_tokens (so one app serves every size)."""
+
+    name = "local"
+
+    def stream(self, request):
+        from gateway.testing import ScriptedUpstream
+
+        return ScriptedUpstream.of(*_script(request.max_tokens or 16)).stream(request)
+
+
+def make_gateway_app():
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.upstream import ModelInfo, StaticDirectory
+
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), _TokenCountingUpstream())
+    return create_app(directory, GatewayConfig(), extra_routes=[_cpu_route()])
+
+
+def serve(kind: str, port_file: Path) -> None:
+    import socket
+
+    import uvicorn
+
+    app = make_direct_app() if kind == "direct" else make_gateway_app()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port_file.write_text(str(sock.getsockname()[1]))
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+def _start(kind: str, tmp: Path) -> tuple[subprocess.Popen, str]:
+    port_file = tmp / f"{kind}.port"
+    port_file.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port-file", str(port_file)])
+    url = None
+    for _ in range(300):
+        if port_file.exists() and port_file.read_text():
+            url = f"http://127.0.0.1:{port_file.read_text()}"
+            try:
+                httpx.get(url + "/_cpu", timeout=1)
+                break
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.05)
+    assert url, f"{kind} server did not start"
+    return proc, url
+
+
+# What one content frame carries in each API (the direct app writes chat-style frames).
+MARKERS = {"chat": b'"content":" tok"', "responses": b'"delta":" tok"', "messages": b'"text":" tok"'}
+DIRECT_MARKER = b'"content":" tok"'
+
+
+def _stream_once(url: str, api: str, tokens: int, marker: bytes) -> tuple[float, int]:
+    """Seconds to the first content frame, and content frames seen.
+
+    A raw socket with TCP_NODELAY and the request in one write: an HTTP client that writes
+    headers and body separately meets delayed ACKs and adds ~40 ms to both sides.
+    """
+    path, body = APIS[api]
+    payload = orjson.dumps(body(tokens))
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        sock.sendall(head + payload)
+        ttft = None
+        received = bytearray()
+        while chunk := sock.recv(65536):
+            if ttft is None and marker in chunk:
+                ttft = time.perf_counter() - t0
+            received += chunk
+    assert ttft is not None, f"no content from {url}{path}: {bytes(received[:300])!r}"
+    return ttft, received.count(marker)
+
+
+def _cpu(url: str) -> float:
+    return httpx.get(url + "/_cpu").json()["cpu_s"]
+
+
+def measure(url: str, api: str, tokens: int, runs: int, ttft_runs: int, marker: bytes) -> dict:
+    for _ in range(5):  # warm up
+        _stream_once(url, api, 4, marker)
+    ttfts = sorted(_stream_once(url, api, 1, marker)[0] for _ in range(ttft_runs))
+    cpu0 = _cpu(url)
+    streamed = sum(_stream_once(url, api, tokens, marker)[1] for _ in range(runs))
+    cpu1 = _cpu(url)
+    assert streamed == tokens * runs, (streamed, tokens * runs)
+    return {
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p95": ttfts[int(0.95 * (len(ttfts) - 1))],
+        "cpu_per_token": (cpu1 - cpu0) / streamed,
+        "tokens": streamed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--serve", choices=["direct", "gateway"])
+    parser.add_argument("--port-file", type=Path)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--ttft-runs", type=int, default=60)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway.md")
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.port_file)
+        return
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp())
+    procs = []
+    try:
+        direct, direct_url = _start("direct", tmp)
+        procs.append(direct)
+        gateway, gateway_url = _start("gateway", tmp)
+        procs.append(gateway)
+        rows = []
+        for api in APIS:
+            base = measure(direct_url, api, args.tokens, args.runs, args.ttft_runs, DIRECT_MARKER)
+            gw = measure(gateway_url, api, args.tokens, args.runs, args.ttft_runs, MARKERS[api])
+            rows.append((api, base, gw))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+    lines = [
+        "# Gateway overhead",
+        "",
+        f"Scripted engine, {args.tokens} tokens/stream × {args.runs} streams per API (CPU), "
+        f"{args.ttft_runs} one-token streams per API (TTFT); baseline = minimal Starlette SSE app "
+        "over the same engine; each server in its own process; client on the same machine. "
+        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs. Targets: added TTFT p50 ≤ 2 ms, "
+        "gateway CPU ≤ 30 µs/token.",
+        "",
+        "| API | TTFT p50 direct → gateway (added) | TTFT p95 direct → gateway (added) | CPU/token direct → gateway (ratio) |",
+        "|---|---|---|---|",
+    ]
+    for api, base, gw in rows:
+        lines.append(
+            f"| {api} | {base['ttft_p50'] * 1e3:.2f} → {gw['ttft_p50'] * 1e3:.2f} ms (+{(gw['ttft_p50'] - base['ttft_p50']) * 1e3:.2f} ms) "
+            f"| {base['ttft_p95'] * 1e3:.2f} → {gw['ttft_p95'] * 1e3:.2f} ms (+{(gw['ttft_p95'] - base['ttft_p95']) * 1e3:.2f} ms) "
+            f"| {base['cpu_per_token'] * 1e6:.1f} → {gw['cpu_per_token'] * 1e6:.1f} µs ({gw['cpu_per_token'] / base['cpu_per_token']:.2f}×) |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
