@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 Address = tuple[str, int]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,13 +66,20 @@ class _Lane:
 
 
 class _Relay(asyncio.DatagramProtocol):
-    def __init__(self, on_datagram: Callable[[bytes, Address], None]) -> None:
+    def __init__(
+        self,
+        on_datagram: Callable[[bytes, Address], None],
+        on_open: Callable[[_Relay], None] | None = None,
+    ) -> None:
         self.on_datagram = on_datagram
+        self.on_open = on_open
         self.transport: asyncio.DatagramTransport | None = None
         self.waiting: list[bytes] = []  # client datagrams that arrived while the socket opened
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.on_open is not None:
+            self.on_open(self)
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         self.on_datagram(data, addr)
@@ -156,11 +165,11 @@ class ChaosProxy:
     def _from_client(self, data: bytes, client: Address) -> None:
         relay = self._sessions.get(client)
         if relay is None:
-            relay = _Relay(lambda d, _addr: self._from_target(d, client))
+            relay = _Relay(lambda d, _addr: self._from_target(d, client), self._flush_waiting)
             self._sessions[client] = relay
             assert self._loop is not None
             task = self._loop.create_task(self._open_session(relay))
-            task.add_done_callback(lambda t: self._flush_waiting(t, relay))
+            task.add_done_callback(_log_failure)
         if relay.transport is None:
             relay.waiting.append(data)
         else:
@@ -178,10 +187,8 @@ class ChaosProxy:
         family_any = "::" if ":" in self.target[0] else "0.0.0.0"
         await self._loop.create_datagram_endpoint(lambda: relay, local_addr=(family_any, 0))
 
-    def _flush_waiting(self, task: asyncio.Task[None], relay: _Relay) -> None:
+    def _flush_waiting(self, relay: _Relay) -> None:
         waiting, relay.waiting = relay.waiting, []
-        if task.cancelled() or task.exception() is not None or relay.transport is None:
-            return
         for data in waiting:
             self._relay(self._up, data, self._sender_to_target(relay))
 
@@ -237,6 +244,11 @@ class ChaosProxy:
         assert self._loop is not None
         handle = self._loop.call_later(delay, fire)
         self._timers.add(handle)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("chaos proxy: cannot open an upstream socket: %s", task.exception())
 
 
 def _parse_address(text: str) -> Address:

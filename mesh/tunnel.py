@@ -144,8 +144,13 @@ class TunnelEndpoint:
         conns = list(self._all)
         for conn in conns:
             conn.close(ErrorCode.SHUTDOWN, "node shutting down")
-        for task in list(self._tasks):
+        tasks = [*self._tasks]
+        for conn in conns:
+            tasks += [*conn._tasks, *([conn._keepalive] if conn._keepalive else [])]
+        tasks = [t for t in tasks if t is not asyncio.current_task()]
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let them unwind: no leaked tasks
         pending = [c._protocol.wait_closed() for c in conns]
         if pending:
             _, not_done = await asyncio.wait(
