@@ -159,6 +159,12 @@ async def read_status(
     return {**(base or {}), **result}
 
 
+def close_event_streams(app: Any) -> None:
+    """End every open ``/api/events`` stream within one poll: call when the server starts to
+    shut down, or open consoles hold up uvicorn's graceful shutdown until its timeout."""
+    app.state.console_closing = True
+
+
 def console_routes(
     status_provider: StatusProvider | None = None,
     *,
@@ -192,8 +198,11 @@ def console_routes(
             or getattr(gateway, "status_provider", None)
         )
         models = directory or (gateway.router.directory if gateway is not None else None)
+        def closing() -> bool:
+            return getattr(request.app.state, "console_closing", False)
+
         return StreamingResponse(
-            _event_stream(provider, models, requests, poll_s, heartbeat_s),
+            _event_stream(provider, models, requests, poll_s, heartbeat_s, closing),
             media_type="text/event-stream",
             headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         )
@@ -234,11 +243,12 @@ async def _event_stream(
     requests: RecentRequests | None,
     poll_s: float,
     heartbeat_s: float,
+    closing: Callable[[], bool],
 ) -> AsyncIterator[bytes]:
     # Start from "now" in the request log: the page fetches history from /api/requests.
     feed = ConsoleFeed(heartbeat_s, request_seq=requests.last_seq if requests else 0)
     yield b"retry: 2000\n\n"
-    while True:
+    while not closing():
         try:
             status = await read_status(status_provider, directory)
         except (OSError, RuntimeError, ValueError, TypeError) as exc:

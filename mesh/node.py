@@ -31,6 +31,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.console import close_event_streams
 from gateway.upstream import ModelDirectory, ModelInfo, StaticDirectory
 from gateway.worker_client import WorkerUpstream
 
@@ -277,6 +278,7 @@ class Node:
             for hook in self.on_started:
                 await hook(self)
             await self._stop.wait()
+            close_event_streams(app)  # open consoles would otherwise hold up the shutdown
             server.should_exit = True
             await serving
         finally:

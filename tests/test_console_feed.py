@@ -233,3 +233,13 @@ async def test_inside_the_gateway_the_status_provider_and_directory_are_used() -
     _, status = frames_of(result.body)[0]
     assert status["node"]["models"] == ["tiny"]
     assert status["workers"] == {"tiny": {}}
+
+
+async def test_close_event_streams_ends_open_feeds() -> None:
+    from gateway.console import close_event_streams
+
+    app = Starlette(routes=console_routes(poll_s=0.01))
+    asyncio.get_running_loop().call_later(0.1, close_event_streams, app)
+    # No disconnect: only the shutdown signal can end this response.
+    result = await asyncio.wait_for(asgi_request(app, "GET", "/api/events"), timeout=5)
+    assert result.status == 200
