@@ -125,19 +125,33 @@ class LanDiscovery:
         )
         try:
             self._zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
-            await self._zc.async_register_service(self._info)
             self._browser = AsyncServiceBrowser(
                 self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change]
             )
         except OSError as exc:
             log.warning("LAN discovery unavailable (%s); static peers still work", exc)
             await self.stop()
+            return
+        # Registering probes the name for about a second: do not hold up the node's start.
+        self._spawn(self._register())
+
+    async def _register(self) -> None:
+        from zeroconf import NonUniqueNameException
+
+        assert self._zc is not None and self._info is not None
+        try:
+            await self._zc.async_register_service(self._info)
+        except (OSError, NonUniqueNameException) as exc:
+            log.warning("cannot advertise on the LAN (%s); peers can still dial us", exc)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_change(self, zeroconf, service_type: str, name: str, state_change) -> None:
         if state_change in self._state_added:
-            task = asyncio.get_running_loop().create_task(self._resolve(service_type, name))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._resolve(service_type, name))
 
     async def _resolve(self, service_type: str, name: str) -> None:
         from zeroconf.asyncio import AsyncServiceInfo

@@ -488,9 +488,10 @@ class MeshService:
             await asyncio.sleep(self.config.redial_s)
 
     async def _dial(self, member: Member) -> None:
+        # Addresses just seen on the LAN are fresher than the remembered ones.
         candidates = [
-            *member.addresses,
             *self._found.get(member.node_id, ()),
+            *member.addresses,
             *self.config.static_peers,
         ]
         for address in dict.fromkeys(candidates):
