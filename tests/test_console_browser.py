@@ -342,3 +342,45 @@ def test_mesh_model_shows_the_moa_winner(browser) -> None:  # type: ignore[no-un
         assert "winner tiny" in page.locator(".msg.assistant .footer").inner_text()
         assert gw.tiny.calls >= 1
         context.close()
+
+
+def test_an_unservable_model_shows_the_gateways_error(page) -> None:  # type: ignore[no-untyped-def]
+    send(page, "anyone?", model="mesh")  # this gateway runs no mixture-of-agents
+    page.wait_for_selector(".msg.assistant .footer[data-outcome='failed']")
+    assert "mesh" in page.locator(".msg.assistant .error").inner_text()
+    assert page.locator("#send").is_enabled()
+
+
+def test_markdown_renderer_never_emits_foreign_markup(page) -> None:  # type: ignore[no-untyped-def]
+    """Fuzz: random text from a markup-heavy alphabet only ever yields our own tags."""
+    bad = page.evaluate(
+        """async () => {
+            const { renderMarkdown } = await import('/static/markdown.js');
+            const allowed = new Set(['P','BR','PRE','CODE','STRONG','EM','UL','OL','LI','A',
+                                     'H3','H4','H5','H6']);
+            const alphabet = ['<', '>', '&', '"', "'", '*', '_', '`', '[', ']', '(', ')', '#',
+                              '-', '1.', '\\n', ' ', 'a', 'b', 'script', 'img', 'onerror=',
+                              'javascript:', 'http://x.y/', '```', '~~~'];
+            let seed = 7;
+            const rand = (n) => { seed = (seed * 1103515245 + 12345) % 2147483648; return seed % n; };
+            const bad = [];
+            for (let i = 0; i < 2000; i++) {
+                let text = '';
+                for (let j = rand(40); j > 0; j--) text += alphabet[rand(alphabet.length)];
+                const tpl = document.createElement('template');
+                tpl.innerHTML = renderMarkdown(text);
+                for (const el of tpl.content.querySelectorAll('*')) {
+                    const attrs = [...el.attributes].map((a) => a.name);
+                    const href = el.getAttribute('href');
+                    if (!allowed.has(el.tagName)
+                        || attrs.some((a) => !['href', 'target', 'rel', 'class'].includes(a))
+                        || (href !== null && !/^https?:\\/\\//.test(href))) {
+                        bad.push([text, tpl.innerHTML]);
+                        break;
+                    }
+                }
+            }
+            return bad.slice(0, 5);
+        }"""
+    )
+    assert bad == []
