@@ -1,0 +1,286 @@
+"""What the QUIC tunnel adds: forwarding a streamed request to a peer, and raw tunnel streams.
+
+1. Forwarding. Baseline: the scripted engine (``ScriptedUpstream``, one token per event, a loop
+   yield between tokens) consumed directly in-process. Candidate: the same engine behind a
+   peer – ``PeerUpstream`` → QUIC tunnel on loopback → ``TunnelServer`` → engine. Both
+   endpoints live in this process, so "CPU per token" is the whole round trip's cost
+   (requester + responder + aioquic both ways).
+2. Raw streams. Baseline: the same frame codec over one asyncio TCP connection on loopback.
+   Candidate: tunnel streams (one QUIC stream per request). Round trip of an empty request,
+   and bulk DATA throughput on one stream.
+
+Writes bench/results/tunnel.md.
+
+    python bench/tunnel_overhead.py [--tokens 256] [--runs 20] [--rtt-runs 200] [--bulk-mb 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.events import Done, TextDelta, Usage  # noqa: E402
+from gateway.request import ChatRequest, Message  # noqa: E402
+from gateway.testing import ScriptedUpstream, Sleep  # noqa: E402
+from gateway.upstream import ModelInfo, StaticDirectory  # noqa: E402
+from mesh.frames import (  # noqa: E402
+    BodyEnd,
+    Data,
+    End,
+    FrameDecoder,
+    RequestHead,
+    ResponseHead,
+    encode,
+)
+from mesh.identity import NodeIdentity  # noqa: E402
+from mesh.peer_upstream import PeerUpstream  # noqa: E402
+from mesh.serve import TunnelServer  # noqa: E402
+from mesh.tunnel import PeerConnection, TunnelEndpoint, TunnelStream  # noqa: E402
+
+CHUNK = 16 * 1024
+
+
+def _engine(tokens: int) -> ScriptedUpstream:
+    steps: list = []
+    for _ in range(tokens):
+        steps += [Sleep(0), TextDelta(" tok")]
+    return ScriptedUpstream.of(*steps, Usage(5, tokens), Done("stop"), name="bench")
+
+
+def _pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+
+
+async def _measure_stream(make_stream: Callable[[], object], runs: int) -> tuple[list, float, int]:
+    """TTFTs (s), CPU seconds and tokens over ``runs`` streams."""
+    ttfts: list[float] = []
+    tokens = 0
+    cpu0 = time.process_time()
+    for _ in range(runs):
+        start = time.perf_counter()
+        first = True
+        async for event in make_stream():  # type: ignore[attr-defined]
+            if isinstance(event, TextDelta):
+                if first:
+                    ttfts.append(time.perf_counter() - start)
+                    first = False
+                tokens += 1
+    return ttfts, time.process_time() - cpu0, tokens
+
+
+async def _pair() -> tuple[TunnelEndpoint, TunnelEndpoint, PeerConnection]:
+    a = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
+    b = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
+    await a.start()
+    await b.start()
+    conn = await a.connect("127.0.0.1", b.port, expected_node_id=b.identity.node_id)
+    return a, b, conn
+
+
+def _serve_all(
+    endpoint: TunnelEndpoint, handler: Callable[[TunnelStream], Awaitable[None]]
+) -> None:
+    async def on_connection(conn: PeerConnection) -> None:
+        conn.on_stream = handler
+        conn.mark_authenticated()
+
+    endpoint.on_connection = on_connection
+
+
+async def bench_forwarding(tokens: int, runs: int) -> dict:
+    request = ChatRequest(model="m", messages=[Message(role="user", content="x")])
+    engine = _engine(tokens)
+    base = await _measure_stream(lambda: engine.stream(request), runs)
+
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), _engine(tokens))
+    server = TunnelServer(directory)
+    a = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
+    b = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
+    _serve_all(b, server.handle)
+    _serve_all(a, server.handle)
+    await a.start()
+    await b.start()
+    try:
+        conn = await a.connect("127.0.0.1", b.port, expected_node_id=b.identity.node_id)
+
+        async def connect() -> PeerConnection:
+            return conn
+
+        peer = PeerUpstream(name=b.identity.node_id, connect=connect, self_id=a.identity.node_id)
+        cand = await _measure_stream(lambda: peer.stream(request), runs)
+    finally:
+        await a.close()
+        await b.close()
+    return {"base": base, "cand": cand}
+
+
+async def _tunnel_rtt(conn: PeerConnection, runs: int) -> list[float]:
+    times = []
+    for i in range(runs):
+        start = time.perf_counter()
+        stream = await conn.open_stream()
+        await stream.send(RequestHead(id=str(i), path="/ping"))
+        await stream.send(BodyEnd())
+        async for _ in stream:
+            pass
+        times.append(time.perf_counter() - start)
+    return times
+
+
+async def _tunnel_bulk(conn: PeerConnection, total: int) -> float:
+    stream = await conn.open_stream()
+    start = time.perf_counter()
+    await stream.send(RequestHead(id="bulk", path="/bulk", headers={"n": str(total)}))
+    await stream.send(BodyEnd())
+    received = 0
+    async for frame in stream:
+        if isinstance(frame, Data):
+            received += len(frame.data)
+    assert received == total
+    return time.perf_counter() - start
+
+
+async def _answer(stream: TunnelStream) -> None:
+    head = await stream.recv()
+    assert isinstance(head, RequestHead)
+    await stream.recv()
+    await stream.send(ResponseHead(status=200))
+    total = int(head.headers.get("n", "0"))
+    for _ in range(total // CHUNK):
+        await stream.send(Data(b"z" * CHUNK))
+    await stream.send(End())
+
+
+async def _tcp_server() -> tuple[asyncio.Server, int]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = FrameDecoder()
+        while data := await reader.read(65536):
+            for frame in decoder.feed(data):
+                if isinstance(frame, RequestHead):
+                    total = int(frame.headers.get("n", "0"))
+                elif isinstance(frame, BodyEnd):
+                    writer.write(encode(ResponseHead(status=200)))
+                    for _ in range(total // CHUNK):
+                        writer.write(encode(Data(b"z" * CHUNK)))
+                        await writer.drain()
+                    writer.write(encode(End()))
+                    await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def _tcp_exchange(reader, writer, decoder: FrameDecoder, head: RequestHead) -> int:
+    writer.write(encode(head) + encode(BodyEnd()))
+    await writer.drain()
+    received = 0
+    while True:
+        for frame in decoder.feed(await reader.read(65536)):
+            if isinstance(frame, Data):
+                received += len(frame.data)
+            if isinstance(frame, End):
+                return received
+
+
+async def bench_raw(rtt_runs: int, bulk: int) -> dict:
+    server, port = await _tcp_server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    decoder = FrameDecoder()
+    tcp_rtt = []
+    for i in range(rtt_runs):
+        start = time.perf_counter()
+        await _tcp_exchange(reader, writer, decoder, RequestHead(id=str(i), path="/ping"))
+        tcp_rtt.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    head = RequestHead(id="bulk", path="/bulk", headers={"n": str(bulk)})
+    assert await _tcp_exchange(reader, writer, decoder, head) == bulk
+    tcp_bulk = time.perf_counter() - start
+    writer.close()
+    server.close()
+
+    a, b, conn = None, None, None
+    a = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
+    b = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
+    _serve_all(b, _answer)
+    await a.start()
+    await b.start()
+    try:
+        conn = await a.connect("127.0.0.1", b.port, expected_node_id=b.identity.node_id)
+        quic_rtt = await _tunnel_rtt(conn, rtt_runs)
+        quic_bulk = await _tunnel_bulk(conn, bulk)
+    finally:
+        await a.close()
+        await b.close()
+    return {"tcp_rtt": tcp_rtt, "quic_rtt": quic_rtt, "tcp_bulk": tcp_bulk, "quic_bulk": quic_bulk}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f} ms"
+
+
+def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
+    (bt, bcpu, btok), (ct, ccpu, ctok) = fwd["base"], fwd["cand"]
+    b_us, c_us = bcpu / btok * 1e6, ccpu / ctok * 1e6
+    mb = args.bulk_mb
+    lines = [
+        "# Tunnel overhead",
+        "",
+        f"Python {platform.python_version()}, loopback, both tunnel ends in one process. "
+        f"Forwarding: {args.tokens} tokens × {args.runs} streams. Raw: {args.rtt_runs} "
+        f"sequential empty requests; {mb} MiB bulk on one stream ({CHUNK // 1024} KiB DATA).",
+        "",
+        "| forwarding | direct engine | via peer tunnel | added / ratio |",
+        "|---|---|---|---|",
+        f"| TTFT p50 | {_ms(_pct(bt, 50))} | {_ms(_pct(ct, 50))} | "
+        f"+{_ms(_pct(ct, 50) - _pct(bt, 50))} |",
+        f"| TTFT p95 | {_ms(_pct(bt, 95))} | {_ms(_pct(ct, 95))} | "
+        f"+{_ms(_pct(ct, 95) - _pct(bt, 95))} |",
+        f"| CPU per token | {b_us:.1f} µs | {c_us:.1f} µs | {c_us / b_us:.2f}× |",
+        "",
+        "| raw streams | TCP + same codec | QUIC tunnel stream | ratio |",
+        "|---|---|---|---|",
+    ]
+    for q in (50, 95):
+        tcp, quic = _pct(raw["tcp_rtt"], q), _pct(raw["quic_rtt"], q)
+        lines.append(f"| request RTT p{q} | {_ms(tcp)} | {_ms(quic)} | {quic / tcp:.2f}× |")
+    tcp_mbs, quic_mbs = mb / raw["tcp_bulk"], mb / raw["quic_bulk"]
+    lines.append(
+        f"| bulk throughput | {tcp_mbs:.0f} MiB/s | {quic_mbs:.0f} MiB/s | "
+        f"{quic_mbs / tcp_mbs:.2f}× |"
+    )
+    return "\n".join(lines) + "\n"
+
+
+async def main_async(args: argparse.Namespace) -> str:
+    fwd = await bench_forwarding(args.tokens, args.runs)
+    raw = await bench_raw(args.rtt_runs, args.bulk_mb << 20)
+    return report(args, fwd, raw)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--rtt-runs", type=int, default=200)
+    parser.add_argument("--bulk-mb", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tunnel.md")
+    args = parser.parse_args()
+    text = asyncio.run(main_async(args))
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
