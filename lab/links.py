@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable
 
-from lab.scenario import FaultSettings, parse_link
+from lab.scenario import FaultSettings, parse_link, partition_directions
 from mesh.chaos import ChaosProxy
 
 Direction = tuple[int, int]
@@ -31,14 +31,6 @@ def chaos_fields(settings: FaultSettings) -> dict[str, object]:
         "blackhole": settings.blackhole,
         "bandwidth": settings.bandwidth_kbps * 125 if settings.bandwidth_kbps else None,
     }
-
-
-def partition_directions(groups: list[list[int]]) -> list[Direction]:
-    """Every direction between two nodes of different groups."""
-    out: list[Direction] = []
-    for left, right in itertools.permutations(range(len(groups)), 2):
-        out += [(a, b) for a in groups[left] for b in groups[right]]
-    return out
 
 
 class LinkFabric:

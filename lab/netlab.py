@@ -369,8 +369,10 @@ class NetLab:
         bypassed = await self.bypassed_links()
         verdict = judge(self.scenario, prober.rows, started_at)
         if bypassed:
-            links = ", ".join(f"{a}<->{b}" for a, b in bypassed)
-            self.event("bypassed", links=links)
+            self.event("bypassed", links=", ".join(f"{a}<->{b}" for a, b in bypassed))
+        voided = [pair for pair in bypassed if pair in self.scenario.faulted_pairs()]
+        if voided:
+            links = ", ".join(f"{a}<->{b}" for a, b in voided)
             verdict = verdict.model_copy(
                 update={
                     "passed": False,

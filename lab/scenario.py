@@ -26,6 +26,7 @@ node's worker process: ``duty`` = running fraction, 1.0 ends it).
 
 from __future__ import annotations
 
+import itertools
 import re
 import tomllib
 from pathlib import Path
@@ -66,6 +67,14 @@ def parse_link(text: str) -> list[tuple[int, int]]:
     if a == b:
         raise ValueError(f"bad link {text!r}: a link joins two different nodes")
     return {"->": [(a, b)], "<-": [(b, a)], "<->": [(a, b), (b, a)]}[arrow]
+
+
+def partition_directions(groups: list[list[int]]) -> list[tuple[int, int]]:
+    """Every direction between two nodes of different groups."""
+    out: list[tuple[int, int]] = []
+    for left, right in itertools.permutations(range(len(groups)), 2):
+        out += [(a, b) for a in groups[left] for b in groups[right]]
+    return out
 
 
 class _Step(_Strict):
@@ -213,6 +222,18 @@ class Scenario(_Strict):
     def first_fault_at(self) -> float | None:
         """When the no-fault baseline ends (the first step), or None for a fault-free run."""
         return self.steps[0].at if self.steps else None
+
+    def faulted_pairs(self) -> set[tuple[int, int]]:
+        """Node pairs (low, high) whose link some step faults: bypassing those voids the run."""
+        pairs: set[tuple[int, int]] = set()
+        for step in self.steps:
+            directions: list[tuple[int, int]] = []
+            if isinstance(step, FaultStep):
+                directions = step.directions
+            elif isinstance(step, PartitionStep):
+                directions = partition_directions(step.groups)
+            pairs |= {(min(a, b), max(a, b)) for a, b in directions}
+        return pairs
 
     @property
     def recovery_from(self) -> float | None:

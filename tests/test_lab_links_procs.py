@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from lab.links import LinkFabric, chaos_fields, namespace_support, partition_directions
+from lab.links import LinkFabric, chaos_fields, namespace_support
 from lab.nodes import rewrite_invite
 from lab.procs import ProcessRegistry, alive, descendants
-from lab.scenario import FaultSettings
+from lab.scenario import FaultSettings, partition_directions
 from mesh.invite import decode_invite, make_invite
 
 

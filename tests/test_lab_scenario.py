@@ -192,3 +192,9 @@ def test_recovery_and_baseline_helpers() -> None:
     assert baseline_outputs([_row(1.0), _row(2.0, "hung")], until=3.0) == {
         ("tiny-1", "chat", "stream"): "a b c"
     }
+
+
+def test_faulted_pairs_are_what_a_bypass_would_void() -> None:
+    assert load_scenario("kill-restart").faulted_pairs() == set()
+    assert load_scenario("asymmetric-loss").faulted_pairs() == {(0, 1)}
+    assert load_scenario("partition-heal").faulted_pairs() == {(0, 1), (0, 2)}
