@@ -23,6 +23,11 @@ from mesh.cli.chat import ChatError, find_node, parse_chat_stream
 runner = CliRunner()
 
 
+def flat(text: str) -> str:
+    """Output with rich's line wrapping undone."""
+    return " ".join(text.split())
+
+
 def sse(*chunks: object) -> list[str]:
     return [f"data: {orjson.dumps(c).decode()}" for c in chunks] + ["", "data: [DONE]"]
 
@@ -110,7 +115,7 @@ def chat(*args: str, input: str | None = None):  # type: ignore[no-untyped-def]
 
 def assert_clean_failure(result, needle: str) -> None:  # type: ignore[no-untyped-def]
     assert result.exit_code == 1, result.output
-    assert needle in result.stderr
+    assert needle in flat(result.stderr)
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
@@ -119,7 +124,7 @@ def test_one_shot_streams_text_and_reasoning(node: Node) -> None:
     result = chat("--url", node.server.url + "/v1/", "--model", "tiny", "What is 2+2?")
     assert result.exit_code == 0, result.output
     assert result.stdout == "Two plus two.\nThe answer is 4.\n"
-    assert "local" in result.stderr and "TTFT" in result.stderr
+    assert "local" in flat(result.stderr) and "TTFT" in flat(result.stderr)
     sent = node.tiny.requests[-1]
     assert sent.model == "tiny" and sent.messages[-1].content == "What is 2+2?"
 
@@ -134,7 +139,7 @@ def test_node_is_found_through_home(node: Node, tmp_path: Path) -> None:
 def test_unknown_model_is_one_clear_sentence(node: Node) -> None:
     result = chat("--url", node.server.url, "--model", "nope", "hi")
     assert_clean_failure(result, "model 'nope' is not served in this mesh")
-    assert "available: tiny, broken)" in result.stderr
+    assert "available: tiny, broken)" in flat(result.stderr)
 
 
 def test_upstream_error_is_reported(node: Node) -> None:
@@ -157,11 +162,11 @@ def test_repl_switches_models_and_keeps_history(node: Node) -> None:
     calls = node.tiny.calls
     result = chat("--url", node.server.url, input=script + "\n")
     assert result.exit_code == 0, result.output
-    assert "current model: mesh" in result.stderr
-    assert "model 'nope' is not served" in result.stderr
-    assert "now talking to tiny" in result.stderr
-    assert "tiny, broken" in result.stderr
-    assert "unknown command /bogus" in result.stderr
+    assert "current model: mesh" in flat(result.stderr)
+    assert "model 'nope' is not served" in flat(result.stderr)
+    assert "now talking to tiny" in flat(result.stderr)
+    assert "tiny, broken" in flat(result.stderr)
+    assert "unknown command /bogus" in flat(result.stderr)
     assert result.stdout.count("The answer is 4.") == 2
     assert node.tiny.calls == calls + 2
     second = node.tiny.requests[-1].messages
@@ -172,7 +177,7 @@ def test_repl_switches_models_and_keeps_history(node: Node) -> None:
 def test_repl_ends_on_eof_and_survives_errors(node: Node) -> None:
     result = chat("--url", node.server.url, "-m", "broken", input="hello\n")
     assert result.exit_code == 0, result.output
-    assert "worker crashed" in result.stderr
+    assert "worker crashed" in flat(result.stderr)
 
 
 def test_api_key_is_sent_and_its_absence_explained() -> None:

@@ -16,6 +16,11 @@ from mesh.cli.service import render_launchd_plist, render_systemd_unit
 runner = CliRunner()
 
 
+def flat(text: str) -> str:
+    """Output with rich's line wrapping undone."""
+    return " ".join(text.split())
+
+
 @pytest.fixture
 def user_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "user"
@@ -80,7 +85,7 @@ def test_dry_run_prints_and_writes_nothing(user_home: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "[Service]" in result.stdout
     assert "up --home /srv/mesh --model m1" in result.stdout
-    assert "would write" in result.stderr
+    assert "would write" in flat(result.stderr)
     assert not (user_home / ".config").exists()
 
     mac = runner.invoke(app, ["service", "install", "--dry-run", "--platform", "darwin"])
@@ -111,7 +116,7 @@ def test_linux_install_and_uninstall_register_with_systemctl(
         "--user daemon-reload",
     ]
     again = runner.invoke(app, ["service", "uninstall", "--platform", "linux"])
-    assert again.exit_code == 0 and "no service installed" in again.stdout
+    assert again.exit_code == 0 and "no service installed" in flat(again.stdout)
 
 
 def test_missing_user_bus_is_a_note_not_a_crash(
@@ -120,8 +125,8 @@ def test_missing_user_bus_is_a_note_not_a_crash(
     monkeypatch.setenv("FAIL_SYSTEMCTL", "1")
     result = runner.invoke(app, ["service", "install", "--platform", "linux"])
     assert result.exit_code == 0, result.output
-    assert "Failed to connect to bus" in result.stderr
-    assert "takes effect at login" in result.stderr
+    assert "Failed to connect to bus" in flat(result.stderr)
+    assert "not enabled; run `systemctl --user enable mlx-mesh.service`" in flat(result.stderr)
     assert (user_home / ".config/systemd/user/mlx-mesh.service").exists()
     result = runner.invoke(app, ["service", "uninstall", "--platform", "linux"])
     assert result.exit_code == 0, result.output
@@ -139,21 +144,22 @@ def test_macos_install_without_launchctl_writes_the_agent(
     plist = user_home / "Library/LaunchAgents/dev.mlx-mesh.node.plist"
     assert plistlib.loads(plist.read_bytes())["Label"] == "dev.mlx-mesh.node"
     assert (tmp_path / "mh" / "logs").is_dir()
-    assert "launchctl not found" in result.stderr
+    assert "launchctl not found" in flat(result.stderr)
+    assert "loads it at your next login" in flat(result.stderr)
 
 
 def test_unwritable_location_is_one_clear_sentence(user_home: Path) -> None:
     (user_home / ".config").write_text("a file where a directory should be")
     result = runner.invoke(app, ["service", "install", "--platform", "linux", "--no-register"])
     assert result.exit_code == 1
-    assert "cannot write" in result.stderr
+    assert "cannot write" in flat(result.stderr)
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 def test_unsupported_platform_is_refused(user_home: Path) -> None:
     result = runner.invoke(app, ["service", "install", "--platform", "win32", "--dry-run"])
     assert result.exit_code == 1
-    assert "macOS and Linux" in result.stderr
+    assert "macOS and Linux" in flat(result.stderr)
 
 
 def test_the_service_runs_the_mesh_script_of_this_install() -> None:

@@ -35,6 +35,7 @@ class ServicePlan:
     content: str
     register: list[list[str]]
     unregister: list[list[str]]
+    if_unregistered: str  # what a person should know when registering did not work
 
 
 def mesh_executable() -> list[str]:
@@ -101,6 +102,7 @@ def make_plan(platform: str, user_home: Path, home: Path, up_args: list[str]) ->
             content=render_launchd_plist(command, home, home / "logs"),
             register=[["launchctl", "load", "-w", str(path)]],
             unregister=[["launchctl", "unload", "-w", str(path)]],
+            if_unregistered="the agent is in place and launchd loads it at your next login",
         )
     if platform == "linux":
         path = user_home / ".config" / "systemd" / "user" / SYSTEMD_UNIT
@@ -116,6 +118,10 @@ def make_plan(platform: str, user_home: Path, home: Path, up_args: list[str]) ->
                 ["systemctl", "--user", "disable", SYSTEMD_UNIT],
                 ["systemctl", "--user", "daemon-reload"],
             ],
+            if_unregistered=(
+                "the unit is written but not enabled; run "
+                f"`systemctl --user enable {SYSTEMD_UNIT}` from a login session"
+            ),
         )
     raise fail(f"services are supported on macOS and Linux, not on {platform}")
 
@@ -138,6 +144,7 @@ def run_manager(commands: list[list[str]], consequence: str) -> bool:
             err_console.print(
                 f"{command[0]} not found; {consequence}",
                 style="yellow",
+                soft_wrap=True,
             )
             return False
         result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -148,6 +155,7 @@ def run_manager(commands: list[list[str]], consequence: str) -> bool:
                 f"{consequence}",
                 style="yellow",
                 markup=False,
+                soft_wrap=True,
             )
             return False
     return True
@@ -186,7 +194,7 @@ def install(
     except OSError as exc:
         raise fail(f"cannot write {plan.path}: {exc.strerror or exc}") from None
     console.print(f"installed {plan.path}", markup=False, highlight=False)
-    if register and run_manager(plan.register, "the file is in place; it takes effect at login"):
+    if register and run_manager(plan.register, plan.if_unregistered):
         console.print("the node will start at login; `mesh service uninstall` removes it")
 
 
