@@ -33,6 +33,7 @@ class GatewayState:
     status_provider: Callable[[], dict[str, Any]] | None = None
     in_flight: int = 0  # responses running an upstream
     in_flight_guarded: int = 0  # admitted by the in-flight limit (includes parsing/routing)
+    waiting: int = 0  # running but no content yet (queued or prefilling upstream)
     started: float = field(default_factory=time.monotonic)
     started_unix: int = field(default_factory=lambda: int(time.time()))
 

@@ -130,6 +130,7 @@ class EventResponse:
         self.acc = Accumulator()
         self.route_headers: dict[str, str] = {}
         self._t0 = time.perf_counter()
+        self._waiting = False  # counted in state.waiting until the first content delta
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
@@ -138,6 +139,8 @@ class EventResponse:
         writer = asyncio.create_task(write(producer, send), name="gateway-writer")
         listener = asyncio.create_task(_wait_for_disconnect(receive), name="gateway-disconnect")
         state.in_flight += 1
+        state.waiting += 1
+        self._waiting = True
         state.metrics.in_flight.inc()
         try:
             await asyncio.wait([writer, listener], return_when=asyncio.FIRST_COMPLETED)
@@ -147,6 +150,7 @@ class EventResponse:
             await asyncio.wait([writer, listener])
             await producer.aclose()
             state.in_flight -= 1
+            self._stop_waiting()
             state.metrics.in_flight.dec()
             self._finish_record(writer)
         if not writer.cancelled() and (exc := writer.exception()) is not None:
@@ -166,11 +170,17 @@ class EventResponse:
             record.outcome = "cancelled"  # the client went away before the end
         self.state.metrics.observe(record)
 
+    def _stop_waiting(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self.state.waiting -= 1
+
     def _fold(self, event: Event, acc: Accumulator | None) -> None:
         """Note TTFT and route headers; fold content into ``acc`` unless an encoder already
         accumulates it (streaming: the encoder's accumulator becomes ``self.acc``)."""
         if self.record.ttft_s is None and isinstance(event, _DELTAS):
             self.record.ttft_s = time.perf_counter() - self._t0
+            self._stop_waiting()
         if isinstance(event, Meta):
             self.route_headers.update(event.headers)
         elif acc is not None:

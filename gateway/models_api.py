@@ -40,7 +40,7 @@ async def health(request: Request) -> Response:
         "status": "ok",
         "version": state.config.version,
         "models": state.router.model_ids(),
-        "queue_depth": state.in_flight_guarded - state.in_flight,
+        "queue_depth": state.waiting,
         "in_flight": state.in_flight,
         "uptime_s": round(time.monotonic() - state.started, 3),
     }

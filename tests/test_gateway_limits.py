@@ -100,3 +100,18 @@ async def test_health_metrics_and_request_log(tmp_path):
         ok["prompt_tokens"] == 7 and ok["cached_tokens"] == 2 and ok["route"]["x-route"] == "local"
     )
     assert ok["ttft_s"] is not None
+
+
+async def test_health_counts_waiting_requests_as_queue_depth():
+    upstream = ScriptedUpstream.of(Stall())
+    app = _app(upstream)
+    pending = asyncio.create_task(
+        asgi_request(app, "POST", "/v1/chat/completions", CHAT, disconnect_after_s=0.5)
+    )
+    await upstream.started.wait()
+    health = (await asgi_request(app, "GET", "/health")).json()
+    assert health["queue_depth"] == 1 and health["in_flight"] == 1
+    await pending
+    health = (await asgi_request(app, "GET", "/health")).json()
+    assert health["queue_depth"] == 0 and health["in_flight"] == 0
+    assert upstream.cancelled == 1

@@ -18,7 +18,10 @@ from worker.engine import Engine
 USER = [{"role": "user", "content": "What is 2+2?"}]
 WEATHER_TOOL = {
     "type": "function",
-    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
 }
 
 
@@ -27,7 +30,11 @@ def gateway(tiny_model_dir, tiny_think_model_dir, tiny_tool_model_dir):
     engines, servers = [], []
     directory = StaticDirectory()
     try:
-        for name, path in (("plain", tiny_model_dir), ("think", tiny_think_model_dir), ("tool", tiny_tool_model_dir)):
+        for name, path in (
+            ("plain", tiny_model_dir),
+            ("think", tiny_think_model_dir),
+            ("tool", tiny_tool_model_dir),
+        ):
             engine = Engine(str(path), name=name)
             engine.start()
             engines.append(engine)
@@ -36,6 +43,7 @@ def gateway(tiny_model_dir, tiny_think_model_dir, tiny_tool_model_dir):
             directory.add(ModelInfo(id=name), WorkerUpstream(server.url, name))
         directory.add(ModelInfo(id="down"), WorkerUpstream("http://127.0.0.1:9", "down"))
         with ServerThread(create_app(directory, GatewayConfig(retry_backoff_ms=1))) as front:
+            front.worker_urls = {e.name: srv.url for e, srv in zip(engines, servers, strict=True)}
             yield front
     finally:
         for server in servers:
@@ -46,13 +54,17 @@ def gateway(tiny_model_dir, tiny_think_model_dir, tiny_tool_model_dir):
 
 @pytest.fixture
 def oai(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0) as c:
+    with openai.OpenAI(
+        base_url=gateway.url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0
+    ) as c:
         yield c
 
 
 @pytest.fixture
 def claude(gateway):
-    with anthropic.Anthropic(base_url=gateway.url, api_key="k", _strict_response_validation=True, max_retries=0) as c:
+    with anthropic.Anthropic(
+        base_url=gateway.url, api_key="k", _strict_response_validation=True, max_retries=0
+    ) as c:
         yield c
 
 
@@ -62,7 +74,11 @@ def test_chat_plain_runs_to_max_tokens(oai):
     assert completion.usage.completion_tokens == 4 and completion.usage.prompt_tokens > 0
     chunks = list(
         oai.chat.completions.create(
-            model="plain", messages=USER, max_tokens=4, stream=True, stream_options={"include_usage": True}
+            model="plain",
+            messages=USER,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     assert chunks[-1].usage.completion_tokens == 4
@@ -74,13 +90,17 @@ def test_chat_thinking_on_and_off(oai):
     message = on.choices[0].message
     assert message.model_extra["reasoning_content"].strip() == "Let me think"
     assert message.content.strip() == "The answer is 4."
-    off = oai.chat.completions.create(model="think", messages=USER, max_tokens=20, reasoning_effort="none")
+    off = oai.chat.completions.create(
+        model="think", messages=USER, max_tokens=20, reasoning_effort="none"
+    )
     assert off.choices[0].message.content.strip() == "The answer is 4."
     assert not off.choices[0].message.model_extra.get("reasoning_content")
 
 
 def test_chat_tool_call(oai):
-    with oai.chat.completions.stream(model="tool", messages=USER, tools=[WEATHER_TOOL], max_tokens=30) as stream:
+    with oai.chat.completions.stream(
+        model="tool", messages=USER, tools=[WEATHER_TOOL], max_tokens=30
+    ) as stream:
         final = stream.get_final_completion()
     (call,) = final.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and '"Paris"' in call.function.arguments
@@ -91,8 +111,14 @@ def test_responses_thinking_and_tools(oai):
     response = oai.responses.create(model="think", input="2+2?", max_output_tokens=20)
     assert [i.type for i in response.output] == ["reasoning", "message"]
     assert response.output_text.strip() == "The answer is 4."
-    tool_tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}
-    with oai.responses.stream(model="tool", input="weather?", tools=[tool_tool], max_output_tokens=30) as stream:
+    tool_tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": WEATHER_TOOL["function"]["parameters"],
+    }
+    with oai.responses.stream(
+        model="tool", input="weather?", tools=[tool_tool], max_output_tokens=30
+    ) as stream:
         final = stream.get_final_response()
     assert [i.type for i in final.output] == ["function_call"]
     assert final.output[0].name == "get_weather"
@@ -100,7 +126,10 @@ def test_responses_thinking_and_tools(oai):
 
 def test_messages_thinking_and_tools(claude):
     message = claude.messages.create(
-        model="think", max_tokens=20, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024}
+        model="think",
+        max_tokens=20,
+        messages=USER,
+        thinking={"type": "enabled", "budget_tokens": 1024},
     )
     assert [b.type for b in message.content] == ["thinking", "text"]
     tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
@@ -123,3 +152,23 @@ def test_unreachable_worker_is_503_after_retry(oai):
         oai.chat.completions.create(model="down", messages=USER, max_tokens=2)
     assert info.value.status_code == 503
     assert info.value.response.headers["x-attempts"] == "2"
+
+
+def test_client_disconnect_stops_worker_generation(gateway, oai):
+    import time
+
+    import httpx
+
+    stream = oai.chat.completions.create(model="plain", messages=USER, max_tokens=5000, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    worker_health = gateway.worker_urls["plain"] + "/health"
+    assert httpx.get(worker_health).json()["in_flight"] == 1  # still generating
+    stream.close()
+    deadline = time.monotonic() + 10
+    while httpx.get(worker_health).json()["in_flight"] != 0:
+        assert time.monotonic() < deadline, "the worker kept generating after the client left"
+        time.sleep(0.05)
+    usage = oai.chat.completions.create(model="plain", messages=USER, max_tokens=2).usage
+    assert usage.completion_tokens == 2  # and it serves the next request

@@ -155,3 +155,18 @@ def test_chat_keepalive_is_a_comment_frame():
         assert result.headers["x-accel-buffering"] == "no"
 
     asyncio.run(case())
+
+
+def test_non_streaming_request_cancels_upstream_on_disconnect():
+    async def case() -> None:
+        upstream = ScriptedUpstream.of(TextDelta("a"), Stall())
+        directory = StaticDirectory()
+        directory.add(ModelInfo(id="m"), upstream)
+        app = create_app(directory, GatewayConfig())
+        body = dict(BODIES["/v1/responses"], stream=False)
+        result = await asgi_request(app, "POST", "/v1/responses", body, disconnect_after_s=0.05)
+        assert result.status == 0  # nothing was sent: the client had gone
+        assert upstream.cancelled == 1 and upstream.active == 0
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(case())
