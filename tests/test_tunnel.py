@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import pytest
+from aioquic.asyncio import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
 from mesh.chaos import ChaosProxy
 from mesh.errors import (
     AuthFailed,
+    ClosedError,
     ConnectError,
     ConnectionLost,
     DuplicateNodeError,
@@ -410,8 +417,6 @@ async def test_endpoint_close_tells_the_peer(pair) -> None:
 
 
 def test_backoff_delays_grow_with_jitter_and_cap() -> None:
-    import random
-
     delays = backoff_delays(base=0.1, cap=2.0, rng=random.Random(3))
     taken = [next(delays) for _ in range(20)]
     assert all(0 <= d <= 2.0 for d in taken)
@@ -457,3 +462,95 @@ async def test_connect_with_retry_stops_on_pin_mismatch(pair) -> None:
         await connect_with_retry(
             a, "127.0.0.1", b.port, expected_node_id="ab" * 32, attempts=5, base=0.01
         )
+
+
+async def test_streams_are_rejected_without_a_handler(pair) -> None:
+    a, b = pair
+
+    async def on_connection(conn: PeerConnection) -> None:
+        conn.mark_authenticated()  # but no on_stream
+
+    b.on_connection = on_connection
+    conn = await dial(a, b)
+    with pytest.raises(StreamReset) as info:
+        await request(conn, "/")
+    assert info.value.code == ErrorCode.REJECTED
+
+
+async def test_too_many_held_streams_are_rejected(pair) -> None:
+    a, b = pair
+    b.config = replace(FAST, max_held_streams=2)
+    b.on_connection = None  # never authenticated
+    conn = await dial(a, b)
+    attempts = [asyncio.create_task(request(conn, f"/{i}")) for i in range(4)]
+    await eventually(lambda: sum(t.done() for t in attempts) == 2)
+    for task in attempts:
+        if task.done():
+            with pytest.raises(StreamReset):
+                task.result()
+        else:
+            task.cancel()
+    await asyncio.gather(*attempts, return_exceptions=True)
+
+
+async def test_request_without_body_end_is_incomplete_for_the_handler(pair) -> None:
+    a, b = pair
+    seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def reader(stream: TunnelStream) -> None:
+        try:
+            async for _ in stream:
+                pass
+        except IncompleteResponse as exc:
+            seen.set_result(exc)
+            raise
+
+    serve_with(b, reader)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    await stream.send(RequestHead(id="1", path="/"))
+    stream.finish()  # FIN without BodyEnd
+    assert isinstance(await asyncio.wait_for(seen, 5), IncompleteResponse)
+
+
+async def test_send_after_finish_and_after_loss(pair) -> None:
+    a, b = pair
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    stream.finish()
+    with pytest.raises(ClosedError):
+        await stream.send(Data(b"x"))
+    other = await conn.open_stream()
+    conn.close(ErrorCode.SHUTDOWN, "test")
+    with pytest.raises(ConnectionLost):
+        await other.send(RequestHead(id="1", path="/"))
+    with pytest.raises(ConnectionLost):
+        await other.recv()
+
+
+async def test_client_without_certificate_is_refused(pair) -> None:
+
+    _, b = pair
+    codes: list[int] = []
+
+    class Recorder(QuicConnectionProtocol):
+        def quic_event_received(self, event: QuicEvent) -> None:
+            if isinstance(event, ConnectionTerminated):
+                codes.append(event.error_code)
+
+    config = QuicConfiguration(is_client=True, alpn_protocols=["mlx-mesh/1"])
+    config.verify_mode = ssl.CERT_NONE
+    async with connect("127.0.0.1", b.port, configuration=config, create_protocol=Recorder) as c:
+        await asyncio.wait_for(c.wait_closed(), 5)
+    assert codes == [ErrorCode.AUTH_FAILED]
+    assert b.connections == []
+
+
+async def test_wrong_alpn_never_connects(pair) -> None:
+
+    _, b = pair
+    config = QuicConfiguration(is_client=True, alpn_protocols=["h3"])
+    config.verify_mode = ssl.CERT_NONE
+    with pytest.raises(ConnectionError):
+        async with connect("127.0.0.1", b.port, configuration=config):
+            pass
