@@ -44,6 +44,7 @@ def test_parse_chat_stream_splits_reasoning_and_text() -> None:
             {"choices": [{"delta": {"reasoning": " ok"}}]},
             {"choices": [{"delta": {"content": "Hi"}}]},
             {"choices": [{"delta": {"content": "!"}, "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
         ),
         'data: {"choices": [{"delta": {"content": "after done"}}]}',
     ]
@@ -52,6 +53,7 @@ def test_parse_chat_stream_splits_reasoning_and_text() -> None:
         ("reasoning", " ok"),
         ("text", "Hi"),
         ("text", "!"),
+        ("usage", "4"),
     ]
 
 
@@ -124,7 +126,8 @@ def test_one_shot_streams_text_and_reasoning(node: Node) -> None:
     result = chat("--url", node.server.url + "/v1/", "--model", "tiny", "What is 2+2?")
     assert result.exit_code == 0, result.output
     assert result.stdout == "Two plus two.\nThe answer is 4.\n"
-    assert "local" in flat(result.stderr) and "TTFT" in flat(result.stderr)
+    assert flat(result.stderr).startswith("local · TTFT")
+    assert "tok/s" in result.stderr  # the scripted usage says 5 completion tokens
     sent = node.tiny.requests[-1]
     assert sent.model == "tiny" and sent.messages[-1].content == "What is 2+2?"
 

@@ -71,7 +71,8 @@ def _process_alive(pid: int) -> bool:
 
 
 def parse_chat_stream(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
-    """Chat-completions SSE lines → ``("reasoning" | "text", fragment)``; raises on error events."""
+    """Chat-completions SSE lines → ``("reasoning" | "text", fragment)`` and, from the usage
+    chunk, ``("usage", completion token count)``; raises on error events."""
     for line in lines:
         if not line.startswith("data:"):
             continue
@@ -84,6 +85,9 @@ def parse_chat_stream(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
             raise ChatError(f"the node sent a malformed stream line: {data[:80]!r}") from None
         if "error" in chunk:
             raise ChatError(_error_message(chunk, "the node reported an error"))
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            yield "usage", str(usage["completion_tokens"])
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
@@ -127,7 +131,12 @@ class ChatSession:
     def stream(self, prompt: str) -> Iterator[tuple[str, str]]:
         """Send ``prompt`` and yield the answer's fragments; the answer joins the history."""
         self.messages.append({"role": "user", "content": prompt})
-        body = {"model": self.model, "messages": self.messages, "stream": True}
+        body = {
+            "model": self.model,
+            "messages": self.messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         answer: list[str] = []
         try:
             with self._stream("POST", "/v1/chat/completions", body) as response:
@@ -209,29 +218,37 @@ def print_answer(session: ChatSession, prompt: str) -> None:
     """Stream one answer to the terminal: reasoning dimmed, then the text, then a footer."""
     started = time.monotonic()
     first: float | None = None
-    count = 0
+    tokens: int | None = None
     last_kind = None
     for kind, fragment in session.stream(prompt):
+        if kind == "usage":
+            tokens = int(fragment)
+            continue
         first = first or time.monotonic()
-        count += 1
         if last_kind == "reasoning" and kind == "text":
             console.print()
         last_kind = kind
         style = "dim italic" if kind == "reasoning" else None
         console.print(fragment, end="", style=style, markup=False, highlight=False, soft_wrap=True)
     console.print()
-    _print_footer(session.last_headers, started, first, count)
+    _print_footer(session.last_headers, started, first, tokens)
 
 
-def _print_footer(headers: dict[str, str], started: float, first: float | None, count: int) -> None:
-    parts = [headers[h] for h in ("x-route", "x-peer") if headers.get(h)]
+def _print_footer(
+    headers: dict[str, str], started: float, first: float | None, tokens: int | None
+) -> None:
+    """``route · peer · winner · TTFT · tok/s`` on stderr, so stdout stays just the answer."""
+    route, peer = headers.get("x-route"), headers.get("x-peer")
+    parts = [route] if route else []
+    if peer and peer not in ("local", route):
+        parts.append(f"peer {peer[:12]}")
     if headers.get("x-moa-winner"):
         parts.append(f"winner {headers['x-moa-winner']}")
     if first is not None:
         parts.append(f"TTFT {1000 * (first - started):.0f} ms")
         elapsed = time.monotonic() - first
-        if count > 1 and elapsed > 0:
-            parts.append(f"{count / elapsed:.1f} chunks/s")
+        if tokens is not None and tokens > 1 and elapsed > 0:
+            parts.append(f"{tokens / elapsed:.1f} tok/s")
     if parts:
         err_console.print(" · ".join(parts), style="dim", markup=False, highlight=False)
 
