@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import inspect
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -33,6 +34,8 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from gateway.upstream import ModelDirectory
+
+log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).with_name("static")
 STATUS_PATH = "/api/status"  # the mesh's status endpoint, when mounted
@@ -109,6 +112,10 @@ class ConsoleFeed:
         self._last_status: bytes | None = None
         self._last_sent = float("-inf")
 
+    def status_changes(self, status: Mapping[str, Any]) -> bool:
+        """Whether ``status`` differs from the last one sent."""
+        return orjson.dumps(status, option=orjson.OPT_SORT_KEYS) != self._last_status
+
     def step(
         self,
         now: float,
@@ -129,7 +136,7 @@ class ConsoleFeed:
             self._last_sent = now
         elif now - self._last_sent >= self.heartbeat_s:
             self._last_sent = now
-            frames.append(sse_frame("heartbeat", {"t": round(time.time(), 3)}))
+            frames.append(sse_frame("heartbeat", {}))
         return frames
 
 
@@ -198,6 +205,7 @@ def console_routes(
             or getattr(gateway, "status_provider", None)
         )
         models = directory or (gateway.router.directory if gateway is not None else None)
+
         def closing() -> bool:
             return getattr(request.app.state, "console_closing", False)
 
@@ -251,9 +259,11 @@ async def _event_stream(
     while not closing():
         try:
             status = await read_status(status_provider, directory)
-        except (OSError, RuntimeError, ValueError, TypeError) as exc:
-            # A broken status source must not kill the feed: say so and keep polling.
+        except Exception as exc:
+            # A broken status source must not kill the feed: show it on the page, log it once.
             status = {"error": f"status unavailable: {exc}"}
+            if feed.status_changes(status):
+                log.warning("console status provider failed", exc_info=exc)
         news = requests.since(feed.request_seq) if requests is not None else []
         for frame in feed.step(time.monotonic(), status, news):
             yield frame

@@ -180,7 +180,7 @@ async def test_failing_provider_is_reported_and_the_feed_survives() -> None:
         nonlocal calls
         calls += 1
         if calls == 1:
-            raise OSError("peer table locked")
+            raise LookupError("peer table locked")  # any bug in a provider, not only I/O
         return {"node": {"id": "ok"}}
 
     app = Starlette(routes=console_routes(provider, poll_s=0.01))
