@@ -8,7 +8,8 @@
         ├── ConnectError         a dial failed: unreachable, handshake failed, timed out
         │   ├── AuthFailed       the peer's certificate does not match the pin (or the peer
         │   │                    closed with AUTH_FAILED)
-        │   └── DuplicateNodeError  the peer has OUR node id: a copied home dir
+        │   ├── DuplicateNodeError  the peer has OUR node id: a copied home dir
+        │   └── Superseded       lost a simultaneous-dial tie-break (``connect`` handles it)
         ├── ClosedError          you closed it (the connection or stream), then used it
         └── StreamLost           a stream ended without its terminal frame: never a success
             ├── StreamReset      the peer reset the stream (``.code``: an ErrorCode)
@@ -53,6 +54,10 @@ class AuthFailed(ConnectError):
 
 class DuplicateNodeError(ConnectError):
     """The peer presented our own node id: two nodes run from one (copied) home dir."""
+
+
+class Superseded(ConnectError):
+    """This dial lost a simultaneous-dial tie-break; the endpoint keeps the other connection."""
 
 
 class ClosedError(TunnelError):

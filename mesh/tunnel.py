@@ -67,10 +67,10 @@ from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from mesh.errors import ConnectError, DuplicateNodeError
+from mesh.errors import ConnectError, DuplicateNodeError, Superseded
 from mesh.frames import ErrorCode
 from mesh.identity import NodeIdentity
-from mesh.tunnel_connection import PeerConnection, Pin, Superseded, TunnelProtocol
+from mesh.tunnel_connection import PeerConnection, Pin, TunnelProtocol
 from mesh.tunnel_stream import TunnelStream
 
 __all__ = ["ALPN", "PeerConnection", "TunnelConfig", "TunnelEndpoint", "TunnelStream"]

@@ -30,6 +30,7 @@ from mesh.errors import (
     DuplicateNodeError,
     IdentityError,
     StreamLost,
+    Superseded,
     TunnelError,
 )
 from mesh.frames import ErrorCode, StreamRole, Window, encode, error_name
@@ -43,10 +44,6 @@ log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[TunnelStream], Awaitable[None]]
 CONTROL_STREAM_ID = 0  # the client's first bidirectional stream
-
-
-class Superseded(ConnectError):
-    """This dial lost a simultaneous-dial tie-break; the endpoint keeps the other connection."""
 
 
 @dataclass(frozen=True)
@@ -267,8 +264,10 @@ class PeerConnection:
             if stream is None:
                 return
         stream._on_data(event.data, event.end_stream)
-        if stream is self.control and self.is_client and not self._ready.done():
-            self._become_ready()  # the server's first control bytes = it accepted us
+        if stream is self.control:
+            if self.is_client and not self._ready.done():
+                self._become_ready()  # the server's first control bytes = it accepted us
+            self._check_control()
 
     def _accept_stream(self, stream_id: int) -> TunnelStream | None:
         peer_bit = 0 if not self.is_client else 1
@@ -296,11 +295,21 @@ class PeerConnection:
         stream = self._streams.get(event.stream_id)
         if stream is not None:
             stream._on_reset(event.error_code)
+            if stream is self.control:
+                self._check_control()
 
     def _on_stop_sending(self, event: events.StopSendingReceived) -> None:
         stream = self._streams.get(event.stream_id)
         if stream is not None:
             stream._on_stop_sending(event.error_code)
+            if stream is self.control:
+                self._check_control()
+
+    def _check_control(self) -> None:
+        """The control stream lives as long as the connection: its end is a protocol error."""
+        control = self.control
+        if control is not None and (control.done or control._error is not None):
+            self.close(ErrorCode.PROTOCOL, f"control stream failed: {control._error or 'ended'}")
 
     def _on_ping_ack(self, event: events.PingAcknowledged) -> None:
         waiter = self._pings.pop(event.uid, None)

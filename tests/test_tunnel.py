@@ -554,3 +554,15 @@ async def test_wrong_alpn_never_connects(pair) -> None:
     with pytest.raises(ConnectionError):
         async with connect("127.0.0.1", b.port, configuration=config):
             pass
+
+
+async def test_broken_control_stream_closes_the_connection(pair) -> None:
+    a, b = pair
+    conn = await dial(a, b)
+    await eventually(lambda: b.connection_for(a.identity.node_id) is not None)
+    server = b.connection_for(a.identity.node_id)
+    assert conn.control is not None and server is not None
+    await conn.control.send(Data(b"not a control frame"))
+    await asyncio.wait_for(server.closed.wait(), 5)
+    assert server.close_code == ErrorCode.PROTOCOL
+    await asyncio.wait_for(conn.closed.wait(), 5)
