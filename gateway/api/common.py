@@ -88,42 +88,36 @@ def place_system_messages(messages: list[Message]) -> list[Message]:
     Agent harnesses inject system reminders mid-conversation. Hoisting them into the leading
     system prompt would rewrite the prefix every turn (killing the prompt cache) and move the
     reminder away from the moment it refers to; chat templates often reject a system turn
-    elsewhere. So it is appended to the closest preceding user/tool message, else the next one.
+    elsewhere. So it is appended to the user/tool message right before it, else prepended to the
+    next user/tool message (never moved across an assistant turn), else it becomes a user turn.
     """
     out: list[Message] = []
     leading = True
-    orphans: list[str] = []
+    pending: list[str] = []
     for message in messages:
         if message.role == "system":
             if leading:
                 out.append(message)
-                continue
-            target = next((m for m in reversed(out) if m.role in ("user", "tool")), None)
-            if target is None:
-                orphans.append(message.content)
-            else:
-                index = _last_index(out, target)
-                out[index] = target.model_copy(
-                    update={"content": _join(target.content, message.content)}
+            elif out and out[-1].role in ("user", "tool") and not pending:
+                out[-1] = out[-1].model_copy(
+                    update={"content": _join(out[-1].content, message.content)}
                 )
+            else:
+                pending.append(message.content)
             continue
         leading = False
-        if orphans and message.role in ("user", "tool"):
-            message = message.model_copy(
-                update={"content": _join("\n\n".join(orphans), message.content)}
-            )
-            orphans = []
+        if pending:
+            if message.role in ("user", "tool"):
+                message = message.model_copy(
+                    update={"content": _join("\n\n".join(pending), message.content)}
+                )
+            else:
+                out.append(Message(role="user", content="\n\n".join(pending)))
+            pending = []
         out.append(message)
-    if orphans:
-        out.append(Message(role="user", content="\n\n".join(orphans)))
+    if pending:
+        out.append(Message(role="user", content="\n\n".join(pending)))
     return out
-
-
-def _last_index(items: list[Message], target: Message) -> int:
-    for index in range(len(items) - 1, -1, -1):
-        if items[index] is target:
-            return index
-    raise ValueError("target not in list")
 
 
 def _join(first: str, second: str) -> str:

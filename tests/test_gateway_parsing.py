@@ -1,0 +1,182 @@
+"""Each API's body → ChatRequest: thinking knobs, max tokens, tools, message placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.api import chat, messages, responses
+from gateway.api.common import place_system_messages
+from gateway.api.errors import RequestInvalid
+from gateway.request import Message
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, None),
+        ({"reasoning_effort": "none"}, False),
+        ({"reasoning_effort": "high"}, True),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+        ({"enable_thinking": True}, True),
+    ],
+)
+def test_chat_thinking_knobs(extra, expected):
+    request, _ = chat.parse({"model": "m", "messages": USER, **extra})
+    assert request.reasoning is expected
+
+
+def test_responses_and_messages_thinking_knobs():
+    assert (
+        responses.parse({"model": "m", "input": "x", "reasoning": {"effort": "low"}})[0].reasoning
+        is True
+    )
+    assert responses.parse({"model": "m", "input": "x"})[0].reasoning is None
+    body = {"model": "m", "max_tokens": 5, "messages": USER}
+    assert (
+        messages.parse({**body, "thinking": {"type": "enabled", "budget_tokens": 2000}})[
+            0
+        ].reasoning
+        is True
+    )
+    assert messages.parse({**body, "thinking": {"type": "disabled"}})[0].reasoning is False
+
+
+def test_max_tokens_always_reach_the_model():
+    assert chat.parse({"model": "m", "messages": USER, "max_tokens": 7})[0].max_tokens == 7
+    assert (
+        chat.parse({"model": "m", "messages": USER, "max_completion_tokens": 9})[0].max_tokens == 9
+    )
+    assert (
+        responses.parse({"model": "m", "input": "x", "max_output_tokens": 11})[0].max_tokens == 11
+    )
+    assert messages.parse({"model": "m", "messages": USER, "max_tokens": 13})[0].max_tokens == 13
+
+
+def test_chat_tools_and_tool_turns():
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "developer", "content": "sys"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "think",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": {"x": 1}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "stop": "END",
+        "stream_options": {"include_usage": True},
+    }
+    request, _ = chat.parse(body)
+    assert [m.role for m in request.messages] == ["system", "user", "assistant", "tool"]
+    assert request.messages[1].content == "ab"
+    assert request.messages[2].tool_calls[0].arguments == '{"x":1}'
+    assert request.messages[2].reasoning == "think"
+    assert request.tools[0].parameters == {"type": "object", "properties": {}}
+    assert request.stop == ["END"]
+
+
+def test_anthropic_blocks_become_turns_in_order():
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": [{"type": "text", "text": "S"}],
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "x"},
+                    {"type": "text", "text": "calling"},
+                    {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "text", "text": "res"}],
+                    },
+                    {"type": "text", "text": "more"},
+                ],
+            },
+        ],
+        "tool_choice": {"type": "any"},
+        "stop_sequences": ["###"],
+    }
+    request, _ = messages.parse(body)
+    assert [m.role for m in request.messages] == ["system", "user", "assistant", "tool", "user"]
+    assistant = request.messages[2]
+    assert (assistant.reasoning, assistant.content) == ("hm", "calling")
+    assert assistant.tool_calls[0].arguments == '{"a":1}'
+    assert request.messages[3].tool_call_id == "t1" and request.messages[3].content == "res"
+    assert request.tool_choice == "required" and request.stop == ["###"]
+
+
+@pytest.mark.parametrize(
+    ("api", "body", "names"),
+    [
+        (chat, {"model": "m", "messages": []}, "messages"),
+        (
+            chat,
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "image_url",
+        ),
+        (
+            responses,
+            {"model": "m", "input": "x", "previous_response_id": "r"},
+            "previous_response_id",
+        ),
+        (responses, {"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+        (messages, {"model": "m", "max_tokens": 0, "messages": USER}, "max_tokens"),
+        (
+            messages,
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": [{"type": "image"}]}],
+            },
+            "image",
+        ),
+    ],
+)
+def test_bad_bodies_name_the_problem(api, body, names):
+    with pytest.raises(RequestInvalid, match=names):
+        api.parse(body)
+
+
+def test_system_placement_keeps_leading_and_folds_later_ones():
+    turns = [
+        Message(role="system", content="S"),
+        Message(role="user", content="u1"),
+        Message(role="assistant", content="a1"),
+        Message(role="system", content="R1"),
+        Message(role="user", content="u2"),
+        Message(role="tool", content="t", tool_call_id="c"),
+        Message(role="system", content="R2"),
+    ]
+    placed = place_system_messages(turns)
+    assert [m.role for m in placed] == ["system", "user", "assistant", "user", "tool"]
+    assert placed[1].content == "u1"  # never moved back across the assistant turn
+    assert placed[3].content == "R1\n\nu2"  # the next user turn
+    assert placed[4].content == "t\n\nR2"  # the tool result right before it
+    orphan = place_system_messages(
+        [Message(role="assistant", content="a"), Message(role="system", content="R")]
+    )
+    assert [m.role for m in orphan] == ["assistant", "user"] and orphan[1].content == "R"
