@@ -226,7 +226,7 @@ def test_api_key_is_asked_for_and_sent(browser) -> None:  # type: ignore[no-unty
         dialog.wait_for(state="visible")
         assert "needs an API key" in page.locator("#key-reason").inner_text()
         page.fill("#key-input", "sekret")
-        page.click("#key-save")
+        page.press("#key-input", "Enter")
         page.wait_for_selector("#model option[value='tiny']", state="attached")
         assert page.evaluate("localStorage.getItem('mlx-mesh.api-key')") == "sekret"
         send(page, "with a key")

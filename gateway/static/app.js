@@ -41,11 +41,19 @@ function askForKey(reason) {
   if (dialog.open) return;
   $("#key-reason").textContent = reason || "Kept in this browser only; sent as a Bearer token.";
   $("#key-input").value = apiKey();
+  dialog.returnValue = ""; // Escape leaves it untouched: do not replay the last choice
   dialog.showModal();
 }
 
 function setupKeyDialog() {
   $("#key-button").addEventListener("click", () => askForKey());
+  // Enter in the field means Save (the form's first button is Cancel).
+  $("#key-input").addEventListener("keydown", (event) => {
+    if (event.key === "Enter") {
+      event.preventDefault();
+      $("#key-save").click();
+    }
+  });
   $("#key-dialog").addEventListener("close", () => {
     const action = $("#key-dialog").returnValue;
     if (action === "save") localStorage.setItem(KEY_STORAGE, $("#key-input").value.trim());
