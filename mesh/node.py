@@ -68,6 +68,17 @@ class NodeConfig:
             raise NodeError("no model to serve: pass --model NAME (or --no-worker)")
 
 
+def check_model_available(home: Path, model: str) -> None:
+    """Fail early, in words, for a store name that was never pulled (hub ids pass through)."""
+    from worker import store
+
+    resolved = store.resolve_model(home, model)
+    if resolved == model and "/" not in model and not Path(model).expanduser().is_dir():
+        raise NodeError(
+            f"model {model!r} is not in {store.models_dir(home)}; pull it first: mesh models pull {model}"
+        )
+
+
 def served_name(model: str) -> str:
     """The name a model is served under: a directory's name, else the store name itself."""
     path = Path(model).expanduser()
@@ -234,11 +245,23 @@ class Node:
         if not self.config.start_workers:
             return
         for model in self.config.models:
+            check_model_available(self.config.home, model)
             worker = WorkerProcess(model, self.config)
+            if any(w.name == worker.name for w in self.workers):
+                raise NodeError(f"two --model options serve the same name {worker.name!r}")
             self.workers.append(worker)
-        urls = await asyncio.gather(*(w.start() for w in self.workers))
-        for worker, url in zip(self.workers, urls, strict=True):
-            upstream = WorkerUpstream(url, worker.name)  # restarts keep the port
+        try:  # in parallel; one failure cancels the other starts (run() then stops them all)
+            async with asyncio.TaskGroup() as group:
+                for worker in self.workers:
+                    group.create_task(worker.start())
+        except* (NodeError, OSError, TimeoutError) as failures:
+            first = failures.exceptions[0]
+            if isinstance(first, TimeoutError):
+                raise NodeError("a worker did not become ready in time") from None
+            raise NodeError(str(first)) from None
+        for worker in self.workers:
+            assert worker.url is not None
+            upstream = WorkerUpstream(worker.url, worker.name)  # restarts keep the port
             self.upstreams[worker.name] = upstream
             self.model_infos[worker.name] = await _model_info(upstream)
 

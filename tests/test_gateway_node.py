@@ -104,3 +104,23 @@ def test_mesh_up_serves_restarts_and_stops_clean(tiny_model_dir, tmp_path):
     assert "mlx-mesh gateway on http://127.0.0.1:" in out
     assert not node_file.exists()
     _wait_for(lambda: not _alive(new_worker_pid), 10, "worker stop")
+
+
+def test_unpulled_store_model_is_refused_in_words(tmp_path):
+    from mesh.node import check_model_available
+
+    with pytest.raises(NodeError, match="mesh models pull smollm2-135m"):
+        check_model_available(tmp_path, "smollm2-135m")
+    check_model_available(tmp_path, "mlx-community/some-model")  # hub ids go to the worker
+
+
+async def test_worker_that_cannot_load_fails_the_start_and_leaves_nothing(tmp_path):
+    from mesh.node import Node
+
+    not_a_model = tmp_path / "empty-model"
+    not_a_model.mkdir()
+    node = Node(NodeConfig(home=tmp_path / "home", models=(str(not_a_model),), port=0))
+    with pytest.raises(NodeError, match="before it was ready"):
+        await node.run()
+    assert node.workers[0].process.returncode is not None
+    assert not (tmp_path / "home" / "node.json").exists()
