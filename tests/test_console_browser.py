@@ -152,6 +152,13 @@ def test_chat_streams_markdown_in_pieces_with_reasoning_and_footer(page, gateway
 
     page.screenshot(path=str(SCREENSHOT))
 
+    # "New" starts over: the next request carries no history.
+    page.click("#clear")
+    assert page.locator(".msg").count() == 0
+    send(page, "fresh start")
+    page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']", timeout=15_000)
+    assert [m.content for m in gateway.tiny.requests[-1].messages] == ["fresh start"]
+
 
 def test_stop_cancels_the_upstream(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]
     cancelled_before = gateway.endless.cancelled

@@ -144,7 +144,9 @@ async function send(text) {
   const model = $("#model").value || "mesh";
   localStorage.setItem(MODEL_STORAGE, model);
   addMessage("user").textContent = text;
-  chat.history.push({ role: "user", content: text });
+  // "New" during an answer swaps in a fresh history; this answer belongs to the old one.
+  const history = chat.history;
+  history.push({ role: "user", content: text });
   const view = assistantView();
   scrollChat();
   const controller = new AbortController();
@@ -160,7 +162,7 @@ async function send(text) {
     const response = await api("/v1/responses", {
       method: "POST",
       headers: { "content-type": "application/json", accept: "text/event-stream" },
-      body: JSON.stringify({ model, input: chat.history, stream: true }),
+      body: JSON.stringify({ model, input: history, stream: true }),
       signal: controller.signal,
     });
     headers = response.headers;
@@ -188,8 +190,8 @@ async function send(text) {
     chat.controller = null;
     setBusy(false);
     view.body.classList.remove("pending");
-    if (run.text) chat.history.push({ role: "assistant", content: run.text });
-    else chat.history.pop(); // nothing said: do not leave a dangling user turn
+    if (run.text) history.push({ role: "assistant", content: run.text });
+    else history.pop(); // nothing said: do not leave a dangling user turn
     renderFooter(view.footer, run, headers, model, outcome);
     scrollChat();
   }
