@@ -179,8 +179,10 @@ def test_stop_cancels_the_upstream(page, gateway: Gateway) -> None:  # type: ign
 
 def test_topology_and_node_table_show_this_node(page) -> None:  # type: ignore[no-untyped-def]
     page.click("[data-tab='mesh']")
-    page.wait_for_selector("#topology .node.self")
+    # The first status event (not the placeholder drawn at load) fills the node table.
+    page.wait_for_selector("#nodes tbody tr")
     assert page.locator("#topology .node").count() == 1
+    assert "tiny" in page.locator("#topology .node.self").inner_html()
     assert "tiny" in page.locator("#nodes tbody").inner_text()
     assert page.locator("#live").inner_text() == "live"
 
