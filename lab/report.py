@@ -130,6 +130,14 @@ def verdict_table(verdict: Verdict) -> Table:
         ("outputs identical to the no-fault run", identical),
         ("time to recover", recovery),
     ]
+    for phase in verdict.phases:
+        rows.append(
+            (
+                f"{phase.phase}: ok / TTFT p50, p95",
+                f"{phase.ok}/{phase.requests} · {_num(phase.ttft_p50_s, '.3f')} s, "
+                f"{_num(phase.ttft_p95_s, '.3f')} s",
+            )
+        )
     for name, value in rows:
         table.add_row(name, value)
     for reason in verdict.reasons:

@@ -9,6 +9,17 @@ from pydantic import BaseModel
 
 from lab.rows import PROPER_FAILURES, Outcome, ProbeRow
 from lab.scenario import Scenario
+from lab.stats import percentile
+
+
+class PhaseStats(BaseModel):
+    """Probe numbers for one phase: before the first step, between first and last, after."""
+
+    phase: str
+    requests: int
+    ok: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
 
 
 class Verdict(BaseModel):
@@ -24,6 +35,7 @@ class Verdict(BaseModel):
     recovered: bool
     passed: bool
     reasons: list[str]  # why it did not pass (empty when it did)
+    phases: list[PhaseStats] = []
 
     @property
     def success_rate(self) -> float:
@@ -52,6 +64,26 @@ def recovery_time(rows: Sequence[ProbeRow], since: float) -> float | None:
     while index > 0 and after[index - 1].ok:
         index -= 1
     return after[index].t - since
+
+
+def phase_stats(
+    rows: Sequence[ProbeRow], bounds: Sequence[tuple[str, float, float]]
+) -> list[PhaseStats]:
+    """Per named ``[start, end)`` wall-time window: requests, ok, TTFT p50/p95 of ok streams."""
+    out = []
+    for name, start, end in bounds:
+        inside = [row for row in rows if start <= row.t < end]
+        ttfts = [r.ttft_s for r in inside if r.ok and r.kind == "stream" and r.ttft_s is not None]
+        out.append(
+            PhaseStats(
+                phase=name,
+                requests=len(inside),
+                ok=sum(1 for row in inside if row.ok),
+                ttft_p50_s=percentile(ttfts, 50),
+                ttft_p95_s=percentile(ttfts, 95),
+            )
+        )
+    return out
 
 
 def judge(scenario: Scenario, rows: Sequence[ProbeRow], started_at: float) -> Verdict:
@@ -91,7 +123,16 @@ def judge(scenario: Scenario, rows: Sequence[ProbeRow], started_at: float) -> Ve
         reasons.append("did not recover: the last probes still failed")
     elif expect.recover_within_s is not None and (recovery_s or 0.0) > expect.recover_within_s:
         reasons.append(f"recovered after {recovery_s:.1f}s (allowed {expect.recover_within_s:g}s)")
+    bounds = [("whole run", started_at, float("inf"))]
+    if scenario.steps:
+        first, last = started_at + scenario.steps[0].at, started_at + scenario.steps[-1].at
+        bounds = [
+            ("before faults", started_at, first),
+            ("during", first, last),
+            ("after", last, float("inf")),
+        ]
     return Verdict(
+        phases=phase_stats(probes, bounds),
         scenario=scenario.name,
         sent=len(probes),
         succeeded=ok,

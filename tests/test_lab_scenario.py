@@ -198,3 +198,25 @@ def test_faulted_pairs_are_what_a_bypass_would_void() -> None:
     assert load_scenario("kill-restart").faulted_pairs() == set()
     assert load_scenario("asymmetric-loss").faulted_pairs() == {(0, 1)}
     assert load_scenario("partition-heal").faulted_pairs() == {(0, 1), (0, 2)}
+
+
+def test_verdict_phases_split_at_first_and_last_step() -> None:
+    rows = [
+        _row(1001.0, ttft_s=0.1),
+        _row(1002.0, ttft_s=0.3),
+        _row(1006.0, "timeout", text=None),
+        _row(1007.0, ttft_s=2.0),
+        _row(1011.0, ttft_s=0.2),
+    ]
+    phases = {p.phase: p for p in judge(SCENARIO, rows, started_at=1000.0).phases}
+    assert list(phases) == ["before faults", "during", "after"]
+    assert (phases["before faults"].requests, phases["before faults"].ok) == (2, 2)
+    assert phases["before faults"].ttft_p50_s == pytest.approx(0.2)
+    assert (phases["during"].requests, phases["during"].ok, phases["during"].ttft_p95_s) == (
+        2,
+        1,
+        2.0,
+    )
+    assert phases["after"].ttft_p50_s == pytest.approx(0.2)
+    no_steps = parse_scenario(MINIMAL)
+    assert [p.phase for p in judge(no_steps, rows, 1000.0).phases] == ["whole run"]
