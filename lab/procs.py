@@ -24,22 +24,38 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (Linux /proc; empty elsewhere), children first."""
+def _parent_map() -> dict[int, list[int]]:
+    """ppid → child pids: from /proc on Linux, else from ``ps`` (macOS)."""
     parents: dict[int, list[int]] = {}
     proc = Path("/proc")
-    if not proc.is_dir():
-        return []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after ")"
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited while we looked
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses: split after ")"
+            ppid = int(stat.rpartition(")")[2].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+        return parents
+    try:
+        listing = subprocess.run(
+            ["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return parents
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+            parents.setdefault(int(fields[1]), []).append(int(fields[0]))
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, children first (workers run in their own sessions)."""
+    parents = _parent_map()
     found: list[int] = []
     queue = [pid]
     while queue:
@@ -55,6 +71,16 @@ def cmdline(pid: int) -> str:
             Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         )
     except OSError:
+        pass  # no /proc (macOS): ask ps below
+    try:
+        return subprocess.run(
+            ["ps", "-o", "command=", "-p", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
         return ""
 
 
