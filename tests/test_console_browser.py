@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.app import create_app
@@ -188,15 +189,16 @@ def test_topology_and_node_table_show_this_node(page) -> None:  # type: ignore[n
 
 
 def test_requests_table_fills_live(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]
+    # History first (loaded once at start), so the next row can only come over the live feed.
+    history = len(httpx.get(gateway.server.url + "/api/requests").json()["requests"])
+    rows = "document.querySelectorAll('#requests tbody tr').length"
+    page.wait_for_function(f"{rows} === {history}")
     page.click("[data-tab='requests']")
-    before = page.locator("#requests tbody tr").count()
     page.click("[data-tab='chat']")
     send(page, "count me")
     page.wait_for_selector(".msg.assistant .footer[data-outcome='ok']", timeout=15_000)
     page.click("[data-tab='requests']")
-    page.wait_for_function(
-        f"document.querySelectorAll('#requests tbody tr').length > {before}", timeout=10_000
-    )
+    page.wait_for_function(f"{rows} === {history + 1}", timeout=10_000)
     row = page.locator("#requests tbody tr").first.inner_text()
     assert "responses" in row and "tiny" in row and "ok" in row
     page.screenshot(path=str(SCREENSHOT.with_name("mlx-mesh-console-requests.png")))
