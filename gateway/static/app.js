@@ -122,6 +122,13 @@ function scrollChat() {
   list.scrollTop = list.scrollHeight;
 }
 
+// Follow a streaming answer only while the reader is at the bottom; scrolling up to read
+// something earlier must not be undone by the next token.
+function atBottom() {
+  const list = $("#messages");
+  return list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+}
+
 function assistantView() {
   const box = addMessage("assistant");
   box.innerHTML = `<details class="reasoning" hidden><summary>Reasoning</summary><div class="reasoning-text"></div></details>
@@ -205,8 +212,9 @@ function handleResponseEvent(event, run, view) {
     run.last = now;
     run.deltas += 1;
     run.text += event.delta || "";
+    const follow = atBottom();
     view.body.innerHTML = renderMarkdown(run.text);
-    scrollChat();
+    if (follow) scrollChat();
   } else if (type.includes("reasoning") && type.endsWith(".delta")) {
     run.first ??= now;
     run.last = now;
