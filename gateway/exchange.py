@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import sse
+from gateway import router, sse
 from gateway.api.common import Accumulator
 from gateway.api.errors import RequestInvalid
 from gateway.events import Done, Error, Event, Meta, ReasoningDelta, TextDelta, ToolCallDelta
@@ -218,6 +218,8 @@ class EventResponse:
             response = error_response(self.spec.error_body, first, self.route_headers)
             await response({"type": "http"}, _never_receive, send)
             return
+        if not self.route_headers and self.routes:  # slow first event: say where it is going
+            self.route_headers = router.route_headers(self.routes[0], 1, [])
         headers = [
             (k.encode(), v.encode()) for k, v in (sse.SSE_HEADERS | self.route_headers).items()
         ]

@@ -4,7 +4,7 @@ The commit point is the first content delta. A failure before it – an ``Error`
 retryable or of kind overloaded/unavailable, an exception, or a stream that ends early – is
 retried once on the same route after ``retry_backoff_s``, then on the next route. After it,
 nothing is retried: the error goes on to the client. Every routed stream starts with a ``Meta``
-event carrying ``x-route``, ``x-peer`` and ``x-attempts``.
+event carrying ``x-route``, ``x-peer`` and ``x-attempts``, merged with the upstream's own.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Router:
                         last_error = event
                         break
                     committed = True
-                    yield Meta(_route_headers(route, attempt, reasons) | pending_meta)
+                    yield Meta(route_headers(route, attempt, reasons) | pending_meta)
                     yield event
                     if isinstance(event, Done | Error):
                         return
@@ -144,7 +144,7 @@ class Router:
                 closer = getattr(source, "aclose", None)
                 if closer is not None:
                     await closer()
-        yield Meta(_route_headers(plan[-1], len(plan), reasons) if plan else {})
+        yield Meta(route_headers(plan[-1], len(plan), reasons) if plan else {})
         yield last_error or Error(kind="unavailable", message="no route", retryable=True)
 
 
@@ -152,7 +152,7 @@ def _route_label(route: Route) -> str:
     return route.peer or route.upstream.name
 
 
-def _route_headers(route: Route, attempts: int, reasons: list[str]) -> dict[str, str]:
+def route_headers(route: Route, attempts: int, reasons: list[str]) -> dict[str, str]:
     headers = {
         "x-route": route.kind,
         "x-peer": route.peer or route.upstream.name,

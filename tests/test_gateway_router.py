@@ -25,12 +25,20 @@ async def _run(router: Router) -> list:
     return [event async for event in router.stream(REQUEST, router.resolve(REQUEST))]
 
 
+def _meta(events: list) -> Meta:
+    """The route headers as the client sees them: every Meta merged, later ones win."""
+    merged: dict[str, str] = {}
+    for event in events:
+        if isinstance(event, Meta):
+            merged |= event.headers
+    return Meta(merged)
+
+
 async def test_retryable_error_before_first_delta_is_retried_on_same_route():
     upstream = ScriptedUpstream(scripts=[[BUSY], text_script("ok")], name="local")
     events = await _run(_router(upstream))
     assert upstream.calls == 2
-    meta = events[0]
-    assert isinstance(meta, Meta)
+    meta = _meta(events)
     assert meta.headers["x-attempts"] == "2" and meta.headers["x-route"] == "local"
     assert "local:unavailable" in meta.headers["x-retry-reasons"]
     assert isinstance(events[-1], Done)
@@ -41,7 +49,7 @@ async def test_exception_before_first_delta_is_retried_then_next_route():
     second = ScriptedUpstream.of(*text_script("from peer"), name="peer-b")
     events = await _run(_router(first, second))
     assert first.calls == 2 and second.calls == 1
-    meta = events[0]
+    meta = _meta(events)
     assert meta.headers["x-attempts"] == "3" and meta.headers["x-peer"] == "peer-b"
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "from peer"
 
@@ -76,7 +84,7 @@ async def test_all_attempts_fail_gives_last_error():
     upstream = ScriptedUpstream.of(BUSY, name="local")
     events = await _run(_router(upstream))
     assert upstream.calls == 2
-    assert events[-1] == BUSY and events[0].headers["x-attempts"] == "2"
+    assert events[-1] == BUSY and _meta(events).headers["x-attempts"] == "2"
 
 
 def test_unknown_model_and_unreachable_model():
@@ -116,3 +124,18 @@ async def test_moa_hook_serves_model_mesh():
     result = await asgi_request(app, "POST", "/v1/chat/completions", body)
     assert result.json()["choices"][0]["message"]["content"] == "mixed"
     assert result.headers["x-moa-winner"] == "a" and result.headers["x-route"] == "moa"
+
+
+async def test_slow_first_event_still_gets_route_headers():
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.testing import Sleep
+
+    upstream = ScriptedUpstream.of(Sleep(0.05), *text_script("late"), name="local")
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), upstream)
+    app = create_app(directory, GatewayConfig(header_wait_s=0.01))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    result = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert result.headers["x-route"] == "local" and result.headers["x-attempts"] == "1"
+    assert b"late"[:3] in result.body and result.body.endswith(b"data: [DONE]\n\n")
