@@ -16,6 +16,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.console import close_event_streams
 from gateway.events import TextDelta
 from gateway.testing import ScriptedUpstream, ServerThread, Stall, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
@@ -271,8 +272,8 @@ class MeshNode:
             tunnel=TunnelConfig(ping_interval=0.3, ping_timeout=1.0, handshake_timeout=3.0),
         )
         self.service = MeshService(home, NodeIdentity.load_or_create(home), local, config)
-        app = create_app(self.service.directory, extra_routes=mesh_routes(self.service))
-        self.server = ServerThread(app)
+        self.app = create_app(self.service.directory, extra_routes=mesh_routes(self.service))
+        self.server = ServerThread(self.app)
 
     def __enter__(self) -> MeshNode:
         self.server.__enter__()
@@ -280,6 +281,7 @@ class MeshNode:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        close_event_streams(self.app)  # as the node does: open consoles must not delay exit
         self.server.run(self.service.stop())
         self.server.__exit__(*exc)
 
@@ -288,21 +290,20 @@ def test_two_node_mesh_topology_forwarded_chat_and_invite(browser, tmp_path: Pat
     worker = ScriptedUpstream.of(
         *text_script("Answered by node A.", chunk=3), name="local", delay_s=0.03
     )
+    other = ScriptedUpstream.of(*text_script("From B."), name="local")
+    context = browser.new_context(viewport={"width": 1280, "height": 820})
+    context.set_default_timeout(15_000)
     with MeshNode(tmp_path / "a", {"tiny": worker}) as a:
+        page_a = context.new_page()
+        page_a.goto(a.server.url + "/")
+        page_a.wait_for_selector("#nodes tbody tr", state="attached")  # live, alone
+        assert page_a.locator("#model option[value='other']").count() == 0
         token = a.server.run(on_loop(a.service.create_invite, 60)).encode()
-        with MeshNode(tmp_path / "b", {}, join=token) as b:
-            context = browser.new_context(viewport={"width": 1280, "height": 820})
-            context.set_default_timeout(15_000)
+        with MeshNode(tmp_path / "b", {"other": other}, join=token) as b:
+            # B's model joins A's picker without a reload, once gossip brings it over.
+            page_a.wait_for_selector("#model option[value='other']", state="attached")
             page = context.new_page()
             page.goto(b.server.url + "/")
-            # B serves nothing itself: "tiny" appears once gossip brought A's model over.
-            page.wait_for_function(
-                """async () => {
-                    const r = await fetch('/v1/models');
-                    return (await r.json()).data.some((m) => m.id === 'tiny');
-                }"""
-            )
-            page.reload()
             page.wait_for_selector("#model option[value='tiny']", state="attached")
             page.click("[data-tab='mesh']")
             page.wait_for_selector("#topology .node.peer.up")
@@ -328,7 +329,7 @@ def test_two_node_mesh_topology_forwarded_chat_and_invite(browser, tmp_path: Pat
             footer = page.locator(".msg.assistant .footer").inner_text()
             assert "peer" in footer and a.service.node_id[:12] in footer
             assert worker.calls == 1
-            context.close()
+    context.close()
 
 
 async def on_loop(fn, *args):  # type: ignore[no-untyped-def]

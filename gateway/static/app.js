@@ -2,7 +2,7 @@
 
 import { escapeHtml, renderMarkdown } from "./markdown.js";
 import { readSse } from "./sse.js";
-import { renderNodeTable, renderTopology } from "./topology.js";
+import { normaliseStatus, renderNodeTable, renderTopology } from "./topology.js";
 
 const KEY_STORAGE = "mlx-mesh.api-key";
 const MODEL_STORAGE = "mlx-mesh.model";
@@ -313,6 +313,12 @@ function onFeedEvent({ event, data }) {
     }
     renderTopology($("#topology"), payload);
     renderNodeTable($("#nodes tbody"), payload);
+    // A peer joining or leaving changes what can be chosen: refresh the model picker then.
+    const { self, peers } = normaliseStatus(payload);
+    const served = [self, ...peers.filter((p) => p.state === "up")].flatMap((n) => n.models);
+    const key = [...new Set(served)].sort().join("\n");
+    if (feed.models !== undefined && key !== feed.models) loadModels();
+    feed.models = key;
   } else if (event === "request") {
     addRequestRow(payload, true);
   }
