@@ -199,3 +199,10 @@ def test_a_node_without_models_says_so() -> None:
     assert_clean_failure(
         result, "model 'mesh' is not served in this mesh (no models are served yet)"
     )
+
+
+def test_prompt_from_stdin(node: Node) -> None:
+    result = chat("--url", node.server.url, "-m", "tiny", "-", input="a question\nin two lines\n")
+    assert result.exit_code == 0, result.output
+    assert node.tiny.requests[-1].messages[-1].content == "a question\nin two lines"
+    assert_clean_failure(chat("--url", node.server.url, "-", input=""), "stdin was empty")

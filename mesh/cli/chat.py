@@ -6,7 +6,9 @@ given; answers stream from ``/v1/chat/completions`` with reasoning printed dimme
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -254,6 +256,8 @@ def _print_footer(
 
 
 def run_repl(session: ChatSession) -> None:
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
     err_console.print(
         f"chatting with [bold]{session.model}[/] at {session.url} – {HELP_LINE}", highlight=False
     )
@@ -321,7 +325,9 @@ def _switch_model(session: ChatSession, name: str) -> None:
 
 @app.command("chat")
 def chat_command(
-    prompt: str | None = typer.Argument(None, help="Ask once and exit; without it, a REPL."),
+    prompt: str | None = typer.Argument(
+        None, help="Ask once and exit (`-` reads it from stdin); without it, a REPL."
+    ),
     model: str = typer.Option("mesh", "--model", "-m", help="A model id, or `mesh` (MoA)."),
     url: str | None = typer.Option(None, "--url", help="Gateway URL (default: the local node)."),
     api_key: str | None = typer.Option(
@@ -342,6 +348,10 @@ def chat_command(
         if prompt is None:
             run_repl(session)
             return
+        if prompt == "-":
+            prompt = sys.stdin.read().strip()
+            if not prompt:
+                raise fail("nothing to ask: stdin was empty")
         try:
             print_answer(session, prompt)
         except ChatError as exc:
