@@ -93,7 +93,7 @@ class TunnelConfig:
     idle_timeout: float = 30.0
     handshake_timeout: float = 10.0
     stream_window: int = 256 * 1024  # unconsumed bytes a sender may have in flight per stream
-    max_held_streams: int = 64  # peer streams held while the connection is unauthenticated
+    max_held_streams: int = 16  # peer streams held while unauthenticated (each ≤ one window)
     max_datagram_size: int = 1200
     close_grace: float = 1.0  # how long close() waits for connections to finish closing
 

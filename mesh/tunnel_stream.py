@@ -33,6 +33,8 @@ from mesh.errors import (
     StreamReset,
 )
 from mesh.frames import (
+    HEADER_SIZE,
+    MAX_PAYLOAD,
     End,
     ErrorCode,
     Frame,
@@ -45,6 +47,7 @@ from mesh.frames import (
 )
 
 log = logging.getLogger(__name__)
+_MAX_FRAME = HEADER_SIZE + MAX_PAYLOAD
 
 
 class StreamHost(Protocol):
@@ -71,6 +74,7 @@ class TunnelStream:
         self._readable = asyncio.Event()
         self._error: StreamLost | ClosedError | None = None
         self._remote_finished = False
+        self._received = 0  # frame bytes received (Window frames excluded)
         self._consumed = 0
         self._advertised = 0
         # sending side
@@ -97,6 +101,8 @@ class TunnelStream:
 
         Raises ``ClosedError`` after our own finish/reset, ``StreamReset`` if the peer stopped
         the stream, ``ConnectionLost`` if the connection died. Sending ``End`` finishes."""
+        if isinstance(frame, Window):
+            raise ValueError("Window frames belong to the tunnel's flow control")
         data = encode(frame)
         while True:
             self._raise_if_unsendable()
@@ -194,6 +200,14 @@ class TunnelStream:
                     self._on_credit(frame.consumed)
                     continue
                 self._sequence.accept(frame)
+                self._received += size
+                if self.role is StreamRole.REQUEST and self._local_finished:
+                    continue  # End already sent: nobody reads the rest of this request
+                if (
+                    not self._local_finished
+                    and self._received - self._consumed > self._window + _MAX_FRAME
+                ):
+                    raise ProtocolViolation("peer ignored the stream's flow-control window")
                 self._inbound.append((frame, size))
             if end_stream:
                 self._decoder.check_eof()

@@ -22,6 +22,7 @@ from mesh.errors import (
     ConnectionLost,
     DuplicateNodeError,
     IncompleteResponse,
+    ProtocolViolation,
     StreamReset,
 )
 from mesh.frames import (
@@ -566,3 +567,26 @@ async def test_broken_control_stream_closes_the_connection(pair) -> None:
     await asyncio.wait_for(server.closed.wait(), 5)
     assert server.close_code == ErrorCode.PROTOCOL
     await asyncio.wait_for(conn.closed.wait(), 5)
+
+
+async def test_a_sender_that_ignores_the_window_is_cut_off(pair) -> None:
+    a, b = pair
+
+    async def rogue(stream: TunnelStream) -> None:
+        await stream.recv()
+        await stream.recv()
+        stream._send_limit = 1 << 40  # pretend the reader granted unlimited credit
+        await stream.send(ResponseHead(status=200))
+        for _ in range(160):  # 2.5 MiB: beyond window + one maximal frame
+            await stream.send(Data(b"r" * 16384))
+        await asyncio.sleep(5)
+
+    serve_with(b, rogue)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    await stream.send(RequestHead(id="1", path="/"))
+    await stream.send(BodyEnd())
+    await eventually(lambda: stream._error is not None)
+    with pytest.raises(ProtocolViolation, match="flow-control"):
+        async for _ in stream:
+            pass
