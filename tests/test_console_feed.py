@@ -243,3 +243,16 @@ async def test_close_event_streams_ends_open_feeds() -> None:
     # No disconnect: only the shutdown signal can end this response.
     result = await asyncio.wait_for(asgi_request(app, "GET", "/api/events"), timeout=5)
     assert result.status == 200
+
+
+async def test_with_a_key_the_page_is_open_and_the_data_is_not() -> None:
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    app = create_app(make_directory("tiny"), GatewayConfig(api_key="sekret"))
+    assert (await asgi_request(app, "GET", "/")).status == 200
+    assert (await asgi_request(app, "GET", "/static/app.js")).status == 200
+    for path in ("/api/requests", "/api/events", "/v1/models"):
+        assert (await asgi_request(app, "GET", path)).status == 401, path
+    bearer = [("authorization", "Bearer sekret")]
+    assert (await asgi_request(app, "GET", "/api/requests", headers=bearer)).status == 200
