@@ -131,6 +131,8 @@ def judge(scenario: Scenario, rows: Sequence[ProbeRow], started_at: float) -> Ve
             ("during", first, last),
             ("after", last, float("inf")),
         ]
+        if first == last:  # one step (or all at once): nothing happens "during"
+            del bounds[1]
     return Verdict(
         phases=phase_stats(probes, bounds),
         scenario=scenario.name,

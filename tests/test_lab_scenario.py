@@ -220,3 +220,9 @@ def test_verdict_phases_split_at_first_and_last_step() -> None:
     assert phases["after"].ttft_p50_s == pytest.approx(0.2)
     no_steps = parse_scenario(MINIMAL)
     assert [p.phase for p in judge(no_steps, rows, 1000.0).phases] == ["whole run"]
+
+
+def test_one_step_scenarios_have_no_during_phase() -> None:
+    scenario = parse_scenario(MINIMAL + '[[steps]]\nat = 5\naction = "kill"\nnode = 1\n')
+    phases = judge(scenario, [_row(1001.0), _row(1009.0)], 1000.0).phases
+    assert [(p.phase, p.requests) for p in phases] == [("before faults", 1), ("after", 1)]
