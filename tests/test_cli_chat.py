@@ -206,3 +206,22 @@ def test_prompt_from_stdin(node: Node) -> None:
     assert result.exit_code == 0, result.output
     assert node.tiny.requests[-1].messages[-1].content == "a question\nin two lines"
     assert_clean_failure(chat("--url", node.server.url, "-", input=""), "stdin was empty")
+
+
+def test_a_connection_cut_mid_answer_is_one_sentence() -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def cut_short(request):  # type: ignore[no-untyped-def]
+        async def body():  # type: ignore[no-untyped-def]
+            yield b'data: {"choices": [{"delta": {"content": "Half an"}}]}\n\n'
+            raise ConnectionResetError("the node died")  # uvicorn drops the connection
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", cut_short, methods=["POST"])])
+    with ServerThread(app) as server:
+        result = chat("--url", server.url, "-m", "tiny", "hi")
+    assert result.stdout.startswith("Half an")
+    assert_clean_failure(result, "closed the connection mid-answer")

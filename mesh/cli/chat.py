@@ -11,7 +11,6 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,7 +140,12 @@ class ChatSession:
         }
         answer: list[str] = []
         try:
-            with self._stream("POST", "/v1/chat/completions", body) as response:
+            with (
+                _transport_errors(self.url),
+                self.client.stream(
+                    "POST", self.url + "/v1/chat/completions", json=body, headers=self._headers()
+                ) as response,
+            ):
                 if response.status_code != 200:
                     response.read()
                     raise ChatError(self._status_message(response))
@@ -157,14 +161,8 @@ class ChatSession:
                 self.messages.pop()  # nothing came back: forget the unanswered turn
 
     def _call(self, method: str, path: str) -> httpx.Response:
-        try:
+        with _transport_errors(self.url):
             return self.client.request(method, self.url + path, headers=self._headers())
-        except httpx.HTTPError as exc:
-            raise ChatError(_transport_message(self.url, exc)) from None
-
-    def _stream(self, method: str, path: str, body: dict) -> _TranslatingStream:
-        manager = self.client.stream(method, self.url + path, json=body, headers=self._headers())
-        return _TranslatingStream(manager, self.url)
 
     def _status_message(self, response: httpx.Response) -> str:
         try:
@@ -185,23 +183,13 @@ class ChatSession:
         return f" (available: {', '.join(names)})" if names else " (no models are served yet)"
 
 
-class _TranslatingStream:
-    """Wraps ``client.stream(...)`` so that transport errors surface as :class:`ChatError`."""
-
-    def __init__(self, manager: AbstractContextManager[httpx.Response], url: str) -> None:
-        self._manager = manager
-        self._url = url
-
-    def __enter__(self) -> httpx.Response:
-        try:
-            return self._manager.__enter__()
-        except httpx.HTTPError as exc:
-            raise ChatError(_transport_message(self._url, exc)) from None
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._manager.__exit__(*exc_info)
-        if isinstance(exc_info[1], httpx.HTTPError):
-            raise ChatError(_transport_message(self._url, exc_info[1])) from None
+@contextlib.contextmanager
+def _transport_errors(url: str) -> Iterator[None]:
+    """Turn httpx's transport errors (connecting or mid-stream) into one-sentence ChatErrors."""
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise ChatError(_transport_message(url, exc)) from None
 
 
 def _transport_message(url: str, exc: httpx.HTTPError) -> str:
