@@ -207,7 +207,7 @@ def test_sentencepiece_tokenizer_round_trips(tmp_path: Path) -> None:
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
-    assert "User: hi" in prompt and prompt.endswith("Assistant:")
+    assert prompt == "<bos>User: hi\n\nAssistant:"
 
 
 def test_gemma3_config_and_norms(tmp_path: Path) -> None:
@@ -233,6 +233,13 @@ def test_wrong_magic_is_corrupt(tmp_path: Path) -> None:
     bad.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(CorruptGGUFError, match="not a GGUF"):
         convert_gguf(bad, tmp_path)
+
+
+def test_missing_file_is_a_convert_error(tmp_path: Path) -> None:
+    with pytest.raises(ConvertError, match="cannot read"):
+        convert_gguf(tmp_path / "absent.gguf", tmp_path)
+    with pytest.raises(ConvertError, match="cannot read"):
+        convert_gguf(tmp_path, tmp_path)  # a directory
 
 
 def test_truncated_file_is_corrupt(tmp_path: Path) -> None:

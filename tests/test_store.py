@@ -1,4 +1,4 @@
-"""The model store and ``mesh models``: atomic imports, pulls from cached wheels, list/rm/resolve."""
+"""The model store and ``mesh models``: atomic imports, pulls from cached wheels, list, rm."""
 
 from __future__ import annotations
 

@@ -38,8 +38,11 @@ class GGUFFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
+        try:
+            with open(path, "rb") as fh:
+                magic = fh.read(4)
+        except OSError as exc:
+            raise CorruptGGUFError(f"cannot read {path}: {exc.strerror or exc}") from exc
         if magic != GGUF_MAGIC:
             raise CorruptGGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
         try:

@@ -1,4 +1,4 @@
-"""The ``llama`` GGUF architecture (Llama 1-3, SmolLM, Mistral-style dense models) → mlx-lm ``llama``."""
+"""The ``llama`` GGUF architecture (Llama 1-3, SmolLM, Mistral-like dense models) → mlx-lm."""
 
 from __future__ import annotations
 

@@ -38,6 +38,12 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
+def _fallback_template(add_bos: bool) -> str:
+    # Chat templates are encoded without special tokens, so the template itself starts with the
+    # BOS a model expects (base Gemma degrades badly without it).
+    return ("{{ bos_token }}" if add_bos else "") + FALLBACK_CHAT_TEMPLATE
+
+
 def _byte_level_pre_tokenizer(pre_type: str) -> pre.PreTokenizer:
     """The split rules llama.cpp names in ``tokenizer.ggml.pre`` (unknown: plain GPT-2)."""
     byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -150,7 +156,7 @@ def build_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, dict[str, Any]]:
         "add_eos_token": bool(gguf.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(gguf.get(f"{gguf.architecture}.context_length", 4096)),
-        "chat_template": gguf.get("tokenizer.chat_template") or FALLBACK_CHAT_TEMPLATE,
+        "chat_template": gguf.get("tokenizer.chat_template") or _fallback_template(add_bos),
     }
     for key in ("bos", "eos", "unk", "pad"):
         value = _token(gguf, tokens, key)
