@@ -127,13 +127,7 @@ def make_plan(platform: str, user_home: Path, home: Path, up_args: list[str]) ->
 
 
 def current_platform() -> str:
-    return (
-        "darwin"
-        if sys.platform == "darwin"
-        else "linux"
-        if sys.platform.startswith("linux")
-        else sys.platform
-    )
+    return "linux" if sys.platform.startswith("linux") else sys.platform  # darwin stays darwin
 
 
 def run_manager(commands: list[list[str]], consequence: str) -> bool:
