@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import plistlib
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,10 @@ def test_unsupported_platform_is_refused(user_home: Path) -> None:
 def test_the_service_runs_the_mesh_script_of_this_install() -> None:
     command = service_module.mesh_executable()
     assert Path(command[0]).exists()
+
+
+def test_this_machine_gets_its_own_kind_of_service(user_home: Path) -> None:
+    result = runner.invoke(app, ["service", "install", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    expected = "<plist" if sys.platform == "darwin" else "[Service]"
+    assert expected in result.stdout
