@@ -201,6 +201,7 @@ def test_cli_convert_list_rm(tmp_path: Path, tiny_gguf: Path) -> None:
     result = runner.invoke(app, ["models", "list", *home])
     assert result.exit_code == 0
     assert "tiny" in result.output and "llama" in result.output
+    assert "Also pullable: gemma3-270m, smollm2-135m" in result.output
     result = runner.invoke(app, ["models", "rm", "tiny", *home])
     assert result.exit_code == 0
     result = runner.invoke(app, ["models", "list", *home])

@@ -91,7 +91,7 @@ def list_command(home: Path | None = HomeOption) -> None:
     table.add_column("name", style="bold")
     table.add_column("architecture")
     table.add_column("parameters", justify="right")
-    table.add_column("quantization")
+    table.add_column("quantization", no_wrap=True)
     table.add_column("context", justify="right")
     table.add_column("size", justify="right")
     for m in models:
@@ -104,6 +104,9 @@ def list_command(home: Path | None = HomeOption) -> None:
             _human_size(m.size_bytes),
         )
     console.print(table)
+    pullable = sorted(set(REGISTRY) - {m.name for m in models})
+    if pullable:
+        console.print(f"Also pullable: {', '.join(pullable)} (mesh models pull NAME)")
 
 
 @models_app.command("rm")
