@@ -2,7 +2,8 @@
 
 The asyncio/aioquic adapter around the sans-IO frame codec (``mesh/frames.py``). Modules:
 ``tunnel.py`` (endpoint + config), ``tunnel_connection.py`` (``PeerConnection``),
-``tunnel_stream.py`` (``TunnelStream``), ``tunnel_dial.py`` (reconnect with backoff).
+``tunnel_stream.py`` (``TunnelStream``), ``tunnel_peer.py`` (pinning, node-id checks),
+``tunnel_dial.py`` (reconnect with backoff).
 
 API for the integrator::
 
@@ -70,7 +71,8 @@ from aioquic.quic.connection import QuicConnection
 from mesh.errors import ConnectError, DuplicateNodeError, Superseded
 from mesh.frames import ErrorCode
 from mesh.identity import NodeIdentity
-from mesh.tunnel_connection import PeerConnection, Pin, TunnelProtocol
+from mesh.tunnel_connection import PeerConnection, TunnelProtocol
+from mesh.tunnel_peer import Pin
 from mesh.tunnel_stream import TunnelStream
 
 __all__ = ["ALPN", "PeerConnection", "TunnelConfig", "TunnelEndpoint", "TunnelStream"]
@@ -286,9 +288,8 @@ class TunnelEndpoint:
         """``dial`` is our unfinished outgoing dial to the peer behind ``incoming``."""
         if not dial.is_client or dial.is_closed or dial.is_ready or dial._pin is None:
             return False
-        pin = dial._pin
-        return (pin.node_id or "").lower() == incoming.peer_node_id or (
-            pin.fingerprint or ""
+        return (dial._pin.node_id or "").lower() == incoming.peer_node_id or (
+            dial._pin.fingerprint or ""
         ).lower() == incoming.peer_cert_fingerprint
 
     def _initiator(self, conn: PeerConnection) -> str:

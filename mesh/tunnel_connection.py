@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -28,13 +27,12 @@ from mesh.errors import (
     ConnectError,
     ConnectionLost,
     DuplicateNodeError,
-    IdentityError,
+    MeshError,
     StreamLost,
     Superseded,
-    TunnelError,
 )
 from mesh.frames import ErrorCode, StreamRole, Window, encode, error_name
-from mesh.identity import cert_fingerprint_of, node_id_of_cert, public_key_of_cert
+from mesh.tunnel_peer import Pin, peer_certificate, request_client_certificate, verify_peer
 from mesh.tunnel_stream import TunnelStream
 
 if TYPE_CHECKING:
@@ -44,14 +42,6 @@ log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[TunnelStream], Awaitable[None]]
 CONTROL_STREAM_ID = 0  # the client's first bidirectional stream
-
-
-@dataclass(frozen=True)
-class Pin:
-    """What the dialer expects the peer to be: a certificate fingerprint and/or a node id."""
-
-    fingerprint: str | None = None
-    node_id: str | None = None
 
 
 _CLOSE_ERRORS: dict[int, type[ConnectError]] = {
@@ -227,35 +217,16 @@ class PeerConnection:
             self._become_ready()
 
     def _check_peer_certificate(self) -> None:
-        cert = _peer_certificate(self._quic)
-        if cert is None:
-            raise AuthFailed("peer presented no client certificate")
-        try:
-            public_key = public_key_of_cert(cert)
-        except IdentityError as exc:
-            raise AuthFailed(f"peer certificate unusable: {exc}") from None
-        self.peer_certificate = cert
-        self.peer_public_key = public_key
-        self.peer_node_id = node_id_of_cert(cert)
-        self.peer_cert_fingerprint = cert_fingerprint_of(cert)
-        if self.peer_node_id == self._endpoint.identity.node_id:
-            raise DuplicateNodeError(
-                f"peer at {self.peer_address} runs with OUR node id "
-                f"{self.peer_node_id[:12]}: two nodes share one identity (a copied home dir?). "
-                "Give one of them a fresh home dir; refusing the connection."
-            )
-        pin = self._pin
-        if pin is not None:
-            if pin.fingerprint and pin.fingerprint.lower() != self.peer_cert_fingerprint:
-                raise AuthFailed(
-                    f"certificate pin mismatch at {self.peer_address}: expected "
-                    f"{pin.fingerprint[:16]}…, got {self.peer_cert_fingerprint[:16]}…"
-                )
-            if pin.node_id and pin.node_id.lower() != self.peer_node_id:
-                raise AuthFailed(
-                    f"node id mismatch at {self.peer_address}: expected {pin.node_id[:12]}, "
-                    f"got {self.peer_node_id[:12]}"
-                )
+        peer = verify_peer(
+            peer_certificate(self._quic),
+            self._endpoint.identity.node_id,
+            self._pin,
+            self.peer_address,
+        )
+        self.peer_certificate = peer.certificate
+        self.peer_public_key = peer.public_key
+        self.peer_node_id = peer.node_id
+        self.peer_cert_fingerprint = peer.cert_fingerprint
 
     def _on_stream_data(self, event: events.StreamDataReceived) -> None:
         stream = self._streams.get(event.stream_id)
@@ -369,7 +340,7 @@ class PeerConnection:
             await handler(stream)
         except StreamLost as exc:
             log.debug("stream %d of %r lost: %s", stream.stream_id, self, exc)
-        except TunnelError as exc:
+        except MeshError as exc:  # e.g. the peer broke the frame protocol
             log.warning("stream %d of %r: %s", stream.stream_id, self, exc)
         except Exception:
             log.exception("stream handler failed on stream %d of %r", stream.stream_id, self)
@@ -436,28 +407,6 @@ def _retrieve(future: asyncio.Future[None]) -> None:
         future.exception()
 
 
-def _peer_certificate(quic: QuicConnection) -> x509.Certificate | None:
-    """The certificate the peer presented. aioquic keeps it on the TLS context only."""
-    tls: Any = getattr(quic, "tls", None)
-    return getattr(tls, "_peer_certificate", None)
-
-
-def _request_client_certificate(quic: QuicConnection) -> None:
-    """Make a server-side connection ask for the client's certificate (mutual TLS).
-
-    aioquic's TLS server can send a CertificateRequest and verifies the client's
-    CertificateVerify signature, but only exposes it through a private flag, set on the TLS
-    context it creates on the first datagram. We wrap that creation step for this connection.
-    The chain is not verified (self-signed by design): the tunnel pins and checks node ids."""
-    initialize = quic._initialize  # type: ignore[attr-defined]
-
-    def initialize_with_client_cert(peer_cid: bytes) -> None:
-        initialize(peer_cid)
-        quic.tls._request_client_certificate = True  # type: ignore[attr-defined]
-
-    quic._initialize = initialize_with_client_cert  # type: ignore[attr-defined,method-assign]
-
-
 _EVENT_HANDLERS: dict[type, Callable[[PeerConnection, Any], None]] = {
     events.HandshakeCompleted: PeerConnection._on_handshake,
     events.StreamDataReceived: PeerConnection._on_stream_data,
@@ -482,7 +431,7 @@ class TunnelProtocol(QuicConnectionProtocol):
     ) -> None:
         super().__init__(quic)
         if not is_client:
-            _request_client_certificate(quic)
+            request_client_certificate(quic)
         self.conn = PeerConnection(endpoint, self, is_client, pin)
         self._is_client = is_client
         self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
