@@ -63,6 +63,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic.configuration import QuicConfiguration
@@ -199,7 +200,7 @@ class TunnelEndpoint:
             return existing
         addr = await self._resolve(host, port)
         loop = asyncio.get_running_loop()
-        local = ("::", 0) if ":" in addr[0] else ("0.0.0.0", 0)
+        local = ("::", 0) if len(addr) == 4 else ("0.0.0.0", 0)
         try:
             _, protocol = await loop.create_datagram_endpoint(
                 lambda: TunnelProtocol(
@@ -251,14 +252,15 @@ class TunnelEndpoint:
         return conn
 
     @staticmethod
-    async def _resolve(host: str, port: int) -> tuple[str, int]:
+    async def _resolve(host: str, port: int) -> tuple[Any, ...]:
+        """The peer's socket address; IPv6 keeps the 4-tuple the socket will report back,
+        so aioquic recognises replies as coming from the same network path."""
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         except OSError as exc:
             raise ConnectError(f"cannot resolve {host}: {exc}") from exc
-        sockaddr = infos[0][4]
-        return str(sockaddr[0]), int(sockaddr[1])
+        return tuple(infos[0][4])
 
     # ---- called by PeerConnection ----
 

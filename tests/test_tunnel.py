@@ -590,3 +590,29 @@ async def test_a_sender_that_ignores_the_window_is_cut_off(pair) -> None:
     with pytest.raises(ProtocolViolation, match="flow-control"):
         async for _ in stream:
             pass
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_ipv6_loopback() -> None:
+    a = TunnelEndpoint(NodeIdentity.generate(), "::1", 0, config=FAST)
+    b = TunnelEndpoint(NodeIdentity.generate(), "::1", 0, config=FAST)
+    serve_with(b, echo_handler)
+    await a.start()
+    await b.start()
+    try:
+        conn = await a.connect("::1", b.port, expected_node_id=b.identity.node_id)
+        assert (await request(conn, "/v6", b"six"))[1] == Data(b"SIX")
+    finally:
+        await a.close()
+        await b.close()
