@@ -114,18 +114,23 @@ class NetLab:
 
     # ------------------------------------------------------------------ set-up
 
-    def _model_arg(self, index: int) -> str:
-        spec = self.scenario.nodes[index]
-        if self.options.model and spec.is_tiny:
-            return self.options.model
-        if not spec.is_tiny:
-            return spec.model
-        from worker.testing import make_tiny_model  # heavy (numpy, tokenizers): only when needed
-
-        path = self.options.out_dir / "models" / spec.model_id(index)
-        if not (path / "config.json").exists():  # same name → same weights, built once
-            make_tiny_model(path)
-        return str(path)
+    async def _model_args(self) -> list[str]:
+        """What each node serves: tiny models built once per name (same name → same weights)."""
+        args: list[str] = []
+        to_build: dict[str, Path] = {}
+        for index, spec in enumerate(self.scenario.nodes):
+            if self.options.model and spec.is_tiny:
+                args.append(self.options.model)
+            elif not spec.is_tiny:
+                args.append(spec.model)
+            else:
+                path = self.options.out_dir / "models" / spec.model_id(index)
+                if not (path / "config.json").exists():
+                    to_build[str(path)] = path
+                args.append(str(path))
+        if to_build:
+            await _build_tiny_models(list(to_build.values()))
+        return args
 
     async def setup(self) -> None:
         """Models, proxies, node 0, then every initial node joined and seeing every model."""
@@ -138,11 +143,13 @@ class NetLab:
         self.event(
             "network", method="chaos proxies", netns=("available" if ok else "unavailable"), why=why
         )
+        model_args = await self._model_args()
         for index, spec in enumerate(self.scenario.nodes):
             home = self.options.out_dir / f"node-{index}"
             home.mkdir(parents=True, exist_ok=True)
-            model_arg = await asyncio.to_thread(self._model_arg, index)
-            self.nodes.append(LabNode(index=index, spec=spec, home=home, model_arg=model_arg))
+            self.nodes.append(
+                LabNode(index=index, spec=spec, home=home, model_arg=model_args[index])
+            )
         self.fabric = LinkFabric([n.mesh_port for n in self.nodes], seed=self.options.seed)
         await self.fabric.start()
         self.event(
@@ -400,6 +407,22 @@ class NetLab:
             await self.fabric.close()
         await self._client.aclose()
         self.registry.uninstall_cleanup()
+
+
+async def _build_tiny_models(paths: list[Path]) -> None:
+    """Build in a child process: MLX never loads into the lab (its threads abort on Ctrl-C)."""
+    code = "import sys; from worker.testing import make_tiny_model\nfor p in sys.argv[1:]: make_tiny_model(p)"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, *map(str, paths), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:  # cancelled (Ctrl-C): do not leave it running
+            process.kill()
+            await process.wait()
+    if process.returncode != 0:
+        raise LabError(f"building tiny models failed: {stderr.decode(errors='replace')[-500:]}")
 
 
 async def _status(client: httpx.AsyncClient, node: LabNode) -> dict:

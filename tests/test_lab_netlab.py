@@ -138,3 +138,33 @@ async def test_probe_against_a_real_tiny_node_through_every_api(tmp_path: Path) 
     assert result.verdict.hung == 0 and result.leftovers == []
     summary = orjson.loads((tmp_path / "summary.json").read_bytes())
     assert summary["requests"] == len(result.rows)
+
+
+def test_ctrl_c_while_nodes_start_tears_everything_down(tmp_path: Path) -> None:
+    """SIGINT in the middle of set-up (node 0 started, not yet healthy): exit 130, nothing left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    lab = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve().parent.parent / "lab" / "netlab.py"),
+         "ci-loss-kill", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "lab.log").open("wb"),
+    )  # fmt: skip
+    try:
+        for _ in range(600):
+            if (out / "node-0" / "node-0.log").exists() and _processes_mentioning(str(out)):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("node 0 never started")
+        time.sleep(0.5)
+        lab.send_signal(signal.SIGINT)
+        assert lab.wait(60) == 130, (tmp_path / "lab.log").read_text()[-2000:]
+    finally:
+        if lab.poll() is None:
+            lab.kill()
+    assert _processes_mentioning(str(out)) == []
