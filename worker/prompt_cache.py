@@ -18,11 +18,18 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    """Length of the shared prefix: binary search on slice equality (compared in C)."""
+    a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def cache_nbytes(cache: list[Any]) -> int:
