@@ -123,6 +123,7 @@ class TunnelEndpoint:
         self._all: set[PeerConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._registered = asyncio.Event()  # set and replaced on every registration
+        self._dials: dict[Pin, asyncio.Future[PeerConnection]] = {}
         self._closing = False
 
     # ---- lifecycle ----
@@ -194,10 +195,28 @@ class TunnelEndpoint:
             raise ValueError("connect() needs expected_fingerprint or expected_node_id")
         if self._closing:
             raise ConnectError("endpoint is closed")
-        pin = Pin(expected_fingerprint, expected_node_id)
+        pin = Pin(
+            expected_fingerprint.lower() if expected_fingerprint else None,
+            expected_node_id.lower() if expected_node_id else None,
+        )
         existing = self._find(pin)
         if existing is not None:
             return existing
+        # Concurrent connects to one peer share a single dial: two dials from the same side
+        # would make the acceptor replace the first (it must, for a peer that restarted).
+        dial = self._dials.get(pin)
+        if dial is None:
+            dial = asyncio.ensure_future(self._dial(host, port, pin))
+            self._dials[pin] = dial
+            dial.add_done_callback(lambda fut: self._dial_done(pin, fut))
+        return await asyncio.shield(dial)
+
+    def _dial_done(self, pin: Pin, dial: asyncio.Future[PeerConnection]) -> None:
+        self._dials.pop(pin, None)
+        if not dial.cancelled():
+            dial.exception()  # retrieved: every caller may have been cancelled meanwhile
+
+    async def _dial(self, host: str, port: int, pin: Pin) -> PeerConnection:
         addr = await self._resolve(host, port)
         loop = asyncio.get_running_loop()
         local = ("::", 0) if len(addr) == 4 else ("0.0.0.0", 0)
@@ -219,6 +238,9 @@ class TunnelEndpoint:
         try:
             async with asyncio.timeout(self.config.handshake_timeout):
                 await conn.wait_ready()
+        except asyncio.CancelledError:
+            conn.close(ErrorCode.CANCELLED, "dial cancelled")
+            raise
         except TimeoutError:
             conn.close(ErrorCode.CANCELLED, "handshake timed out")
             raise ConnectError(f"no answer from {host}:{port} (handshake timed out)") from None

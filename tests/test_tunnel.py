@@ -616,3 +616,12 @@ async def test_ipv6_loopback() -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_concurrent_connects_share_one_dial(pair) -> None:
+    a, b = pair
+    conns = await asyncio.gather(*(dial(a, b) for _ in range(5)))
+    assert all(c is conns[0] for c in conns)
+    assert not conns[0].is_closed and len(a.connections) == 1
+    await eventually(lambda: len(b.connections) == 1)
+    assert not a._dials
