@@ -227,11 +227,12 @@ class EventResponse:
         encoder = self.spec.make_encoder(self.request, self.body)
         self.acc = encoder.acc
         chunk = encoder.start()
+        terminal = False
         if first is not None:
-            chunk += encoder.encode(first)
+            frame, terminal = _encode_safely(encoder, first)
+            chunk += frame
         if chunk:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        terminal = isinstance(first, Done | Error)
         keepalive_s = config.keepalive_s
         while not terminal:
             event = await producer.next_or_idle(keepalive_s)
@@ -244,13 +245,24 @@ class EventResponse:
             frames = b""
             for queued in (event, *producer.ready()):
                 self._fold(queued, None)
-                frames += encoder.encode(queued)
-                if isinstance(queued, Done | Error):
-                    terminal = True
+                frame, terminal = _encode_safely(encoder, queued)
+                frames += frame
+                if terminal:
                     break
             if frames:
                 await send({"type": "http.response.body", "body": frames, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _encode_safely(encoder: Encoder, event: Event) -> tuple[bytes, bool]:
+    """Frames for ``event`` and whether they end the stream. An encoder bug must not leave the
+    client without a terminal event: it becomes an internal error frame instead."""
+    try:
+        return encoder.encode(event), isinstance(event, Done | Error)
+    except Exception as exc:
+        log.exception("encoder %s failed on %r", type(encoder).__name__, event)
+        failure = Error(kind="internal", message=f"gateway encoder failed: {type(exc).__name__}")
+        return encoder.encode(failure), True
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

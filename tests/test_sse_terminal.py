@@ -170,3 +170,21 @@ def test_non_streaming_request_cancels_upstream_on_disconnect():
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
     asyncio.run(case())
+
+
+def test_malformed_event_from_upstream_still_ends_with_an_error_frame():
+    async def case() -> None:
+        upstream = ScriptedUpstream.of(TextDelta("a"), TextDelta(None), Done())  # type: ignore[arg-type]
+        directory = StaticDirectory()
+        directory.add(ModelInfo(id="m"), upstream)
+        app = create_app(directory, GatewayConfig())
+        result = await asgi_request(
+            app, "POST", "/v1/chat/completions", BODIES["/v1/chat/completions"]
+        )
+        frames = _frames(result.body)
+        assert frames[-1][1] == "[DONE]"
+        assert (
+            orjson.loads(frames[-2][1])["error"]["message"] == "gateway encoder failed: TypeError"
+        )
+
+    asyncio.run(case())

@@ -1,0 +1,161 @@
+"""Encoders against the official SDK types: any well-formed event sequence becomes frames that
+validate strictly as the SDKs' stream events, and the pieces add up to the same answer."""
+
+from __future__ import annotations
+
+import anthropic._models as anthropic_models
+import openai._models as openai_models
+import orjson
+from anthropic.types import RawMessageStreamEvent
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types.chat import ChatCompletionChunk
+from openai.types.responses import ResponseStreamEvent
+
+from gateway.api import chat, messages, responses
+from gateway.events import Done, Error, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+
+piece = st.text(min_size=1, max_size=4)
+content = st.lists(
+    st.one_of(st.builds(TextDelta, piece), st.builds(ReasoningDelta, piece)), max_size=8
+)
+tools = st.lists(st.lists(st.text(max_size=4), min_size=1, max_size=3), max_size=2)
+endings = st.sampled_from(
+    [Done("stop"), Done("length"), Done("tool_calls"), Error(kind="upstream", message="x")]
+)
+
+
+def _events(deltas, calls, ending) -> list:
+    events = list(deltas)
+    for index, fragments in enumerate(calls):
+        events.append(
+            ToolCallDelta(index, id=f"call_{index}", name=f"tool{index}", arguments=fragments[0])
+        )
+        events += [ToolCallDelta(index, arguments=f) for f in fragments[1:]]
+    return [*events, Usage(4, len(events), 1), ending]
+
+
+def _frames(raw: bytes) -> list[tuple[str | None, str]]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block:
+            lines = dict(line.split(": ", 1) for line in block.split("\n"))
+            out.append((lines.get("event"), lines["data"]))
+    return out
+
+
+def _encode(module, encoder_cls, body: dict, events: list) -> list[tuple[str | None, str]]:
+    request, parsed = module.parse(body)
+    encoder = encoder_cls(request, parsed)
+    raw = encoder.start() + b"".join(encoder.encode(e) for e in events)
+    return _frames(raw)
+
+
+def _expected_text(events, kind) -> str:
+    return "".join(e.text for e in events if isinstance(e, kind))
+
+
+@settings(max_examples=40, deadline=None)
+@given(content, tools, endings)
+def test_chat_chunks_validate_and_add_up(deltas, calls, ending):
+    events = _events(deltas, calls, ending)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream_options": {"include_usage": True},
+    }
+    frames = _encode(chat, chat.ChatStreamEncoder, body, events)
+    assert frames[-1][1] == "[DONE]"
+    payloads = [orjson.loads(d) for _, d in frames[:-1]]
+    if isinstance(ending, Error):
+        assert "error" in payloads[-1]
+        payloads = payloads[:-1]
+    chunks = [openai_models.validate_type(type_=ChatCompletionChunk, value=p) for p in payloads]
+    with_choice = [c for c in chunks if c.choices]
+    assert [c.choices[0].delta.role for c in with_choice[:1]] in ([], ["assistant"])
+    assert all(c.choices[0].delta.role is None for c in with_choice[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in with_choice) == _expected_text(
+        events, TextDelta
+    )
+    seen: set[int] = set()
+    args: dict[int, str] = {}
+    for fragment in (tc for c in with_choice for tc in c.choices[0].delta.tool_calls or []):
+        first = fragment.index not in seen
+        seen.add(fragment.index)
+        assert (fragment.id is not None) == first and (fragment.function.name is not None) == first
+        args[fragment.index] = args.get(fragment.index, "") + fragment.function.arguments
+    assert args == {i: "".join(f) for i, f in enumerate(calls)}
+    if isinstance(ending, Done):
+        assert (
+            chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == 1
+        )
+        finish = with_choice[-1].choices[0].finish_reason
+        assert finish == (
+            "tool_calls" if calls and ending.finish_reason == "stop" else ending.finish_reason
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(content, tools, endings)
+def test_responses_events_validate_and_add_up(deltas, calls, ending):
+    events = _events(deltas, calls, ending)
+    frames = _encode(
+        responses, responses.ResponsesStreamEncoder, {"model": "m", "input": "x"}, events
+    )
+    parsed = [
+        openai_models.validate_type(type_=ResponseStreamEvent, value=orjson.loads(d))
+        for _, d in frames
+    ]
+    assert [name for name, _ in frames] == [p.type for p in parsed]
+    assert [p.sequence_number for p in parsed] == list(range(len(parsed)))
+    added = [p.item.id for p in parsed if p.type == "response.output_item.added"]
+    done = [p.item.id for p in parsed if p.type == "response.output_item.done"]
+    assert added == done and len(set(added)) == len(added)
+    final = parsed[-1]
+    if isinstance(ending, Error):
+        assert [p.type for p in parsed[-2:]] == ["error", "response.failed"]
+        return
+    assert final.type == (
+        "response.incomplete" if ending.finish_reason == "length" else "response.completed"
+    )
+    assert final.response.output_text == _expected_text(events, TextDelta)
+    streamed = "".join(p.delta for p in parsed if p.type == "response.output_text.delta")
+    assert streamed == final.response.output_text
+    calls_out = [i for i in final.response.output if i.type == "function_call"]
+    assert [c.arguments for c in calls_out] == ["".join(f) for f in calls]
+    assert len({p.response.id for p in parsed if hasattr(p, "response")}) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(content, tools, endings)
+def test_anthropic_events_validate_and_add_up(deltas, calls, ending):
+    events = _events(deltas, calls, ending)
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    frames = _encode(messages, messages.MessagesStreamEncoder, body, events)
+    if isinstance(ending, Error):
+        assert frames[-1][0] == "error" and orjson.loads(frames[-1][1])["type"] == "error"
+        frames = frames[:-1]
+    parsed = [
+        anthropic_models.validate_type(type_=RawMessageStreamEvent, value=orjson.loads(d))
+        for _, d in frames
+    ]
+    assert [name for name, _ in frames] == [p.type for p in parsed]
+    starts = [p.index for p in parsed if p.type == "content_block_start"]
+    stops = [p.index for p in parsed if p.type == "content_block_stop"]
+    assert starts == list(range(len(starts)))
+    text = "".join(
+        p.delta.text
+        for p in parsed
+        if p.type == "content_block_delta" and p.delta.type == "text_delta"
+    )
+    assert text == _expected_text(events, TextDelta)
+    if isinstance(ending, Done):
+        assert stops == starts and parsed[-1].type == "message_stop"
+        stop_reason = parsed[-2].delta.stop_reason
+        assert stop_reason == (
+            "max_tokens"
+            if ending.finish_reason == "length"
+            else "tool_use"
+            if calls or ending.finish_reason == "tool_calls"
+            else "end_turn"
+        )
