@@ -18,7 +18,7 @@ from gateway.events import Error
 from gateway.testing import ScriptedUpstream, ServerThread, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.cli import app
-from mesh.cli.chat import ChatError, find_node, parse_chat_stream
+from mesh.cli.chat import ChatError, default_model, find_node, parse_chat_stream
 
 runner = CliRunner()
 
@@ -165,7 +165,7 @@ def test_repl_switches_models_and_keeps_history(node: Node) -> None:
     calls = node.tiny.calls
     result = chat("--url", node.server.url, input=script + "\n")
     assert result.exit_code == 0, result.output
-    assert "current model: mesh" in flat(result.stderr)
+    assert "current model: tiny" in flat(result.stderr)
     assert "model 'nope' is not served" in flat(result.stderr)
     assert "now talking to tiny" in flat(result.stderr)
     assert "tiny, broken" in flat(result.stderr)
@@ -196,9 +196,17 @@ def test_api_key_is_sent_and_its_absence_explained() -> None:
 def test_a_node_without_models_says_so() -> None:
     with ServerThread(create_app(StaticDirectory())) as server:
         result = chat("--url", server.url, "hi")
-    assert_clean_failure(
-        result, "model 'mesh' is not served in this mesh (no models are served yet)"
-    )
+        assert_clean_failure(result, "the node serves no models yet")
+        explicit = chat("--url", server.url, "-m", "mesh", "hi")
+        assert_clean_failure(explicit, "model 'mesh' is not served in this mesh (no models")
+
+
+def test_without_model_mesh_is_preferred_else_the_first_model(node: Node) -> None:
+    result = chat("--url", node.server.url, "hi")  # this node runs no mixture-of-agents
+    assert result.exit_code == 0, result.output
+    assert "using tiny (this node offers no `mesh`)" in flat(result.stderr)
+    assert node.tiny.requests[-1].model == "tiny"
+    assert default_model(["tiny", "mesh"]) == "mesh"
 
 
 def test_prompt_from_stdin(node: Node) -> None:

@@ -21,6 +21,7 @@ import typer
 from mesh.cli.app import HomeOption, app, console, err_console, fail, resolve_home
 
 NODE_FILE = "node.json"
+MESH = "mesh"  # the mixture-of-agents model name
 HELP_LINE = "/model NAME switches model, /models lists them, /new starts over, /quit leaves"
 
 
@@ -204,6 +205,16 @@ def _transport_message(url: str, exc: httpx.HTTPError) -> str:
     return f"talking to {url} failed: {exc}"
 
 
+def default_model(offered: list[str]) -> str:
+    """``mesh`` where the node runs mixture-of-agents, else the first model it offers."""
+    if MESH in offered:
+        return MESH
+    if not offered:
+        raise ChatError("the node serves no models yet; start one with `mesh up --model NAME`")
+    err_console.print(f"using {offered[0]} (this node offers no `mesh`)", style="dim")
+    return offered[0]
+
+
 def print_answer(session: ChatSession, prompt: str) -> None:
     """Stream one answer to the terminal: reasoning dimmed, then the text, then a footer."""
     started = time.monotonic()
@@ -316,7 +327,9 @@ def chat_command(
     prompt: str | None = typer.Argument(
         None, help="Ask once and exit (`-` reads it from stdin); without it, a REPL."
     ),
-    model: str = typer.Option("mesh", "--model", "-m", help="A model id, or `mesh` (MoA)."),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="A model id, or `mesh` (MoA; the default where offered)."
+    ),
     url: str | None = typer.Option(None, "--url", help="Gateway URL (default: the local node)."),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="MLX_MESH_API_KEY", help="Bearer key, if the node needs one."
@@ -331,8 +344,13 @@ def chat_command(
     timeout = httpx.Timeout(10.0, read=None)  # answers may think for a long time
     with httpx.Client(timeout=timeout) as client:
         session = ChatSession(
-            url=node.url, model=model, client=client, api_key=api_key or node.api_key
+            url=node.url, model=model or MESH, client=client, api_key=api_key or node.api_key
         )
+        if model is None:
+            try:
+                session.model = default_model(session.models())
+            except ChatError as exc:
+                raise fail(str(exc)) from None
         if prompt is None:
             run_repl(session)
             return
