@@ -188,6 +188,9 @@ class ChaosProxy:
         await self._loop.create_datagram_endpoint(lambda: relay, local_addr=(family_any, 0))
 
     def _flush_waiting(self, relay: _Relay) -> None:
+        if self._listener is None and relay.transport is not None:
+            relay.transport.close()  # opened after close(): nothing left to relay for
+            return
         waiting, relay.waiting = relay.waiting, []
         for data in waiting:
             self._relay(self._up, data, self._sender_to_target(relay))
