@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import NameOID
 
 from mesh.errors import IdentityError
+
+log = logging.getLogger(__name__)
 
 CERT_VALIDITY = datetime.timedelta(days=365 * 20)
 IDENTITY_DIR = "identity"
@@ -103,6 +107,12 @@ class NodeIdentity:
 
     @classmethod
     def _load(cls, key_path: Path, cert_path: Path) -> NodeIdentity:
+        mode = stat.S_IMODE(key_path.stat().st_mode)
+        if mode & 0o077:
+            log.warning(
+                "%s was readable by others (mode %o); restricting it to 0600", key_path, mode
+            )
+            os.chmod(key_path, 0o600)
         try:
             key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         except (ValueError, TypeError) as exc:

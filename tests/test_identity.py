@@ -21,6 +21,7 @@ def test_created_once_then_loaded(tmp_path: Path) -> None:
     assert first.cert_fingerprint == again.cert_fingerprint
     key_file = tmp_path / "identity" / "key.pem"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "identity").stat().st_mode) & 0o077 == 0
     assert key_file.read_bytes() == first.key_pem
     assert (tmp_path / "identity" / "cert.pem").read_bytes() == first.cert_pem
 
@@ -76,3 +77,11 @@ def test_garbage_key_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_ed25519_key_type() -> None:
     assert isinstance(NodeIdentity.generate().private_key, ed25519.Ed25519PrivateKey)
+
+
+def test_loose_key_permissions_are_tightened(tmp_path: Path) -> None:
+    first = NodeIdentity.load_or_create(tmp_path)
+    key_file = tmp_path / "identity" / "key.pem"
+    key_file.chmod(0o644)
+    assert NodeIdentity.load_or_create(tmp_path).node_id == first.node_id
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
