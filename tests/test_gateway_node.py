@@ -53,6 +53,7 @@ def test_mesh_up_serves_restarts_and_stops_clean(tiny_model_dir, tmp_path):
     home = tmp_path / "home"
     command = [sys.executable, "-c", "from mesh.cli import main; main()", "up"]
     command += ["--model", str(tiny_model_dir), "--port", "0", "--home", str(home)]
+    command += ["--mesh-port", "0", "--no-discovery"]  # a private one-node mesh
     node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     node_file = home / "node.json"
 
