@@ -321,6 +321,12 @@ def test_two_node_mesh_topology_forwarded_chat_and_invite(browser, tmp_path: Pat
             command = page.locator("#invite-command")
             command.wait_for()
             assert command.inner_text().startswith("mesh up --join mlxmesh1.")
+            context.grant_permissions(["clipboard-read", "clipboard-write"])
+            page.click("#invite-copy")
+            page.wait_for_function(
+                "document.querySelector('#invite-copy').textContent === 'Copied'"
+            )
+            assert page.evaluate("navigator.clipboard.readText()") == command.inner_text()
 
             page.click("[data-tab='chat']")
             send(page, "who answers?")

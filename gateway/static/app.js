@@ -394,10 +394,24 @@ async function createInvite() {
     const command = `mesh up --join ${body.token}`;
     const expires = body.expires_at ? new Date(body.expires_at * 1000).toLocaleString() : null;
     box.innerHTML = `Run this on the other Mac${expires ? ` (valid until ${escapeHtml(expires)})` : ""}:
-      <code id="invite-command">${escapeHtml(command)}</code>`;
+      <code id="invite-command">${escapeHtml(command)}</code>
+      <button type="button" class="ghost" id="invite-copy">Copy</button>`;
+    $("#invite-copy").addEventListener("click", () => copyText($("#invite-command"), $("#invite-copy")));
   } catch (err) {
     box.className = "invite-result error";
     box.textContent = err.message || String(err);
+  }
+}
+
+// The clipboard API needs a secure context (localhost is one; a LAN address is not): there,
+// select the text so that one keystroke copies it.
+async function copyText(element, button) {
+  try {
+    await navigator.clipboard.writeText(element.textContent);
+    button.textContent = "Copied";
+  } catch {
+    getSelection().selectAllChildren(element);
+    button.textContent = "Selected – press ⌘C";
   }
 }
 
