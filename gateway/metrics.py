@@ -70,8 +70,13 @@ class GatewayMetrics:
 
     def observe(self, record: RequestRecord) -> None:
         for listener in self.listeners:  # e.g. the console's recent-requests table
-            listener(record)
-        self.requests.labels(record.api, record.model, record.outcome).inc()
+            try:
+                listener(record)
+            except Exception:  # a display's bug must not break the request's bookkeeping
+                log.exception("request listener %r failed", listener)
+        # Clients choose model strings: unknown ones share one label (bounded cardinality).
+        model = "(unknown)" if record.outcome == "not_found" else record.model
+        self.requests.labels(record.api, model, record.outcome).inc()
         if record.ttft_s is not None:
             self.ttft.labels(record.api).observe(record.ttft_s)
         self.duration.labels(record.api).observe(record.duration_s)
