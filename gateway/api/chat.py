@@ -84,6 +84,7 @@ class ChatCompletionBody(BaseModel):
     logprobs: bool | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
 
     @field_validator("stop")
     @classmethod
