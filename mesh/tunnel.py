@@ -33,6 +33,10 @@ API for the integrator::
     head = await stream.recv()                # RequestHead, Body*, BodyEnd
     await stream.send(ResponseHead(status=200)); await stream.send(Data(b"..."))
     await stream.send(End())                  # or End(code=ErrorCode.REJECTED, message=...)
+    error = await stream.wait_broken()        # race against long work: the requester left
+    # a handler that returns without sending End gets its stream reset with INTERNAL
+
+Frames bigger than 1 MiB do not exist: send a large body as several ``Body`` frames.
 
 Security: TLS 1.3 with each node's Ed25519 certificate (ALPN ``mlx-mesh/1``, no 0-RTT). The
 dialer pins the server's certificate fingerprint or node id. The server requests the client's

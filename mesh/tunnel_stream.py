@@ -29,8 +29,8 @@ from mesh.errors import (
     ConnectionLost,
     FrameError,
     ProtocolViolation,
-    StreamLost,
     StreamReset,
+    TunnelError,
 )
 from mesh.frames import (
     HEADER_SIZE,
@@ -72,7 +72,8 @@ class TunnelStream:
         self._sequence = InboundSequence(role)
         self._inbound: deque[tuple[Frame, int]] = deque()
         self._readable = asyncio.Event()
-        self._error: StreamLost | ClosedError | None = None
+        self._broken = asyncio.Event()  # set once _error is: reset, stopped, lost, violated
+        self._error: TunnelError | FrameError | None = None
         self._remote_finished = False
         self._received = 0  # frame bytes received (Window frames excluded)
         self._consumed = 0
@@ -138,6 +139,17 @@ class TunnelStream:
                 return None
             self._readable.clear()
             await self._readable.wait()
+
+    async def wait_broken(self) -> TunnelError | FrameError:
+        """Wait until the stream breaks – the peer reset or stopped it, the connection died,
+        the peer broke the protocol, or we reset it – and return that error (not raised).
+
+        Unlike ``recv`` this also reports a reset after the terminal frame was read: a handler
+        streaming its response races it against its work to stop when the requester left.
+        Never returns for an exchange that completes normally."""
+        await self._broken.wait()
+        assert self._error is not None
+        return self._error
 
     def finish(self) -> None:
         """Send the QUIC FIN: we will send nothing more. Idempotent."""
@@ -292,3 +304,5 @@ class TunnelStream:
     def _wake(self) -> None:
         self._readable.set()
         self._writable.set()
+        if self._error is not None:
+            self._broken.set()

@@ -145,3 +145,24 @@ async def test_reader_drains_frames_before_the_error() -> None:
     assert await pipe.requester.recv() == ResponseHead(status=200)
     assert await pipe.requester.recv() == End()
     assert await pipe.requester.recv() is None
+
+
+async def test_wait_broken_reports_a_reset_after_the_request_was_read() -> None:
+    pipe = StreamPipe()
+    await exchange(pipe)
+    assert [f async for f in pipe.responder][-1] == BodyEnd()
+    assert await pipe.responder.recv() is None  # recv is done with this stream for good
+    watcher = asyncio.create_task(pipe.responder.wait_broken())
+    await settle()
+    assert not watcher.done()
+    pipe.requester.reset(ErrorCode.CANCELLED)
+    error = await asyncio.wait_for(watcher, 5)
+    assert isinstance(error, StreamReset) and error.code == ErrorCode.CANCELLED
+
+
+async def test_wait_broken_reports_connection_loss() -> None:
+    pipe = StreamPipe()
+    await exchange(pipe)
+    watcher = asyncio.create_task(pipe.responder.wait_broken())
+    pipe.lose()
+    assert isinstance(await asyncio.wait_for(watcher, 5), ConnectionLost)
