@@ -13,7 +13,7 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute, Route
 
 from gateway import models_api
-from gateway.api import chat, messages, responses
+from gateway.api import chat, count_tokens, messages, responses
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
 from gateway.exchange import ApiEndpoint, ApiSpec
@@ -90,7 +90,7 @@ def create_app(
         Route("/v1/chat/completions", ApiEndpoint(CHAT), methods=["POST"]),
         Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
         Route("/v1/messages", ApiEndpoint(MESSAGES), methods=["POST"]),
-        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens.count_tokens, methods=["POST"]),
         Route("/v1/models", models_api.list_models, methods=["GET"]),
         Route("/health", models_api.health, methods=["GET"]),
         Route("/metrics", models_api.metrics, methods=["GET"]),

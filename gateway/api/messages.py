@@ -11,8 +11,6 @@ from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
-from starlette.responses import Response
 
 from gateway import sse
 from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
@@ -29,14 +27,14 @@ _STOP_REASONS = {
 }
 
 
-class _MessageIn(BaseModel):
+class MessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
-class _ToolIn(BaseModel):
+class ToolIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str
@@ -50,10 +48,10 @@ class MessagesBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[_MessageIn]
+    messages: list[MessageIn]
     max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
-    tools: list[_ToolIn] | None = None
+    tools: list[ToolIn] | None = None
     tool_choice: dict[str, Any] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None
@@ -62,15 +60,6 @@ class MessagesBody(BaseModel):
     thinking: dict[str, Any] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
-
-
-class CountTokensBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    messages: list[_MessageIn]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[_ToolIn] | None = None
 
 
 def _blocks_text(content: Any, where: str) -> str:
@@ -87,7 +76,7 @@ def _blocks_text(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def _convert_message(m: _MessageIn, where: str) -> list[Message]:
+def _convert_message(m: MessageIn, where: str) -> list[Message]:
     """One Anthropic message → our turns (a user turn with tool_result blocks → tool turns)."""
     if isinstance(m.content, str):
         return [Message(role=m.role, content=m.content)]
@@ -149,7 +138,8 @@ def _convert_message(m: _MessageIn, where: str) -> list[Message]:
     return out
 
 
-def _messages(body: MessagesBody | CountTokensBody) -> list[Message]:
+def messages_of(body: Any) -> list[Message]:
+    """The turns of a Messages-shaped body (also used by count_tokens)."""
     messages: list[Message] = []
     if body.system:
         messages.append(Message(role="system", content=_blocks_text(body.system, "system")))
@@ -158,7 +148,7 @@ def _messages(body: MessagesBody | CountTokensBody) -> list[Message]:
     return place_system_messages(messages)
 
 
-def _tools(body: MessagesBody | CountTokensBody) -> list[ToolSpec]:
+def tools_of(body: Any) -> list[ToolSpec]:
     return [
         ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
         for t in body.tools or []
@@ -182,8 +172,8 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
     metadata = dict(body.metadata or {})
     request = ChatRequest(
         model=body.model,
-        messages=_messages(body),
-        tools=_tools(body),
+        messages=messages_of(body),
+        tools=tools_of(body),
         tool_choice=_tool_choice(body.tool_choice),
         temperature=body.temperature,
         top_p=body.top_p,
@@ -354,58 +344,3 @@ def message_body(request: ChatRequest, body: MessagesBody, acc: Accumulator) -> 
         "stop_sequence": None,
         "usage": _usage(acc),
     }
-
-
-async def count_tokens(request: Request) -> Response:
-    """Exact count from the serving upstream's tokenizer when it offers one, else an estimate.
-
-    The ``x-token-count`` header says which: ``exact`` or ``estimate``.
-    """
-    from gateway.exchange import error_response, json_response
-    from gateway.router import RouteError
-
-    state = request.app.state.gateway
-    try:
-        raw = orjson.loads(await request.body())
-        body = CountTokensBody.model_validate(raw)
-        chat_request = ChatRequest(
-            model=body.model,
-            messages=_messages(body),
-            tools=_tools(body),
-            max_tokens=1,
-            stream=False,
-        )
-    except orjson.JSONDecodeError as exc:
-        return error_response(
-            error_body, Error(kind="invalid_request", message=f"malformed JSON: {exc}")
-        )
-    except ValidationError as exc:
-        return error_response(error_body, RequestInvalid.from_validation(exc).to_error())
-    except RequestInvalid as exc:
-        return error_response(error_body, exc.to_error())
-    try:
-        routes = state.router.resolve(chat_request)
-    except RouteError as exc:
-        return error_response(error_body, exc.error)
-    for route in routes:
-        counter = getattr(route.upstream, "count_tokens", None)
-        if counter is None:
-            continue
-        count = await counter(chat_request)
-        if count is not None:
-            return json_response({"input_tokens": count}, headers={"x-token-count": "exact"})
-    return json_response(
-        {"input_tokens": estimate_tokens(chat_request)}, headers={"x-token-count": "estimate"}
-    )
-
-
-def estimate_tokens(request: ChatRequest) -> int:
-    """About four characters a token, plus a few per turn for the chat template's markers."""
-    chars = sum(
-        len(m.content)
-        + len(m.reasoning or "")
-        + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
-        for m in request.messages
-    )
-    chars += sum(len(orjson.dumps(t.model_dump())) for t in request.tools)
-    return max(1, chars // 4 + 4 * len(request.messages))
