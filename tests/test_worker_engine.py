@@ -233,3 +233,32 @@ def test_prompt_cache_store_trims_evicts_and_copies(tiny_model_dir: Path) -> Non
         small.insert([start, start + 1, start + 2, 1, 1, 1], cache_for(6))
     assert len(small) == 2 and small.stats.evictions == 1
     assert small.fetch([10, 11, 12, 1, 1, 1, 1])[1] == 0
+
+
+async def test_sequential_mode_serves_in_arrival_order(tiny_think_model_dir: Path) -> None:
+    """Models whose cache cannot be batched are served one job at a time, same results."""
+    engine = Engine(str(tiny_think_model_dir), config=EngineConfig(batching=False))
+    engine.start(timeout=60)
+    try:
+        assert not engine.batchable
+        prompt = prompt_of(engine, "Hi", enable_thinking=False)
+        results = await asyncio.gather(
+            *(run(engine, GenerationRequest(prompt, 50, GREEDY)) for _ in range(3))
+        )
+        assert [text for _, text, _ in results] == ["The answer is 4."] * 3
+        admitted = [kind for kind, _ in engine.stats.events if kind in ("admitted", "finished")]
+        assert admitted[-1] == "finished"
+        # Stop strings, prompt reuse and cancel work the same way.
+        _, text, done = await run(engine, GenerationRequest(prompt, 50, GREEDY, stop=(" is",)))
+        assert (text, done.finish_reason) == ("The answer", "stop")
+        assert done.cached_tokens > 0
+        eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        endless = SamplingParams(temperature=0.0, logit_bias={eos: -1000.0})
+        job = engine.submit(GenerationRequest(prompt_of(engine, "long"), 3000, endless))
+        async for _ in job.events():
+            break  # it is running
+        engine.cancel(job)
+        await wait_until(lambda: engine.stats.in_flight == 0 and engine.stats.queue_depth == 0)
+        assert engine.stats.cancelled == 1
+    finally:
+        engine.close()

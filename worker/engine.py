@@ -250,7 +250,9 @@ class Engine:
         self.info = ModelInfo.from_config(config, model)
         self.context_length = self.info.context_length
         stream = mx.default_stream(mx.default_device())
-        self.batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        self.batchable = self.config.batching and all(
+            hasattr(c, "merge") for c in make_prompt_cache(model)
+        )
         cfg = self.config
         if self.batchable:
             self._generator = BatchGenerator(

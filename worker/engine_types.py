@@ -25,6 +25,8 @@ class EngineConfig:
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    # False serves jobs one at a time even when the model's cache could be batched.
+    batching: bool = True
 
 
 @dataclass(frozen=True, slots=True)
