@@ -129,6 +129,7 @@ class MeshService:
         self._last_state: NodeState | None = None
         self._load: dict[str, Any] = {}
         self._dialing: dict[str, asyncio.Task[None]] = {}
+        self._was_linked: set[str] = set()  # peers linked at some point during this run
         self._redial_at: dict[str, tuple[float, int]] = {}  # node id → (not before, failures)
         self._found: dict[str, tuple[str, ...]] = {}  # node id → addresses seen on the LAN
         self._tasks: list[asyncio.Task[None]] = []
@@ -364,6 +365,7 @@ class MeshService:
 
     async def _run_link(self, conn: PeerConnection, peer_id: str) -> None:
         self.links[peer_id] = conn
+        self._was_linked.add(peer_id)
         self._redial_at.pop(peer_id, None)
         conn.on_stream = lambda stream: self.tunnel_server.handle(stream, peer_id)
         conn.mark_authenticated()
@@ -482,6 +484,12 @@ class MeshService:
                     continue
                 if now < self._redial_at.get(node_id, (0.0, 0))[0]:
                     continue
+                if node_id > self.node_id and node_id in self._was_linked:
+                    # A lost link is restored by the higher id dialing the lower: while we
+                    # dial a peer, the tunnel turns away that peer's own dial to us (tie
+                    # rule), so dials from both sides to a restarted peer's old address would
+                    # keep it out. Discovery still dials it (it clears _was_linked).
+                    continue
                 task = asyncio.get_running_loop().create_task(self._dial(member))
                 self._dialing[node_id] = task
                 task.add_done_callback(lambda _t, n=node_id: self._dialing.pop(n, None))
@@ -494,6 +502,7 @@ class MeshService:
             *member.addresses,
             *self.config.static_peers,
         ]
+        problems: list[str] = []
         for address in dict.fromkeys(candidates):
             if member.node_id in self.links:
                 return
@@ -501,13 +510,17 @@ class MeshService:
                 host, port = split_address(address)
                 conn = await self.endpoint.connect(host, port, expected_node_id=member.node_id)
             except (ConnectError, ValueError) as exc:
-                log.debug("dial %s at %s: %s", member.node_id[:12], address, exc)
+                problems.append(f"{address}: {exc}")
                 continue
             if await self._wait_link(conn):
                 return
+            problems.append(f"{address}: {conn.close_reason or 'not authenticated'}")
         _, failures = self._redial_at.get(member.node_id, (0.0, 0))
         delay = min(self.config.max_redial_backoff_s, self.config.redial_s * 2**failures)
         self._redial_at[member.node_id] = (time.monotonic() + delay, failures + 1)
+        # First failure at INFO (a member went away), repeats at DEBUG (it is still away).
+        level = logging.INFO if failures == 0 else logging.DEBUG
+        log.log(level, "cannot reach member %s: %s", member.node_id[:12], "; ".join(problems))
 
     # ------------------------------------------------------------------ discovery
 
@@ -532,6 +545,7 @@ class MeshService:
             log.info("found member %s on the LAN at %s", advert.node_id[:12], advert.addresses)
             self._found[advert.node_id] = advert.addresses
             self._redial_at.pop(advert.node_id, None)  # dial at the next round
+            self._was_linked.discard(advert.node_id)
 
     # ------------------------------------------------------------------ status
 

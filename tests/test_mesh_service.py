@@ -14,13 +14,15 @@ from gateway.request import ChatRequest, Message
 from gateway.router import Router
 from gateway.testing import ScriptedUpstream, Stall, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
+from mesh.errors import ConnectError
 from mesh.identity import NodeIdentity
 from mesh.invite import decode_invite
 from mesh.membership import load_credentials, load_members
 from mesh.service import MembershipError, MeshConfig, MeshService
 from mesh.tunnel import TunnelConfig
 
-FAST_TUNNEL = TunnelConfig(ping_interval=0.3, ping_timeout=1.0, handshake_timeout=3.0)
+# Dead peers are noticed in ~2 s; a shorter ping timeout flakes on a loaded 2-core machine.
+FAST_TUNNEL = TunnelConfig(ping_interval=0.5, ping_timeout=1.5, handshake_timeout=3.0)
 
 
 def _config(**kw) -> MeshConfig:
@@ -230,7 +232,15 @@ async def _collect(events) -> list:
 
 
 def _silence(node: MeshService) -> None:
-    """Drop every datagram the node sends or receives from now on (a SIGKILLed peer)."""
+    """Make the node as good as SIGKILLed: its loops stop, it dials nobody, and every datagram
+    it would send or receive is dropped (nothing tells its peers)."""
+    for task in [*node._tasks, *node._dialing.values()]:
+        task.cancel()
+
+    async def dead_connect(*args, **kwargs):
+        raise ConnectError("killed")
+
+    node.endpoint.connect = dead_connect  # type: ignore[method-assign]
     for conn in list(node.endpoint._all):
         transport = conn._protocol._transport
         if transport is not None:
