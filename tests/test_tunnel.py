@@ -625,3 +625,11 @@ async def test_concurrent_connects_share_one_dial(pair) -> None:
     assert not conns[0].is_closed and len(a.connections) == 1
     await eventually(lambda: len(b.connections) == 1)
     assert not a._dials
+
+
+def test_default_config_detects_a_dead_peer_in_under_5_seconds() -> None:
+    config = TunnelConfig()
+    # silence is checked every min(interval, timeout / 4) s after ping_timeout s of silence
+    worst = config.ping_timeout + min(config.ping_interval, config.ping_timeout / 4)
+    assert worst < 5.0
+    assert config.ping_interval < config.ping_timeout  # a live idle peer is pinged in time
