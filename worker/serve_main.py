@@ -20,6 +20,8 @@ def locate_model(model: str, home: Path | None) -> str:
     candidate = Path(model).expanduser()
     if candidate.is_dir():
         return str(candidate.resolve())
+    if model.startswith(("/", ".", "~")):
+        raise LookupError(f"no model directory at {candidate}")
     try:
         from worker import store
     except ImportError:

@@ -1,0 +1,68 @@
+"""`python -m worker` and `mesh worker` as a person or the node supervisor runs them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from worker.serve_main import locate_model
+
+
+def test_python_m_worker_serves_and_announces_its_url(tiny_model_dir: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "worker", "--model", str(tiny_model_dir), "--port", "0",
+               "--name", "tiny"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        assert process.stdout is not None
+        line = ""
+        for raw in process.stdout:
+            line = raw.decode()
+            if line.startswith("worker listening on "):
+                break
+        assert line.startswith("worker listening on http://127.0.0.1:"), line
+        url = line.split()[3]
+        assert line.rstrip().endswith("(model tiny)")
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        assert health["status"] == "ok" and health["model"] == "tiny"
+        reply = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            timeout=60,
+        ).json()
+        assert reply["usage"]["completion_tokens"] == 3
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) is not None
+
+
+def test_missing_model_directory_is_one_clear_error(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    missing = tmp_path / "nope"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from mesh.cli import main; main()",
+            "worker",
+            "--model",
+            str(missing),
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "error:" in result.stderr and "nope" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_locate_model_prefers_directories(tiny_model_dir: Path) -> None:
+    assert locate_model(str(tiny_model_dir), None) == str(tiny_model_dir.resolve())
