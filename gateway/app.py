@@ -10,13 +10,17 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway import models_api
 from gateway.api import chat, count_tokens, messages, responses
+from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
-from gateway.exchange import ApiEndpoint, ApiSpec
+from gateway.events import Error
+from gateway.exchange import ApiEndpoint, ApiSpec, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard
 from gateway.router import Router
@@ -61,6 +65,19 @@ MESSAGES = ApiSpec(
 )
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths and methods answer in the API's error shape, not plain text."""
+    status = getattr(exc, "status_code", 500)
+    kind = "not_found" if status == 404 else "invalid_request"
+    error = Error(
+        kind=kind, message=f"{request.method} {request.url.path}: {getattr(exc, 'detail', '')}"
+    )
+    shape = (
+        anthropic_error_body if request.url.path.startswith("/v1/messages") else openai_error_body
+    )
+    return json_response(shape(error), status=status, headers=getattr(exc, "headers", None))
+
+
 def create_app(
     directory: ModelDirectory,
     config: GatewayConfig | None = None,
@@ -98,7 +115,10 @@ def create_app(
         *console_routes(requests=recent_requests),
     ]
     app = Starlette(
-        routes=routes, lifespan=lifespan, middleware=[Middleware(GatewayGuard, state=state)]
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(GatewayGuard, state=state)],
+        exception_handlers={404: _http_error, 405: _http_error},
     )
     app.state.gateway = state
     return app

@@ -115,3 +115,12 @@ async def test_health_counts_waiting_requests_as_queue_depth():
     health = (await asgi_request(app, "GET", "/health")).json()
     assert health["queue_depth"] == 0 and health["in_flight"] == 0
     assert upstream.cancelled == 1
+
+
+async def test_unknown_path_and_method_answer_in_json():
+    app = _app()
+    missing = await asgi_request(app, "GET", "/v1/nothing")
+    assert missing.status == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong = await asgi_request(app, "GET", "/v1/messages")
+    assert wrong.status == 405 and wrong.json()["type"] == "error"
+    assert "allow" in wrong.headers
