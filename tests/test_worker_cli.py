@@ -66,3 +66,18 @@ def test_missing_model_directory_is_one_clear_error(tmp_path: Path) -> None:
 
 def test_locate_model_prefers_directories(tiny_model_dir: Path) -> None:
     assert locate_model(str(tiny_model_dir), None) == str(tiny_model_dir.resolve())
+
+
+def test_locate_model_uses_the_store(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import shutil
+
+    import pytest
+
+    from worker import store
+
+    home = tmp_path / "home"
+    shutil.copytree(tiny_model_dir, store.models_dir(home) / "tiny")
+    assert locate_model("tiny", home) == str(store.models_dir(home) / "tiny")
+    with pytest.raises(LookupError, match="mesh models pull"):
+        locate_model(store.DEFAULT_MODEL, home)
+    assert locate_model("mlx-community/some-model", home) == "mlx-community/some-model"

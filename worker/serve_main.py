@@ -16,20 +16,20 @@ from worker.engine_types import EngineConfig
 
 
 def locate_model(model: str, home: Path | None) -> str:
-    """A store name (via worker.store when present), a local directory, or a hub id."""
+    """A store name → its directory; a local directory → itself; else a hub id, unchanged.
+
+    Never downloads: a registry model that is not pulled yet is an error naming the fix.
+    """
+    from worker import store
+
     candidate = Path(model).expanduser()
-    if candidate.is_dir():
-        return str(candidate.resolve())
-    if model.startswith(("/", ".", "~")):
+    if model.startswith(("/", ".", "~")) and not candidate.is_dir():
         raise LookupError(f"no model directory at {candidate}")
-    try:
-        from worker import store
-    except ImportError:
-        store = None  # type: ignore[assignment]
-    if store is not None and hasattr(store, "resolve_model"):
-        root = home if home is not None else Path.home() / ".mlx-mesh"
-        return str(store.resolve_model(root, model))
-    return model
+    root = home if home is not None else Path.home() / ".mlx-mesh"
+    resolved = store.resolve_model(root, model)
+    if resolved == model and model in store.REGISTRY:
+        raise LookupError(f"model {model!r} is not pulled yet: run `mesh models pull {model}`")
+    return resolved
 
 
 def build_parser() -> argparse.ArgumentParser:
