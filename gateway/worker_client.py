@@ -194,6 +194,7 @@ class WorkerUpstream:
         body = orjson.dumps(worker_body(request, self.model_name))
         url = f"{self.base_url}/v1/chat/completions"
         decoder = ChunkDecoder()
+        produced = False  # nothing reached the client yet: a broken connection is retryable
         try:
             async with self._client.stream(
                 "POST", url, content=body, headers={"content-type": "application/json"}
@@ -210,15 +211,22 @@ class WorkerUpstream:
                             yield event
                         return
                     for event in decoder.decode(orjson.loads(data)):
+                        produced = True
                         yield event
                         if isinstance(event, Error):
                             return
-            yield Error(kind="upstream", message="the worker closed the stream before [DONE]")
+            yield Error(
+                kind="upstream",
+                message="the worker closed the stream before [DONE]",
+                retryable=not produced,
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             yield Error(kind="unavailable", message=f"worker unreachable: {exc}", retryable=True)
         except httpx.HTTPError as exc:
             yield Error(
-                kind="upstream", message=f"worker connection failed: {type(exc).__name__}: {exc}"
+                kind="upstream",
+                message=f"worker connection failed: {type(exc).__name__}: {exc}",
+                retryable=not produced,
             )
         except orjson.JSONDecodeError as exc:
             yield Error(kind="upstream", message=f"worker sent malformed JSON: {exc}")

@@ -1,0 +1,154 @@
+"""WorkerUpstream without a worker: request bodies, chunk decoding and failure mapping over
+httpx's MockTransport."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+
+from gateway.events import Done, Error, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from gateway.worker_client import WorkerUpstream, worker_body
+
+REQUEST = ChatRequest(
+    model="m",
+    messages=[
+        Message(role="user", content="hi"),
+        Message(
+            role="assistant",
+            content="",
+            reasoning="r",
+            tool_calls=[ToolCall(id="c", name="f", arguments="{}")],
+        ),
+        Message(role="tool", content="42", tool_call_id="c"),
+    ],
+    tools=[ToolSpec(name="f")],
+    max_tokens=9,
+    reasoning=False,
+    top_k=5,
+    metadata={"logprobs": True},
+)
+
+
+def test_worker_body_carries_everything_the_worker_understands():
+    body = worker_body(REQUEST, "served-name")
+    assert body["model"] == "served-name" and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 9 and body["top_k"] == 5 and body["logprobs"] is True
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["messages"][1]["reasoning_content"] == "r"
+    assert body["messages"][1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert body["messages"][2]["tool_call_id"] == "c"
+    assert body["tools"][0]["function"]["name"] == "f"
+    explicit = REQUEST.model_copy(update={"chat_template_kwargs": {"enable_thinking": True}})
+    assert worker_body(explicit, "m")["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def _sse(*payloads: object) -> bytes:
+    return b"".join(
+        b"data: " + (p if isinstance(p, bytes) else orjson.dumps(p)) + b"\n\n" for p in payloads
+    )
+
+
+def _upstream(handler) -> WorkerUpstream:
+    return WorkerUpstream(
+        "http://worker", "m", client=httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    )
+
+
+async def _events(upstream: WorkerUpstream) -> list:
+    return [e async for e in upstream.stream(REQUEST)]
+
+
+def _chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    return {
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
+    }
+
+
+async def test_chunks_become_events():
+    body = _sse(
+        _chunk({"role": "assistant", "reasoning_content": "hm"}),
+        _chunk(
+            {"content": "ok"},
+            logprobs={"content": [{"token": "ok", "logprob": -0.5, "top_logprobs": []}]},
+        ),
+        _chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": ""},
+                    }
+                ]
+            }
+        ),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}),
+        _chunk({}, "tool_calls"),
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": 4,
+                "prompt_tokens_details": {"cached_tokens": 6},
+            },
+        },
+        b"[DONE]",
+    )
+    events = await _events(_upstream(lambda request: httpx.Response(200, content=body)))
+    assert events == [
+        ReasoningDelta("hm"),
+        TextDelta("ok", logprob=-0.5),
+        ToolCallDelta(0, id="c1", name="f", arguments=""),
+        ToolCallDelta(0, arguments="{}"),
+        Usage(10, 4, 6),
+        Done("tool_calls"),
+    ]
+
+
+async def test_status_errors_map_to_kinds():
+    busy = await _events(
+        _upstream(lambda r: httpx.Response(503, json={"error": {"message": "full"}}))
+    )
+    assert busy == [Error(kind="unavailable", message="full", retryable=True)]
+    long = {
+        "error": {
+            "message": "too long",
+            "type": "invalid_request_error",
+            "code": "context_length_exceeded",
+        }
+    }
+    (error,) = await _events(_upstream(lambda r: httpx.Response(400, json=long)))
+    assert (error.kind, error.code, error.retryable) == (
+        "invalid_request",
+        "context_length_exceeded",
+        False,
+    )
+
+
+async def test_midstream_error_and_early_close():
+    failed = _sse(
+        _chunk({"content": "a"}),
+        {"error": {"message": "oom", "type": "server_error", "code": None}},
+        b"[DONE]",
+    )
+    events = await _events(_upstream(lambda r: httpx.Response(200, content=failed)))
+    assert events[-1] == Error(kind="upstream", message="oom")
+    cut_after_content = await _events(
+        _upstream(lambda r: httpx.Response(200, content=_sse(_chunk({"content": "a"}))))
+    )
+    assert cut_after_content[-1].kind == "upstream" and not cut_after_content[-1].retryable
+    cut_before = await _events(_upstream(lambda r: httpx.Response(200, content=b"")))
+    assert cut_before == [
+        Error(kind="upstream", message="the worker closed the stream before [DONE]", retryable=True)
+    ]
+
+
+async def test_refused_connection_is_retryable_unavailable():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    (error,) = await _events(_upstream(refuse))
+    assert error.kind == "unavailable" and error.retryable
