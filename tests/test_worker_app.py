@@ -406,3 +406,42 @@ def test_health_and_models(plain: tuple[str, Engine]) -> None:
     assert entry["id"] == "tiny" and entry["owned_by"] == "mlx-mesh"
     assert entry["architecture"] == "llama" and entry["context_length"] == 4096
     assert entry["parameters"] > 0 and entry["quantization"]
+
+
+def test_penalties_change_greedy_output(plain: tuple[str, Engine]) -> None:
+    def greedy(**extra: Any) -> str:
+        reply = client(plain).chat.completions.create(
+            model="tiny", messages=HI, temperature=0, max_tokens=40, **extra
+        )
+        return reply.choices[0].message.content
+
+    base = greedy()
+    assert greedy() == base
+    assert greedy(frequency_penalty=2.0) != base
+    assert greedy(presence_penalty=2.0) != base
+    assert greedy(extra_body={"repetition_penalty": 1.8}) != base
+
+
+def test_mid_stream_failure_ends_with_an_error_frame(tiny_model_dir: Path) -> None:
+    with run_worker_in_thread(tiny_model_dir, name="fragile") as (url, engine):
+        real_next = engine._generator.next
+        calls = {"n": 0}
+
+        def failing_next() -> Any:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("simulated accelerator fault")
+            return real_next()
+
+        engine._generator.next = failing_next
+        body = {"messages": HI, "max_tokens": 50, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "simulated accelerator fault" in error["message"]
+        assert error["type"] and error["code"]
+        # The engine recovered: the next request is served normally.
+        ok = post(url, {"messages": HI, "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert engine.stats.in_flight == 0 and engine.stats.queue_depth == 0
