@@ -436,6 +436,16 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._is_client = is_client
         self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
 
+    def transmit(self) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            # Our socket is gone (endpoint stopped, or the test killed it): let aioquic run
+            # its timers to the end, but nothing can be sent any more.
+            self._quic.datagrams_to_send(now=self._loop.time())
+            self._transmit_task = None
+            return
+        super().transmit()
+
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self.last_heard = self._loop.time()
         super().datagram_received(data, addr)

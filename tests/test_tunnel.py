@@ -633,3 +633,13 @@ def test_default_config_detects_a_dead_peer_in_under_5_seconds() -> None:
     worst = config.ping_timeout + min(config.ping_interval, config.ping_timeout / 4)
     assert worst < 5.0
     assert config.ping_interval < config.ping_timeout  # a live idle peer is pinged in time
+
+
+async def test_killed_peer_process_is_detected(pair) -> None:
+    a, b = pair
+    conn = await dial(a, b)
+    assert b._server is not None
+    b._server._transport.close()  # the peer's socket is gone: no CONNECTION_CLOSE ever comes
+    await asyncio.wait_for(conn.closed.wait(), FAST.ping_timeout + 3)
+    assert conn.close_code == ErrorCode.PING_TIMEOUT
+    assert a.connections == []
