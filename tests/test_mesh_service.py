@@ -362,3 +362,20 @@ async def test_discovery_finds_a_member_whose_address_changed(mesh, tmp_path):
         assert b2._found[a.node_id]
     finally:
         await b2.stop()
+
+
+async def test_client_going_away_stops_the_peers_worker(mesh):
+    worker = ScriptedUpstream.of(TextDelta("one"), Stall(), name="local")
+    a = await mesh("a", {})
+    b = await mesh("b", {"tiny": worker}, join_token=a.create_invite(60).encode())
+    await _until(lambda: "tiny" in a.peers.models())
+    router = Router(a.directory, retry_backoff_s=0.05)
+    request = _request("tiny")
+    events = router.stream(request, router.resolve(request))
+    async for event in events:
+        if isinstance(event, TextDelta):
+            break
+    await events.aclose()  # what the gateway does when its client disconnects
+    await _until(lambda: worker.cancelled == 1, within=5)
+    await _until(lambda: b.tunnel_server.active == 0, within=5)
+    assert a.peers.peers[b.node_id].outstanding == 0
