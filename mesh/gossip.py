@@ -17,7 +17,7 @@ from typing import Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from mesh.membership import Member
+from mesh.members import Member
 
 DEFAULT_INTERVAL_S = 2.0
 

@@ -26,19 +26,18 @@ import enum
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, Protocol
 
 import orjson
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from mesh.invite import InviteToken, secret_digest, secret_matches
+from mesh.identity import node_id_of
+from mesh.identity import verify as verify_signature
+from mesh.invite import InviteToken, secret_matches
+from mesh.members import Member, MemberStore, MeshCredentials
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +56,6 @@ class Signer(Protocol):
     def sign(self, data: bytes) -> bytes: ...
 
 
-def node_id_for(public_key: bytes) -> str:
-    return hashlib.sha256(public_key).hexdigest()
-
-
-def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
-    except (InvalidSignature, ValueError):
-        return False
-    return True
-
-
 def transcript(role: str, signer: str, verifier: str, nonce: str) -> bytes:
     """The bytes a side signs: role, who signs, for whom, and the other side's nonce."""
     return b"\0".join(
@@ -78,67 +65,6 @@ def transcript(role: str, signer: str, verifier: str, nonce: str) -> bytes:
 
 def mesh_mac(mesh_secret: str, data: bytes) -> str:
     return hmac.new(mesh_secret.encode(), data, hashlib.sha256).hexdigest()
-
-
-# --------------------------------------------------------------------------- store
-
-
-class Member(BaseModel):
-    """One node of the mesh as every member remembers it (``members.json``)."""
-
-    node_id: str
-    public_key: str  # hex
-    fingerprint: str = ""  # certificate fingerprint: the pin for dialing it
-    addresses: list[str] = Field(default_factory=list)
-
-
-class InviteRecord(BaseModel):
-    expires_at: float
-    used_by: str | None = None
-
-
-class MeshCredentials(BaseModel):
-    """``mesh.json``: which mesh this node belongs to, and the secret every member holds."""
-
-    mesh_id: str
-    mesh_secret: str
-
-    @classmethod
-    def create(cls) -> MeshCredentials:
-        return cls(mesh_id=secrets.token_hex(8), mesh_secret=secrets.token_urlsafe(32))
-
-
-class MemberStore(BaseModel):
-    """Members and outstanding invites. Pure data; :func:`save_members` writes it."""
-
-    members: dict[str, Member] = Field(default_factory=dict)
-    invites: dict[str, InviteRecord] = Field(default_factory=dict)  # secret digest → record
-
-    def add_member(self, member: Member) -> bool:
-        """Add or refresh one member; True when something changed. A key never changes."""
-        known = self.members.get(member.node_id)
-        if known is not None and known.public_key != member.public_key:
-            return False
-        if known == member:
-            return False
-        if known is not None and not member.addresses:
-            member = member.model_copy(update={"addresses": known.addresses})
-        self.members[member.node_id] = member
-        return True
-
-    def merge(self, members: list[Member]) -> bool:
-        changed = False
-        for member in members:
-            if node_id_for(bytes.fromhex(member.public_key)) != member.node_id:
-                continue  # a member entry whose id is not its key's hash is garbage
-            changed |= self.add_member(member)
-        return changed
-
-    def remember_invite(self, token: InviteToken) -> None:
-        self.invites[secret_digest(token.secret)] = InviteRecord(expires_at=token.expires_at)
-
-    def prune_invites(self, now: float) -> None:
-        self.invites = {d: r for d, r in self.invites.items() if r.expires_at > now - 86400}
 
 
 # --------------------------------------------------------------------------- messages
@@ -280,7 +206,7 @@ def _check_identity(node_id: str, public_key_hex: str) -> bytes | None:
         key = bytes.fromhex(public_key_hex)
     except ValueError:
         return None
-    return key if len(key) == 32 and node_id_for(key) == node_id else None
+    return key if len(key) == 32 and node_id_of(key) == node_id else None
 
 
 @dataclass
@@ -462,42 +388,3 @@ class ClientHandshake(_Handshake):
                 self.peer = member
         self._set_state(HandshakeState.ACCEPTED)
         return []
-
-
-# --------------------------------------------------------------------------- files
-
-MESH_FILE = "mesh.json"
-MEMBERS_FILE = "members.json"
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write atomically with mode 0600: these files hold secrets."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
-def load_credentials(home: Path) -> MeshCredentials | None:
-    path = home / MESH_FILE
-    if not path.exists():
-        return None
-    return MeshCredentials.model_validate_json(path.read_bytes())
-
-
-def save_credentials(home: Path, credentials: MeshCredentials) -> None:
-    write_private(home / MESH_FILE, credentials.model_dump_json(indent=2).encode())
-
-
-def load_members(home: Path) -> MemberStore:
-    path = home / MEMBERS_FILE
-    if not path.exists():
-        return MemberStore()
-    return MemberStore.model_validate_json(path.read_bytes())
-
-
-def save_members(home: Path, store: MemberStore) -> None:
-    write_private(home / MEMBERS_FILE, store.model_dump_json(indent=2).encode())

@@ -45,18 +45,15 @@ from mesh.gossip import (
 )
 from mesh.identity import NodeIdentity
 from mesh.invite import InviteError, InviteToken, decode_invite, make_invite
-from mesh.membership import (
-    ClientHandshake,
-    HandshakeState,
+from mesh.members import (
     Member,
     MeshCredentials,
-    ServerHandshake,
     load_credentials,
     load_members,
-    message_from_dict,
     save_credentials,
     save_members,
 )
+from mesh.membership import ClientHandshake, HandshakeState, ServerHandshake, message_from_dict
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerTable
 from mesh.serve import TunnelServer

@@ -18,7 +18,7 @@ from mesh.gossip import (
     decode_gossip,
     encode_gossip,
 )
-from mesh.membership import Member
+from mesh.members import Member
 
 
 def _state(**kw) -> NodeState:

@@ -11,12 +11,22 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mesh.identity import node_id_of as node_id_for
 from mesh.invite import (
     TOKEN_PREFIX,
     InviteError,
     decode_invite,
     make_invite,
     parse_ttl,
+)
+from mesh.members import (
+    Member,
+    MemberStore,
+    MeshCredentials,
+    load_credentials,
+    load_members,
+    save_credentials,
+    save_members,
 )
 from mesh.membership import (
     AuthFailure,
@@ -25,19 +35,11 @@ from mesh.membership import (
     Denied,
     HandshakeState,
     Hello,
-    Member,
-    MemberStore,
-    MeshCredentials,
     Proof,
     ServerHandshake,
     Welcome,
     decode_message,
     encode_message,
-    load_credentials,
-    load_members,
-    node_id_for,
-    save_credentials,
-    save_members,
 )
 
 NOW = 1_000_000.0

@@ -17,7 +17,7 @@ from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.errors import ConnectError
 from mesh.identity import NodeIdentity
 from mesh.invite import decode_invite
-from mesh.membership import load_credentials, load_members
+from mesh.members import load_credentials, load_members
 from mesh.service import MembershipError, MeshConfig, MeshService
 from mesh.tunnel import TunnelConfig
 
@@ -341,7 +341,7 @@ async def test_status_and_invite_endpoints(mesh):
 async def test_discovery_finds_a_member_whose_address_changed(mesh, tmp_path):
     """B remembers A at a stale address; A's mDNS advert leads B to A's real one.
     Skipped where multicast does not work (many CI sandboxes)."""
-    from mesh.membership import save_members
+    from mesh.members import save_members
 
     a = await mesh("a", {"tiny": ScriptedUpstream.of(*text_script())}, discovery=True)
     b = await mesh("b", join_token=a.create_invite(60).encode())

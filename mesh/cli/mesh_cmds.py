@@ -46,7 +46,7 @@ def id_command(home: Path | None = HomeOption) -> None:
     """Print this node's id (creating its identity if it has none yet) and its mesh."""
     from mesh.errors import IdentityError
     from mesh.identity import NodeIdentity
-    from mesh.membership import load_credentials
+    from mesh.members import load_credentials
 
     home_dir = resolve_home(home)
     try:
