@@ -41,6 +41,9 @@ def up_command(
     peer: list[str] = typer.Option(
         [], "--peer", help="HOST:PORT of a member's tunnel to always try; repeatable."
     ),
+    advertise: list[str] = typer.Option(
+        [], "--advertise", help="HOST:PORT peers should dial us at (default: derived); repeatable."
+    ),
     no_discovery: bool = typer.Option(
         False, "--no-discovery", help="Do not advertise or browse on the LAN (mDNS)."
     ),
@@ -74,6 +77,7 @@ def up_command(
         host=mesh_host,
         port=mesh_port,
         static_peers=list(peer),
+        advertise=list(advertise),
         join_token=join,
         discovery=not no_discovery,
         retry_backoff_s=retry_backoff_ms / 1000,
