@@ -130,6 +130,7 @@ class WorkerProcess:
                     url = line.split()[3]
                     self.port = int(url.rsplit(":", 1)[1])
                     self._output = asyncio.create_task(_forward(self.process.stdout, self.name))
+                    await _wait_healthy(url, self.process)
                     return url
         code = await self.process.wait()
         raise NodeError(
@@ -183,6 +184,19 @@ def _die_with_parent() -> None:
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+async def _wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:
+    """Until the worker's /health answers 200 (it announces itself just before serving)."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while process.returncode is None:
+            try:
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not accepting yet: poll again
+            await asyncio.sleep(0.05)
+    raise NodeError(f"worker at {url} exited ({process.returncode}) before it was healthy")
 
 
 async def _forward(stream: asyncio.StreamReader, name: str) -> None:
