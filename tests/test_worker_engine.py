@@ -262,3 +262,30 @@ async def test_sequential_mode_serves_in_arrival_order(tiny_think_model_dir: Pat
         assert engine.stats.cancelled == 1
     finally:
         engine.close()
+
+
+async def test_a_job_that_cannot_start_fails_alone(engine: Engine) -> None:
+    real_insert = engine._generator.insert
+
+    def broken_insert(*args: object, **kwargs: object) -> object:
+        engine._generator.insert = real_insert
+        raise ValueError("simulated bad input")
+
+    engine._generator.insert = broken_insert
+    job = engine.submit(GenerationRequest(prompt_of(engine, "x"), 3, GREEDY))
+    events = [e async for e in job.events()]
+    assert len(events) == 1 and "simulated bad input" in events[0].message  # type: ignore[union-attr]
+    _, _, done = await run(engine, GenerationRequest(prompt_of(engine, "y"), 3, GREEDY))
+    assert done.completion_tokens == 3
+    assert engine.stats.queue_depth == 0 and engine.stats.in_flight == 0
+
+
+async def test_cancel_after_finish_commits_at_once(think_engine: Engine) -> None:
+    prompt = prompt_of(think_engine, "cancel me late", enable_thinking=False)
+    commits = think_engine.stats.commits
+    job = think_engine.submit(GenerationRequest(prompt, 50, GREEDY))
+    await wait_until(lambda: "finished" in think_engine.stats.events_for(job.id))
+    think_engine.cancel(job)  # the consumer never read the events: a client that left
+    await wait_until(lambda: think_engine.stats.commits == commits + 1)
+    _, _, done = await run(think_engine, GenerationRequest([*prompt, 7, 8], 5, GREEDY))
+    assert done.cached_tokens >= len(prompt)

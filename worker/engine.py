@@ -21,9 +21,8 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ from worker.engine_types import (
     Failed,
     Finished,
     GenerationRequest,
+    Job,
     JobEvent,
     ModelInfo,
     TokenChunk,
@@ -44,34 +44,6 @@ from worker.sampling import StopMatcher, make_request_processors, make_request_s
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Job"]
-
-
-class Job:
-    """One submitted generation; iterate ``events()`` for TokenChunk… then Finished or Failed."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
-        self.id = request.request_id or uuid.uuid4().hex
-        self.request = request
-        self._loop = loop
-        self._queue: asyncio.Queue[JobEvent] = asyncio.Queue()
-        self.done = False  # a terminal event was delivered to the consumer
-
-    def _deliver(self, event: JobEvent) -> bool:
-        """Owner thread → event loop. False when the loop is gone (the consumer cannot read)."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:
-            return False
-        return True
-
-    async def events(self) -> AsyncIterator[JobEvent]:
-        while True:
-            event = await self._queue.get()
-            if isinstance(event, Finished | Failed):
-                self.done = True
-                yield event
-                return
-            yield event
 
 
 @dataclass
@@ -221,12 +193,17 @@ class Engine:
             "commit": self._on_commit,
         }
         while True:
-            idle = not self._active and not self._parked
-            commands = self._drain(block=idle)
+            commands = self._drain(wait_s=self._idle_wait())
             if any(kind == "stop" for kind, _ in commands):
                 break
             for kind, arg in commands:
-                handlers[kind](arg)
+                try:
+                    handlers[kind](arg)
+                except Exception as exc:
+                    # One bad job must not take the owner thread (and the server) down.
+                    log.exception("engine command %s failed", kind)
+                    if kind == "submit":
+                        self._reject(arg, f"cannot start generation: {exc}")
             self._admit_parked()
             self._expire_pending()
             if self._active:
@@ -269,11 +246,21 @@ class Engine:
         self._eos_stops = make_stop_sequences(tokenizer)
         self._model = model
 
-    def _drain(self, *, block: bool) -> list[tuple[str, Any]]:
+    def _idle_wait(self) -> float:
+        """How long to block for commands: not at all while decoding, else until the next
+        parked job's deadline (or a short tick for pending-commit expiry)."""
+        if self._active:
+            return 0.0
+        if self._parked:
+            nearest = min(p.deadline for p in self._parked)
+            return max(0.0, min(0.25, nearest - time.monotonic()))
+        return 0.25
+
+    def _drain(self, *, wait_s: float) -> list[tuple[str, Any]]:
         commands = []
         try:
-            if block:
-                commands.append(self._inbox.get(timeout=0.25))
+            if wait_s > 0:
+                commands.append(self._inbox.get(timeout=wait_s))
             while True:
                 commands.append(self._inbox.get_nowait())
         except queue.Empty:
@@ -332,7 +319,23 @@ class Engine:
         )
         self.stats.log("admitted", job.id)
 
+    def _reject(self, job: Job, message: str) -> None:
+        self._parked = [p for p in self._parked if p.job is not job]
+        for uid, active in list(self._active.items()):
+            if active.job is job:
+                self._generator.remove([uid])
+                self._drop(uid)
+                break
+        else:
+            with self._lock:
+                self.stats.queue_depth -= 1
+        job._deliver(Failed(message))
+
     def _on_cancel(self, job_id: str) -> None:
+        if job_id in self._pending:
+            # Finished, but the client left before the commit: nobody waits on the response.
+            self._on_commit(job_id)
+            return
         parked = [p for p in self._parked if p.job.id == job_id]
         if parked:
             self._parked = [p for p in self._parked if p.job.id != job_id]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+import uuid
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +64,34 @@ class Failed:
 
 
 JobEvent = TokenChunk | Finished | Failed
+
+
+class Job:
+    """One submitted generation; iterate ``events()`` for TokenChunk… then Finished or Failed."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = request.request_id or uuid.uuid4().hex
+        self.request = request
+        self._loop = loop
+        self._queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self.done = False  # a terminal event was delivered to the consumer
+
+    def _deliver(self, event: JobEvent) -> bool:
+        """Owner thread → event loop. False when the loop is gone (the consumer cannot read)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            return False
+        return True
+
+    async def events(self) -> AsyncIterator[JobEvent]:
+        while True:
+            event = await self._queue.get()
+            if isinstance(event, Finished | Failed):
+                self.done = True
+                yield event
+                return
+            yield event
 
 
 @dataclass
