@@ -410,11 +410,13 @@ def worker_scripts(draw) -> list[Step]:
     scripts=st.lists(worker_scripts(), min_size=1, max_size=3),
     policy=st.sampled_from(["race", "consensus", "reduce"]),
     disconnect_after=st.one_of(st.none(), st.integers(0, 4)),
+    max_workers=st.integers(1, 3),
 )
 @settings(max_examples=25, deadline=None)
-def test_random_faults_never_hang_the_client_stream(scripts, policy, disconnect_after):
+def test_random_faults_never_hang_the_client_stream(scripts, policy, disconnect_after, max_workers):
     config = MoaConfig(
         policy=policy,
+        max_workers=max_workers,
         race_min_tokens=2,
         grace_s=0.05,
         first_token_timeout_s=0.15,
@@ -446,3 +448,15 @@ def test_random_faults_never_hang_the_client_stream(scripts, policy, disconnect_
             assert text_of(timed) == expected
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["race", "consensus", "reduce"])
+async def test_a_single_worker_is_passed_straight_through(policy):
+    script = paced("Only me, streaming.", chunk=1)
+    solo = ScriptedUpstream.of(*script)
+    config = MoaConfig(policy=policy, max_workers=1)
+    events = await collect(MixtureOfAgents(mesh_of(("solo", 1, solo)), config), ask())
+    assert meta_of(events)["x-moa-decision"] == "single"
+    assert [e for _, e in events if not isinstance(e, Meta)] == [
+        s for s in script if not isinstance(s, Sleep)
+    ]

@@ -38,6 +38,7 @@ from gateway.moa.config import POLICIES, MoaConfig, Policy
 from gateway.moa.events import (
     Cancel,
     Commit,
+    Decision,
     Fail,
     StartReducer,
     TokenArrived,
@@ -188,12 +189,13 @@ class _Run:
             win_rates={c.name: moa.wins.rate(c.model.id) for c in candidates},
         )
 
-    def _start(self, worker: str, upstream: Upstream, request: ChatRequest) -> None:
+    def _start(self, worker: str, upstream: Upstream, request: ChatRequest) -> list[Decision]:
         self.buffers[worker] = []
         self.tasks[worker] = asyncio.create_task(
             _pump(worker, upstream, request, self.queue), name=f"moa-{worker}"
         )
-        self.arbiter.handle(WorkerStarted(worker), self.clock())
+        # A lone worker is committed as soon as it starts.
+        return self.arbiter.handle(WorkerStarted(worker), self.clock())
 
     def _cancel(self, worker: str) -> None:
         self.buffers.pop(worker, None)
@@ -212,44 +214,49 @@ class _Run:
             return None
 
     async def events(self) -> AsyncIterator[Event]:
+        decisions: list[Decision] = []
         for c in self.candidates:
-            self._start(c.name, c.upstream, c.request)
+            decisions += self._start(c.name, c.upstream, c.request)
         if self.config.progress:
             yield ReasoningDelta(f"asking {len(self.candidates)} models…")
         winner = None
-        while winner is None:
-            item = await self._next(self.arbiter.next_deadline())
-            now = self.clock()
-            if item is None:
-                decisions = self.arbiter.tick(now)
-            else:
-                worker, event = item
-                if worker not in self.buffers:  # a cancelled worker's last words
-                    continue
-                if not isinstance(event, _StreamBroke):
-                    self.buffers[worker].append(event)
-                seen = _worker_event(worker, event)
-                decisions = self.arbiter.handle(seen, now) if seen else []
-            for decision in sorted(decisions, key=lambda d: not isinstance(d, Cancel)):
-                match decision:
+        while True:
+            # Cancels first, so a loser stops before the winner's buffer is flushed.
+            todo = sorted(decisions, key=lambda d: not isinstance(d, Cancel))
+            while todo:
+                match todo.pop(0):
                     case Cancel(worker=loser):
                         self._cancel(loser)
-                    case StartReducer():
-                        self._start_reducer(decision)
+                    case StartReducer() as start:
+                        todo += self._start_reducer(start)
                     case Fail(kind=kind, message=message):
                         yield Error(kind, message)
                         return
                     case Commit(worker=chosen):
                         winner = chosen
+            if winner is not None:
+                break
+            item = await self._next(self.arbiter.next_deadline())
+            now = self.clock()
+            if item is None:
+                decisions = self.arbiter.tick(now)
+                continue
+            worker, event = item
+            if worker not in self.buffers:  # a cancelled worker's last words
+                decisions = []
+                continue
+            if not isinstance(event, _StreamBroke):
+                self.buffers[worker].append(event)
+            seen = _worker_event(worker, event)
+            decisions = self.arbiter.handle(seen, now) if seen else []
         async for event in self._splice(winner):
             yield event
 
-    def _start_reducer(self, decision: StartReducer) -> None:
+    def _start_reducer(self, decision: StartReducer) -> list[Decision]:
         model = strongest(mixable_models(self.moa.directory))
         upstream = self.moa.directory.routes(model.id)[0].upstream
-        self._start(
-            decision.worker, upstream, reducer_request(self.request, decision.answers, model)
-        )
+        request = reducer_request(self.request, decision.answers, model)
+        return self._start(decision.worker, upstream, request)
 
     async def _splice(self, winner: str) -> AsyncIterator[Event]:
         arbiter = self.arbiter
