@@ -93,12 +93,17 @@ async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
         if not isinstance(raw, dict):
             raise RequestInvalid("the request body must be a JSON object")
         chat_request, body = spec.parse(raw)
-    except orjson.JSONDecodeError as exc:
-        return error_response(
-            spec.error_body, Error(kind="invalid_request", message=f"malformed JSON: {exc}")
+    except (orjson.JSONDecodeError, RequestInvalid) as exc:
+        error = (
+            exc.to_error()
+            if isinstance(exc, RequestInvalid)
+            else Error(kind="invalid_request", message=f"malformed JSON: {exc}")
         )
-    except RequestInvalid as exc:
-        return error_response(spec.error_body, exc.to_error())
+        # Counted, but under one model label: a malformed body's model string means nothing.
+        rejected = RequestRecord(api=spec.name, model="(unknown)", stream=False)
+        rejected.outcome, rejected.status = error.kind, error.status
+        state.metrics.observe(rejected)
+        return error_response(spec.error_body, error)
     record = RequestRecord(api=spec.name, model=chat_request.model, stream=chat_request.stream)
     try:
         routes = state.router.resolve(chat_request)

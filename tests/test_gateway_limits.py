@@ -94,6 +94,12 @@ async def test_health_metrics_and_request_log(tmp_path):
     assert 'gateway_requests_total{api="chat",model="m",outcome="ok"} 1.0' in metrics
     assert 'gateway_requests_total{api="chat",model="(unknown)",outcome="not_found"} 1.0' in metrics
     assert "gateway_ttft_seconds_count" in metrics
+    await asgi_request(app, "POST", "/v1/chat/completions", b"{")
+    metrics = (await asgi_request(app, "GET", "/metrics")).body.decode()
+    assert (
+        'gateway_requests_total{api="chat",model="(unknown)",outcome="invalid_request"} 1.0'
+        in metrics
+    )
     rows = [orjson.loads(line) for line in log_path.read_bytes().splitlines()]
     ok = next(r for r in rows if r["outcome"] == "ok")
     assert (
