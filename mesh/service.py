@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.upstream import ModelDirectory
+from mesh.addresses import default_addresses, split_address
+from mesh.dialer import Dialer
 from mesh.directory import MeshDirectory
 from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
 from mesh.errors import ConnectError, MeshError
@@ -125,10 +126,15 @@ class MeshService:
         self._publisher = GossipPublisher(self.node_id, interval_s=self.config.gossip_interval_s)
         self._last_state: NodeState | None = None
         self._load: dict[str, Any] = {}
-        self._dialing: dict[str, asyncio.Task[None]] = {}
-        self._was_linked: set[str] = set()  # peers linked at some point during this run
-        self._redial_at: dict[str, tuple[float, int]] = {}  # node id → (not before, failures)
-        self._found: dict[str, tuple[str, ...]] = {}  # node id → addresses seen on the LAN
+        self.dialer = Dialer(
+            self.node_id,
+            members=lambda: self.members.members.values(),
+            is_linked=lambda node_id: node_id in self.links,
+            link=self._dial_member,
+            static_peers=self.config.static_peers,
+            redial_s=self.config.redial_s,
+            max_backoff_s=self.config.max_redial_backoff_s,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: LanDiscovery | None = None
         self._stopping = False
@@ -175,7 +181,7 @@ class MeshService:
                 await self.endpoint.close()
                 raise
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._gossip_loop()), loop.create_task(self._dial_loop())]
+        self._tasks = [loop.create_task(self._gossip_loop()), loop.create_task(self.dialer.run())]
         if self.config.discovery:
             await self._start_discovery()
 
@@ -184,9 +190,9 @@ class MeshService:
         if self._stopping:
             return
         self._stopping = True
-        for task in [*self._tasks, *self._dialing.values()]:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._dialing.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         leave = Control(kind="gossip", body=Leave(node_id=self.node_id).model_dump())
         for conn in list(self.links.values()):
             with contextlib.suppress(MeshError, TimeoutError):
@@ -259,6 +265,15 @@ class MeshService:
             problems.append(f"{address}: {self._join_refusal or conn.close_reason}")
         self._join = None
         raise MembershipError("could not join the mesh: " + "; ".join(problems))
+
+    async def _dial_member(self, node_id: str, host: str, port: int) -> bool:
+        """The dialer's way in: connect pinned by node id, then wait for the membership check."""
+        try:
+            conn = await self.endpoint.connect(host, port, expected_node_id=node_id)
+        except ConnectError as exc:
+            log.debug("dial %s at %s:%d: %s", node_id[:12], host, port, exc)
+            return False
+        return await self._wait_link(conn)
 
     async def _wait_link(self, conn: PeerConnection) -> bool:
         """Wait until ``conn`` is authenticated (True) or closed (False)."""
@@ -362,8 +377,7 @@ class MeshService:
 
     async def _run_link(self, conn: PeerConnection, peer_id: str) -> None:
         self.links[peer_id] = conn
-        self._was_linked.add(peer_id)
-        self._redial_at.pop(peer_id, None)
+        self.dialer.on_linked(peer_id)
         conn.on_stream = lambda stream: self.tunnel_server.handle(stream, peer_id)
         conn.mark_authenticated()
         log.info("linked with %s at %s", peer_id[:12], conn.peer_address)
@@ -395,7 +409,7 @@ class MeshService:
         elif isinstance(message, Leave):
             if message.node_id == peer_id:
                 self.peers.on_leave(peer_id)
-                self._redial_at[peer_id] = (time.monotonic() + self.config.max_redial_backoff_s, 4)
+                self.dialer.on_left(peer_id)
         elif isinstance(message, Members):
             if self.members.merge([m for m in message.members if m.node_id != self.node_id]):
                 save_members(self.home, self.members)
@@ -472,53 +486,6 @@ class MeshService:
             tok_s=float(load.get("tok_s", 0.0)),
         )
 
-    async def _dial_loop(self) -> None:
-        while True:
-            now = time.monotonic()
-            for member in list(self.members.members.values()):
-                node_id = member.node_id
-                if node_id == self.node_id or node_id in self.links or node_id in self._dialing:
-                    continue
-                if now < self._redial_at.get(node_id, (0.0, 0))[0]:
-                    continue
-                if node_id > self.node_id and node_id in self._was_linked:
-                    # A lost link is restored by the higher id dialing the lower: while we
-                    # dial a peer, the tunnel turns away that peer's own dial to us (tie
-                    # rule), so dials from both sides to a restarted peer's old address would
-                    # keep it out. Discovery still dials it (it clears _was_linked).
-                    continue
-                task = asyncio.get_running_loop().create_task(self._dial(member))
-                self._dialing[node_id] = task
-                task.add_done_callback(lambda _t, n=node_id: self._dialing.pop(n, None))
-            await asyncio.sleep(self.config.redial_s)
-
-    async def _dial(self, member: Member) -> None:
-        # Addresses just seen on the LAN are fresher than the remembered ones.
-        candidates = [
-            *self._found.get(member.node_id, ()),
-            *member.addresses,
-            *self.config.static_peers,
-        ]
-        problems: list[str] = []
-        for address in dict.fromkeys(candidates):
-            if member.node_id in self.links:
-                return
-            try:
-                host, port = split_address(address)
-                conn = await self.endpoint.connect(host, port, expected_node_id=member.node_id)
-            except (ConnectError, ValueError) as exc:
-                problems.append(f"{address}: {exc}")
-                continue
-            if await self._wait_link(conn):
-                return
-            problems.append(f"{address}: {conn.close_reason or 'not authenticated'}")
-        _, failures = self._redial_at.get(member.node_id, (0.0, 0))
-        delay = min(self.config.max_redial_backoff_s, self.config.redial_s * 2**failures)
-        self._redial_at[member.node_id] = (time.monotonic() + delay, failures + 1)
-        # First failure at INFO (a member went away), repeats at DEBUG (it is still away).
-        level = logging.INFO if failures == 0 else logging.DEBUG
-        log.log(level, "cannot reach member %s: %s", member.node_id[:12], "; ".join(problems))
-
     # ------------------------------------------------------------------ discovery
 
     async def _start_discovery(self) -> None:
@@ -540,9 +507,7 @@ class MeshService:
             connected=self.links,
         ):
             log.info("found member %s on the LAN at %s", advert.node_id[:12], advert.addresses)
-            self._found[advert.node_id] = advert.addresses
-            self._redial_at.pop(advert.node_id, None)  # dial at the next round
-            self._was_linked.discard(advert.node_id)
+            self.dialer.on_found(advert.node_id, advert.addresses)
 
     # ------------------------------------------------------------------ status
 
@@ -562,26 +527,3 @@ class MeshService:
 
 def _gossip(message: GossipMessage) -> Control:
     return Control(kind="gossip", body=message.model_dump())
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` → (host, port); ValueError for anything else."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"bad address {address!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def default_addresses(host: str, port: int) -> list[str]:
-    """Where peers can reach us: the bound host, or this machine's addresses for a wildcard."""
-    if host not in ("0.0.0.0", "::", ""):
-        return [f"{host}:{port}"]
-    found: list[str] = []
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
-        found.append(probe.getsockname()[0])
-    with contextlib.suppress(OSError):
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            found.append(str(info[4][0]))
-    found = [ip for ip in dict.fromkeys(found) if not ip.startswith("127.")]
-    return [f"{ip}:{port}" for ip in [*found, "127.0.0.1"]]

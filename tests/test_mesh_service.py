@@ -47,7 +47,7 @@ def _node(home: Path, models: dict[str, ScriptedUpstream], **kw) -> MeshService:
     return MeshService(home, NodeIdentity.load_or_create(home), local, _config(**kw))
 
 
-async def _until(predicate, within: float = 8.0) -> None:
+async def _until(predicate, within: float = 15.0) -> None:
     deadline = time.monotonic() + within
     while not predicate():
         if time.monotonic() > deadline:
@@ -180,8 +180,9 @@ async def test_stranger_with_copied_mesh_secret_is_refused(mesh, tmp_path):
 async def test_leave_on_clean_shutdown(mesh):
     a, b, _ = await _pair(mesh)
     await _until(lambda: b.node_id in a.peers.peers)
+    a.peers.drop_after_s = 1e9  # only the Leave (or SHUTDOWN close) can remove B now
     await b.stop()
-    await _until(lambda: b.node_id not in a.peers.peers, within=3)
+    await _until(lambda: b.node_id not in a.peers.peers)
 
 
 async def test_peer_killed_before_first_byte_fails_over(mesh):
@@ -210,6 +211,9 @@ async def test_peer_killed_before_first_byte_fails_over(mesh):
 
 
 async def test_peer_killed_mid_stream_gives_error_without_retry(mesh):
+    """The client gets an error event, no retry and no hang. How soon is the tunnel's ping
+    timeout (defaults: within 4.5 s); the bound here only guards against hanging, as a loaded
+    CI machine stretches every timer."""
     worker = ScriptedUpstream.of(TextDelta("partial"), Stall(), name="local")
     a = await mesh("a", {})
     b = await mesh("b", {"tiny": worker}, join_token=a.create_invite(60).encode())
@@ -217,13 +221,16 @@ async def test_peer_killed_mid_stream_gives_error_without_retry(mesh):
     router = Router(a.directory, retry_backoff_s=0.05)
     request = _request("tiny")
     seen: list = []
-    started = time.monotonic()
-    async for event in router.stream(request, router.resolve(request)):
-        seen.append(event)
-        if isinstance(event, TextDelta):
-            _silence(b)
-    assert isinstance(seen[-1], Error) and not seen[-1].retryable
-    assert time.monotonic() - started < 5
+
+    async def consume() -> None:
+        async for event in router.stream(request, router.resolve(request)):
+            seen.append(event)
+            if isinstance(event, TextDelta):
+                _silence(b)
+
+    await asyncio.wait_for(consume(), 15)
+    assert isinstance(seen[-1], Error)
+    assert seen[-1].kind == "upstream" and not seen[-1].retryable
     assert worker.calls == 1
 
 
@@ -234,7 +241,7 @@ async def _collect(events) -> list:
 def _silence(node: MeshService) -> None:
     """Make the node as good as SIGKILLed: its loops stop, it dials nobody, and every datagram
     it would send or receive is dropped (nothing tells its peers)."""
-    for task in [*node._tasks, *node._dialing.values()]:
+    for task in [*node._tasks, *node.dialer._dialing.values()]:
         task.cancel()
 
     async def dead_connect(*args, **kwargs):
@@ -300,7 +307,7 @@ async def test_three_nodes_kill_b_then_c_serves_and_restarted_b_serves_again(mes
     await _until(lambda: b.node_id in c.links and c.node_id in b.links)
 
     _silence(b)  # SIGKILL: nothing more from B
-    await _until(lambda: b.node_id not in a.links, within=5)
+    await _until(lambda: b.node_id not in a.links)
     events = await _ask(a, "tiny")
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "from C"
     await b.stop()
@@ -356,10 +363,10 @@ async def test_discovery_finds_a_member_whose_address_changed(mesh, tmp_path):
         try:
             await _until(lambda: a.node_id in b2.links, within=6)
         except AssertionError:
-            if not b2._found:
+            if not b2.dialer.found(a.node_id):
                 pytest.skip("no mDNS answers here (multicast unavailable)")
             raise
-        assert b2._found[a.node_id]
+        assert b2.dialer.found(a.node_id)
     finally:
         await b2.stop()
 
@@ -376,6 +383,6 @@ async def test_client_going_away_stops_the_peers_worker(mesh):
         if isinstance(event, TextDelta):
             break
     await events.aclose()  # what the gateway does when its client disconnects
-    await _until(lambda: worker.cancelled == 1, within=5)
-    await _until(lambda: b.tunnel_server.active == 0, within=5)
+    await _until(lambda: worker.cancelled == 1)
+    await _until(lambda: b.tunnel_server.active == 0)
     assert a.peers.peers[b.node_id].outstanding == 0
