@@ -152,10 +152,16 @@ def test_tool_calls_non_stream_and_stream(tool: tuple[str, Engine]) -> None:
     assert follow.choices[0].finish_reason in ("tool_calls", "stop", "length")
 
 
-def test_without_tools_tool_text_stays_content(tool: tuple[str, Engine]) -> None:
-    reply = client(tool).chat.completions.create(model="tiny-tool", messages=HI, temperature=0)
+@pytest.mark.parametrize("extra", [{}, {"tools": [WEATHER_TOOL], "tool_choice": "none"}])
+def test_without_tools_tool_text_stays_content(
+    tool: tuple[str, Engine], extra: dict[str, Any]
+) -> None:
+    reply = client(tool).chat.completions.create(
+        model="tiny-tool", messages=HI, temperature=0, **extra
+    )
     assert reply.choices[0].message.tool_calls is None
     assert reply.choices[0].message.content.startswith("<tool_call>")
+    assert reply.choices[0].finish_reason == "stop"
 
 
 def test_max_tokens_and_stop(plain: tuple[str, Engine], think: tuple[str, Engine]) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worker.engine import Engine, Job
 from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
@@ -289,3 +291,16 @@ async def test_cancel_after_finish_commits_at_once(think_engine: Engine) -> None
     await wait_until(lambda: think_engine.stats.commits == commits + 1)
     _, _, done = await run(think_engine, GenerationRequest([*prompt, 7, 8], 5, GREEDY))
     assert done.cached_tokens >= len(prompt)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    a=st.lists(st.integers(min_value=0, max_value=2), max_size=30),
+    b=st.lists(st.integers(min_value=0, max_value=2), max_size=30),
+)
+def test_common_prefix_matches_the_obvious_loop(a: list[int], b: list[int]) -> None:
+    expected = 0
+    while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+        expected += 1
+    assert common_prefix(a, b) == expected
+    assert common_prefix(tuple(a), b) == expected

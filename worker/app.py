@@ -160,7 +160,9 @@ async def _start_job(
     if thinking is not None:
         template_kwargs["enable_thinking"] = thinking
     messages = [m.to_template() for m in chat.messages]
-    tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+    # tool_choice "none": the model is not offered the tools, so it cannot call them.
+    offered = chat.tools if chat.tool_choice != "none" else None
+    tools = [t.model_dump(exclude_none=True) for t in offered] if offered else None
     try:
         prompt, in_reasoning = await asyncio.to_thread(
             engine.render_prompt, messages, tools, template_kwargs
