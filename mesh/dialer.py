@@ -37,6 +37,7 @@ class Dialer:
     static_peers: list[str] = field(default_factory=list)
     redial_s: float = 1.0
     max_backoff_s: float = 15.0
+    clock: Callable[[], float] = time.monotonic
     _dialing: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _was_linked: set[str] = field(default_factory=set, init=False)
     _retry_at: dict[str, tuple[float, int]] = field(default_factory=dict, init=False)
@@ -50,7 +51,7 @@ class Dialer:
 
     def on_left(self, node_id: str) -> None:
         """The peer said it is leaving: do not hammer it; it dials us when it is back."""
-        self._retry_at[node_id] = (time.monotonic() + self.max_backoff_s, 4)
+        self._retry_at[node_id] = (self.clock() + self.max_backoff_s, 4)
 
     def on_found(self, node_id: str, addresses: tuple[str, ...]) -> None:
         """Seen on the LAN: dial it at the next round, whoever has the higher id."""
@@ -66,7 +67,7 @@ class Dialer:
     async def run(self) -> None:
         try:
             while True:
-                self.dial_due(time.monotonic())
+                self.dial_due(self.clock())
                 await asyncio.sleep(self.redial_s)
         finally:
             tasks = list(self._dialing.values())
@@ -103,6 +104,6 @@ class Dialer:
             problems.append(address)
         _, failures = self._retry_at.get(member.node_id, (0.0, 0))
         delay = min(self.max_backoff_s, self.redial_s * 2**failures)
-        self._retry_at[member.node_id] = (time.monotonic() + delay, failures + 1)
+        self._retry_at[member.node_id] = (self.clock() + delay, failures + 1)
         level = logging.INFO if failures == 0 else logging.DEBUG  # once while it stays away
         log.log(level, "cannot reach member %s at %s", member.node_id[:12], ", ".join(problems))
