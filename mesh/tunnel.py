@@ -50,7 +50,8 @@ Behaviour: a peer with our own node id (copied home dir) is refused with DUPLICA
 ``DuplicateNodeError`` (raised by ``connect``, logged and passed to ``on_duplicate_node`` on the
 accepting side). Simultaneous dials collapse to one connection: the one initiated by the lower
 node id wins on both sides, the other is closed with SUPERSEDED (``connect`` then returns the
-winner). Pings every ``ping_interval`` s; a peer silent for ``ping_timeout`` s (no datagram at
+winner). A fresh connection from a peer always replaces an old one that went silent (the peer
+restarted), so a restarted node is reachable at once, not only after the ping timeout. Pings every ``ping_interval`` s; a peer silent for ``ping_timeout`` s (no datagram at
 all) gets the connection closed (PING_TIMEOUT) and every stream's reader/sender gets ``ConnectionLost``. Peer resets
 reach readers as ``StreamReset(code)``. Each stream direction is flow-controlled by the
 reader's consumption (see ``tunnel_stream.py``). Finished streams leave no state behind.
@@ -268,8 +269,10 @@ class TunnelEndpoint:
     async def _await_registered(self, node_id: str | None) -> PeerConnection | None:
         if node_id is None:
             return None
+        # The winning connection, if the peer is dialing us too, is at most a handshake away;
+        # if it never comes (the peer kept an old connection we do not have) fail soon.
         try:
-            async with asyncio.timeout(self.config.handshake_timeout):
+            async with asyncio.timeout(min(self.config.handshake_timeout, 3.0)):
                 while (conn := self.connection_for(node_id)) is None:
                     await self._registered.wait()
                 await conn.wait_ready()
@@ -300,16 +303,23 @@ class TunnelEndpoint:
         existing = self.connection_for(conn.peer_node_id)
         if existing is not None and existing is not conn:
             if self._initiator(existing) == self._initiator(conn):
-                loser = existing  # same side dialed again: the old one is stale
+                why = "the same side dialed again"  # e.g. the peer restarted
+            elif existing.silent_for > self._stale_after():
+                why = "the old connection went silent"  # the peer restarted: it is dead
             elif self._initiator(conn) < self._initiator(existing):
-                loser = existing
+                why = "simultaneous dial, lower node id's dial wins"
             else:
                 return False
-            log.info("collapsing duplicate connection to %s", conn.peer_node_id[:12])
-            loser.close(ErrorCode.SUPERSEDED, "simultaneous dial: kept the other connection")
+            log.info("replacing connection to %s: %s", conn.peer_node_id[:12], why)
+            existing.close(ErrorCode.SUPERSEDED, f"replaced: {why}")
         self._by_node[conn.peer_node_id] = conn
         self._notify_registered()
         return True
+
+    def _stale_after(self) -> float:
+        """Silence after which an existing connection loses to a fresh one from the same peer.
+        Both sides ping every ``ping_interval``, so a live peer is rarely silent this long."""
+        return max(0.25, 2 * self.config.ping_interval)
 
     @staticmethod
     def _dialing_to(dial: PeerConnection, incoming: PeerConnection) -> bool:

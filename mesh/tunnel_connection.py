@@ -116,6 +116,11 @@ class PeerConnection:
         )
 
     @property
+    def silent_for(self) -> float:
+        """Seconds since the last datagram from the peer."""
+        return self._loop.time() - self._protocol.last_heard
+
+    @property
     def active_streams(self) -> int:
         """Request streams not yet done in both directions (the control stream not counted)."""
         return sum(1 for s in self._streams.values() if s is not self.control)

@@ -643,3 +643,29 @@ async def test_killed_peer_process_is_detected(pair) -> None:
     await asyncio.wait_for(conn.closed.wait(), FAST.ping_timeout + 3)
     assert conn.close_code == ErrorCode.PING_TIMEOUT
     assert a.connections == []
+
+
+async def test_restarted_peer_replaces_the_dead_connection_at_once() -> None:
+    """The peer dies silently and comes back (same identity, new port) before the keep-alive
+    noticed: its fresh dial must win even though the dead connection would win the tie."""
+    idents = sorted((NodeIdentity.generate() for _ in range(2)), key=lambda i: i.node_id)
+    slow_detect = replace(FAST, ping_timeout=30.0)  # only the staleness rule can help
+    a = TunnelEndpoint(idents[0], "127.0.0.1", 0, config=slow_detect)  # the lower node id
+    b1 = TunnelEndpoint(idents[1], "127.0.0.1", 0, config=slow_detect)
+    b2 = TunnelEndpoint(idents[1], "127.0.0.1", 0, config=slow_detect)
+    for endpoint in (a, b1, b2):
+        serve_with(endpoint, echo_handler)
+        await endpoint.start()
+    try:
+        old = await dial(a, b1)  # initiated by the lower id: it would win a plain tie-break
+        assert b1._server is not None
+        b1._server._transport.close()  # b1 dies without a word
+        await eventually(lambda: old.silent_for > a._stale_after())
+        fresh = await b2.connect("127.0.0.1", a.port, expected_node_id=a.identity.node_id)
+        assert (await request(fresh, "/again", b"x"))[-1] == End()
+        await eventually(lambda: old.is_closed)
+        assert old.close_code == ErrorCode.SUPERSEDED
+        assert a.connection_for(idents[1].node_id) is not old
+    finally:
+        for endpoint in (a, b1, b2):
+            await endpoint.close()
