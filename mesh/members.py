@@ -25,6 +25,9 @@ class Member(BaseModel):
     public_key: str  # hex
     fingerprint: str = ""  # certificate fingerprint: the pin for dialing it
     addresses: list[str] = Field(default_factory=list)
+    # Unix time the member itself stated these addresses (its own start, or its handshake):
+    # second-hand copies from gossip must not undo a newer first-hand one.
+    updated_at: float = 0.0
 
 
 class InviteRecord(BaseModel):
@@ -56,8 +59,9 @@ class MemberStore(BaseModel):
             return False
         if known == member:
             return False
-        if known is not None and not member.addresses:
-            member = member.model_copy(update={"addresses": known.addresses})
+        if known is not None and (not member.addresses or member.updated_at < known.updated_at):
+            if known.addresses:
+                return False  # nothing newer than what we know
         self.members[member.node_id] = member
         return True
 

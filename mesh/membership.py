@@ -285,6 +285,7 @@ class ServerHandshake(_Handshake):
             public_key=hello.public_key,
             fingerprint=hello.fingerprint,
             addresses=hello.addresses,
+            updated_at=self.now,
         )
         self.store.add_member(self.peer)
         self._set_state(HandshakeState.ACCEPTED)

@@ -181,7 +181,7 @@ class MeshService:
                 await self.endpoint.close()
                 raise
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._gossip_loop()), loop.create_task(self.dialer.run())]
+        self._tasks += [loop.create_task(self._gossip_loop()), loop.create_task(self.dialer.run())]
         if self.config.discovery:
             await self._start_discovery()
 
@@ -221,6 +221,7 @@ class MeshService:
             public_key=self.identity.public_key_bytes.hex(),
             fingerprint=self.identity.cert_fingerprint,
             addresses=self.addresses,
+            updated_at=time.time(),
         )
         self.members.add_member(me)
         save_members(self.home, self.members)

@@ -402,3 +402,15 @@ def test_files_are_private_and_roundtrip(tmp_path, mesh, store):
     for name in ("mesh.json", "members.json"):
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
     assert load_credentials(tmp_path / "nowhere") is None
+
+
+def test_store_keeps_the_newest_addresses(store):
+    member = KeySigner()
+    fresh = member.member(["10.0.0.2:9338"]).model_copy(update={"updated_at": 200.0})
+    stale = member.member(["10.0.0.2:1111"]).model_copy(update={"updated_at": 100.0})
+    assert store.add_member(fresh)
+    assert not store.merge([stale])  # a second-hand old copy arrives through gossip
+    assert store.members[member.node_id].addresses == ["10.0.0.2:9338"]
+    newer = member.member(["10.0.0.3:9338"]).model_copy(update={"updated_at": 300.0})
+    assert store.merge([newer])
+    assert store.members[member.node_id].addresses == ["10.0.0.3:9338"]
