@@ -67,6 +67,7 @@ class LabOptions:
     model: str | None = None  # a real model for every node instead of tiny ones
     seed: int | None = 1
     start_timeout_s: float = 240.0  # model load on a busy CPU is slow
+    settle_timeout_s: float = 60.0  # after the run: time allowed to re-converge
     show: bool = True
 
 
@@ -241,6 +242,8 @@ class NetLab:
                 other = ids.get(str(peer.get("node_id")))
                 if peer.get("connected") and other is not None:
                     connected.add((min(index, other), max(index, other)))
+        if not connected:
+            return []
         before = {pair: self.fabric.datagrams(*pair) for pair in connected}
         await asyncio.sleep(window_s)
         return sorted(pair for pair in connected if self.fabric.datagrams(*pair) == before[pair])
@@ -373,21 +376,22 @@ class NetLab:
             await asyncio.wait_for(probe_task, probe.timeout_s + 10)
             writer.close()
         self.event("probe-end", rows=len(prober.rows))
-        bypassed = await self.bypassed_links()
         verdict = judge(self.scenario, prober.rows, started_at)
+        try:  # every running node must see every running node's model again
+            await self.wait_converged(self.options.settle_timeout_s)
+        except LabError as exc:
+            self.event("not-converged", error=str(exc).splitlines()[0])
+            verdict = _fail(
+                verdict, f"the mesh did not re-converge within {self.options.settle_timeout_s:g}s"
+            )
+        bypassed = await self.bypassed_links()
         if bypassed:
             self.event("bypassed", links=", ".join(f"{a}<->{b}" for a, b in bypassed))
         voided = [pair for pair in bypassed if pair in self.scenario.faulted_pairs()]
         if voided:
             links = ", ".join(f"{a}<->{b}" for a, b in voided)
-            verdict = verdict.model_copy(
-                update={
-                    "passed": False,
-                    "reasons": [
-                        *verdict.reasons,
-                        f"links {links} bypassed the chaos proxies: their faults were not applied",
-                    ],
-                }
+            verdict = _fail(
+                verdict, f"links {links} bypassed the chaos proxies: their faults were not applied"
             )
         write_summary(out, summarize(prober.rows), prober.rows)
         return LabRun(verdict=verdict, rows=prober.rows, events=self.events)
@@ -407,6 +411,10 @@ class NetLab:
             await self.fabric.close()
         await self._client.aclose()
         self.registry.uninstall_cleanup()
+
+
+def _fail(verdict: Verdict, reason: str) -> Verdict:
+    return verdict.model_copy(update={"passed": False, "reasons": [*verdict.reasons, reason]})
 
 
 async def _build_tiny_models(paths: list[Path]) -> None:
