@@ -38,23 +38,32 @@ API for the integrator::
 
 Frames bigger than 1 MiB do not exist: send a large body as several ``Body`` frames.
 
-Security: TLS 1.3 with each node's Ed25519 certificate (ALPN ``mlx-mesh/1``, no 0-RTT). The
-dialer pins the server's certificate fingerprint or node id. The server requests the client's
-certificate (mutual TLS, via a private aioquic flag – see ``_request_client_certificate``); TLS
-proves the client holds the key, so ``conn.peer_node_id`` / ``peer_public_key`` are known on
-both sides. Whether a peer is a MEMBER is decided above this layer (membership handshake on the
-control stream); until ``mark_authenticated()`` the peer's request streams are held (up to
+Security: TLS 1.3 with each node's Ed25519 certificate (aioquic signs with ed25519 as is; no
+ECDSA fallback needed), ALPN ``mlx-mesh/1``, no 0-RTT, 1200-byte datagrams. The dialer pins the
+server's certificate fingerprint or node id. The server requests the client's certificate
+(mutual TLS, through a private aioquic flag – see ``tunnel_peer.py``); TLS proves the client
+holds the key, so ``conn.peer_node_id`` / ``peer_public_key`` are known on both sides. Whether
+a peer is a MEMBER is decided above this layer (membership handshake on the control stream);
+until ``mark_authenticated()`` the peer's request streams are held (up to
 ``max_held_streams``, beyond that reset with REJECTED), never served.
 
-Behaviour: a peer with our own node id (copied home dir) is refused with DUPLICATE_NODE and a
-``DuplicateNodeError`` (raised by ``connect``, logged and passed to ``on_duplicate_node`` on the
-accepting side). Simultaneous dials collapse to one connection: the one initiated by the lower
-node id wins on both sides, the other is closed with SUPERSEDED (``connect`` then returns the
-winner). A fresh connection from a peer always replaces an old one that went silent (the peer
-restarted), so a restarted node is reachable at once, not only after the ping timeout. Pings every ``ping_interval`` s; a peer silent for ``ping_timeout`` s (no datagram at
-all) gets the connection closed (PING_TIMEOUT) and every stream's reader/sender gets ``ConnectionLost``. Peer resets
-reach readers as ``StreamReset(code)``. Each stream direction is flow-controlled by the
-reader's consumption (see ``tunnel_stream.py``). Finished streams leave no state behind.
+Behaviour:
+
+* A peer with our own node id (copied home dir) is refused with DUPLICATE_NODE and a
+  ``DuplicateNodeError`` (raised by ``connect``; logged and passed to ``on_duplicate_node``
+  on the accepting side).
+* Simultaneous dials collapse to one connection: the one initiated by the lower node id wins
+  on both sides, the other is closed with SUPERSEDED (``connect`` returns the winner).
+  Concurrent ``connect`` calls to one peer share one dial. A fresh connection from a peer
+  replaces an old one that went silent (the peer restarted), so a restarted node is
+  reachable at once, not only after the keep-alive noticed.
+* Keep-alive: a ping every ``ping_interval`` s (aioquic has none); a peer silent for
+  ``ping_timeout`` s (no datagram at all) gets the connection closed with PING_TIMEOUT and
+  every stream's reader/sender gets ``ConnectionLost``. ``conn.rtt`` comes from the pings.
+* Peer resets reach readers as ``StreamReset(code)``; EOF without the terminal frame raises
+  ``IncompleteResponse``. Each stream direction is flow-controlled by the reader's
+  consumption (see ``tunnel_stream.py``). Finished streams leave no state behind.
+* A control stream that fails, or frames out of order, close with PROTOCOL.
 
 Large transfers (model weights) never go through the tunnel: it carries requests, token
 streams and control messages only.
