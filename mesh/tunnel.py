@@ -63,7 +63,8 @@ Behaviour:
 * Peer resets reach readers as ``StreamReset(code)``; EOF without the terminal frame raises
   ``IncompleteResponse``. Each stream direction is flow-controlled by the reader's
   consumption (see ``tunnel_stream.py``). Finished streams leave no state behind.
-* A control stream that fails, or frames out of order, close with PROTOCOL.
+* Frames out of order reset their stream with PROTOCOL; a failed control stream closes the
+  connection with PROTOCOL.
 
 Large transfers (model weights) never go through the tunnel: it carries requests, token
 streams and control messages only.
