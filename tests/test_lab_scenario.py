@@ -226,3 +226,18 @@ def test_one_step_scenarios_have_no_during_phase() -> None:
     scenario = parse_scenario(MINIMAL + '[[steps]]\nat = 5\naction = "kill"\nnode = 1\n')
     phases = judge(scenario, [_row(1001.0), _row(1009.0)], 1000.0).phases
     assert [(p.phase, p.requests) for p in phases] == [("before faults", 1), ("after", 1)]
+
+
+def test_suite_markdown_row() -> None:
+    from lab.suite import HEADER, render
+
+    verdict = judge(
+        SCENARIO, [_row(1001.0, ttft_s=0.1), _row(1006.0, "hung"), _row(1011.0, ttft_s=0.2)], 1000.0
+    )
+    table = render([verdict])
+    assert table.startswith(HEADER)
+    row = table.splitlines()[-1]
+    assert row.startswith(
+        "| x | 3 | 2 | 0 | 0 | **1** | 1/1 | 1.0 s | 1/1 · 0.10 / 0.10 | 0/1 · – / – |"
+    )
+    assert "FAIL: 1 hung requests" in row

@@ -104,6 +104,21 @@ def run_command(
     raise typer.Exit(run_scenario_cli(scenario, out_dir=out, model=model, seed=seed))
 
 
+@lab_app.command("suite")
+def suite_command(
+    scenarios: list[str] = typer.Argument(None, help="Scenarios (default: every bundled one)."),
+    out: Path = typer.Option(..., "--out", help="Output directory (one folder per scenario)."),
+    markdown: Path | None = typer.Option(None, "--markdown", help="Also write the table here."),
+) -> None:
+    """Run several scenarios in turn and print one markdown table of their verdicts."""
+    from lab.suite import main as suite_main
+
+    argv = [*(scenarios or []), "--out", str(out)]
+    if markdown is not None:
+        argv += ["--markdown", str(markdown)]
+    raise typer.Exit(suite_main(argv))
+
+
 @lab_app.command("scenarios")
 def scenarios_command() -> None:
     """List the bundled scenarios."""
