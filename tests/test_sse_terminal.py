@@ -194,3 +194,30 @@ def test_malformed_event_from_upstream_still_ends_with_an_error_frame():
         )
 
     asyncio.run(case())
+
+
+def test_keepalives_flow_and_disconnect_cancels_over_real_http():
+    import time
+
+    import httpx
+
+    from gateway.testing import ServerThread
+
+    upstream = ScriptedUpstream.of(Stall())
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), upstream)
+    app = create_app(directory, GatewayConfig(keepalive_s=0.02, header_wait_s=0.05))
+    with ServerThread(app) as server:
+        seen = 0
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json=BODIES["/v1/chat/completions"]
+        ) as response:
+            assert response.headers["x-route"] == "local"
+            for line in response.iter_lines():
+                seen += line == ": keep-alive"
+                if seen == 3:
+                    break
+        deadline = time.monotonic() + 5
+        while upstream.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert upstream.cancelled == 1 and upstream.active == 0
