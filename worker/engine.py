@@ -223,6 +223,9 @@ class Engine:
         from worker.sequential import SequentialGenerator
 
         model, tokenizer, config = load(self.model_path, return_config=True)
+        if self.config.cpu_float32 and mx.default_device() == mx.cpu:
+            model.set_dtype(mx.float32)
+            mx.eval(model.parameters())
         self.tokenizer = tokenizer
         self.info = ModelInfo.from_config(config, model)
         self.context_length = self.info.context_length
