@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mesh.errors import ClosedError, ConnectionLost, IncompleteResponse, StreamReset
+from mesh.errors import ClosedError, ConnectionLost, IncompleteResponse, MeshError, StreamReset
 from mesh.frames import Body, BodyEnd, Data, End, ErrorCode, RequestHead, ResponseHead, Window
 from mesh.tunnel_pipe import StreamPipe
 
@@ -166,3 +168,23 @@ async def test_wait_broken_reports_connection_loss() -> None:
     watcher = asyncio.create_task(pipe.responder.wait_broken())
     pipe.lose()
     assert isinstance(await asyncio.wait_for(watcher, 5), ConnectionLost)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=6), st.booleans())
+def test_arbitrary_peer_bytes_surface_only_mesh_errors(chunks: list[bytes], fin: bool) -> None:
+    async def scenario() -> None:
+        pipe = StreamPipe()
+        for i, chunk in enumerate(chunks):
+            pipe.responder._on_data(chunk, fin and i == len(chunks) - 1)
+        if fin and not chunks:
+            pipe.responder._on_data(b"", True)
+        try:
+            while True:
+                frame = await asyncio.wait_for(pipe.responder.recv(), 0.05)
+                if frame is None:
+                    break
+        except (MeshError, TimeoutError):
+            pass  # TimeoutError: no EOF yet, the stream simply waits for more
+
+    asyncio.run(scenario())
