@@ -41,7 +41,7 @@ def client(served: tuple[str, Engine]) -> openai.OpenAI:
     return openai.OpenAI(base_url=served[0], api_key="unused", max_retries=0, timeout=60)
 
 
-def wait_until(predicate: Callable[[], bool], limit_s: float = 20.0) -> None:
+def wait_until(predicate: Callable[[], bool], limit_s: float = 120.0) -> None:
     deadline = time.monotonic() + limit_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"

@@ -57,7 +57,7 @@ async def run(
     raise AssertionError("no terminal event")
 
 
-async def wait_until(predicate: Callable[[], bool], limit_s: float = 20.0) -> None:
+async def wait_until(predicate: Callable[[], bool], limit_s: float = 120.0) -> None:
     deadline = time.monotonic() + limit_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
