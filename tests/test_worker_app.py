@@ -280,7 +280,7 @@ def test_second_turn_reports_cached_tokens(tool: tuple[str, Engine]) -> None:
 def test_client_never_waits_for_the_commit(think: tuple[str, Engine]) -> None:
     _, engine = think
     release = threading.Event()
-    engine.before_commit = lambda _job_id: release.wait(20)
+    engine.before_commit = lambda _job_id: release.wait(120)
     commits = engine.stats.commits
     try:
         chunks = list(

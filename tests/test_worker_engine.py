@@ -164,7 +164,7 @@ async def test_whole_first_turn_reused_when_history_renders_the_same(
 
 
 async def test_next_request_waits_for_pending_commit(tiny_think_model_dir: Path) -> None:
-    engine = Engine(str(tiny_think_model_dir), config=EngineConfig(commit_wait_s=30))
+    engine = Engine(str(tiny_think_model_dir), config=EngineConfig(commit_wait_s=300))
     engine.start(timeout=60)
     try:
         prompt = prompt_of(engine, "Remember this long question please", enable_thinking=False)
