@@ -120,7 +120,9 @@ class NetLab:
         args: list[str] = []
         to_build: dict[str, Path] = {}
         for index, spec in enumerate(self.scenario.nodes):
-            if self.options.model and spec.is_tiny:
+            if not spec.serves:
+                args.append("")
+            elif self.options.model and spec.is_tiny:
                 args.append(self.options.model)
             elif not spec.is_tiny:
                 args.append(spec.model)
@@ -142,7 +144,11 @@ class NetLab:
             raise LabError(f"`mesh up` lacks the flags the lab needs: {', '.join(missing)}")
         ok, why = namespace_support()
         self.event(
-            "network", method="chaos proxies", netns=("available" if ok else "unavailable"), why=why
+            "network",
+            method="chaos proxies",
+            netns=("available" if ok else "unavailable"),
+            why=why,
+            direct_dial="off via --advertise" if "--advertise" in self.flags else "off via patch",
         )
         model_args = await self._model_args()
         for index, spec in enumerate(self.scenario.nodes):
@@ -171,6 +177,14 @@ class NetLab:
                 await self.join(node, wait=True)
         await self.wait_converged()
 
+    def probe_models(self) -> list[str] | None:
+        """The scenario's probe models, with tiny ids mapped to what the nodes really serve
+        (they differ under ``--model``)."""
+        if self.scenario.probe.models is None:
+            return None
+        served = {n.spec.model_id(n.index): n.model_id for n in self.nodes if n.spec.serves}
+        return list(dict.fromkeys(served.get(m, m) for m in self.scenario.probe.models))
+
     async def start_node(self, node: LabNode, join_token: str | None) -> None:
         assert self.fabric is not None
         argv = node.up_argv(
@@ -188,7 +202,9 @@ class NetLab:
     async def join(self, node: LabNode, *, wait: bool) -> None:
         """Invite from the first running node, dialled through this node's proxy towards it."""
         assert self.fabric is not None
-        inviter = next(n for n in self.nodes if n.running() and n.index != node.index)
+        inviter = next((n for n in self.nodes if n.running() and n.index != node.index), None)
+        if inviter is None:
+            raise LabError(f"node {node.index} cannot join: no running node to invite it")
         token = rewrite_invite(
             await mint_invite(self._client, inviter), self.fabric.address(node.index, inviter.index)
         )
@@ -207,7 +223,7 @@ class NetLab:
     async def wait_converged(self, timeout_s: float | None = None) -> None:
         """Until every running node lists the models of every running node."""
         running = self.running_nodes()
-        expected = {n.model_id for n in running}
+        expected = {n.model_id for n in running if n.spec.serves}
 
         async def converged() -> bool:
             listed = [await listed_models(self._client, n) for n in running]
@@ -345,7 +361,7 @@ class NetLab:
         target = self.nodes[probe.target]
         config = ProbeConfig(
             urls=[target.url],
-            models=probe.models,
+            models=self.probe_models(),
             apis=list(probe.apis),
             interval_s=probe.interval_s,
             timeout_s=probe.timeout_s,

@@ -118,7 +118,9 @@ class LabNode:
 
     @property
     def model_id(self) -> str:
-        return self.spec.model_id(self.index)
+        """The id the node serves its model under (a directory serves as its name)."""
+        path = Path(self.model_arg)
+        return path.name if path.is_dir() else self.model_arg
 
     @property
     def log_path(self) -> Path:
@@ -134,7 +136,7 @@ class LabNode:
         argv = mesh_argv(
             "up",
             "--home", str(self.home),
-            "--model", self.model_arg,
+            *(["--model", self.model_arg] if self.spec.serves else ["--no-worker"]),
             "--port", str(self.http_port),
             "--mesh-port", str(self.mesh_port),
             "--no-discovery",

@@ -151,7 +151,8 @@ Step = Annotated[
 
 class NodeSpec(_Strict):
     # "tiny" (served as tiny-<index>), "tiny:<name>" (a tiny model served as <name>; nodes with
-    # the same name get the same weights), or a real model name/path for `mesh up --model`.
+    # the same name get the same weights), "none" (gateway only: `mesh up --no-worker`), or a
+    # real model name/path for `mesh up --model`.
     model: str = "tiny"
     start: bool = True  # False: started by a later `join` step
 
@@ -159,8 +160,12 @@ class NodeSpec(_Strict):
     def is_tiny(self) -> bool:
         return self.model == "tiny" or self.model.startswith("tiny:")
 
+    @property
+    def serves(self) -> bool:
+        return self.model != "none"
+
     def model_id(self, index: int) -> str:
-        """The id this node serves its model under."""
+        """The id this node serves its model under ("none" for a gateway-only node)."""
         if self.model == "tiny":
             return f"tiny-{index}"
         return self.model.removeprefix("tiny:")

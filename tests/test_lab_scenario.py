@@ -241,3 +241,10 @@ def test_suite_markdown_row() -> None:
         "| x | 3 | 2 | 0 | 0 | **1** | 1/1 | 1.0 s | 1/1 · 0.10 / 0.10 | 0/1 · – / – |"
     )
     assert "FAIL: 1 hung requests" in row
+
+
+def test_gateway_only_nodes() -> None:
+    scenario = parse_scenario(
+        MINIMAL.replace("[[nodes]]\n[[nodes]]", '[[nodes]]\nmodel = "none"\n[[nodes]]')
+    )
+    assert [n.serves for n in scenario.nodes] == [False, True]
