@@ -176,13 +176,14 @@ class LanDiscovery:
             await self._browser.async_cancel()
             self._browser = None
         if self._zc is not None:
-            if self._info is not None:
-                try:
-                    await self._zc.async_unregister_service(self._info)
-                except OSError as exc:
-                    log.debug("mDNS unregister failed: %s", exc)
-            await self._zc.async_close()
-            self._zc = None
+            zc, self._zc = self._zc, None
+            try:
+                # Closing sends the goodbyes for what we registered; never let it hold up a
+                # node's shutdown.
+                async with asyncio.timeout(3.0):
+                    await zc.async_close()
+            except (OSError, TimeoutError) as exc:
+                log.warning("mDNS shutdown incomplete: %s", exc)
 
 
 def _is_ipv4(address: str) -> bool:

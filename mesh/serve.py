@@ -97,7 +97,7 @@ class TunnelServer:
     async def _run(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
         await stream.send(ResponseHead(status=200))
         pump = asyncio.ensure_future(self._pump(stream, request, routes, deadline))
-        watch = asyncio.ensure_future(_until_peer_gone(stream))
+        watch = asyncio.ensure_future(stream.wait_broken())  # the requester reset or left
         try:
             done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
             if pump in done:
@@ -120,19 +120,6 @@ class TunnelServer:
             await stream.send(Data(_encode(Error(kind="timeout", message="deadline passed"))))
         finally:
             await events.aclose()
-
-
-async def _until_peer_gone(stream) -> None:
-    """Returns once the requester reset the stream or the connection died.
-
-    ``TunnelStream.recv`` returns None for good after BodyEnd, so it cannot report a later
-    reset. The stream records one in ``_error`` and wakes ``_readable``; nobody else reads the
-    stream at this point, so waiting on that event here is safe. (A public "wait until broken"
-    on TunnelStream would replace this helper.)
-    """
-    while getattr(stream, "_error", None) is None:
-        stream._readable.clear()
-        await stream._readable.wait()
 
 
 def _encode(event: Event) -> bytes:
