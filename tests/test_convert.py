@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +23,8 @@ from gguf_fixtures import (
     tiny_config,
     write_gguf,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worker.convert import (
     ConvertError,
@@ -27,6 +32,7 @@ from worker.convert import (
     UnsupportedModelError,
     convert_gguf,
 )
+from worker.convert.gguf_file import GGUFFile
 from worker.convert.llama import unpermute_order
 
 
@@ -279,3 +285,60 @@ def test_unknown_tensor_is_an_error_not_dropped(tmp_path: Path) -> None:
     out.mkdir()
     with pytest.raises(ConvertError, match="attn_q_norm"):
         convert_gguf(gguf_path, out)
+
+
+def test_metadata_that_contradicts_the_tensors_is_an_error(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    weights = random_weights(cfg)
+    # The header claims a wider MLP than the tensors have: the model would not load.
+    gguf_path = write_gguf(tmp_path / "m.gguf", replace(cfg, intermediate=256), weights)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CorruptGGUFError, match=r"gate_proj\.weight has shape"):
+        convert_gguf(gguf_path, out)
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("fuzz")
+    make_tiny_gguf(directory / "source.gguf")
+    return directory
+
+
+@settings(max_examples=60, deadline=None)
+@given(fraction=st.floats(min_value=0.0, max_value=1.0, exclude_max=True))
+def test_every_truncation_is_caught(fuzz_dir: Path, fraction: float) -> None:
+    source = (fuzz_dir / "source.gguf").read_bytes()
+    path = fuzz_dir / "cut.gguf"
+    path.write_bytes(source[: int(fraction * len(source))])
+    try:
+        gguf = GGUFFile(path)
+    except CorruptGGUFError:
+        return
+    # Only the alignment padding after the last tensor may be cut without losing data.
+    full = GGUFFile(fuzz_dir / "source.gguf")
+    for name, tensor in full.tensors.items():
+        np.testing.assert_array_equal(gguf.tensors[name].data, tensor.data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fraction=st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+    value=st.integers(min_value=0, max_value=255),
+)
+def test_corrupt_header_bytes_convert_or_fail_cleanly(
+    fuzz_dir: Path, fraction: float, value: int
+) -> None:
+    """A changed header byte yields a loadable model or one ConvertError, nothing else."""
+    source = fuzz_dir / "source.gguf"
+    data = bytearray(source.read_bytes())
+    data[int(fraction * GGUFReader(source).data_offset)] = value
+    path = fuzz_dir / "flipped.gguf"
+    path.write_bytes(bytes(data))
+    out = Path(tempfile.mkdtemp(dir=fuzz_dir))
+    try:
+        convert_gguf(path, out, dtype=mx.float32)
+    except ConvertError:
+        pass
+    finally:
+        shutil.rmtree(out)

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.utils import load_model
 
 from worker.convert.arch import Architecture
-from worker.convert.errors import UnsupportedModelError
+from worker.convert.errors import ConvertError, CorruptGGUFError, UnsupportedModelError
 from worker.convert.gemma3 import GEMMA3
 from worker.convert.gguf_file import GGUFFile
 from worker.convert.llama import LLAMA
@@ -51,6 +52,17 @@ def convert_gguf(
     progress = progress or NullProgress()
     progress.stage(f"Reading {gguf_path.name}")
     gguf = GGUFFile(gguf_path)
+    try:
+        _convert(gguf, out_dir, progress, dtype)
+    except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError, OverflowError) as exc:
+        # Metadata that parses but does not describe a consistent model (a corrupt count, a
+        # tensor of the wrong shape) surfaces as one of these from numpy, mlx or mlx-lm.
+        raise ConvertError(
+            f"{gguf_path}: inconsistent model ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _convert(gguf: GGUFFile, out_dir: Path, progress: Progress, dtype: mx.Dtype | None) -> None:
     arch = ARCHITECTURES.get(gguf.architecture)
     if arch is None:
         supported = ", ".join(sorted(ARCHITECTURES))
@@ -85,6 +97,7 @@ def convert_gguf(
             weights.update(arrays)
         progress.advance()
 
+    _check_dimensions(config, weights, layer_quant)
     if layer_quant:
         config["quantization"] = quantization_config(layer_quant)
         config["quantization_config"] = config["quantization"]
@@ -102,6 +115,49 @@ def convert_gguf(
     specials = {k: v for k, v in tokenizer_config.items() if k.endswith("_token")}
     _write_json(out_dir / "special_tokens_map.json", specials)
     _write_json(out_dir / "config.json", config)
+
+    progress.stage("Checking that mlx-lm loads it")
+    # Builds the model from config.json and loads the weights strictly (names and shapes),
+    # without evaluating anything: a directory that passes is one the worker can serve.
+    load_model(out_dir, lazy=True)
+
+
+def _logical_shape(
+    weights: dict[str, mx.array], layer_quant: dict[str, dict[str, int]], name: str
+) -> tuple[int, ...]:
+    shape = tuple(weights[name].shape)
+    quant = layer_quant.get(name.removesuffix(".weight"))
+    if quant is not None:  # packed: 32 // bits values per uint32
+        shape = (*shape[:-1], shape[-1] * 32 // quant["bits"])
+    return shape
+
+
+def _check_dimensions(
+    config: dict[str, Any], weights: dict[str, mx.array], layer_quant: dict[str, dict[str, int]]
+) -> None:
+    """The header's sizes must match the tensors before mlx-lm builds a model from them (a
+    corrupt layer count would otherwise build millions of layers)."""
+    layers = {int(k.split(".")[2]) for k in weights if k.startswith("model.layers.")}
+    n_layers = config["num_hidden_layers"]
+    if len(layers) != n_layers or layers != set(range(len(layers))):
+        raise CorruptGGUFError(
+            f"the header says {n_layers} layers but the file has tensors for {len(layers)}"
+        )
+    heads, kv_heads, head_dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    expected = {
+        "model.embed_tokens.weight": (config["vocab_size"], config["hidden_size"]),
+        "model.layers.0.self_attn.q_proj.weight": (heads * head_dim, config["hidden_size"]),
+        "model.layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, config["hidden_size"]),
+        "model.layers.0.mlp.gate_proj.weight": (config["intermediate_size"], config["hidden_size"]),
+    }
+    for name, shape in expected.items():
+        actual = _logical_shape(weights, layer_quant, name) if name in weights else None
+        if actual != shape:
+            raise CorruptGGUFError(f"{name} has shape {actual}, the header implies {shape}")
 
 
 def quantization_config(layer_quant: dict[str, dict[str, int]]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from worker.convert.errors import UnsupportedModelError
+from worker.convert.errors import CorruptGGUFError, UnsupportedModelError
 from worker.convert.gguf_file import GGUFTensor
 
 GROUP_SIZE = 32
@@ -60,14 +60,17 @@ def target_bits(qtype: QT) -> int:
 
 
 def to_float(tensor: GGUFTensor) -> np.ndarray:
-    """Any tensor as float32 in numpy order."""
-    if tensor.type in (QT.F32, QT.F16):
-        return np.asarray(tensor.data, dtype=np.float32).reshape(tensor.shape)
-    try:
-        values = dequantize(tensor.data, tensor.type)
-    except NotImplementedError as exc:
-        raise UnsupportedModelError(f"tensor type {tensor.type.name} is not supported") from exc
-    return np.asarray(values, dtype=np.float32).reshape(tensor.shape)
+    """Any tensor as finite float32 values in numpy order."""
+    if tensor.type in (QT.F32, QT.F16, QT.F64):
+        values = np.asarray(tensor.data, dtype=np.float32)
+    else:
+        try:
+            with np.errstate(all="ignore"):  # non-finite results are rejected just below
+                values = np.asarray(dequantize(tensor.data, tensor.type), dtype=np.float32)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(f"tensor type {tensor.type.name} is not supported") from exc
+    _check_finite(values, tensor)
+    return values.reshape(tensor.shape)
 
 
 def convert_tensor(tensor: GGUFTensor, dtype: mx.Dtype, quantizable: bool) -> Converted:
@@ -92,8 +95,18 @@ def _blocks(tensor: GGUFTensor, block_bytes: int) -> np.ndarray:
     return np.ascontiguousarray(tensor.data).reshape(rows, cols // GROUP_SIZE, block_bytes)
 
 
-def _f16(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+def _f16(raw: np.ndarray, tensor: GGUFTensor) -> np.ndarray:
+    """A block field of f16 scales/minimums, which must be finite."""
+    values = np.ascontiguousarray(raw).view(np.float16)[..., 0]
+    _check_finite(values, tensor)
+    return values
+
+
+def _check_finite(values: np.ndarray, tensor: GGUFTensor) -> None:
+    # A real model never holds inf/NaN; they mean the data is misplaced or damaged, and would
+    # only show up later as a model that outputs garbage.
+    if not np.isfinite(values).all():
+        raise CorruptGGUFError(f"tensor {tensor.name} holds non-finite values")
 
 
 def _pack(q: np.ndarray, bits: int, rows: int) -> mx.array:
@@ -111,7 +124,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _repack_q4_0(tensor: GGUFTensor) -> QuantizedTensor:
     blocks = _blocks(tensor, 18)
-    d = _f16(blocks[..., 0:2]).astype(np.float32)
+    d = _f16(blocks[..., 0:2], tensor).astype(np.float32)
     q = _pack(_nibbles(blocks[..., 2:18]), 4, tensor.shape[0])
     return QuantizedTensor(
         q, mx.array(d).astype(mx.float16), mx.array(-8 * d).astype(mx.float16), 4
@@ -120,14 +133,14 @@ def _repack_q4_0(tensor: GGUFTensor) -> QuantizedTensor:
 
 def _repack_q4_1(tensor: GGUFTensor) -> QuantizedTensor:
     blocks = _blocks(tensor, 20)
-    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    d, m = _f16(blocks[..., 0:2], tensor), _f16(blocks[..., 2:4], tensor)
     q = _pack(_nibbles(blocks[..., 4:20]), 4, tensor.shape[0])
     return QuantizedTensor(q, mx.array(d), mx.array(m), 4)
 
 
 def _repack_q8_0(tensor: GGUFTensor) -> QuantizedTensor:
     blocks = _blocks(tensor, 34)
-    d = _f16(blocks[..., 0:2]).astype(np.float32)
+    d = _f16(blocks[..., 0:2], tensor).astype(np.float32)
     signed = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8).astype(np.int16)
     q = _pack(signed + 128, 8, tensor.shape[0])
     return QuantizedTensor(

@@ -14,7 +14,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
 
-from worker.convert.errors import UnsupportedModelError
+from worker.convert.errors import CorruptGGUFError, UnsupportedModelError
 from worker.convert.gguf_file import GGUFFile
 
 # llama.cpp token types
@@ -59,13 +59,25 @@ def _byte_level_pre_tokenizer(pre_type: str) -> pre.PreTokenizer:
     return gpt2
 
 
+def _make_tokenizer(model: type, **kwargs: Any) -> Tokenizer:
+    try:
+        return Tokenizer(model(**kwargs))
+    except Exception as exc:  # tokenizers raises bare Exception for an inconsistent vocabulary
+        raise CorruptGGUFError(f"the tokenizer vocabulary is inconsistent: {exc}") from exc
+
+
 def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
     merges_raw = gguf.get("tokenizer.ggml.merges")
     if not merges_raw:
         raise UnsupportedModelError("gpt2 tokenizer without merges")
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    merges = []
+    for merge in merges_raw:
+        left, sep, right = str(merge).partition(" ")
+        if not sep or left not in vocab or right not in vocab or left + right not in vocab:
+            raise CorruptGGUFError(f"merge {merge!r} does not fit the vocabulary")
+        merges.append((left, right))
+    tok = _make_tokenizer(models.BPE, vocab=vocab, merges=merges, fuse_unk=False)
     tok.pre_tokenizer = _byte_level_pre_tokenizer(str(gguf.get("tokenizer.ggml.pre", "default")))
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -87,8 +99,8 @@ def _sentencepiece_bpe(gguf: GGUFFile, tokens: list[str], types: list[int]) -> T
     merges = [(left, right) for *_, left, right in ranked]
     unk_id = gguf.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tok = _make_tokenizer(
+        models.BPE, vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True
     )
     add_prefix = bool(gguf.get("tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Prepend("▁")] if add_prefix else []
