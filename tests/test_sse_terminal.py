@@ -180,7 +180,10 @@ def test_non_streaming_request_cancels_upstream_on_disconnect():
 
 def test_malformed_event_from_upstream_still_ends_with_an_error_frame():
     async def case() -> None:
-        upstream = ScriptedUpstream.of(TextDelta("a"), TextDelta(None), Done())  # type: ignore[arg-type]
+        broken = ToolCallDelta(0, arguments=None)  # type: ignore[arg-type]
+        upstream = ScriptedUpstream.of(
+            TextDelta("a"), ToolCallDelta(0, id="c", name="f"), broken, Done()
+        )
         directory = StaticDirectory()
         directory.add(ModelInfo(id="m"), upstream)
         app = create_app(directory, GatewayConfig())

@@ -33,8 +33,9 @@ class ToolCallState:
 class Accumulator:
     """The whole answer so far: what non-streaming bodies and final events are built from."""
 
-    text: str = ""
-    reasoning: str = ""
+    # Parts, joined on demand: += on a long answer would copy it once per token (quadratic).
+    text_parts: list[str] = field(default_factory=list)
+    reasoning_parts: list[str] = field(default_factory=list)
     reasoning_deltas: int = 0
     tool_calls: dict[int, ToolCallState] = field(default_factory=dict)
     usage: Usage | None = None
@@ -44,9 +45,9 @@ class Accumulator:
     def add(self, event: Event) -> ToolCallState | None:
         """Fold one event in; returns the tool call when ``event`` opened a new one."""
         if isinstance(event, TextDelta):
-            self.text += event.text
+            self.text_parts.append(event.text)
         elif isinstance(event, ReasoningDelta):
-            self.reasoning += event.text
+            self.reasoning_parts.append(event.text)
             self.reasoning_deltas += 1
         elif isinstance(event, ToolCallDelta):
             call = self.tool_calls.get(event.index)
@@ -68,6 +69,14 @@ class Accumulator:
         elif isinstance(event, Error):
             self.error = event
         return None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
 
     @property
     def prompt_tokens(self) -> int:

@@ -218,7 +218,7 @@ class MessagesStreamEncoder:
         self.index = -1
         self.kind = ""  # kind of the open block, "" when none
         self.tool_index: int | None = None
-        self.thinking = ""
+        self.thinking: list[str] = []  # the open thinking block's text, for its signature
 
     def keepalive(self) -> bytes:
         return sse.named_frame("ping", {"type": "ping"})
@@ -250,9 +250,9 @@ class MessagesStreamEncoder:
             return b""
         out = b""
         if self.kind == "thinking":
-            delta = {"type": "signature_delta", "signature": _signature(self.thinking)}
+            delta = {"type": "signature_delta", "signature": _signature("".join(self.thinking))}
             out += self._delta(delta)
-            self.thinking = ""
+            self.thinking = []
         self.kind = ""
         return out + sse.named_frame(
             "content_block_stop", {"type": "content_block_stop", "index": self.index}
@@ -275,7 +275,7 @@ class MessagesStreamEncoder:
                 if self.kind == "thinking"
                 else self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             )
-            self.thinking += event.text
+            self.thinking.append(event.text)
             return out + self._delta({"type": "thinking_delta", "thinking": event.text})
         if isinstance(event, ToolCallDelta):
             out = b""

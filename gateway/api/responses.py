@@ -248,6 +248,7 @@ class ResponsesStreamEncoder:
         self.output: list[dict[str, Any]] = []  # finished items
         self.item: dict[str, Any] | None = None  # the open item
         self.item_kind = ""
+        self.item_parts: list[str] = []
         self.item_index = -1
         self.tool_index: int | None = None
 
@@ -268,6 +269,7 @@ class ResponsesStreamEncoder:
     def _open(self, kind: str, item: dict[str, Any]) -> bytes:
         out = self._close()
         self.item, self.item_kind = item, kind
+        self.item_parts: list[str] = []  # the open message/reasoning item's text so far
         self.item_index = len(self.output)
         out += self._event(
             "response.output_item.added", {"output_index": self.item_index, "item": item}
@@ -293,13 +295,13 @@ class ResponsesStreamEncoder:
         out = b""
         done = dict(item, status=status)
         if self.item_kind == "message":
-            text = item["_text"]
+            text = "".join(self.item_parts)
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out += self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
             out += self._event("response.content_part.done", {**where, "part": part})
             done["content"] = [part]
         elif self.item_kind == "reasoning":
-            text = item["_text"]
+            text = "".join(self.item_parts)
             part = {"type": "reasoning_text", "text": text}
             out += self._event("response.reasoning_text.done", {**where, "text": text})
             out += self._event("response.content_part.done", {**where, "part": part})
@@ -314,7 +316,6 @@ class ResponsesStreamEncoder:
                     "name": item["name"],
                 },
             )
-        done.pop("_text", None)
         out += self._event("response.output_item.done", {"output_index": index, "item": done})
         self.output.append(done)
         return out
@@ -332,10 +333,9 @@ class ResponsesStreamEncoder:
                         "role": "assistant",
                         "status": "in_progress",
                         "content": [],
-                        "_text": "",
                     },
                 )
-            self.item["_text"] += event.text  # type: ignore[index]
+            self.item_parts.append(event.text)
             where = {
                 "item_id": self.item["id"],
                 "output_index": self.item_index,
@@ -355,10 +355,9 @@ class ResponsesStreamEncoder:
                         "summary": [],
                         "status": "in_progress",
                         "content": [],
-                        "_text": "",
                     },
                 )
-            self.item["_text"] += event.text  # type: ignore[index]
+            self.item_parts.append(event.text)
             where = {
                 "item_id": self.item["id"],
                 "output_index": self.item_index,
