@@ -248,15 +248,15 @@ class MeshService:
         self._join = token
         problems: list[str] = []
         for address in token.addresses:
-            host, port = split_address(address)
             try:
+                host, port = split_address(address)
                 conn = await self.endpoint.connect(
                     host,
                     port,
                     expected_fingerprint=token.fingerprint,
                     expected_node_id=token.inviter,
                 )
-            except ConnectError as exc:
+            except (ConnectError, ValueError) as exc:
                 problems.append(f"{address}: {exc}")
                 continue
             if await self._wait_link(conn) and self.credentials is not None:
@@ -448,15 +448,23 @@ class MeshService:
                         self._load = await self.load_probe()
                 except (OSError, TimeoutError, ValueError) as exc:
                     log.debug("load probe failed: %s", exc)
-            state = self._publisher.poll(self.local_state(), now)
-            if state is not None:
-                self._last_state = state
-                await self._broadcast(_gossip(state))
-            for peer_id, conn in list(self.links.items()):
-                if conn.rtt is not None:
-                    self.peers.on_rtt(peer_id, conn.rtt)
-            self.peers.tick(now)
+            try:
+                await self._gossip_round(now)
+            except Exception:
+                # One bad round (a bug) must not silence this node for good: peers would
+                # mark it down. Log it with its traceback and try again next round.
+                log.exception("gossip round failed")
             await asyncio.sleep(min(0.5, self.config.gossip_interval_s / 2))
+
+    async def _gossip_round(self, now: float) -> None:
+        state = self._publisher.poll(self.local_state(), now)
+        if state is not None:
+            self._last_state = state
+            await self._broadcast(_gossip(state))
+        for peer_id, conn in list(self.links.items()):
+            if conn.rtt is not None:
+                self.peers.on_rtt(peer_id, conn.rtt)
+        self.peers.tick(now)
 
     async def _broadcast(self, frame: Control) -> None:
         for peer_id, conn in list(self.links.items()):
@@ -490,11 +498,15 @@ class MeshService:
     # ------------------------------------------------------------------ discovery
 
     async def _start_discovery(self) -> None:
+        hosts = []
+        for address in self.addresses:
+            with contextlib.suppress(ValueError):  # not HOST:PORT: nothing to advertise
+                hosts.append(split_address(address)[0])
         self._discovery = LanDiscovery(
             node_id=self.node_id,
             mesh_id=self.mesh_id,
             port=self.endpoint.port,
-            host_addresses=[split_address(a)[0] for a in self.addresses],
+            host_addresses=hosts,
             on_found=self._on_found,
         )
         await self._discovery.start()
