@@ -51,6 +51,17 @@ def _encode(module, encoder_cls, body: dict, events: list) -> list[tuple[str | N
     return _frames(raw)
 
 
+def _private_keys(value) -> list[str]:
+    """Keys starting with "_" anywhere in a payload: internal state leaking onto the wire."""
+    if isinstance(value, dict):
+        return [k for k in value if k.startswith("_")] + [
+            p for v in value.values() for p in _private_keys(v)
+        ]
+    if isinstance(value, list):
+        return [p for v in value for p in _private_keys(v)]
+    return []
+
+
 def _expected_text(events, kind) -> str:
     return "".join(e.text for e in events if isinstance(e, kind))
 
@@ -65,6 +76,7 @@ def test_chat_chunks_validate_and_add_up(deltas, calls, ending):
         "stream_options": {"include_usage": True},
     }
     frames = _encode(chat, chat.ChatStreamEncoder, body, events)
+    assert not [k for _, d in frames[:-1] for k in _private_keys(orjson.loads(d))]
     assert frames[-1][1] == "[DONE]"
     payloads = [orjson.loads(d) for _, d in frames[:-1]]
     if isinstance(ending, Error):
@@ -132,6 +144,7 @@ def test_anthropic_events_validate_and_add_up(deltas, calls, ending):
     events = _events(deltas, calls, ending)
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
     frames = _encode(messages, messages.MessagesStreamEncoder, body, events)
+    assert not [k for _, d in frames for k in _private_keys(orjson.loads(d))]
     if isinstance(ending, Error):
         assert frames[-1][0] == "error" and orjson.loads(frames[-1][1])["type"] == "error"
         frames = frames[:-1]
