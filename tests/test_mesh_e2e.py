@@ -1,7 +1,8 @@
 """Two real ``mesh up`` processes on loopback with the tiny model: B (no worker) joins A's mesh
 with an invite from ``mesh invite``, and serves A's model. Under greedy decoding the text that
 streams through B equals a direct request to A, for all three client APIs. Then B restarts
-without a token and serves again (rejoin by key); ``mesh status`` shows the peer."""
+without a token and serves again (rejoin by key); ``mesh status`` shows the peer; and A killed
+mid-stream ends B's client stream with an error event instead of a hang."""
 
 from __future__ import annotations
 
@@ -60,7 +61,14 @@ class Running:
     def output(self) -> str:
         return self.process.communicate(timeout=30)[0].decode(errors="replace")
 
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to anyone (its worker follows it: parent-death signal)."""
+        self.process.kill()
+        self.process.communicate(timeout=30)
+
     def stop(self) -> str:
+        if self.process.returncode is not None:
+            return ""  # killed earlier
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         out = self.output()
@@ -148,7 +156,31 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         b = Running(tmp_path / "b", "--no-worker")
         _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on restarted B")
         assert _texts(b.url, "model")["chat"] == direct["chat"]
+
+        # A dies mid-stream: B's client gets an error event, not a hang and not a retry.
+        _kill_mid_stream(b.url, a)
     finally:
         if b is not None:
             b.stop()
         a.stop()
+
+
+def _kill_mid_stream(url: str, server: Running) -> None:
+    body = {
+        "model": "model",
+        "messages": [{"role": "user", "content": "Go on forever."}],
+        "max_tokens": 4000,  # random weights never stop early: far longer than this test
+        "stream": True,
+    }
+    lines: list[str] = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            lines.append(line)
+            if '"content"' in line and server.process.poll() is None:
+                server.kill()
+                killed_at = time.monotonic()
+    assert (
+        time.monotonic() - killed_at < 20
+    )  # bounded by the tunnel's ping timeout, not 4000 tokens
+    assert any('"error"' in line for line in lines), lines[-5:]
