@@ -88,19 +88,15 @@ def list_command(home: Path | None = HomeOption) -> None:
         console.print(f"No models in {root / 'models'}. Pull one: mesh models pull ({pullable})")
         return
     table = Table(title=f"Models in {root / 'models'}")
-    table.add_column("name", style="bold")
-    table.add_column("architecture")
-    table.add_column("parameters", justify="right")
-    table.add_column("quantization", no_wrap=True)
-    table.add_column("context", justify="right")
-    table.add_column("size", justify="right")
+    for column in ("name", "architecture", "parameters", "quantization", "size"):
+        right = column in ("parameters", "size")
+        table.add_column(column, no_wrap=True, justify="right" if right else "left")
     for m in models:
         table.add_row(
             m.name,
             m.architecture,
             _human_count(m.parameters),
             m.quantization,
-            str(m.context_length or "?"),
             _human_size(m.size_bytes),
         )
     console.print(table)
