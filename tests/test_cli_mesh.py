@@ -102,3 +102,36 @@ def test_id_creates_and_keeps_the_identity(tmp_path):
     node_id = first.output.strip().splitlines()[-1]
     assert len(node_id) == 64 and second.output.strip().splitlines()[-1] == node_id
     assert "mesh: (none yet)" in first.output
+
+
+class _StubService:
+    def status(self) -> dict:
+        return STATUS
+
+    def create_invite(self, ttl_s: float):
+        return TOKEN
+
+
+@pytest.mark.parametrize(
+    ("client", "api_key", "status"),
+    [
+        ("127.0.0.1", None, 200),
+        ("10.0.0.5", None, 403),  # no key: minting invites is for this machine only
+        ("10.0.0.5", "k", 200),  # with a key the guard already checked it
+    ],
+)
+async def test_invite_endpoint_is_loopback_only_without_a_key(client, api_key, status):
+    import httpx
+
+    from mesh.mesh_api import mesh_routes
+
+    app = create_app(
+        StaticDirectory(), GatewayConfig(api_key=api_key), extra_routes=mesh_routes(_StubService())
+    )
+    transport = httpx.ASGITransport(app=app, client=(client, 1234))
+    headers = {"authorization": "Bearer k"} if api_key else {}
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        response = await http.post("/api/mesh/invite", json={}, headers=headers)
+    assert response.status_code == status
+    if status == 200:
+        assert response.json()["token"] == TOKEN.encode()
