@@ -38,6 +38,7 @@ from gateway.worker_client import WorkerUpstream
 log = logging.getLogger(__name__)
 
 NODE_FILE = "node.json"
+STABLE_RUN_S = 30.0  # a worker that ran this long before dying restarts at the base backoff
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -143,21 +144,27 @@ class WorkerProcess:
         return self.url
 
     async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
         backoff = self.config.restart_backoff_s
+        started = loop.time()
         while not self._stopping:
             assert self.process is not None
             code = await self.process.wait()
             if self._stopping:
                 return
+            if loop.time() - started > STABLE_RUN_S:  # it ran fine for a while: not a crash loop
+                backoff = self.config.restart_backoff_s
             log.warning("worker %s exited with %s; restarting in %.1fs", self.name, code, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.restart_backoff_max_s)
+            started = loop.time()
             try:
                 self.url = await self._spawn()
                 self.restarts += 1
-                backoff = self.config.restart_backoff_s
             except (NodeError, OSError, TimeoutError) as exc:
                 log.error("worker %s failed to restart: %s", self.name, exc)
+                if self.process is not None and self.process.returncode is None:
+                    self.process.kill()  # hung while loading: do not wait on it forever
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
