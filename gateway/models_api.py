@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from starlette.requests import Request
@@ -9,6 +10,8 @@ from starlette.responses import Response
 
 from gateway.exchange import json_response
 from gateway.router import MESH_MODEL
+
+log = logging.getLogger(__name__)
 
 
 async def list_models(request: Request) -> Response:
@@ -45,7 +48,11 @@ async def health(request: Request) -> Response:
         "uptime_s": round(time.monotonic() - state.started, 3),
     }
     if state.status_provider is not None:
-        body |= state.status_provider()
+        try:
+            body |= state.status_provider()
+        except Exception as exc:  # the node's extra facts are optional; liveness is not
+            log.exception("status provider failed")
+            body["status_error"] = f"{type(exc).__name__}: {exc}"
     return json_response(body)
 
 

@@ -130,3 +130,14 @@ async def test_unknown_path_and_method_answer_in_json():
     wrong = await asgi_request(app, "GET", "/v1/messages")
     assert wrong.status == 405 and wrong.json()["type"] == "error"
     assert "allow" in wrong.headers
+
+
+async def test_health_survives_a_failing_status_provider():
+    def broken() -> dict:
+        raise RuntimeError("peer table locked")
+
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), ScriptedUpstream.of(*text_script("ok")))
+    app = create_app(directory, GatewayConfig(), status_provider=broken)
+    health = await asgi_request(app, "GET", "/health")
+    assert health.status == 200 and health.json()["status_error"] == "RuntimeError: peer table locked"
