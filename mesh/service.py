@@ -491,7 +491,8 @@ class MeshService:
                 for info in self.local.models()
             ],
             queue_depth=int(load.get("queue_depth", 0)),
-            in_flight=int(load.get("in_flight", 0)) + self.tunnel_server.active,
+            # The workers' own count includes forwarded requests; without a probe, count those.
+            in_flight=int(load.get("in_flight", self.tunnel_server.active)),
             tok_s=float(load.get("tok_s", 0.0)),
         )
 
