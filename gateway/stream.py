@@ -128,6 +128,3 @@ class ProducerStream:
     @property
     def finished(self) -> bool:
         return self._task.done()
-
-
-__all__ = ["Done", "Error", "ProducerStream"]

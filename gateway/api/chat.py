@@ -5,16 +5,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway import sse
 from gateway.api.common import Accumulator, new_id, place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body
-from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
-
-API = "chat"
 
 
 class _Function(BaseModel):
@@ -115,8 +114,6 @@ def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
 def _arguments(value: str | dict[str, Any]) -> str:
     if isinstance(value, str):
         return value
-    import orjson
-
     return orjson.dumps(value).decode()
 
 
@@ -290,6 +287,3 @@ def completion_body(request: ChatRequest, acc: Accumulator) -> dict[str, Any]:
         ],
         "usage": _usage_dict(acc),
     }
-
-
-__all__ = ["API", "ChatStreamEncoder", "Usage", "completion_body", "error_body", "parse"]
