@@ -140,4 +140,48 @@ async def test_health_survives_a_failing_status_provider():
     directory.add(ModelInfo(id="m"), ScriptedUpstream.of(*text_script("ok")))
     app = create_app(directory, GatewayConfig(), status_provider=broken)
     health = await asgi_request(app, "GET", "/health")
-    assert health.status == 200 and health.json()["status_error"] == "RuntimeError: peer table locked"
+    assert (
+        health.status == 200 and health.json()["status_error"] == "RuntimeError: peer table locked"
+    )
+
+
+class _EchoUpstream:
+    """Streams the last user message back in small pieces, yielding between them."""
+
+    name = "local"
+
+    async def stream(self, request):
+        from gateway.events import Done
+
+        text = request.messages[-1].content
+        for i in range(0, len(text), 2):
+            await asyncio.sleep(0)
+            yield TextDelta(text[i : i + 2])
+        yield Done()
+
+
+async def test_concurrent_streams_never_mix():
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), _EchoUpstream())
+    app = create_app(directory, GatewayConfig())
+
+    async def one(i: int) -> tuple[int, bytes]:
+        body = {
+            "model": "m",
+            "max_tokens": 9,
+            "stream": True,
+            "messages": [{"role": "user", "content": f"<{i:03d}>" * 5}],
+        }
+        result = await asgi_request(app, "POST", "/v1/messages", body)
+        return i, result.body
+
+    results = await asyncio.gather(*(one(i) for i in range(60)))
+    for i, body in results:
+        text = "".join(
+            orjson.loads(line[6:])["delta"]["text"]
+            for line in body.decode().splitlines()
+            if line.startswith("data: ") and '"text_delta"' in line
+        )
+        assert text == f"<{i:03d}>" * 5
+    health = (await asgi_request(app, "GET", "/health")).json()
+    assert health["in_flight"] == 0 and health["queue_depth"] == 0
