@@ -103,6 +103,7 @@ class PeerUpstream:
             return
         committed = False
         complete = False
+        terminal: Event | None = None
         try:
             head = RequestHead(
                 id=secrets.token_hex(8),
@@ -126,7 +127,6 @@ class PeerUpstream:
                 complete = await _drain(stream)
                 yield _error_for_status(first, self.name)
                 return
-            terminal: Event | None = None
             async for frame in stream:
                 if isinstance(frame, End):
                     complete = True
@@ -149,7 +149,11 @@ class PeerUpstream:
             yield _error_after(committed, _unavailable("peer stream ended without End"))
         except MeshError as exc:  # stream reset, connection lost, protocol violation
             log.info("peer %s stream failed (committed=%s): %s", self.name[:12], committed, exc)
-            yield _error_after(committed, _unavailable(f"tunnel to {self.name[:12]} lost: {exc}"))
+            if terminal is not None:
+                yield terminal  # the answer was whole; only its closing frame got lost
+            else:
+                lost = _unavailable(f"tunnel to {self.name[:12]} lost: {exc}")
+                yield _error_after(committed, lost)
         finally:
             if not complete:
                 # Cancelled consumer or failure: tell the peer to stop generating.

@@ -192,3 +192,30 @@ async def test_attempt_number_counts_calls_on_one_upstream(attempts):
         await _collect(upstream)
     assert upstream.calls == attempts
     await connection.join()
+
+
+async def test_whole_answer_whose_end_frame_is_lost_still_counts():
+    """Done arrived, then the connection died before End: the client has the whole answer."""
+    import orjson
+
+    from gateway.events import event_to_dict
+    from mesh.frames import BodyEnd, Data, ResponseHead
+
+    class DiesBeforeEnd:
+        async def handle(self, stream, peer_id: str = "") -> None:
+            while not isinstance(await stream.recv(), BodyEnd):
+                pass
+            await stream.send(ResponseHead(status=200))
+            for event in (TextDelta("all"), Done("stop")):
+                await stream.send(Data(orjson.dumps(event_to_dict(event))))
+            await asyncio.sleep(0.05)  # let the frames arrive, then die without End
+            connection.lose()
+
+    connection = PipeConnection(DiesBeforeEnd())  # type: ignore[arg-type]
+
+    async def connect():
+        return connection
+
+    upstream = PeerUpstream(name="b" * 64, connect=connect)
+    assert await _collect(upstream) == [TextDelta("all"), Done("stop")]
+    await connection.join()
