@@ -181,3 +181,31 @@ def test_system_placement_keeps_leading_and_folds_later_ones():
         [Message(role="assistant", content="a"), Message(role="system", content="R")]
     )
     assert [m.role for m in orphan] == ["assistant", "user"] and orphan[1].content == "R"
+
+
+def test_system_placement_is_prefix_stable_and_loses_nothing():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    roles = st.sampled_from(["system", "user", "assistant", "tool"])
+    turns = st.lists(st.tuples(roles, st.text(alphabet="abc", min_size=1, max_size=3)), max_size=10)
+
+    @settings(max_examples=200, deadline=None)
+    @given(turns, turns)
+    def check(head, tail):
+        def messages(pairs):
+            return [Message(role=r, content=f"{r}:{c}") for r, c in pairs]
+
+        placed = place_system_messages(messages(head))
+        extended = place_system_messages(messages(head + tail))
+        # Caching: what was sent before is still the start of what is sent now (but the last turn).
+        assert extended[: max(len(placed) - 1, 0)] == placed[:-1]
+        # Only leading system turns stay system turns; every content survives, in order.
+        first_other = next((i for i, m in enumerate(placed) if m.role != "system"), len(placed))
+        assert all(m.role != "system" for m in placed[first_other:])
+        joined = "\n\n".join(m.content for m in placed)
+        position = 0
+        for m in messages(head):
+            position = joined.index(m.content, position)
+
+    check()
