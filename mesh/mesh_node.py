@@ -1,7 +1,8 @@
 """MeshNode: a :class:`~mesh.node.Node` that takes part in a mesh (what ``mesh up`` runs).
 
 It fills the node's seams: the model directory becomes a :class:`~mesh.directory.MeshDirectory`
-(local workers first, then peers), the gateway gets ``/api/status`` and the invite endpoint, and
+(local workers first, then peers), ``model="mesh"`` mixes over that directory, the gateway gets
+``/api/status`` and the invite endpoint, and
 the :class:`~mesh.service.MeshService` starts *before* the workers load – a bad invite token
 fails in a second, not after a model load – and stops with the node.
 """
@@ -51,6 +52,12 @@ class MeshNode(Node):
     def build_directory(self) -> ModelDirectory:
         self.local.inner = super().build_directory()
         return self.mesh.directory
+
+    def build_moa(self) -> Any:
+        """``model="mesh"`` mixes every model reachable in the MESH, not only local ones."""
+        from gateway.moa.upstream import MixtureOfAgents
+
+        return MixtureOfAgents(self.mesh.directory, getattr(self.config, "moa", None))
 
     def extra_routes(self) -> list[Any]:
         return [*super().extra_routes(), *mesh_routes(self.mesh)]

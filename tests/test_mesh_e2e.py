@@ -138,6 +138,13 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         response = httpx.post(b.url + "/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 200
         assert response.headers["x-route"] == "peer"
+        # model="mesh" on B mixes over the mesh: samples of A's model, through the tunnel.
+        assert "mesh" in _model_ids(b.url)
+        mixed = httpx.post(
+            b.url + "/v1/chat/completions", json=body | {"model": "mesh"}, timeout=60
+        )
+        assert mixed.status_code == 200, mixed.text
+        assert mixed.json()["choices"][0]["message"]["content"]
 
         status = subprocess.run(
             _mesh("status", "--home", str(b.home), "--json"),
