@@ -1,15 +1,18 @@
 """Two real ``mesh up`` processes on loopback with the tiny model: B (no worker) joins A's mesh
-with an invite from ``mesh invite``, and serves A's model. Under greedy decoding the text that
-streams through B equals a direct request to A, for all three client APIs. Then B restarts
+with an invite from ``mesh invite`` – through a UDP chaos proxy – and serves A's model. Under
+greedy decoding and 20 % datagram loss on the B–A tunnel, the text that streams through B
+equals a direct request to A, for all three client APIs. Then B restarts
 without a token and serves again (rejoin by key); ``mesh status`` shows the peer; and A killed
 mid-stream ends B's client stream with an error event instead of a hang."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +21,9 @@ import httpx
 import openai
 import orjson
 import pytest
+
+from mesh.chaos import ChaosProxy
+from mesh.invite import decode_invite
 
 MESH_ARGS = ["--port", "0", "--mesh-host", "127.0.0.1", "--mesh-port", "0", "--no-discovery"]
 MAX_TOKENS = 6
@@ -107,6 +113,33 @@ def _texts(url: str, model: str) -> dict[str, str]:
     return out
 
 
+class ProxyThread:
+    """A :class:`ChaosProxy` on its own event loop in a thread (this test is synchronous)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.proxy = ChaosProxy((host, int(port)), seed=11)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self._call(self.proxy.start())
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    async def _set(self, **faults) -> None:
+        self.proxy.set_faults(**faults)
+
+    def set_loss(self, loss: float) -> None:
+        self._call(self._set(loss=loss))
+
+    def close(self) -> None:
+        self._call(self.proxy.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
 def _model_ids(url: str) -> list[str]:
     return [m["id"] for m in httpx.get(url + "/v1/models", timeout=5).json()["data"]]
 
@@ -114,7 +147,7 @@ def _model_ids(url: str) -> list[str]:
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
     a = Running(tmp_path / "a", "--model", str(tiny_model_dir))
-    b = None
+    b = proxy = None
     try:
         invite = subprocess.run(
             _mesh("invite", "--home", str(a.home), "--ttl", "10m"),
@@ -125,14 +158,21 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         assert invite.returncode == 0, invite.stderr
         token = invite.stdout.strip().splitlines()[-1]
         assert token.startswith("mlxmesh1.")
+        decoded = decode_invite(token)
+        proxy = ProxyThread(decoded.addresses[0])
+        via_proxy = decoded.model_copy(update={"addresses": [f"127.0.0.1:{proxy.proxy.port}"]})
 
-        b = Running(tmp_path / "b", "--no-worker", "--join", token)
+        b = Running(tmp_path / "b", "--no-worker", "--join", via_proxy.encode())
         _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
 
         direct = _texts(a.url, "model")
+        proxy.set_loss(0.2)
         via_b = _texts(b.url, "model")
+        proxy.set_loss(0.0)
         assert all(direct.values()), direct  # the model produced text on every API
         assert via_b == direct
+        dropped = proxy.proxy.stats["upstream"].dropped + proxy.proxy.stats["downstream"].dropped
+        assert dropped > 0
 
         body = {"model": "model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         response = httpx.post(b.url + "/v1/chat/completions", json=body, timeout=60)
@@ -170,6 +210,8 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         if b is not None:
             b.stop()
         a.stop()
+        if proxy is not None:
+            proxy.close()
 
 
 def _kill_mid_stream(url: str, server: Running) -> None:
