@@ -2,8 +2,9 @@
 
 Each node publishes a :class:`NodeState` when it changes and at least every ``interval_s``
 (the heartbeat); peers that miss heartbeats are marked down by the :class:`~mesh.peers.PeerTable`.
-A clean shutdown sends :class:`Leave`. ``Ping``/``Pong`` measure the round trip on the tunnel;
-``Members`` spreads the member list so a node that joined through one member can reach the rest.
+A clean shutdown sends :class:`Leave`. ``Members`` spreads the member list so a node that
+joined through one member can reach the rest. (Round-trip times come from the tunnel's own
+keep-alive pings, not from gossip.)
 
 Messages travel as one orjson object each (the service puts them on a tunnel stream).
 """
@@ -58,22 +59,12 @@ class Leave(BaseModel):
     node_id: str
 
 
-class Ping(BaseModel):
-    type: Literal["ping"] = "ping"
-    sent_at: float  # the pinger's own clock: only the pinger reads it back
-
-
-class Pong(BaseModel):
-    type: Literal["pong"] = "pong"
-    sent_at: float
-
-
 class Members(BaseModel):
     type: Literal["members"] = "members"
     members: list[Member]
 
 
-GossipMessage = NodeState | Leave | Ping | Pong | Members
+GossipMessage = NodeState | Leave | Members
 _MESSAGE = TypeAdapter(GossipMessage)
 
 

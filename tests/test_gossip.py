@@ -13,8 +13,6 @@ from mesh.gossip import (
     Members,
     ModelAd,
     NodeState,
-    Ping,
-    Pong,
     decode_gossip,
     encode_gossip,
 )
@@ -30,8 +28,6 @@ def _state(**kw) -> NodeState:
     [
         _state(queue_depth=3, tok_s=12.5, gateway_url="http://127.0.0.1:9337"),
         Leave(node_id="n"),
-        Ping(sent_at=1.5),
-        Pong(sent_at=1.5),
         Members(members=[Member(node_id="a", public_key="00")]),
     ],
 )
