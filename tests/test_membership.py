@@ -40,6 +40,7 @@ from mesh.membership import (
     Welcome,
     decode_message,
     encode_message,
+    message_from_dict,
 )
 
 NOW = 1_000_000.0
@@ -369,6 +370,31 @@ def test_join_welcome_without_secret_refused(mesh, server_key, store):
     server.receive(proof)
     client.receive(Welcome(mesh_id=mesh.mesh_id, members=[]))
     assert client.failure is AuthFailure.PROTOCOL
+
+
+@given(st.binary(max_size=200))
+def test_decode_message_raises_only_value_error(data):
+    try:
+        decode_message(data)
+    except ValueError:
+        pass
+
+
+@given(st.dictionaries(st.sampled_from(["type", "mode", "node_id", "nonce", "signature"]),
+                       st.one_of(st.text(max_size=20), st.integers(), st.none())))  # fmt: skip
+def test_server_survives_any_first_message(body):
+    """Whatever a stranger sends first, the server either challenges or refuses: no crash."""
+    server = ServerHandshake(me=KeySigner(), credentials=MeshCredentials.create(),
+                             store=MemberStore(), now=NOW)  # fmt: skip
+    try:
+        message = message_from_dict(body)
+    except ValueError:
+        return
+    replies = server.receive(message)
+    assert len(replies) == 1 and server.state in (
+        HandshakeState.AWAIT_PROOF,
+        HandshakeState.REFUSED,
+    )
 
 
 @pytest.mark.parametrize("data", [b"", b"{}", b"[]", b'{"type":"hello"}', b"\xff"])
