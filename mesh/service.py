@@ -187,8 +187,8 @@ class MeshService:
 
     async def stop(self) -> None:
         """Announce leaving, then close every link and the endpoint. Idempotent."""
-        if self._stopping:
-            return
+        if self._stopping or self.credentials is None:
+            return  # stopped already, or never got as far as knowing its mesh
         self._stopping = True
         for task in self._tasks:
             task.cancel()
