@@ -57,6 +57,8 @@ async def _ttft(stream: AsyncIterator[Event]) -> tuple[float, str, bool]:
             parts.append(event.text)
         if is_terminal(event):
             ok = isinstance(event, Done)
+            if not ok:
+                print(f"  stream failed: {event}", file=sys.stderr, flush=True)
     return first, "".join(parts), ok
 
 
@@ -251,7 +253,10 @@ async def bench_quality(model_dirs: list[Path], items: int, max_tokens: int, see
             servers.append(server)
             size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
             live.add(ModelInfo(path.name, parameters=size), WorkerUpstream(server.url, path.name))
-        config = MoaConfig()
+        # Default policy settings; deadlines sized for slow CPUs (a 135M model decodes at a few
+        # tokens/s on a shared Linux CPU, and three samples share it).
+        config = MoaConfig(first_token_timeout_s=600, total_timeout_s=1800)
+        await record(live.routes(model_dirs[0].name)[0].upstream, _ask("Hi", max_tokens=2))
         correct: dict[str, int] = {}
         ttfts: dict[str, list[float]] = {}
         for index, (question, answer) in enumerate(make_items(items, seed)):
@@ -275,7 +280,8 @@ async def bench_quality(model_dirs: list[Path], items: int, max_tokens: int, see
                 recordings[0].text,
                 max(r.total for r in recordings),
             )
-            for policy in POLICIES:
+
+            async def decide(policy, candidates=candidates, recordings=recordings, request=request):
                 replay = StaticDirectory()
                 for model in {c.model.id: c.model for c in candidates}.values():
                     mine = [
@@ -286,7 +292,12 @@ async def bench_quality(model_dirs: list[Path], items: int, max_tokens: int, see
                     replay.add(model, ReplayThenLive(mine, live.routes(model.id)[0].upstream))
                 moa = MixtureOfAgents(replay, dataclasses.replace(config, policy=policy))
                 first, text, _ = await _ttft(moa.stream(request))
-                outcome[f"mesh {policy}"] = (text, first)
+                return text, first
+
+            # The policies replay side by side (only reduce's aggregator call uses the model).
+            decided = await asyncio.gather(*(decide(p) for p in POLICIES))
+            for policy, result in zip(POLICIES, decided, strict=True):
+                outcome[f"mesh {policy}"] = result
             for label, (text, first) in outcome.items():
                 correct[label] = correct.get(label, 0) + is_correct(text, answer)
                 ttfts.setdefault(label, []).append(first)

@@ -34,7 +34,7 @@ class MoaConfig:
     # reduce: run the aggregator once this many answers are complete (None: a majority).
     reduce_k: int | None = None
     # Per worker: first content delta within this, whole stream within total_timeout_s.
-    first_token_timeout_s: float = 30.0
+    first_token_timeout_s: float = 60.0
     total_timeout_s: float = 600.0
     # Emit one ReasoningDelta ("asking 3 models…") before the decision.
     progress: bool = False
