@@ -29,6 +29,7 @@ from typing import Any
 
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
+from mesh.admission import Admission
 from mesh.dialer import Dialer
 from mesh.directory import MeshDirectory
 from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
@@ -54,7 +55,6 @@ from mesh.members import (
     save_credentials,
     save_members,
 )
-from mesh.membership import ClientHandshake, HandshakeState, ServerHandshake, message_from_dict
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerTable
 from mesh.serve import TunnelServer
@@ -117,12 +117,9 @@ class MeshService:
         self.endpoint = TunnelEndpoint(
             identity, self.config.host, self.config.port, config=self.config.tunnel
         )
-        self.credentials: MeshCredentials | None = None
         self.members = load_members(self.home)
-        self.addresses: list[str] = []
+        self.admission = Admission(identity, self.home, self.members)
         self.links: dict[str, PeerConnection] = {}  # authenticated connections by peer id
-        self._join: InviteToken | None = None
-        self._join_refusal = ""
         self._publisher = GossipPublisher(self.node_id, interval_s=self.config.gossip_interval_s)
         self._last_state: NodeState | None = None
         self._load: dict[str, Any] = {}
@@ -142,12 +139,20 @@ class MeshService:
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def credentials(self) -> MeshCredentials | None:
+        return self.admission.credentials
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.admission.addresses
+
+    @property
     def mesh_id(self) -> str:
         return self.credentials.mesh_id if self.credentials else ""
 
     async def start(self) -> None:
         token = self._decode_token(self.config.join_token)
-        self.credentials = load_credentials(self.home)
+        self.admission.credentials = load_credentials(self.home)
         if token is not None and self.credentials is not None:
             if self.credentials.mesh_id != token.mesh_id:
                 raise MembershipError(
@@ -156,9 +161,9 @@ class MeshService:
                 )
             token = None  # already a member: rejoin by key, not by token
         if token is None and self.credentials is None:
-            self.credentials = MeshCredentials.create()
-            save_credentials(self.home, self.credentials)
-            log.info("created mesh %s", self.credentials.mesh_id)
+            self.admission.credentials = MeshCredentials.create()
+            save_credentials(self.home, self.admission.credentials)
+            log.info("created mesh %s", self.mesh_id)
         self.endpoint.on_connection = self._on_connection
         try:
             await self.endpoint.start()
@@ -170,7 +175,7 @@ class MeshService:
             log.warning("mesh port %d unavailable (%s); using a free port", self.config.port, exc)
             self.endpoint.port = 0
             await self.endpoint.start()
-        self.addresses = self.config.advertise or default_addresses(
+        self.admission.addresses = self.config.advertise or default_addresses(
             self.config.host, self.endpoint.port
         )
         self._remember_self()
@@ -245,7 +250,7 @@ class MeshService:
         return token
 
     async def _join_mesh(self, token: InviteToken) -> None:
-        self._join = token
+        self.admission.join = token
         problems: list[str] = []
         for address in token.addresses:
             try:
@@ -261,10 +266,10 @@ class MeshService:
                 continue
             if await self._wait_link(conn) and self.credentials is not None:
                 log.info("joined mesh %s through %s", token.mesh_id, token.inviter[:12])
-                self._join = None
+                self.admission.join = None
                 return
-            problems.append(f"{address}: {self._join_refusal or conn.close_reason}")
-        self._join = None
+            problems.append(f"{address}: {self.admission.refusal or conn.close_reason}")
+        self.admission.join = None
         raise MembershipError("could not join the mesh: " + "; ".join(problems))
 
     async def _dial_member(self, node_id: str, host: str, port: int) -> bool:
@@ -299,8 +304,9 @@ class MeshService:
         peer_id = conn.peer_node_id or "?"
         try:
             async with asyncio.timeout(self.config.auth_timeout_s):
+                admission = self.admission
                 refusal = await (
-                    self._client_auth(conn) if conn.is_client else self._server_auth(conn)
+                    admission.present(conn) if conn.is_client else admission.admit(conn)
                 )
         except (MeshError, TimeoutError, ValueError) as exc:
             refusal = f"handshake failed: {type(exc).__name__}: {exc}"
@@ -311,70 +317,11 @@ class MeshService:
             # The reason travels in the CLOSE frame: a Denied message sent just before may be lost.
             conn.close(ErrorCode.AUTH_FAILED, f"auth failed: {refusal}"[:200])
             return
+        if not conn.is_client and peer_id not in self.links:
+            # Tell the others about a (maybe new) member, so it can reach them too.
+            members = Members(members=list(self.members.members.values()))
+            self._spawn(self._broadcast(_gossip(members)))
         await self._run_link(conn, peer_id)
-
-    async def _server_auth(self, conn: PeerConnection) -> str:
-        """Empty string when the peer proved membership, else why not."""
-        if self.credentials is None:
-            return "this node is not a member of any mesh yet"
-        handshake = ServerHandshake(
-            me=self.identity,
-            credentials=self.credentials,
-            store=self.members,
-            now=time.time(),
-            peer_fingerprint=conn.peer_cert_fingerprint,
-            peer_node_id=conn.peer_node_id,
-        )
-        await self._exchange(conn, handshake, [])
-        if handshake.state is not HandshakeState.ACCEPTED:
-            return handshake.failure.value if handshake.failure else "refused"
-        save_members(self.home, self.members)  # a new member, or a consumed invite
-        if conn.peer_node_id not in self.links:
-            # Tell the others, so the newcomer can reach them (they authenticate it by key).
-            self._spawn(
-                self._broadcast(_gossip(Members(members=list(self.members.members.values()))))
-            )
-        return ""
-
-    async def _client_auth(self, conn: PeerConnection) -> str:
-        join = self._join if self._join and self._join.inviter == conn.peer_node_id else None
-        if join is None and self.credentials is None:
-            return "no credentials to present"
-        handshake = ClientHandshake(
-            me=self.identity,
-            mesh_id=join.mesh_id if join else self.mesh_id,
-            expected_peer=conn.peer_node_id,
-            invite=join,
-            credentials=None if join else self.credentials,
-            fingerprint=self.identity.cert_fingerprint,
-            addresses=self.addresses,
-        )
-        await self._exchange(conn, handshake, [handshake.start()])
-        welcome = handshake.welcome
-        if handshake.state is not HandshakeState.ACCEPTED or welcome is None:
-            self._join_refusal = handshake.denied_reason or str(handshake.failure)
-            return f"refused by the peer: {self._join_refusal}"
-        if join is not None and welcome.mesh_secret:
-            self.credentials = MeshCredentials(
-                mesh_id=welcome.mesh_id, mesh_secret=welcome.mesh_secret
-            )
-            save_credentials(self.home, self.credentials)
-        self.members.merge(welcome.members)
-        save_members(self.home, self.members)
-        return ""
-
-    async def _exchange(self, conn: PeerConnection, handshake, outbox: list) -> None:
-        control = conn.control
-        assert control is not None
-        while True:
-            for message in outbox:
-                await control.send(Control(kind="auth", body=message.model_dump()))
-            if handshake.done:
-                return
-            frame = await control.recv()
-            if not isinstance(frame, Control) or frame.kind != "auth":
-                raise ValueError(f"expected an auth message, got {type(frame).__name__}")
-            outbox = handshake.receive(message_from_dict(frame.body))
 
     async def _run_link(self, conn: PeerConnection, peer_id: str) -> None:
         self.links[peer_id] = conn

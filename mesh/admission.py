@@ -1,0 +1,99 @@
+"""Admission: the membership handshake, run on a new connection's control stream.
+
+The thin asyncio adapter around :mod:`mesh.membership`'s sans-IO handshakes: it carries their
+messages as ``Control(kind="auth")`` frames, checks the peer's claims against what mutual TLS
+proved (its certificate fingerprint and node id), and records the outcome in the member files.
+The service closes a refused connection with AUTH_FAILED; the peer's request streams are held
+by the tunnel until the connection is admitted, so a refused peer never gets a request read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mesh.frames import Control
+from mesh.identity import NodeIdentity
+from mesh.invite import InviteToken
+from mesh.members import MemberStore, MeshCredentials, save_credentials, save_members
+from mesh.membership import (
+    ClientHandshake,
+    HandshakeState,
+    ServerHandshake,
+    message_from_dict,
+)
+from mesh.tunnel import PeerConnection
+
+
+@dataclass
+class Admission:
+    identity: NodeIdentity
+    home: Path
+    members: MemberStore
+    credentials: MeshCredentials | None = None
+    addresses: list[str] = field(default_factory=list)
+    join: InviteToken | None = None  # while joining: the token to present to its inviter
+    refusal: str = ""  # what the last peer that refused us said
+
+    async def admit(self, conn: PeerConnection) -> str:
+        """Accepting side. Empty string when the peer proved membership, else why not."""
+        if self.credentials is None:
+            return "this node is not a member of any mesh yet"
+        handshake = ServerHandshake(
+            me=self.identity,
+            credentials=self.credentials,
+            store=self.members,
+            now=time.time(),
+            peer_fingerprint=conn.peer_cert_fingerprint,
+            peer_node_id=conn.peer_node_id,
+        )
+        await _exchange(conn, handshake, [])
+        if handshake.state is not HandshakeState.ACCEPTED:
+            return handshake.failure.value if handshake.failure else "refused"
+        save_members(self.home, self.members)  # a new member, or a consumed invite
+        return ""
+
+    async def present(self, conn: PeerConnection) -> str:
+        """Dialing side: prove membership (or present the invite to its inviter)."""
+        join = self.join if self.join and self.join.inviter == conn.peer_node_id else None
+        if join is None and self.credentials is None:
+            return "no credentials to present"
+        handshake = ClientHandshake(
+            me=self.identity,
+            mesh_id=join.mesh_id if join else self.credentials.mesh_id,  # type: ignore[union-attr]
+            expected_peer=conn.peer_node_id,
+            invite=join,
+            credentials=None if join else self.credentials,
+            fingerprint=self.identity.cert_fingerprint,
+            addresses=self.addresses,
+        )
+        await _exchange(conn, handshake, [handshake.start()])
+        welcome = handshake.welcome
+        if handshake.state is not HandshakeState.ACCEPTED or welcome is None:
+            self.refusal = handshake.denied_reason or str(handshake.failure)
+            return f"refused by the peer: {self.refusal}"
+        if join is not None and welcome.mesh_secret:
+            self.credentials = MeshCredentials(
+                mesh_id=welcome.mesh_id, mesh_secret=welcome.mesh_secret
+            )
+            save_credentials(self.home, self.credentials)
+        self.members.merge(welcome.members)
+        save_members(self.home, self.members)
+        return ""
+
+
+async def _exchange(conn: PeerConnection, handshake, outbox: list) -> None:
+    """Send ``outbox``, then feed the peer's auth messages to ``handshake`` until it is done.
+    Raises ValueError for anything but an auth message (the caller refuses the peer)."""
+    control = conn.control
+    assert control is not None
+    while True:
+        for message in outbox:
+            await control.send(Control(kind="auth", body=message.model_dump()))
+        if handshake.done:
+            return
+        frame = await control.recv()
+        if not isinstance(frame, Control) or frame.kind != "auth":
+            raise ValueError(f"expected an auth message, got {type(frame).__name__}")
+        outbox = handshake.receive(message_from_dict(frame.body))
