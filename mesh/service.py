@@ -1,8 +1,8 @@
 """MeshService: the asyncio adapter that runs membership, gossip and forwarding on the tunnel.
 
 It owns the :class:`~mesh.tunnel.TunnelEndpoint` and, per peer connection, runs the membership
-handshake on the control stream (``Control(kind="auth")``), then gossip on the same stream
-(``Control(kind="gossip")``) and serves the peer's request streams with the LOCAL routes
+handshake (:class:`~mesh.admission.Admission`, ``Control(kind="auth")`` frames), then gossip on
+the same control stream (``kind="gossip"``) and serves the peer's request streams with the LOCAL routes
 (:class:`~mesh.serve.TunnelServer`). A background dialer keeps a link to every known member
 (static ``--peer`` addresses and LAN discovery add addresses to try). The gateway sees the mesh
 only through :attr:`MeshService.directory`.
