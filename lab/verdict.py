@@ -46,10 +46,17 @@ def _key(row: ProbeRow) -> tuple[str, str | None, str]:
     return (row.model, row.api, row.kind)
 
 
+# "mesh" (mixture of agents) picks among differently sampled candidates: its text may change
+# from one request to the next without any fault, so it is not compared.
+UNCOMPARED_MODELS = frozenset({"mesh"})
+
+
 def baseline_outputs(rows: Sequence[ProbeRow], until: float) -> dict[tuple, str]:
     """The most common ok output per model × api × kind among rows started before ``until``."""
     seen: dict[tuple, Counter[str]] = {}
     for row in rows:
+        if row.model in UNCOMPARED_MODELS:
+            continue
         if row.t < until and row.ok and row.text is not None:
             seen.setdefault(_key(row), Counter())[row.text] += 1
     return {key: counts.most_common(1)[0][0] for key, counts in seen.items()}

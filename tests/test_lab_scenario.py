@@ -248,3 +248,12 @@ def test_gateway_only_nodes() -> None:
         MINIMAL.replace("[[nodes]]\n[[nodes]]", '[[nodes]]\nmodel = "none"\n[[nodes]]')
     )
     assert [n.serves for n in scenario.nodes] == [False, True]
+
+
+def test_mesh_outputs_are_not_compared() -> None:
+    rows = [
+        _row(1001.0).model_copy(update={"model": "mesh"}),
+        _row(1009.0, text="another candidate won").model_copy(update={"model": "mesh"}),
+    ]
+    verdict = judge(SCENARIO, rows, 1000.0)
+    assert (verdict.identical, verdict.compared) == (None, None)
