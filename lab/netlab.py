@@ -33,6 +33,7 @@ from rich.console import Console
 
 from lab.links import LinkFabric, namespace_support
 from lab.nodes import (
+    NO_DIRECT_ADDRESS,
     LabError,
     LabNode,
     healthy,
@@ -148,7 +149,7 @@ class NetLab:
             method="chaos proxies",
             netns=("available" if ok else "unavailable"),
             why=why,
-            direct_dial="off via --advertise" if "--advertise" in self.flags else "off via patch",
+            advertise=NO_DIRECT_ADDRESS,
         )
         model_args = await self._model_args()
         for index, spec in enumerate(self.scenario.nodes):

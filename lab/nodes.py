@@ -31,21 +31,10 @@ _LOGGING = (
     "logging.getLogger('mesh').setLevel(logging.INFO)\n"
 )
 MESH_MAIN = _LOGGING + "import sys; sys.argv[0] = 'mesh'; from mesh.cli import main; main()"
-# What a lab node advertises: not HOST:PORT, so peers skip it (the dialler drops what it cannot
-# parse) and reach the node only through their static --peer addresses, i.e. the chaos proxies.
+# What a lab node advertises (`mesh up --advertise`): not HOST:PORT, so peers skip it (the
+# dialler drops what it cannot parse) and reach the node only through their static --peer
+# addresses, i.e. the chaos proxies. Invites are rewritten to the joiner's proxy.
 NO_DIRECT_ADDRESS = "lab-no-direct-dial"
-# Stop-gap while `mesh up` has no --advertise flag: the same `mesh up`, with MeshConfig.advertise
-# (which the CLI leaves empty) defaulting to NO_DIRECT_ADDRESS. Nothing else changes.
-MESH_MAIN_NO_DIRECT = (
-    _LOGGING + "import sys; sys.argv[0] = 'mesh'\n"
-    "import mesh.service as service\n"
-    "_init = service.MeshConfig.__init__\n"
-    "def _lab_init(self, *args, **kwargs):\n"
-    "    _init(self, *args, **kwargs)\n"
-    f"    self.advertise = self.advertise or [{NO_DIRECT_ADDRESS!r}]\n"
-    "service.MeshConfig.__init__ = _lab_init\n"
-    "from mesh.cli import main; main()"
-)
 REQUIRED_UP_FLAGS = (
     "--home",
     "--model",
@@ -54,6 +43,7 @@ REQUIRED_UP_FLAGS = (
     "--peer",
     "--join",
     "--no-discovery",
+    "--advertise",
 )
 
 
@@ -61,8 +51,8 @@ class LabError(RuntimeError):
     """The lab could not set up or drive its mesh; the message says which node and why."""
 
 
-def mesh_argv(*args: str, no_direct: bool = False) -> list[str]:
-    return [sys.executable, "-c", MESH_MAIN_NO_DIRECT if no_direct else MESH_MAIN, *args]
+def mesh_argv(*args: str) -> list[str]:
+    return [sys.executable, "-c", MESH_MAIN, *args]
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -132,7 +122,6 @@ class LabNode:
     def up_argv(
         self, *, peers: list[str], join_token: str | None, flags: set[str], extra: list[str]
     ) -> list[str]:
-        advertise = "--advertise" in flags
         argv = mesh_argv(
             "up",
             "--home", str(self.home),
@@ -140,10 +129,8 @@ class LabNode:
             "--port", str(self.http_port),
             "--mesh-port", str(self.mesh_port),
             "--no-discovery",
-            no_direct=not advertise,
+            "--advertise", NO_DIRECT_ADDRESS,
         )  # fmt: skip
-        if advertise:
-            argv += ["--advertise", NO_DIRECT_ADDRESS]
         if "--host" in flags:
             argv += ["--host", "127.0.0.1"]
         if "--mesh-host" in flags:  # default is every interface: keep the lab on loopback

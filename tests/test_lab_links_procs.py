@@ -211,7 +211,7 @@ def test_cleanup_runs_when_the_lab_process_dies(tmp_path: Path, ending: str) -> 
 
 
 def test_mesh_up_command_for_a_lab_node(tmp_path: Path) -> None:
-    from lab.nodes import MESH_MAIN, MESH_MAIN_NO_DIRECT, NO_DIRECT_ADDRESS, LabNode
+    from lab.nodes import MESH_MAIN, NO_DIRECT_ADDRESS, LabNode
     from lab.scenario import NodeSpec
 
     model = tmp_path / "tiny-1"
@@ -222,14 +222,12 @@ def test_mesh_up_command_for_a_lab_node(tmp_path: Path) -> None:
     argv = node.up_argv(
         peers=["127.0.0.1:1", "127.0.0.1:2"], join_token="tok", flags=flags, extra=[]
     )
-    assert argv[2] == MESH_MAIN_NO_DIRECT  # mesh up has no --advertise yet: the stop-gap
+    assert argv[2] == MESH_MAIN
     joined = " ".join(argv[3:])
     assert f"up --home {tmp_path / 'home'} --model {model} --port {node.http_port}" in joined
     assert f"--mesh-port {node.mesh_port} --no-discovery" in joined
     assert "--peer 127.0.0.1:1 --peer 127.0.0.1:2 --join tok" in joined
     assert "--mesh-host 127.0.0.1" in joined and "--host 127.0.0.1" in joined
-    with_flag = node.up_argv(peers=[], join_token=None, flags=flags | {"--advertise"}, extra=[])
-    assert with_flag[2] == MESH_MAIN
-    assert with_flag[with_flag.index("--advertise") + 1] == NO_DIRECT_ADDRESS
+    assert f"--advertise {NO_DIRECT_ADDRESS}" in joined  # peers can dial it only via proxies
     gateway_only = LabNode(index=0, spec=NodeSpec(model="none"), home=tmp_path, model_arg="")
     assert "--no-worker" in gateway_only.up_argv(peers=[], join_token=None, flags=set(), extra=[])
