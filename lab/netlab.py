@@ -19,43 +19,37 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import argparse
 import asyncio
-import contextlib
-import os
-import signal
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 import orjson
 from rich.console import Console
 
+from lab.actions import StepActions
 from lab.links import LinkFabric, namespace_support
 from lab.nodes import (
     NO_DIRECT_ADDRESS,
     LabError,
     LabNode,
+    build_tiny_models,
     healthy,
     listed_models,
     mesh_up_flags,
     mint_invite,
     missing_up_flags,
+    node_env,
+    node_status,
     rewrite_invite,
     wait_until,
 )
 from lab.probe import ProbeConfig, Prober
-from lab.procs import ProcessRegistry, cmdline
+from lab.procs import ProcessRegistry
 from lab.report import RowWriter, verdict_table, write_summary
 from lab.rows import ProbeRow
 from lab.scenario import (
-    ClearStep,
-    FaultStep,
-    HealStep,
-    NodeStep,
-    PartitionStep,
     Scenario,
-    SlowStep,
     load_scenario,
 )
 from lab.stats import summarize
@@ -82,7 +76,7 @@ class LabRun:
     leftovers: list[int] = field(default_factory=list)
 
 
-class NetLab:
+class NetLab(StepActions):
     """One scenario run: nodes, proxies, the probe and the timeline. Use ``async with``."""
 
     def __init__(self, scenario: Scenario, options: LabOptions, console: Console | None = None):
@@ -133,7 +127,7 @@ class NetLab:
                     to_build[str(path)] = path
                 args.append(str(path))
         if to_build:
-            await _build_tiny_models(list(to_build.values()))
+            await build_tiny_models(list(to_build.values()))
         return args
 
     async def setup(self) -> None:
@@ -195,7 +189,7 @@ class NetLab:
             extra=[],
         )
         node.process = self.registry.spawn(
-            f"node-{node.index}", argv, log_path=node.log_path, env=_node_env(node.home)
+            f"node-{node.index}", argv, log_path=node.log_path, env=node_env(node.home)
         )
         node.starts += 1
         self.event("start", node=node.index, pid=node.process.pid, join=bool(join_token))
@@ -250,7 +244,7 @@ class NetLab:
         connected: set[tuple[int, int]] = set()
         statuses = {}
         for node in self.running_nodes():
-            statuses[node.index] = await _status(self._client, node)
+            statuses[node.index] = await node_status(self._client, node)
             node_id = (statuses[node.index].get("node") or {}).get("node_id")
             if node_id:
                 ids[str(node_id)] = node.index
@@ -264,94 +258,6 @@ class NetLab:
         before = {pair: self.fabric.datagrams(*pair) for pair in connected}
         await asyncio.sleep(window_s)
         return sorted(pair for pair in connected if self.fabric.datagrams(*pair) == before[pair])
-
-    # ------------------------------------------------------------------ the timeline
-
-    async def apply(self, step: object) -> None:
-        assert self.fabric is not None
-        handlers: dict[type, Callable] = {
-            FaultStep: self._fault,
-            ClearStep: self._clear,
-            PartitionStep: self._partition,
-            HealStep: self._heal,
-            NodeStep: self._node_step,
-            SlowStep: self._slow,
-        }
-        await handlers[type(step)](step)
-
-    async def _fault(self, step: FaultStep) -> None:
-        self.fabric.set_link(step.link, step.settings)  # type: ignore[union-attr]
-        self.event("fault", link=step.link, **step.settings.model_dump(exclude_defaults=True))
-
-    async def _clear(self, step: ClearStep) -> None:
-        self.fabric.clear(step.link)  # type: ignore[union-attr]
-        self.event("clear", link=step.link or "all")
-
-    async def _partition(self, step: PartitionStep) -> None:
-        self.fabric.partition(step.groups)  # type: ignore[union-attr]
-        self.event("partition", groups=step.groups)
-
-    async def _heal(self, step: HealStep) -> None:
-        self.fabric.clear()  # type: ignore[union-attr]
-        self.event("heal")
-
-    async def _node_step(self, step: NodeStep) -> None:
-        node = self.nodes[step.node]
-        if step.action == "join":
-            await self.join(node, wait=False)
-            return
-        if step.action == "restart":
-            if node.running():
-                raise LabError(
-                    f"restart of node {node.index}, which is still running: kill it first"
-                )
-            await self.start_node(node, join_token=None)  # it is a member: its home remembers
-            return
-        if node.process is None:
-            raise LabError(f"{step.action} of node {node.index}, which never started")
-        self.registry.note_descendants()
-        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[step.action]
-        node.process.signal_tree(sig)
-        if step.action == "kill":
-            await asyncio.to_thread(node.process.popen.wait, 10)
-        self.event(step.action, node=node.index)
-
-    async def _slow(self, step: SlowStep) -> None:
-        old = self._slow_tasks.pop(step.node, None)
-        if old is not None:
-            old.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await old
-        if step.duty < 1:
-            self._slow_tasks[step.node] = asyncio.create_task(self._duty_cycle(step))
-        self.event("slow", node=step.node, duty=step.duty)
-
-    async def _duty_cycle(self, step: SlowStep) -> None:
-        """SIGSTOP/SIGCONT the node's worker processes (its whole tree if none is found)."""
-        node = self.nodes[step.node]
-        assert node.process is not None
-        period = step.period_ms / 1000
-        try:
-            while True:
-                pids = [
-                    p for p in node.process.tree()[1:] if "worker" in cmdline(p)
-                ] or node.process.tree()
-                _signal_all(pids, signal.SIGSTOP)
-                await asyncio.sleep(period * (1 - step.duty))
-                _signal_all(pids, signal.SIGCONT)
-                await asyncio.sleep(period * step.duty)
-        finally:
-            _signal_all(node.process.tree(), signal.SIGCONT)  # never leave it frozen
-
-    async def play(self, started_at: float) -> None:
-        for step in self.scenario.steps:
-            delay = started_at + step.at - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await self.apply(step)
-        remaining = started_at + self.scenario.duration_s - time.time()
-        if remaining > 0:
-            await asyncio.sleep(remaining)
 
     # ------------------------------------------------------------------ run and tear down
 
@@ -414,12 +320,7 @@ class NetLab:
         return LabRun(verdict=verdict, rows=prober.rows, events=self.events)
 
     async def close(self) -> None:
-        for task in self._slow_tasks.values():
-            task.cancel()
-        for task in self._slow_tasks.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._slow_tasks.clear()
+        await self.stop_slowing()
         await asyncio.to_thread(self.registry.close)
         if self.fabric is not None:
             (self.options.out_dir / "links.json").write_bytes(
@@ -432,43 +333,6 @@ class NetLab:
 
 def _fail(verdict: Verdict, reason: str) -> Verdict:
     return verdict.model_copy(update={"passed": False, "reasons": [*verdict.reasons, reason]})
-
-
-async def _build_tiny_models(paths: list[Path]) -> None:
-    """Build in a child process: MLX never loads into the lab (its threads abort on Ctrl-C)."""
-    code = "import sys; from worker.testing import make_tiny_model\nfor p in sys.argv[1:]: make_tiny_model(p)"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, *map(str, paths), stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        _, stderr = await process.communicate()
-    finally:
-        if process.returncode is None:  # cancelled (Ctrl-C): do not leave it running
-            process.kill()
-            await process.wait()
-    if process.returncode != 0:
-        raise LabError(f"building tiny models failed: {stderr.decode(errors='replace')[-500:]}")
-
-
-async def _status(client: httpx.AsyncClient, node: LabNode) -> dict:
-    try:
-        response = await client.get(f"{node.url}/api/status", timeout=5)
-        return response.json() if response.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-        return {}
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _node_env(home: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["MLX_MESH_HOME"] = str(home)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 async def run_scenario(

@@ -8,6 +8,7 @@ The lab drives nodes only through the public surfaces a person would use: the ``
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 import subprocess
@@ -200,3 +201,36 @@ async def mint_invite(client: httpx.AsyncClient, node: LabNode) -> str:
     if result.returncode != 0 or not lines:
         raise LabError(f"`mesh invite` on node {node.index} failed: {result.stderr.strip()[-300:]}")
     return lines[-1].strip()
+
+
+async def build_tiny_models(paths: list[Path]) -> None:
+    """Build in a child process: MLX never loads into the lab (its threads abort on Ctrl-C)."""
+    code = "import sys; from worker.testing import make_tiny_model\nfor p in sys.argv[1:]: make_tiny_model(p)"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, *map(str, paths), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:  # cancelled (Ctrl-C): do not leave it running
+            process.kill()
+            await process.wait()
+    if process.returncode != 0:
+        raise LabError(f"building tiny models failed: {stderr.decode(errors='replace')[-500:]}")
+
+
+async def node_status(client: httpx.AsyncClient, node: LabNode) -> dict:
+    """``GET /api/status`` of a node, or {} when it does not answer."""
+    try:
+        response = await client.get(f"{node.url}/api/status", timeout=5)
+        return response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def node_env(home: Path) -> dict[str, str]:
+    """The environment a node process starts with (its home, unbuffered output)."""
+    env = dict(os.environ)
+    env["MLX_MESH_HOME"] = str(home)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
