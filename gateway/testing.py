@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -211,9 +210,9 @@ class ServerThread:
     def __init__(self, app: Callable, host: str = "127.0.0.1") -> None:
         import uvicorn
 
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        from worker.app import bind_socket  # TCP_NODELAY-capable: no 40 ms delayed-ACK stalls
+
+        self._sock = bind_socket(host, 0)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(
