@@ -49,6 +49,7 @@ class Running:
 
     def __init__(self, home: Path, *args: str) -> None:
         self.home = home
+        self.last_words = ""
         self.process = subprocess.Popen(
             _mesh("up", "--home", str(home), *MESH_ARGS, *args),
             stdout=subprocess.PIPE,
@@ -70,11 +71,11 @@ class Running:
     def kill(self) -> None:
         """SIGKILL: no goodbye to anyone (its worker follows it: parent-death signal)."""
         self.process.kill()
-        self.process.communicate(timeout=30)
+        self.last_words = self.output()
 
     def stop(self) -> str:
         if self.process.returncode is not None:
-            return ""  # killed earlier
+            return self.last_words  # killed earlier
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         out = self.output()
@@ -170,7 +171,7 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         via_b = _texts(b.url, "model")
         proxy.set_loss(0.0)
         assert all(direct.values()), direct  # the model produced text on every API
-        assert via_b == direct
+        assert via_b == direct, (via_b, direct)
         dropped = proxy.proxy.stats["upstream"].dropped + proxy.proxy.stats["downstream"].dropped
         assert dropped > 0
 
@@ -194,7 +195,7 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         )
         assert status.returncode == 0, status.stderr
         peers = orjson.loads(status.stdout)["peers"]
-        assert [p["state"] for p in peers] == ["up"]
+        assert [p["state"] for p in peers] == ["up"], peers
         assert [m["name"] for m in peers[0]["models"]] == ["model"]
         assert response.headers["x-peer"] == peers[0]["node_id"]
 
@@ -207,10 +208,12 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         # A dies mid-stream: B's client gets an error event, not a hang and not a retry.
         _kill_mid_stream(b.url, a)
     finally:
+        # Shown by pytest only if the test failed: what each node said.
         if b is not None:
-            b.stop()
-        a.stop()
+            print("---- node B ----\n" + b.stop())
+        print("---- node A ----\n" + a.stop())
         if proxy is not None:
+            print("---- proxy ----", proxy.proxy.stats)
             proxy.close()
 
 
