@@ -304,3 +304,37 @@ def test_common_prefix_matches_the_obvious_loop(a: list[int], b: list[int]) -> N
         expected += 1
     assert common_prefix(a, b) == expected
     assert common_prefix(tuple(a), b) == expected
+
+
+@pytest.mark.parametrize("batching", [True, False])
+async def test_reused_cache_gives_the_same_tokens_as_a_cold_run(
+    tiny_model_dir: Path, batching: bool
+) -> None:
+    """Reusing (and trimming) a stored cache must not change what the model says, and must not
+    corrupt the stored entry for the next reader."""
+    cold_engine = Engine(
+        str(tiny_model_dir), config=EngineConfig(batching=batching, commit_wait_s=0.0)
+    )
+    engine = Engine(str(tiny_model_dir), config=EngineConfig(batching=batching))
+    cold_engine.start(timeout=60)
+    engine.start(timeout=60)
+    try:
+        base = prompt_of(engine, "A shared beginning that several requests reuse")
+        variants = [[*base, 40, 41, 42], [*base, 40, 50], [*base, 40, 41, 42, 43]]
+        cold = []
+        for prompt in variants:  # never committed: nothing is ever reused
+            _, text, done = await run(
+                cold_engine, GenerationRequest(prompt, 12, GREEDY), commit=False
+            )
+            assert done.cached_tokens == 0
+            cold.append(text)
+        await run(engine, GenerationRequest([*base, 40, 41, 42, 43, 44], 12, GREEDY))
+        warm = []
+        for prompt in variants + variants:
+            _, text, done = await run(engine, GenerationRequest(prompt, 12, GREEDY))
+            assert done.cached_tokens > len(base)
+            warm.append(text)
+        assert warm == cold + cold
+    finally:
+        engine.close()
+        cold_engine.close()

@@ -303,7 +303,7 @@ class Engine:
 
     def _admit(self, job: Job) -> None:
         req = job.request
-        cache, cached = self._store.fetch(req.prompt)
+        cache, cached = self._store.fetch(req.prompt, merged_by_reader=self.batchable)
         params = req.sampling
         kwargs: dict[str, Any] = {}
         if self.batchable:

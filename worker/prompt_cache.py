@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -88,8 +88,15 @@ class PromptCacheStore:
             default=0,
         )
 
-    def fetch(self, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
-        """A private copy of the best cache for ``prompt`` and how many tokens it covers."""
+    def fetch(
+        self, prompt: Sequence[int], *, merged_by_reader: bool = False
+    ) -> tuple[list[Any] | None, int]:
+        """A private copy of the best cache for ``prompt`` and how many tokens it covers.
+
+        ``merged_by_reader``: the caller only reads the cache to merge it into a batch (mlx-lm's
+        ``BatchKVCache.merge`` copies ``keys[..., :offset]``), so plain ``KVCache`` layers are
+        copied shallowly (new objects, shared arrays) instead of duplicating every tensor.
+        """
         best_key, best_len = None, 0
         for key, entry in self._entries.items():
             n = self.usable_prefix(entry.tokens, prompt, entry.trimmable)
@@ -100,7 +107,10 @@ class PromptCacheStore:
             return None, 0
         entry = self._entries[best_key]
         self._entries.move_to_end(best_key)
-        cache = copy.deepcopy(entry.cache)
+        if merged_by_reader and all(type(c) is KVCache for c in entry.cache):
+            cache = [copy.copy(c) for c in entry.cache]
+        else:
+            cache = copy.deepcopy(entry.cache)
         excess = len(entry.tokens) - best_len
         if excess:
             trim_prompt_cache(cache, excess)
