@@ -137,6 +137,8 @@ def test_win_record_rates_are_smoothed_and_learn():
         {"chat_template_kwargs": {"thinking": True}},
         {"chat_template_kwargs": {"enable_reasoning": "true"}},
         {"chat_template_kwargs": {"thinking_budget": 512}},
+        {"chat_template_kwargs": {"enableThinking": 1}},
+        {"chat_template_kwargs": {"thinking": {"type": "enabled", "budget_tokens": 64}}},
     ],
 )
 def test_each_opt_in_knob_turns_thinking_on(fields):

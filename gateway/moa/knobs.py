@@ -13,7 +13,20 @@ from typing import Any
 from gateway.request import ChatRequest
 
 # chat_template_kwargs keys that templates use to switch thinking on or off.
-THINKING_SWITCHES = ("enable_thinking", "thinking", "enable_reasoning", "reasoning")
+THINKING_SWITCHES = (
+    "enable_thinking",
+    "thinking",
+    "enable_reasoning",
+    "reasoning",
+    # The spellings worker/thinking.py also accepts.
+    "enableThinking",
+    "use_reasoning",
+    "reasoning_enabled",
+    "use_thinking",
+    "thinking_enabled",
+    "enable_think",
+    "think_enabled",
+)
 THINKING_BUDGETS = ("thinking_budget", "reasoning_budget", "max_thinking_tokens")
 OFF_EFFORTS = (None, "none")
 
