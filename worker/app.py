@@ -261,25 +261,28 @@ async def _sse_frames(
             pending_logprobs.clear()
         return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
 
+    out: list[bytes] = []
     try:
         async for event in job.events():
             if isinstance(event, TokenChunk):
                 if event.logprobs:
                     pending_logprobs.extend(event.logprobs)
-                for delta in assembler.feed(event.text):
-                    yield frame(delta)
+                out.extend(frame(delta) for delta in assembler.feed(event.text))
             elif isinstance(event, Finished):
-                for delta in assembler.finish():
-                    yield frame(delta)
-                yield frame({}, _finish_reason(assembler, event))
+                out.extend(frame(delta) for delta in assembler.finish())
+                out.append(frame({}, _finish_reason(assembler, event)))
                 if include_usage:
                     usage = {**base, "choices": [], "usage": _usage(event)}
-                    yield b"data: " + orjson.dumps(usage) + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                    out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+                out.append(b"data: [DONE]\n\n")
             else:
                 error = {"message": event.message, "type": "server_error", "code": "internal"}
-                yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                out.append(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
+                out.append(b"data: [DONE]\n\n")
+            # One write for everything already decoded: a fast model outruns per-frame sends.
+            if out and (job.done or not job.has_ready()):
+                yield b"".join(out)
+                out.clear()
     finally:
         if job.done:
             # Runs only after [DONE] was handed to the transport (the generator resumes after

@@ -386,9 +386,6 @@ class Engine:
             with self._lock:
                 self._rate.append((time.monotonic(), decoded))
                 self.stats.generated_tokens += decoded
-            # Hand the GIL to the event loop so the tokens just delivered go out now, not after
-            # the interpreter's switch interval (which would add milliseconds per frame).
-            time.sleep(0)
 
     def _on_token(self, active: _Active, r: Any) -> None:
         job = active.job

@@ -87,6 +87,10 @@ class Job:
             return False
         return True
 
+    def has_ready(self) -> bool:
+        """Whether an event is already waiting (the consumer can batch its writes)."""
+        return not self._queue.empty()
+
     async def events(self) -> AsyncIterator[JobEvent]:
         while True:
             event = await self._queue.get()
