@@ -238,6 +238,12 @@ def versions() -> dict[str, str]:
     return {name: version(name) for name in ("mlx", "mlx-lm", "starlette", "uvicorn")}
 
 
+def short_name(model_label: str) -> str:
+    if model_label.startswith("TINY"):
+        return "tiny test model"
+    return Path(model_label.split(" ")[0]).name
+
+
 def report(
     model_label: str,
     ours: Measurements,
@@ -273,7 +279,7 @@ def report(
         ),
     ]
     lines = [
-        f"## Worker vs mlx_lm.server: {Path(model_label.split(' ')[0]).name}",
+        f"## Worker vs mlx_lm.server: {short_name(model_label)}",
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
