@@ -326,3 +326,31 @@ def test_reduce_grace_with_one_answer_commits_it():
     decisions = arbiter.tick(1.1)
     assert commits(decisions) == [Commit("a", "grace")]
     assert cancels(decisions) == {"b", "c"}
+
+
+@pytest.mark.parametrize("policy", ["consensus", "reduce"])
+def test_a_passed_grace_deadline_is_not_reported_again(policy):
+    """After the grace period, with nothing yet to decide on, the next wake-up is a real
+    deadline in the future (no busy loop); the next event that allows a decision makes it."""
+    arbiter = make(policy, grace_s=1.0)
+    feed(arbiter, "a", ["Still", " thinking"], start=0.5)
+    feed(arbiter, "b", ["Also", " going"], start=0.5)
+    arbiter.handle(WorkerFailed("c", "boom"), 0.6)
+    decisions = arbiter.tick(1.5)
+    if policy == "consensus":  # commits to the best stream with output
+        assert commits(decisions)[0].reason == "grace"
+        return
+    assert decisions == []  # reduce needs a complete answer
+    assert arbiter.next_deadline() > 1.5
+    decisions = arbiter.handle(WorkerFinished("a"), 3.0)
+    assert commits(decisions) == [Commit("a", "grace")]
+    assert cancels(decisions) == {"b"}
+
+
+def test_consensus_after_grace_commits_to_the_first_output():
+    arbiter = make("consensus", grace_s=1.0)
+    feed(arbiter, "a", ["x"], start=0.1)
+    arbiter.handle(WorkerFailed("a", "died"), 0.2)
+    assert arbiter.tick(1.1) == []
+    assert arbiter.next_deadline() == pytest.approx(5.0)  # b and c's first-token deadline
+    assert commits(arbiter.handle(TokenArrived("b", "Hello"), 2.0)) == [Commit("b", "grace")]

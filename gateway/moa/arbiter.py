@@ -115,6 +115,7 @@ class Arbiter:
         self.reason: str | None = None
         self.decided_at: float | None = None
         self.reducer_fallback: str | None = None
+        self._grace_passed = False
         self._handlers: dict[type, Callable[[WorkerView, WorkerEvent, float], None]] = {
             WorkerStarted: self._on_started,
             TokenArrived: self._on_token,
@@ -141,6 +142,11 @@ class Arbiter:
         if self.state in (ArbiterState.COMMITTED, ArbiterState.FAILED):
             return []
         decisions: list[Decision] = []
+        grace = self.grace_deadline()
+        if grace is not None and now >= grace:
+            # From now on the grace period is over; it is no longer a deadline to wake up for
+            # (the decision then happens on the next event that makes one possible).
+            self._grace_passed = True
         for view in self.workers.values():
             if not view.running:
                 continue
@@ -165,8 +171,9 @@ class Arbiter:
                 if view.first_token_at is None:
                     times.append(self._first_token_deadline(view))
         grace = self.grace_deadline()
-        if grace is not None and self.state is ArbiterState.WATCHING and self.policy != "race":
-            times.append(grace)
+        if grace is not None and not self._grace_passed and self.policy != "race":
+            if self.state is ArbiterState.WATCHING:
+                times.append(grace)
         return min(times) if times else None
 
     def grace_deadline(self) -> float | None:
