@@ -451,3 +451,14 @@ def test_mid_stream_failure_ends_with_an_error_frame(tiny_model_dir: Path) -> No
         ok = post(url, {"messages": HI, "max_tokens": 3, "temperature": 0})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         assert engine.stats.in_flight == 0 and engine.stats.queue_depth == 0
+
+
+def test_non_stream_disconnect_cancels_generation(plain: tuple[str, Engine]) -> None:
+    url, engine = plain
+    before = engine.stats.cancelled
+    body = {"messages": HI, "max_tokens": 4000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    wait_until(lambda: engine.stats.cancelled == before + 1 and engine.stats.in_flight == 0)
+    last = [kind for kind, _ in engine.stats.events][-1]
+    assert last == "cancelled"
