@@ -210,7 +210,7 @@ class ServerThread:
     def __init__(self, app: Callable, host: str = "127.0.0.1") -> None:
         import uvicorn
 
-        from worker.app import bind_socket  # TCP_NODELAY-capable: no 40 ms delayed-ACK stalls
+        from worker.net import bind_socket  # TCP_NODELAY-capable: no 40 ms delayed-ACK stalls
 
         self._sock = bind_socket(host, 0)
         self.port = self._sock.getsockname()[1]
