@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from starlette.routing import Route
 
 from worker.engine import Engine, Job
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
+from worker.net import bind_socket
 from worker.output import DeltaAssembler
 from worker.sampling import SamplingParams
 from worker.schemas import ChatCompletionRequest, describe_validation_error
@@ -351,19 +351,6 @@ def _completion_body(
         "choices": [choice],
         "usage": _usage(done),
     }
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0 picks a free one) so the URL is known before serving."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP,
-    # and without it every stream's first frame waits ~40 ms for the client's delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 def serve(

@@ -231,8 +231,9 @@ def run_worker_in_thread(
     """
     import uvicorn
 
-    from worker.app import bind_socket, create_app
+    from worker.app import create_app
     from worker.engine import Engine
+    from worker.net import bind_socket
 
     engine = Engine(str(model_dir), name=name, config=config)
     engine.start(timeout=120)
