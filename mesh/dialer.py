@@ -6,9 +6,9 @@ Failures back off exponentially per member, and are logged once at INFO while a 
 away.
 
 One rule keeps restarts quick: a link that was lost is restored by the node with the HIGHER id
-dialing the lower one. While a node dials a peer, the tunnel turns away that peer's own dial to
-it (its simultaneous-dial tie rule); if both sides redialed, a restarted node's dials could be
-turned away for as long as the others keep dialing its dead old address.
+dialing the lower one. While the lower id dials a peer, the tunnel holds that peer's own dial to
+it until its dial ends (its simultaneous-dial tie rule); if both sides redialed, a restarted
+node's dials would wait for the others' dials to its dead old address to time out.
 """
 
 from __future__ import annotations

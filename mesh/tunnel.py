@@ -53,7 +53,10 @@ Behaviour:
   ``DuplicateNodeError`` (raised by ``connect``; logged and passed to ``on_duplicate_node``
   on the accepting side).
 * Simultaneous dials collapse to one connection: the one initiated by the lower node id wins
-  on both sides, the other is closed with SUPERSEDED (``connect`` returns the winner).
+  on both sides, the other is closed with SUPERSEDED (``connect`` returns the winner). The
+  lower id holds the higher id's dial until its own dial to that peer ends: refused if ours
+  succeeded, accepted if ours failed (a restarted peer that we dial at its old, dead address
+  gets in when our dial gives up, and our ``connect`` returns its connection).
   Concurrent ``connect`` calls to one peer share one dial. A fresh connection from a peer
   replaces an old one that went silent (the peer restarted), so a restarted node is
   reachable at once, not only after the keep-alive noticed.
@@ -224,7 +227,15 @@ class TunnelEndpoint:
             dial = asyncio.ensure_future(self._dial(host, port, pin))
             self._dials[pin] = dial
             dial.add_done_callback(lambda fut: self._dial_done(pin, fut))
-        return await asyncio.shield(dial)
+        try:
+            return await asyncio.shield(dial)
+        except ConnectError:
+            # The peer's own dial, held while ours was under way, was registered when ours
+            # failed (e.g. we dialed the old address of a peer that restarted elsewhere).
+            held = self._find(pin)
+            if held is None:
+                raise
+            return held
 
     def _dial_done(self, pin: Pin, dial: asyncio.Future[PeerConnection]) -> None:
         self._dials.pop(pin, None)
@@ -307,9 +318,6 @@ class TunnelEndpoint:
         """Make ``conn`` THE connection to its peer; False if an existing one wins the tie."""
         assert conn.peer_node_id is not None
         self._all.add(conn)
-        if not conn.is_client and self.identity.node_id < conn.peer_node_id:
-            if any(self._dialing_to(dial, conn) for dial in self._all):
-                return False  # our own dial to this peer is under way and will win the tie
         existing = self.connection_for(conn.peer_node_id)
         if existing is not None and existing is not conn:
             if self._initiator(existing) == self._initiator(conn):
@@ -331,14 +339,25 @@ class TunnelEndpoint:
         Both sides ping every ``ping_interval``, so a live peer is rarely silent this long."""
         return max(0.25, 2 * self.config.ping_interval)
 
-    @staticmethod
-    def _dialing_to(dial: PeerConnection, incoming: PeerConnection) -> bool:
-        """``dial`` is our unfinished outgoing dial to the peer behind ``incoming``."""
-        if not dial.is_client or dial.is_closed or dial.is_ready or dial._pin is None:
-            return False
-        return (dial._pin.node_id or "").lower() == incoming.peer_node_id or (
-            dial._pin.fingerprint or ""
-        ).lower() == incoming.peer_cert_fingerprint
+    def _own_dial_to(self, incoming: PeerConnection) -> asyncio.Future[PeerConnection] | None:
+        """Our unfinished dial to the peer behind ``incoming``, if it would win the tie.
+
+        ``incoming`` must wait for it: refused if the dial succeeds (the peer's ``connect`` then
+        returns our dial), registered if it fails. Deciding before the dial ends would be wrong
+        either way: accepting lets the peer's ``connect`` return a connection that our dial
+        replaces a moment later; refusing locks out a restarted peer while we dial its old,
+        dead address. The dial is tracked from ``connect()`` on, before its socket exists."""
+        peer = incoming.peer_node_id
+        if incoming.is_client or peer is None or not self.identity.node_id < peer:
+            return None
+        for pin, dial in self._dials.items():
+            if dial.done():
+                continue
+            if (pin.node_id or "").lower() == peer or (
+                pin.fingerprint or ""
+            ).lower() == incoming.peer_cert_fingerprint:
+                return dial
+        return None
 
     def _initiator(self, conn: PeerConnection) -> str:
         return self.identity.node_id if conn.is_client else (conn.peer_node_id or "")

@@ -312,6 +312,10 @@ class PeerConnection:
     def _become_ready(self) -> None:
         if self._ready.done() or self._lost is not None:
             return
+        own_dial = self._endpoint._own_dial_to(self)
+        if own_dial is not None:
+            own_dial.add_done_callback(lambda _dial: self._become_ready())  # decide after it
+            return
         if not self._endpoint._register(self):
             self._fail_handshake(
                 Superseded("simultaneous dial: kept the other connection"), ErrorCode.SUPERSEDED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -403,6 +404,63 @@ async def test_simultaneous_dials_collapse_to_one_connection(pair) -> None:
     assert kept_b.is_client == (b.identity.node_id == lower)
     assert ab is kept_a and ba is kept_b
     assert (await request(kept_a, "/x", b"q"))[-1] == End()
+
+
+async def test_lower_ids_slow_dial_still_wins_a_simultaneous_dial() -> None:
+    """The lower id's dial is slow to start (name lookup): the higher id's dial is through its
+    handshake first. It must wait for the lower id's dial, not be accepted and replaced a
+    moment after its ``connect`` returned it."""
+    low, high = (
+        TunnelEndpoint(ident, "127.0.0.1", 0, config=FAST)
+        for ident in sorted((NodeIdentity.generate() for _ in range(2)), key=lambda i: i.node_id)
+    )
+    for endpoint in (low, high):
+        serve_with(endpoint, echo_handler)
+        await endpoint.start()
+    resolve = low._resolve
+
+    def handshaken_from_high() -> bool:
+        return any(not c.is_client and c._handshake_done and c.control for c in low._all)
+
+    async def slow_resolve(host: str, port: int) -> tuple[object, ...]:
+        await eventually(handshaken_from_high)
+        return await resolve(host, port)
+
+    low._resolve = slow_resolve  # type: ignore[method-assign]
+    try:
+        to_high, to_low = await asyncio.gather(dial(low, high), dial(high, low))
+        assert to_high.is_client and not to_low.is_client  # both hold the low id's dial
+        assert not to_high.is_closed and not to_low.is_closed
+        assert low.connections == [to_high] and high.connections == [to_low]
+        assert (await request(to_low, "/x", b"q"))[-1] == End()
+    finally:
+        for endpoint in (low, high):
+            await endpoint.close()
+
+
+async def test_restarted_peer_gets_in_while_we_dial_its_dead_address() -> None:
+    """We (the lower id) dial a peer's old address, dead since it restarted elsewhere. Its own
+    dial to us must get in once ours gives up, and our ``connect`` returns that connection."""
+    low_id, high_id = sorted((NodeIdentity.generate() for _ in range(2)), key=lambda i: i.node_id)
+    low = TunnelEndpoint(low_id, "127.0.0.1", 0, config=replace(FAST, handshake_timeout=1.0))
+    high = TunnelEndpoint(high_id, "127.0.0.1", 0, config=replace(FAST, handshake_timeout=30.0))
+    for endpoint in (low, high):
+        serve_with(endpoint, echo_handler)
+        await endpoint.start()
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as dead:  # never answers
+            dead.bind(("127.0.0.1", 0))
+            ours = asyncio.ensure_future(
+                low.connect("127.0.0.1", dead.getsockname()[1], expected_node_id=high_id.node_id)
+            )
+            await eventually(lambda: bool(low._dials))
+            theirs = await high.connect("127.0.0.1", low.port, expected_node_id=low_id.node_id)
+            assert (await ours) is low.connection_for(high_id.node_id)
+        assert not ours.result().is_client and not theirs.is_closed
+        assert (await request(theirs, "/back", b"q"))[-1] == End()
+    finally:
+        for endpoint in (low, high):
+            await endpoint.close()
 
 
 async def test_endpoint_close_tells_the_peer(pair) -> None:
