@@ -159,7 +159,12 @@ def test_client_disconnect_stops_worker_generation(gateway, oai):
 
     import httpx
 
-    stream = oai.chat.completions.create(model="plain", messages=USER, max_tokens=5000, stream=True)
+    # Greedy: the random model never favours <|im_end|>, so it runs to the length limit. Sampled
+    # (the worker's default temperature is 1) it draws <|im_end|> after a few hundred tokens at
+    # times, and the stream could end before /health is read.
+    stream = oai.chat.completions.create(
+        model="plain", messages=USER, max_tokens=5000, temperature=0, stream=True
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
