@@ -57,7 +57,7 @@ class MeshNode(Node):
         """``model="mesh"`` mixes every model reachable in the MESH, not only local ones."""
         from gateway.moa.upstream import MixtureOfAgents
 
-        return MixtureOfAgents(self.mesh.directory, getattr(self.config, "moa", None))
+        return MixtureOfAgents(self.mesh.directory, self.config.moa)
 
     def extra_routes(self) -> list[Any]:
         return [*super().extra_routes(), *mesh_routes(self.mesh)]

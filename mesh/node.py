@@ -32,6 +32,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.console import close_event_streams
+from gateway.moa.config import MoaConfig
 from gateway.upstream import ModelDirectory, ModelInfo, StaticDirectory
 from gateway.worker_client import WorkerUpstream
 from worker.net import bind_socket
@@ -55,6 +56,7 @@ class NodeConfig:
     port: int = 9337
     start_workers: bool = True
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    moa: MoaConfig = field(default_factory=MoaConfig)
     worker_ready_timeout_s: float = 600.0
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0

@@ -95,6 +95,12 @@ def test_commands_without_a_running_node_fail_cleanly(tmp_path):
     assert result.exit_code == 1 and "no node is running" in " ".join(result.output.split())
 
 
+def test_up_refuses_an_unknown_moa_policy_in_one_sentence(tmp_path):
+    result = runner.invoke(app, ["up", "--home", str(tmp_path), "--moa-policy", "vote"])
+    assert result.exit_code == 1
+    assert "unknown --moa-policy 'vote'" in " ".join(result.output.split())
+
+
 def test_id_creates_and_keeps_the_identity(tmp_path):
     first = runner.invoke(app, ["id", "--home", str(tmp_path)])
     second = runner.invoke(app, ["id", "--home", str(tmp_path)])

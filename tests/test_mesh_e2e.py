@@ -163,7 +163,9 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         proxy = ProxyThread(decoded.addresses[0])
         via_proxy = decoded.model_copy(update={"addresses": [f"127.0.0.1:{proxy.proxy.port}"]})
 
-        b = Running(tmp_path / "b", "--no-worker", "--join", via_proxy.encode())
+        b = Running(
+            tmp_path / "b", "--no-worker", "--join", via_proxy.encode(), "--moa-policy", "consensus"
+        )
         _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
 
         direct = _texts(a.url, "model")
@@ -186,6 +188,12 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         )
         assert mixed.status_code == 200, mixed.text
         assert mixed.json()["choices"][0]["message"]["content"]
+        assert mixed.headers["x-moa-policy"] == "consensus"  # --moa-policy reached the arbiter
+        # Every request left a row in the node's request log (default: HOME/requests.jsonl).
+        rows = [
+            orjson.loads(line) for line in (b.home / "requests.jsonl").read_bytes().splitlines()
+        ]
+        assert {row["model"] for row in rows} >= {"model", "mesh"}
 
         status = subprocess.run(
             _mesh("status", "--home", str(b.home), "--json"),

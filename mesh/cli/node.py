@@ -29,7 +29,15 @@ def up_command(
         64, "--max-in-flight", help="Concurrent requests before 429."
     ),
     request_log: Path | None = typer.Option(
-        None, "--request-log", help="Append one JSON row per request here."
+        None,
+        "--request-log",
+        help="Append one JSON row per request here [default: HOME/requests.jsonl].",
+    ),
+    moa_policy: str = typer.Option(
+        "race", "--moa-policy", help="model=mesh arbiter: race, consensus or reduce."
+    ),
+    moa_workers: int = typer.Option(
+        3, "--moa-workers", help="model=mesh: most worker calls per request."
     ),
     join: str | None = typer.Option(
         None, "--join", help="Join the mesh of this invite token (from `mesh invite`)."
@@ -54,12 +62,17 @@ def up_command(
     """Start a node: one MLX worker per --model and the OpenAI/Anthropic gateway in front."""
     from gateway import __version__
     from gateway.config import GatewayConfig
+    from gateway.moa.config import POLICIES, MoaConfig
     from mesh.errors import MeshError
     from mesh.mesh_node import run_mesh_node
     from mesh.node import NodeConfig, NodeError
     from mesh.service import MeshConfig
 
     home_dir = resolve_home(home)
+    if moa_policy not in POLICIES:
+        raise fail(f"unknown --moa-policy {moa_policy!r}; choose one of {', '.join(POLICIES)}")
+    if moa_workers < 1:
+        raise fail("--moa-workers must be at least 1")
     config = NodeConfig(
         home=home_dir,
         models=tuple(model),
@@ -69,9 +82,10 @@ def up_command(
         gateway=GatewayConfig(
             api_key=api_key,
             max_in_flight=max_in_flight,
-            request_log=request_log,
+            request_log=request_log or home_dir / "requests.jsonl",
             retry_backoff_ms=retry_backoff_ms,
         ),
+        moa=MoaConfig(policy=moa_policy, max_workers=moa_workers),
     )
     mesh_config = MeshConfig(
         host=mesh_host,
