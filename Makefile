@@ -40,6 +40,7 @@ test: setup lint browser
 bench: setup
 	$(BIN)/python bench/worker_vs_mlx_lm.py
 	$(BIN)/python bench/gateway_overhead.py
+	$(BIN)/python bench/tunnel_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
