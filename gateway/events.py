@@ -54,6 +54,9 @@ class Meta:
 @dataclass(frozen=True, slots=True)
 class Done:
     finish_reason: FinishReason = "stop"
+    # The request's stop string that ended the answer (Anthropic ``stop_sequence``); None when
+    # the model stopped on its own, hit a limit, or the upstream does not say.
+    stop_sequence: str | None = None
 
 
 ErrorKind = Literal[

@@ -109,6 +109,7 @@ class ChunkDecoder:
 
     def __init__(self) -> None:
         self.finish_reason = "stop"
+        self.stop_sequence: str | None = None
         self.usage: Usage | None = None
 
     def decode(self, payload: dict[str, Any]) -> list[Event]:
@@ -152,11 +153,15 @@ class ChunkDecoder:
                 )
             if (finish := choice.get("finish_reason")) in _FINISH:
                 self.finish_reason = finish
+                # vLLM-style extension: the stop string that matched (a token id is not one).
+                stop = choice.get("stop_reason")
+                self.stop_sequence = stop if isinstance(stop, str) and finish == "stop" else None
         return events
 
     def finish(self) -> list[Event]:
         tail: list[Event] = [self.usage] if self.usage is not None else []
-        return [*tail, Done(self.finish_reason)]  # type: ignore[arg-type]
+        done = Done(self.finish_reason, self.stop_sequence)  # type: ignore[arg-type]
+        return [*tail, done]
 
 
 def _mean_logprob(logprobs: Any) -> float | None:

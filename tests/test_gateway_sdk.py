@@ -30,6 +30,7 @@ SCRIPTS = {
     ],
     "refused": [Error(kind="invalid_request", message="context_length_exceeded: too long")],
     "empty": [Usage(3, 0), Done("stop")],
+    "stopped": [TextDelta("Up to "), Usage(4, 2), Done("stop", stop_sequence="###")],
 }
 
 
@@ -292,6 +293,30 @@ def test_messages_missing_max_tokens_is_400_naming_it(server):
 def test_messages_empty_answer(claude):
     message = claude.messages.create(model="empty", max_tokens=5, messages=USER)
     assert message.content == [] and message.stop_reason == "end_turn"
+
+
+def test_messages_stop_sequence(claude):
+    message = claude.messages.create(
+        model="stopped", max_tokens=20, messages=USER, stop_sequences=["###"]
+    )
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "###")
+    events = list(
+        claude.messages.create(
+            model="stopped", max_tokens=20, messages=USER, stop_sequences=["###"], stream=True
+        )
+    )
+    assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == (
+        "stop_sequence",
+        "###",
+    )
+    with claude.messages.stream(
+        model="stopped", max_tokens=20, messages=USER, stop_sequences=["###"]
+    ) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "###")
+    # Without a matched stop string it stays end_turn with a null stop_sequence.
+    plain = claude.messages.create(model="plain", max_tokens=20, messages=USER)
+    assert (plain.stop_reason, plain.stop_sequence) == ("end_turn", None)
 
 
 def test_count_tokens_estimate(claude):

@@ -139,6 +139,25 @@ def test_messages_thinking_and_tools(claude):
     assert final.content[-1].type == "tool_use" and final.content[-1].input == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_stop_sequence_from_the_worker(claude, stream):
+    # The scripted "think" model answers "The answer is 4."; "answer" ends it.
+    request = dict(
+        model="think",
+        max_tokens=20,
+        messages=USER,
+        stop_sequences=["zzz", "answer"],
+        thinking={"type": "disabled"},
+    )
+    if stream:
+        with claude.messages.stream(**request) as events:
+            message = events.get_final_message()
+    else:
+        message = claude.messages.create(**request)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "answer")
+    assert message.content[0].text == "The "
+
+
 def test_count_tokens_uses_worker_tokenizer(gateway):
     import httpx
 

@@ -108,6 +108,24 @@ async def test_chunks_become_events():
     ]
 
 
+async def test_matched_stop_string_reaches_done():
+    def final(choice_extra: dict, finish: str = "stop") -> bytes:
+        chunk = _chunk({}, finish)
+        chunk["choices"][0].update(choice_extra)
+        return _sse(_chunk({"content": "a"}), chunk, b"[DONE]")
+
+    async def done_of(body: bytes) -> Done:
+        events = await _events(_upstream(lambda r: httpx.Response(200, content=body)))
+        return events[-1]
+
+    assert await done_of(final({"stop_reason": "###"})) == Done("stop", stop_sequence="###")
+    assert await done_of(final({"stop_reason": None})) == Done("stop")
+    assert await done_of(final({})) == Done("stop")
+    # vLLM reports a stop *token* as its id: that is no stop string.
+    assert await done_of(final({"stop_reason": 7})) == Done("stop")
+    assert await done_of(final({"stop_reason": "###"}, "length")) == Done("length")
+
+
 async def test_status_errors_map_to_kinds():
     busy = await _events(
         _upstream(lambda r: httpx.Response(503, json={"error": {"message": "full"}}))

@@ -175,6 +175,27 @@ def test_max_tokens_and_stop(plain: tuple[str, Engine], think: tuple[str, Engine
     )
     assert reply.choices[0].message.content == "The "
     assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].model_extra["stop_reason"] == "answer"
+    chunks = list(
+        client(think).chat.completions.create(
+            model="tiny-think",
+            messages=HI,
+            temperature=0,
+            stop=["zzz", "answer"],
+            reasoning_effort="none",
+            stream=True,
+        )
+    )
+    final = chunks[-1].choices[0]
+    assert (final.finish_reason, final.model_extra["stop_reason"]) == ("stop", "answer")
+    assert all(c.choices[0].model_extra.get("stop_reason") is None for c in chunks[:-1])
+    reply = client(think).chat.completions.create(
+        model="tiny-think", messages=HI, temperature=0, reasoning_effort="none"
+    )
+    assert (reply.choices[0].finish_reason, reply.choices[0].model_extra["stop_reason"]) == (
+        "stop",
+        None,
+    )
 
 
 def test_seeded_determinism(plain: tuple[str, Engine]) -> None:

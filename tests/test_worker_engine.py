@@ -78,6 +78,7 @@ async def test_scripted_model_stops_at_eos(think_engine: Engine) -> None:
     _, text, done = await run(think_engine, GenerationRequest(prompt, 50, GREEDY))
     assert text == "The answer is 4."
     assert done.finish_reason == "stop"
+    assert done.stop_sequence is None  # EOS is not a stop string
 
 
 async def test_stop_string_split_across_tokens(think_engine: Engine) -> None:
@@ -87,6 +88,7 @@ async def test_stop_string_split_across_tokens(think_engine: Engine) -> None:
     _, text, done = await run(think_engine, request)
     assert (text, done.finish_reason) == ("The an", "stop")
     assert done.completion_tokens == 3
+    assert done.stop_sequence == "swer i"
 
 
 async def test_seeded_sampling_is_deterministic(engine: Engine) -> None:

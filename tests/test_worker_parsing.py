@@ -32,6 +32,19 @@ def test_stop_earliest_of_several() -> None:
     assert run_stop(["a STOP b END"], ["END", "STOP"]) == ("a ", True)
 
 
+def test_matched_stop_is_reported() -> None:
+    matcher = StopMatcher(["END", "STOP"])
+    assert matcher.feed("a ST") == ("a ", False)
+    assert matcher.matched is None
+    assert matcher.feed("OP b END") == ("", True)
+    assert matcher.matched == "STOP"
+    # At the same position the longer stop is the one that matched the text.
+    tie = StopMatcher(["ab", "abc"])
+    assert tie.feed("xabcd") == ("x", True)
+    assert tie.matched == "abc"
+    assert StopMatcher(["zz"]).matched is None
+
+
 def test_partial_stop_released_when_it_does_not_complete() -> None:
     assert run_stop(["abc wor", "m"], ["world"]) == ("abc worm", False)
     assert run_stop(["abc wor"], ["world"]) == ("abc wor", False)

@@ -235,6 +235,9 @@ def _logprob_entries(logprobs: list[tuple[str, float]]) -> list[dict[str, Any]]:
     return [{"token": t, "logprob": lp, "top_logprobs": []} for t, lp in logprobs]
 
 
+# Like vLLM, the final choice also carries ``stop_reason``: the stop string that ended the
+# answer, or null. Plain OpenAI clients ignore it; the gateway maps it to Anthropic's
+# ``stop_sequence``.
 def _finish_reason(assembler: DeltaAssembler, done: Finished) -> str:
     return "tool_calls" if assembler.tool_calls else done.finish_reason
 
@@ -250,12 +253,15 @@ async def _sse_frames(
     first = True
     pending_logprobs: list[tuple[str, float]] = []
 
-    def frame(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    def frame(delta: dict[str, Any], done: Finished | None = None) -> bytes:
         nonlocal first
         if first:
             delta = {"role": "assistant", **delta}
             first = False
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        if done is not None:
+            choice["finish_reason"] = _finish_reason(assembler, done)
+            choice["stop_reason"] = done.stop_sequence
         if pending_logprobs:
             choice["logprobs"] = {"content": _logprob_entries(pending_logprobs)}
             pending_logprobs.clear()
@@ -270,7 +276,7 @@ async def _sse_frames(
                 out.extend(frame(delta) for delta in assembler.feed(event.text))
             elif isinstance(event, Finished):
                 out.extend(frame(delta) for delta in assembler.finish())
-                out.append(frame({}, _finish_reason(assembler, event)))
+                out.append(frame({}, event))
                 if include_usage:
                     usage = {**base, "choices": [], "usage": _usage(event)}
                     out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
@@ -343,6 +349,7 @@ def _completion_body(
         "index": 0,
         "message": assembler.message(),
         "finish_reason": _finish_reason(assembler, done),
+        "stop_reason": done.stop_sequence,
         "logprobs": {"content": _logprob_entries(logprobs)} if logprobs is not None else None,
     }
     return {

@@ -431,6 +431,7 @@ class Engine:
                 prompt_tokens=len(job.request.prompt),
                 completion_tokens=active.completion_tokens,
                 cached_tokens=active.cached_tokens,
+                stop_sequence=active.stop.matched if stopped else None,
             ),
         )
         with self._lock:

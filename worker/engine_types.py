@@ -59,6 +59,8 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # The request's stop string that ended generation; None for EOS, length or no stop hit.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,21 +76,25 @@ class StopMatcher:
     """Finds stop strings in streamed text, even when split across tokens.
 
     ``feed`` returns the text that is safe to emit and whether a stop string completed; text that
-    might be the start of a stop string is held back. The stop string itself is never emitted.
+    might be the start of a stop string is held back. The stop string itself is never emitted;
+    ``matched`` says which one it was (clients report it, e.g. Anthropic's ``stop_sequence``).
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
         self._held = ""
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self._stops:
             return text, False
         buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, stop) for stop in self._stops if (i := buffer.find(stop)) >= 0]
         if hits:
+            # The earliest match wins; at a tie the longer stop, which contains the other.
+            at, self.matched = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
             self._held = ""
-            return buffer[: min(hits)], True
+            return buffer[:at], True
         keep = 0
         for stop in self._stops:
             for n in range(min(len(stop) - 1, len(buffer)), keep, -1):

@@ -40,6 +40,7 @@ class Accumulator:
     tool_calls: dict[int, ToolCallState] = field(default_factory=dict)
     usage: Usage | None = None
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended a "stop" answer
     error: Error | None = None
 
     def add(self, event: Event) -> ToolCallState | None:
@@ -66,6 +67,8 @@ class Accumulator:
             # A tool call is a tool call even when the model (or parser) said "stop".
             if self.tool_calls and event.finish_reason == "stop":
                 self.finish_reason = "tool_calls"
+            if self.finish_reason == "stop":
+                self.stop_sequence = event.stop_sequence
         elif isinstance(event, Error):
             self.error = event
         return None

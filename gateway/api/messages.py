@@ -207,6 +207,8 @@ def _usage(acc: Accumulator) -> dict[str, Any]:
 
 
 def _stop_reason(acc: Accumulator) -> str:
+    if acc.stop_sequence is not None:
+        return "stop_sequence"
     return _STOP_REASONS.get(acc.finish_reason or "stop", "end_turn")
 
 
@@ -296,7 +298,10 @@ class MessagesStreamEncoder:
             out = self._close()
             delta = {
                 "type": "message_delta",
-                "delta": {"stop_reason": _stop_reason(self.acc), "stop_sequence": None},
+                "delta": {
+                    "stop_reason": _stop_reason(self.acc),
+                    "stop_sequence": self.acc.stop_sequence,
+                },
                 "usage": _usage(self.acc),
             }
             return (
@@ -341,6 +346,6 @@ def message_body(request: ChatRequest, body: MessagesBody, acc: Accumulator) -> 
         "content": content,
         "model": request.model,
         "stop_reason": _stop_reason(acc),
-        "stop_sequence": None,
+        "stop_sequence": acc.stop_sequence,
         "usage": _usage(acc),
     }

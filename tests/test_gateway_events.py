@@ -1,0 +1,52 @@
+"""The internal events' JSON form (what tunnels carry): every event round-trips, and old peers'
+dicts without newer optional fields still decode."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.events import (
+    Done,
+    Error,
+    EventDecodeError,
+    Meta,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+    event_from_dict,
+    event_to_dict,
+)
+
+EVENTS = [
+    ReasoningDelta("hm"),
+    TextDelta("hi", logprob=-0.25),
+    ToolCallDelta(0, id="c", name="f", arguments="{}"),
+    Usage(3, 2, 1),
+    Meta({"x-route": "local"}),
+    Done("length"),
+    Done("stop", stop_sequence="###"),
+    Error(kind="upstream", message="boom", retryable=True, code="x", details={"a": 1}),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_events_round_trip_through_json(event) -> None:
+    wire = orjson.loads(orjson.dumps(event_to_dict(event)))
+    assert event_from_dict(wire) == event
+
+
+def test_done_stop_sequence_is_on_the_wire_and_optional() -> None:
+    assert event_to_dict(Done("stop", stop_sequence="END")) == {
+        "t": "done",
+        "finish_reason": "stop",
+        "stop_sequence": "END",
+    }
+    # A peer that predates the field sends only the finish reason.
+    assert event_from_dict({"t": "done", "finish_reason": "stop"}) == Done("stop")
+
+
+def test_unknown_fields_are_a_decode_error() -> None:
+    with pytest.raises(EventDecodeError):
+        event_from_dict({"t": "done", "finish_reason": "stop", "bogus": 1})
