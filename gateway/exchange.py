@@ -1,8 +1,11 @@
 """One request's lifetime, shared by every API: parse → route → stream or collect → record.
 
 Streaming: the HTTP response headers are held until the first upstream event or
-``header_wait_s``, whichever comes first, so route/MoA ``Meta`` headers usually make it in and a
-failure before any content still gets a proper HTTP status. Then frames are written as events
+``header_wait_s``, whichever comes first, so route ``Meta`` headers usually make it in and a
+failure before any content still gets a proper HTTP status. An upstream that names a
+``decision_header`` (``model="mesh"``: ``x-moa-winner``) holds the start until that header
+arrives, at most its ``decision_wait_s``; every ``Meta``, even one after the start, ends up in
+the request record. Then frames are written as events
 arrive, with keep-alives while idle. A client disconnect cancels the upstream; the producer is
 always closed before the response returns.
 """
@@ -207,20 +210,12 @@ class EventResponse:
     async def _stream(self, producer: ProducerStream, send: Send) -> None:
         config = self.state.config
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.header_wait_s
-        first: Event | None = None
-        while (remaining := deadline - loop.time()) > 0:
-            event = await producer.get(remaining)
-            if event is None:
-                break
-            self._fold(event, None)
-            if not isinstance(event, Meta):
-                first = event
-                break
-        if isinstance(first, Error):  # nothing sent yet: answer with a real status
-            self.acc.add(first)
-            self.record.status = first.status
-            response = error_response(self.spec.error_body, first, self.route_headers)
+        held = await self._hold_start(producer, loop.time() + config.header_wait_s)
+        if held and isinstance(held[-1], Error):  # nothing sent yet: answer with a real status
+            error = held[-1]
+            self.acc.add(error)
+            self.record.status = error.status
+            response = error_response(self.spec.error_body, error, self.route_headers)
             await response({"type": "http"}, _never_receive, send)
             return
         if not self.route_headers and self.routes:  # slow first event: say where it is going
@@ -233,9 +228,11 @@ class EventResponse:
         self.acc = encoder.acc
         chunk = encoder.start()
         terminal = False
-        if first is not None:
-            frame, terminal = _encode_safely(encoder, first)
+        for event in held:
+            frame, terminal = _encode_safely(encoder, event)
             chunk += frame
+            if terminal:
+                break
         if chunk:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         keepalive_s = config.keepalive_s
@@ -257,6 +254,36 @@ class EventResponse:
             if frames:
                 await send({"type": "http.response.body", "body": frames, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _hold_start(self, producer: ProducerStream, deadline: float) -> list[Event]:
+        """The events read before the response starts (Metas folded into the headers).
+
+        Normally that is the first event, or none by ``deadline``. An upstream that decides late
+        (``model="mesh"``) names its ``decision_header``: then the start is held – content
+        included – until that header arrives, bounded by its ``decision_wait_s``. Facts that still
+        come later reach the request record, just not the headers.
+        """
+        upstream = self.routes[0].upstream if self.routes else None
+        awaited: str | None = getattr(upstream, "decision_header", None)
+        loop = asyncio.get_running_loop()
+        hold_until = max(deadline, loop.time() + getattr(upstream, "decision_wait_s", 0.0))
+        held: list[Event] = []
+        while True:
+            pending = awaited is not None and awaited not in self.route_headers
+            if held and not pending:
+                return held
+            remaining = (hold_until if pending else deadline) - loop.time()
+            if remaining <= 0:
+                return held
+            event = await producer.get(remaining)
+            if event is None:
+                return held
+            self._fold(event, None)
+            if isinstance(event, Meta):
+                continue
+            held.append(event)
+            if isinstance(event, Done | Error):
+                return held
 
 
 def _encode_safely(encoder: Encoder, event: Event) -> tuple[bytes, bool]:

@@ -1,8 +1,8 @@
 """Pick routes for a model and run one request across them, retrying before the commit point.
 
-The commit point is the first content delta. A failure before it – an ``Error`` that is
-retryable or of kind overloaded/unavailable, an exception, or a stream that ends early – is
-retried once on the same route after ``retry_backoff_s``, then on the next route. After it,
+The commit point is the first content delta (or terminal); an early ``Usage`` waits for it. A
+failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable, an
+exception, or a stream that ends early – is retried once on the same route after ``retry_backoff_s``, then on the next route. After it,
 nothing is retried: the error goes on to the client. Every routed stream starts with a ``Meta``
 event carrying ``x-route``, ``x-peer`` and ``x-attempts``, merged with the upstream's own.
 """
@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.events import Done, Error, Event, Meta
+from gateway.events import Done, Error, Event, Meta, Usage
 from gateway.request import ChatRequest
 from gateway.upstream import ModelDirectory, Route
 
@@ -42,6 +42,15 @@ class _UpstreamAdapter:
 
     def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         return self.target.stream(request)
+
+    # The MoA decides late; these let the gateway hold the response start for its decision.
+    @property
+    def decision_header(self) -> str | None:
+        return getattr(self.target, "decision_header", None)
+
+    @property
+    def decision_wait_s(self) -> float:
+        return getattr(self.target, "decision_wait_s", 0.0)
 
 
 def is_retryable(error: Error) -> bool:
@@ -97,6 +106,7 @@ class Router:
             if attempt > 1 and route is plan[attempt - 2]:
                 await asyncio.sleep(self.retry_backoff_s)
             pending_meta: dict[str, str] = {}
+            pending_usage: Usage | None = None
             committed = False
             source = route.upstream.stream(request)
             try:
@@ -109,12 +119,17 @@ class Router:
                     if isinstance(event, Meta):
                         pending_meta.update(event.headers)
                         continue
+                    if isinstance(event, Usage):  # an early prompt count: a fact, not content
+                        pending_usage = event
+                        continue
                     if isinstance(event, Error) and is_retryable(event) and attempt < len(plan):
                         reasons.append(f"{_route_label(route)}:{event.kind}")
                         last_error = event
                         break
                     committed = True
                     yield Meta(route_headers(route, attempt, reasons) | pending_meta)
+                    if pending_usage is not None:
+                        yield pending_usage
                     yield event
                     if isinstance(event, Done | Error):
                         return

@@ -354,3 +354,59 @@ def test_consensus_after_grace_commits_to_the_first_output():
     assert arbiter.tick(1.1) == []
     assert arbiter.next_deadline() == pytest.approx(5.0)  # b and c's first-token deadline
     assert commits(arbiter.handle(TokenArrived("b", "Hello"), 2.0)) == [Commit("b", "grace")]
+
+
+# -- race: the preferred (caller's-temperature) sample --------------------------------------------
+
+WINDOW = 0.075
+
+
+def preferring(preferred: str = "a", **overrides) -> Arbiter:
+    config = dataclasses.replace(CONFIG, **({"race_prefer_window_s": WINDOW} | overrides))
+    arbiter = Arbiter(["a", "b", "c"], config, now=0.0, policy="race", preferred=preferred)
+    for w in ("a", "b", "c"):
+        arbiter.handle(WorkerStarted(w), 0.0)
+    return arbiter
+
+
+def test_race_waits_briefly_for_the_preferred_sample_and_takes_it():
+    arbiter = preferring()
+    assert feed(arbiter, "a", ["The", " sky"], start=0.1) == []
+    assert feed(arbiter, "b", ["It", " is", " blue"], start=0.05) == []  # passes at 0.25
+    assert arbiter.next_deadline() == pytest.approx(0.25 + WINDOW)
+    decisions = arbiter.handle(TokenArrived("a", " is"), 0.3)  # within the window
+    assert commits(decisions) == [Commit("a", "race")] and cancels(decisions) == {"b", "c"}
+
+
+def test_race_takes_the_first_passer_when_the_window_runs_out():
+    arbiter = preferring()
+    feed(arbiter, "a", ["The"], start=0.1)
+    assert feed(arbiter, "b", ["It", " is", " blue"], start=0.05) == []
+    assert arbiter.tick(0.25 + WINDOW / 2) == []
+    decisions = arbiter.tick(0.25 + WINDOW)
+    assert commits(decisions) == [Commit("b", "race")] and cancels(decisions) == {"a", "c"}
+
+
+def test_race_does_not_wait_for_a_preferred_sample_that_cannot_pass():
+    arbiter = preferring()
+    feed(arbiter, "b", ["It", " is"], start=0.05)
+    arbiter.handle(WorkerFailed("a", "boom"), 0.2)
+    assert commits(arbiter.handle(TokenArrived("b", " blue"), 0.25)) == [Commit("b", "race")]
+    finished = preferring()
+    feed(finished, "a", ["<think>"], start=0.01)
+    finished.handle(WorkerFinished("a", "stop"), 0.02)  # complete, and leaked markup
+    assert commits(feed(finished, "b", ["It", " is", " blue"], start=0.05)) == [Commit("b", "race")]
+
+
+def test_race_commits_the_preferred_sample_at_once_when_it_passes_first():
+    arbiter = preferring()
+    feed(arbiter, "b", ["It", " is"], start=0.05)
+    assert commits(feed(arbiter, "a", ["The", " sky", " is"], start=0.1)) == [Commit("a", "race")]
+
+
+def test_race_without_a_preferred_worker_or_with_no_window_commits_the_first_passer():
+    for arbiter in (make("race"), preferring(race_prefer_window_s=0.0)):
+        feed(arbiter, "a", ["The"], start=0.1)
+        assert commits(feed(arbiter, "b", ["It", " is", " blue"], start=0.05)) == [
+            Commit("b", "race")
+        ]

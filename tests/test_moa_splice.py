@@ -4,6 +4,7 @@ losers, thinking knobs on every worker call, and failures that never hang the cl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -76,9 +77,10 @@ def text_of(events) -> str:
 
 
 def meta_of(events) -> dict[str, str]:
+    """Every Meta merged (the opening one with policy and workers, then the decision's)."""
     metas = [e for _, e in events if isinstance(e, Meta)]
-    assert len(metas) == 1
-    return metas[0].headers
+    assert metas and set(metas[0].headers) == {"x-moa-policy", "x-moa-workers"}
+    return {k: v for m in metas for k, v in m.headers.items()}
 
 
 def moa_tasks() -> list[asyncio.Task]:
@@ -86,13 +88,16 @@ def moa_tasks() -> list[asyncio.Task]:
 
 
 def assert_well_formed(events) -> None:
-    """One terminal, last; no text before the Meta that announces the decision."""
+    """The opening Meta first; one terminal, last; no text before the decision's Meta."""
     kinds = [e for _, e in events]
+    assert isinstance(kinds[0], Meta) or isinstance(kinds[0], Error)
     assert sum(is_terminal(e) for e in kinds) == 1 and is_terminal(kinds[-1])
     first_text = next((i for i, e in enumerate(kinds) if isinstance(e, TextDelta)), None)
     if first_text is not None:
-        meta = next(i for i, e in enumerate(kinds) if isinstance(e, Meta))
-        assert meta < first_text
+        decision = next(
+            i for i, e in enumerate(kinds) if isinstance(e, Meta) and "x-moa-winner" in e.headers
+        )
+        assert decision < first_text
 
 
 # -- splicing ------------------------------------------------------------------------------------
@@ -162,11 +167,32 @@ async def test_meta_headers_and_optional_progress_precede_any_text():
     config = MoaConfig(race_min_tokens=2, race_early_commit=False, progress=True)
     events = await collect(MixtureOfAgents(mesh_of(("a", 1, a), ("b", 2, b)), config), ask())
     assert_well_formed(events)
-    assert isinstance(events[0][1], ReasoningDelta) and "2 models" in events[0][1].text
+    # The opening Meta precedes the progress note, so its facts can reach the headers in time.
+    assert events[0][1] == Meta({"x-moa-policy": "race", "x-moa-workers": "2"})
+    assert isinstance(events[1][1], ReasoningDelta) and "2 models" in events[1][1].text
     headers = meta_of(events)
     assert headers["x-moa-policy"] == "race" and headers["x-moa-workers"] == "2"
     assert headers["x-moa-winner"] == "a" and headers["x-moa-decision"] == "race"
     assert float(headers["x-moa-decision-ms"]) >= 0
+
+
+async def test_self_mixture_race_prefers_the_callers_sample_over_a_faster_hot_one():
+    # Call order is sample order: #0 (caller's temperature) is a little slower than #1 (hot).
+    solo = ScriptedUpstream(
+        scripts=[paced("The caller's answer.", ttft=0.05), paced("A hot answer."), [Stall()]]
+    )
+    config = dataclasses.replace(FAST, race_prefer_window_s=5.0)
+    events = await collect(MixtureOfAgents(mesh_of(("solo", 1, solo)), config), ask())
+    assert_well_formed(events)
+    assert meta_of(events)["x-moa-winner"] == "solo#0"
+    assert text_of(events) == "The caller's answer."
+    # Distinct models have no caller's sample: the first passer wins at once.
+    fast, slow = (
+        ScriptedUpstream.of(*paced("Fast.")),
+        ScriptedUpstream.of(*paced("Slow.", ttft=0.05)),
+    )
+    events = await collect(MixtureOfAgents(mesh_of(("a", 2, slow), ("b", 1, fast)), config), ask())
+    assert meta_of(events)["x-moa-winner"] == "b"
 
 
 # -- thinking knobs ------------------------------------------------------------------------------
@@ -217,8 +243,8 @@ async def test_client_disconnect_before_commit_cancels_every_worker():
         MoaConfig(progress=True, race_min_tokens=50),
     )
     stream = moa.stream(ask())
-    first = await anext(stream)
-    assert isinstance(first, ReasoningDelta)
+    assert isinstance(await anext(stream), Meta)
+    assert isinstance(await anext(stream), ReasoningDelta)
     await asyncio.sleep(0.05)  # the workers are streaming now
     assert all(u.active == 1 for u in workers)
     await stream.aclose()
@@ -284,8 +310,8 @@ async def test_all_workers_hanging_ends_with_a_timeout_error():
     config = MoaConfig(first_token_timeout_s=0.2)
     moa = MixtureOfAgents(mesh_of(*((f"m{i}", i, u) for i, u in enumerate(workers))), config)
     events = await collect(moa, ask())
-    assert [type(e) for _, e in events] == [Error]
-    assert events[0][1].kind == "timeout"
+    assert [type(e) for _, e in events] == [Meta, Error]
+    assert events[1][1].kind == "timeout"
     assert all(u.cancelled == 1 and u.active == 0 for u in workers)
 
 

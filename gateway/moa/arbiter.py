@@ -5,7 +5,9 @@ woken at ``next_deadline()`` (``tick(now)``), it returns decisions: ``Commit``, 
 ``StartReducer``, ``Fail``. No I/O, no sleeping: tests drive it with made-up times.
 
 Policies:
-- ``race``: commit to the first worker whose first N deltas pass the gates (lowest TTFT).
+- ``race``: commit to the first worker whose first N deltas pass the gates (lowest TTFT); with a
+  ``preferred`` worker (self-mixture: the caller's own sample), a passer that is not it waits up
+  to ``race_prefer_window_s`` for the preferred one to pass as well.
 - ``consensus``: commit when workers agree (equal finished answers or a shared prefix), else at
   the grace deadline to the best-scored stream.
 - ``reduce``: once k of n answers are complete (or at the grace deadline) run an aggregator over
@@ -101,6 +103,7 @@ class Arbiter:
         now: float,
         policy: Policy | None = None,
         win_rates: Mapping[str, float] | None = None,
+        preferred: str | None = None,
     ) -> None:
         if not workers:
             raise ValueError("an arbiter needs at least one worker")
@@ -108,6 +111,9 @@ class Arbiter:
         self.policy: Policy = policy or config.policy
         self.workers: dict[str, WorkerView] = {w: WorkerView(w, started_at=now) for w in workers}
         self.win_rates = dict(win_rates or {})
+        self.preferred = preferred if preferred in self.workers else None
+        # race: when another worker first passed the gates while the preferred one had not.
+        self.other_passed_at: float | None = None
         self.state = ArbiterState.WATCHING
         self.started_at = now
         self.first_content_at: float | None = None
@@ -170,6 +176,8 @@ class Arbiter:
                 times.append(view.started_at + self.config.total_timeout_s)
                 if view.first_token_at is None:
                     times.append(self._first_token_deadline(view))
+        if self.other_passed_at is not None and self.policy == "race":
+            times.append(self.other_passed_at + self.config.race_prefer_window_s)
         grace = self.grace_deadline()
         if grace is not None and not self._grace_passed and self.policy != "race":
             if self.state is ArbiterState.WATCHING:
@@ -319,10 +327,20 @@ class Arbiter:
     def _decide_race(self, now: float) -> list[Decision]:
         candidates = [v for v in self.workers.values() if v.alive]
         ready = [v for v in candidates if self._race_ready(v)]
-        for view in sorted(ready, key=lambda v: v.first_token_at or now):
-            if view.verdict() is gates.Verdict.PASS:
-                return self._commit(view.name, "race", now)
-        return self._fallback_if_settled(candidates, now)
+        passers = [v for v in ready if v.verdict() is gates.Verdict.PASS]
+        if not passers:
+            return self._fallback_if_settled(candidates, now)
+        first = min(passers, key=lambda v: v.first_token_at or now)
+        preferred = self.workers[self.preferred] if self.preferred is not None else None
+        if preferred is None or first is preferred or preferred in passers:
+            return self._commit((preferred if preferred in passers else first).name, "race", now)
+        if not preferred.running:  # failed, or finished without passing: it never will
+            return self._commit(first.name, "race", now)
+        if self.other_passed_at is None:
+            self.other_passed_at = now
+        if now >= self.other_passed_at + self.config.race_prefer_window_s:
+            return self._commit(first.name, "race", now)
+        return []  # give the preferred worker its window
 
     def _decide_consensus(self, now: float) -> list[Decision]:
         candidates = [v for v in self.workers.values() if v.alive]

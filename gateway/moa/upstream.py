@@ -112,10 +112,21 @@ async def _pump(
                 log.warning("moa worker %s did not close cleanly: %r", worker, exc)
 
 
+def _self_mixture(candidates: list[Candidate]) -> bool:
+    """Several samples of one model: the first is the caller's own temperature."""
+    return len(candidates) > 1 and len({c.model.id for c in candidates}) == 1
+
+
 class MixtureOfAgents:
-    """The ``mesh`` model: an :class:`~gateway.upstream.Upstream` over the directory's models."""
+    """The ``mesh`` model: an :class:`~gateway.upstream.Upstream` over the directory's models.
+
+    Its stream opens with a ``Meta`` of the policy and worker count and sends a second one with
+    the winner at the decision. ``decision_header``/``decision_wait_s`` tell the gateway to hold
+    the response start for that second one (see gateway/exchange.py).
+    """
 
     name = "mesh"
+    decision_header = "x-moa-winner"
 
     def __init__(
         self,
@@ -128,6 +139,12 @@ class MixtureOfAgents:
         self.config = config or MoaConfig()
         self.clock = clock
         self.wins = WinRecord()
+
+    @property
+    def decision_wait_s(self) -> float:
+        """The longest the decision normally takes: every worker's first-token deadline, then
+        the consensus/reduce grace period (a reduce aggregator may take longer still)."""
+        return self.config.first_token_timeout_s + self.config.grace_s
 
     def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         return self._stream(request)
@@ -187,6 +204,7 @@ class _Run:
             now=self.started_at,
             policy=policy,
             win_rates={c.name: moa.wins.rate(c.model.id) for c in candidates},
+            preferred=candidates[0].name if _self_mixture(candidates) else None,
         )
 
     def _start(self, worker: str, upstream: Upstream, request: ChatRequest) -> list[Decision]:
@@ -217,6 +235,9 @@ class _Run:
         decisions: list[Decision] = []
         for c in self.candidates:
             decisions += self._start(c.name, c.upstream, c.request)
+        # What is known now goes out at once (before any progress note), so it reaches the
+        # response headers even when the decision comes later than the gateway can wait.
+        yield Meta({"x-moa-policy": self.policy, "x-moa-workers": str(len(self.candidates))})
         if self.config.progress:
             yield ReasoningDelta(f"asking {len(self.candidates)} models…")
         winner = None
