@@ -15,10 +15,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Literal
 
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from mesh.members import Member
+from mesh.message_codec import MessageCodec
 
 DEFAULT_INTERVAL_S = 2.0
 
@@ -65,30 +65,16 @@ class Members(BaseModel):
 
 
 GossipMessage = NodeState | Leave | Members
-_MESSAGE = TypeAdapter(GossipMessage)
 
 
 class GossipDecodeError(ValueError):
     pass
 
 
-def encode_gossip(message: GossipMessage) -> bytes:
-    return orjson.dumps(message.model_dump())
-
-
-def gossip_from_dict(data: dict) -> GossipMessage:
-    """Parse a message carried as a dict (the tunnel's Control frame body)."""
-    try:
-        return _MESSAGE.validate_python(data)
-    except ValidationError as exc:
-        raise GossipDecodeError(f"bad gossip message: {exc.error_count()} errors") from exc
-
-
-def decode_gossip(data: bytes) -> GossipMessage:
-    try:
-        return _MESSAGE.validate_python(orjson.loads(data))
-    except (orjson.JSONDecodeError, ValidationError) as exc:
-        raise GossipDecodeError(f"bad gossip message: {exc.__class__.__name__}") from exc
+_CODEC = MessageCodec(GossipMessage, GossipDecodeError, "gossip message")
+encode_gossip = _CODEC.encode
+gossip_from_dict = _CODEC.from_dict
+decode_gossip = _CODEC.decode
 
 
 @dataclass

@@ -31,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from mesh.identity import node_id_of
 from mesh.identity import verify as verify_signature
 from mesh.invite import InviteToken, secret_matches
 from mesh.members import Member, MemberStore, MeshCredentials
+from mesh.message_codec import MessageCodec
 
 log = logging.getLogger(__name__)
 
@@ -113,27 +113,11 @@ class Denied(_Msg):
 
 
 HandshakeMessage = Hello | Challenge | Proof | Welcome | Denied
-_MESSAGE = TypeAdapter(HandshakeMessage)
-
-
-def encode_message(message: HandshakeMessage) -> bytes:
-    return orjson.dumps(message.model_dump())
-
-
-def message_from_dict(data: dict) -> HandshakeMessage:
-    """Parse a message carried as a dict (the tunnel's Control frame body)."""
-    try:
-        return _MESSAGE.validate_python(data)
-    except ValidationError as exc:
-        raise ValueError(f"bad handshake message: {exc.error_count()} errors") from exc
-
-
-def decode_message(data: bytes) -> HandshakeMessage:
-    """Raises ValueError on anything that is not one of our messages."""
-    try:
-        return _MESSAGE.validate_python(orjson.loads(data))
-    except (orjson.JSONDecodeError, ValidationError) as exc:
-        raise ValueError(f"bad handshake message: {exc.__class__.__name__}") from exc
+# Bad input raises ValueError only: anything that is not one of our messages.
+_CODEC = MessageCodec(HandshakeMessage, ValueError, "handshake message")
+encode_message = _CODEC.encode
+message_from_dict = _CODEC.from_dict
+decode_message = _CODEC.decode
 
 
 class AuthFailure(enum.StrEnum):
