@@ -58,6 +58,20 @@ def meta(gguf: GGUFFile, arch: str, key: str, default: Any = None) -> Any:
     return gguf.get(full, default)
 
 
+def transformer_dims(gguf: GGUFFile, arch: str) -> dict[str, Any]:
+    """The config keys every decoder-only GGUF architecture states the same way."""
+    n_heads = int(meta(gguf, arch, "attention.head_count"))
+    hidden = int(meta(gguf, arch, "embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(meta(gguf, arch, "feed_forward_length")),
+        "num_hidden_layers": int(meta(gguf, arch, "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta(gguf, arch, "attention.head_count_kv", n_heads)),
+        "head_dim": int(meta(gguf, arch, "attention.key_length", hidden // n_heads)),
+    }
+
+
 def f32(value: Any) -> float:
     """A float32 metadata value as the float it was written as (1e-05, not 9.99999974e-06)."""
     return float(str(np.float32(value)))

@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker.convert.arch import Architecture, f32, map_tensor_name, meta
+from worker.convert.arch import Architecture, f32, map_tensor_name, meta, transformer_dims
 from worker.convert.gguf_file import GGUFFile
 from worker.convert.quant import Converted, QuantizedTensor
 
@@ -44,21 +44,14 @@ BLOCK = {
 
 
 def make_config(gguf: GGUFFile) -> dict[str, Any]:
-    n_heads = int(meta(gguf, ARCH, "attention.head_count"))
-    hidden = int(meta(gguf, ARCH, "embedding_length"))
-    head_dim = int(meta(gguf, ARCH, "attention.key_length", hidden // n_heads))
+    dims = transformer_dims(gguf, ARCH)
     tokens = gguf.get("tokenizer.ggml.tokens") or []
     config: dict[str, Any] = {
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": int(meta(gguf, ARCH, "feed_forward_length")),
-        "num_hidden_layers": int(meta(gguf, ARCH, "block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta(gguf, ARCH, "attention.head_count_kv", n_heads)),
-        "head_dim": head_dim,
+        **dims,
         # llama.cpp scales queries by 1/sqrt(head_dim) for gemma3, i.e. this scalar.
-        "query_pre_attn_scalar": head_dim,
+        "query_pre_attn_scalar": dims["head_dim"],
         "rms_norm_eps": f32(meta(gguf, ARCH, "attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": f32(meta(gguf, ARCH, "rope.freq_base", 1_000_000.0)),
         "rope_local_base_freq": LOCAL_ROPE_BASE,

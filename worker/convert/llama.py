@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from worker.convert.arch import Architecture, f32, map_tensor_name, meta
+from worker.convert.arch import Architecture, f32, map_tensor_name, meta, transformer_dims
 from worker.convert.gguf_file import GGUFFile
 from worker.convert.quant import Converted, QuantizedTensor, to_float
 
@@ -35,18 +35,11 @@ SKIP = frozenset({"rope_freqs.weight"})
 
 
 def make_config(gguf: GGUFFile) -> dict[str, Any]:
-    n_heads = int(meta(gguf, ARCH, "attention.head_count"))
-    hidden = int(meta(gguf, ARCH, "embedding_length"))
     tokens = gguf.get("tokenizer.ggml.tokens") or []
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": int(meta(gguf, ARCH, "feed_forward_length")),
-        "num_hidden_layers": int(meta(gguf, ARCH, "block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta(gguf, ARCH, "attention.head_count_kv", n_heads)),
-        "head_dim": int(meta(gguf, ARCH, "attention.key_length", hidden // n_heads)),
+        **transformer_dims(gguf, ARCH),
         "rms_norm_eps": f32(meta(gguf, ARCH, "attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": f32(meta(gguf, ARCH, "rope.freq_base", 10000.0)),
         "max_position_embeddings": int(meta(gguf, ARCH, "context_length", 4096)),
