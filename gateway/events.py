@@ -1,7 +1,9 @@
 """Internal stream events: what every upstream yields and every API encoder consumes.
 
-An upstream stream is any number of deltas and at most one ``Usage``, closed by exactly one
-terminal event: ``Done`` or ``Error``. Encoders rely on that terminal event to end their stream.
+An upstream stream is any number of deltas and ``Usage`` events, closed by exactly one terminal
+event: ``Done`` or ``Error``. Encoders rely on that terminal event to end their stream. The last
+``Usage`` counts; an earlier one, right before the first delta, tells the prompt's size early
+(Anthropic's ``message_start``).
 """
 
 from __future__ import annotations

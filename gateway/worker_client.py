@@ -58,12 +58,13 @@ def _message(m: Message) -> dict[str, Any]:
 
 
 def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
-    """The worker request for ``request``: always streamed, usage always included."""
+    """The worker request for ``request``: always streamed, usage always included – in every
+    chunk, so the prompt's size is known with the first token (Anthropic's message_start)."""
     body: dict[str, Any] = {
         "model": model_name,
         "messages": [_message(m) for m in request.messages],
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if request.tools:
         body["tools"] = [
@@ -105,12 +106,18 @@ def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
 
 
 class ChunkDecoder:
-    """Worker ``chat.completion.chunk`` payloads → internal events (pure: no I/O)."""
+    """Worker ``chat.completion.chunk`` payloads → internal events (pure: no I/O).
+
+    Usage goes out once at the end; when the worker also counts in its chunks
+    (``continuous_usage_stats``), an early ``Usage`` precedes the first delta too, so encoders
+    can tell the prompt's size before the answer (the final one supersedes it).
+    """
 
     def __init__(self) -> None:
         self.finish_reason = "stop"
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
+        self._started = False  # a delta or the early usage went out
 
     def decode(self, payload: dict[str, Any]) -> list[Event]:
         if "error" in payload:
@@ -135,6 +142,8 @@ class ChunkDecoder:
                 completion_tokens=int(usage.get("completion_tokens", 0)),
                 cached_tokens=int(details.get("cached_tokens") or 0),
             )
+            if not self._started and payload.get("choices"):
+                events.append(self.usage)
         for choice in payload.get("choices") or ():
             delta = choice.get("delta") or {}
             if reasoning := delta.get("reasoning_content"):
@@ -151,6 +160,7 @@ class ChunkDecoder:
                         arguments=function.get("arguments") or "",
                     )
                 )
+            self._started = self._started or len(events) > 0
             if (finish := choice.get("finish_reason")) in _FINISH:
                 self.finish_reason = finish
                 # vLLM-style extension: the stop string that matched (a token id is not one).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.events import Done, Error, Meta, TextDelta
+from gateway.events import Done, Error, Meta, TextDelta, Usage
 from gateway.request import ChatRequest, Message
 from gateway.router import RouteError, Router
 from gateway.testing import Raise, ScriptedUpstream, asgi_request, text_script
@@ -42,6 +42,17 @@ async def test_retryable_error_before_first_delta_is_retried_on_same_route():
     assert meta.headers["x-attempts"] == "2" and meta.headers["x-route"] == "local"
     assert "local:unavailable" in meta.headers["x-retry-reasons"]
     assert isinstance(events[-1], Done)
+
+
+async def test_early_usage_waits_for_the_commit_and_does_not_commit():
+    early = Usage(9, 0)
+    upstream = ScriptedUpstream(
+        scripts=[[early, BUSY], [early, TextDelta("ok"), Usage(9, 1), Done()]], name="local"
+    )
+    events = await _run(_router(upstream))
+    assert upstream.calls == 2  # the Usage before the failure did not commit the first attempt
+    assert [type(e) for e in events] == [Meta, Usage, TextDelta, Usage, Done]
+    assert events[1] == early  # once, from the attempt that answered, right before its content
 
 
 async def test_exception_before_first_delta_is_retried_then_next_route():

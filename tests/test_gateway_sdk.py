@@ -31,6 +31,7 @@ SCRIPTS = {
     "refused": [Error(kind="invalid_request", message="context_length_exceeded: too long")],
     "empty": [Usage(3, 0), Done("stop")],
     "stopped": [TextDelta("Up to "), Usage(4, 2), Done("stop", stop_sequence="###")],
+    "counted": [Usage(40, 0), *text_script("Counted.", usage=Usage(40, 3, 30))],
 }
 
 
@@ -317,6 +318,19 @@ def test_messages_stop_sequence(claude):
     # Without a matched stop string it stays end_turn with a null stop_sequence.
     plain = claude.messages.create(model="plain", max_tokens=20, messages=USER)
     assert (plain.stop_reason, plain.stop_sequence) == ("end_turn", None)
+
+
+def test_messages_start_reports_an_early_prompt_count(claude):
+    events = list(claude.messages.create(model="counted", max_tokens=9, messages=USER, stream=True))
+    assert events[0].type == "message_start"
+    assert events[0].message.usage.input_tokens == 40
+    assert (events[-2].usage.input_tokens, events[-2].usage.cache_read_input_tokens) == (10, 30)
+    with claude.messages.stream(model="counted", max_tokens=9, messages=USER) as stream:
+        final = stream.get_final_message()
+    assert final.usage.input_tokens == 10 and final.usage.output_tokens == 3
+    # Without an early count the start says 0 and the end has the real numbers.
+    plain = list(claude.messages.create(model="plain", max_tokens=9, messages=USER, stream=True))
+    assert plain[0].message.usage.input_tokens == 0 and plain[-2].usage.input_tokens == 5
 
 
 def test_count_tokens_estimate(claude):

@@ -158,6 +158,16 @@ def test_messages_stop_sequence_from_the_worker(claude, stream):
     assert message.content[0].text == "The "
 
 
+def test_message_start_carries_the_prompt_size(claude):
+    events = list(claude.messages.create(model="plain", max_tokens=4, messages=USER, stream=True))
+    start, end = events[0], events[-2]
+    assert start.type == "message_start" and end.type == "message_delta"
+    prompt = end.usage.input_tokens + (end.usage.cache_read_input_tokens or 0)
+    assert prompt > 0
+    # The start knows the whole prompt (the cache hit is only counted at the end).
+    assert start.message.usage.input_tokens == prompt
+
+
 def test_count_tokens_uses_worker_tokenizer(gateway):
     import httpx
 

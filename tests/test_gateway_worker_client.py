@@ -33,7 +33,7 @@ REQUEST = ChatRequest(
 def test_worker_body_carries_everything_the_worker_understands():
     body = worker_body(REQUEST, "served-name")
     assert body["model"] == "served-name" and body["stream"] is True
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert body["max_tokens"] == 9 and body["top_k"] == 5 and body["logprobs"] is True
     assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert body["messages"][1]["reasoning_content"] == "r"
@@ -105,6 +105,34 @@ async def test_chunks_become_events():
         ToolCallDelta(0, arguments="{}"),
         Usage(10, 4, 6),
         Done("tool_calls"),
+    ]
+
+
+async def test_continuous_usage_gives_one_early_usage_before_the_first_delta():
+    def counted(chunk: dict, completion: int) -> dict:
+        return {**chunk, "usage": {"prompt_tokens": 10, "completion_tokens": completion}}
+
+    body = _sse(
+        counted(_chunk({"role": "assistant", "content": "a"}), 1),
+        counted(_chunk({"content": "b"}), 2),
+        counted(_chunk({}, "stop"), 2),
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 4},
+            },
+        },
+        b"[DONE]",
+    )
+    events = await _events(_upstream(lambda request: httpx.Response(200, content=body)))
+    assert events == [
+        Usage(10, 1),
+        TextDelta("a"),
+        TextDelta("b"),
+        Usage(10, 2, 4),
+        Done("stop"),
     ]
 
 

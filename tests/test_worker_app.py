@@ -95,6 +95,30 @@ def test_stream_with_thinking_split_and_usage(think: tuple[str, Engine]) -> None
     ]
     assert finishes == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 11
+    assert all(c.usage is None for c in chunks[:-1])  # only the usage chunk, unless asked
+
+
+def test_continuous_usage_reports_the_prompt_from_the_first_chunk(
+    think: tuple[str, Engine],
+) -> None:
+    chunks = list(
+        client(think).chat.completions.create(
+            model="tiny-think",
+            messages=HI,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 11
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert all(c.usage.prompt_tokens == final.prompt_tokens for c in chunks[:-1])
+    assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] == 11
+    assert all(
+        c.usage.total_tokens == final.prompt_tokens + n
+        for c, n in zip(chunks[:-1], counts, strict=True)
+    )
 
 
 @pytest.mark.parametrize(

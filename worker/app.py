@@ -98,8 +98,10 @@ def create_app(engine: Engine) -> Starlette:
             "model": engine.name,
         }
         if chat.stream:
-            include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-            frames = _sse_frames(engine, job, assembler, meta, include_usage)
+            options = chat.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = bool(include_usage and options and options.continuous_usage_stats)
+            frames = _sse_frames(engine, job, assembler, meta, include_usage, continuous)
             return StreamingResponse(
                 frames,
                 media_type="text/event-stream",
@@ -248,10 +250,13 @@ async def _sse_frames(
     assembler: DeltaAssembler,
     meta: dict[str, Any],
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     base = {**meta, "object": "chat.completion.chunk"}
     first = True
     pending_logprobs: list[tuple[str, float]] = []
+    prompt_tokens = len(job.request.prompt)
+    completion_tokens = 0
 
     def frame(delta: dict[str, Any], done: Finished | None = None) -> bytes:
         nonlocal first
@@ -265,7 +270,14 @@ async def _sse_frames(
         if pending_logprobs:
             choice["logprobs"] = {"content": _logprob_entries(pending_logprobs)}
             pending_logprobs.clear()
-        return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+        chunk = {**base, "choices": [choice]}
+        if continuous_usage:
+            chunk["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     out: list[bytes] = []
     try:
@@ -273,8 +285,10 @@ async def _sse_frames(
             if isinstance(event, TokenChunk):
                 if event.logprobs:
                     pending_logprobs.extend(event.logprobs)
+                completion_tokens = event.completion_tokens
                 out.extend(frame(delta) for delta in assembler.feed(event.text))
             elif isinstance(event, Finished):
+                completion_tokens = event.completion_tokens
                 out.extend(frame(delta) for delta in assembler.finish())
                 out.append(frame({}, event))
                 if include_usage:

@@ -411,7 +411,9 @@ class Engine:
         if job.request.logprobs and not is_eos:
             logprob = r.logprobs[r.token].item()
             logprobs = [(self.tokenizer.decode([r.token]), logprob)]
-        if (text or logprobs) and not self._send(active, TokenChunk(text, logprobs)):
+        if (text or logprobs) and not self._send(
+            active, TokenChunk(text, logprobs, active.completion_tokens)
+        ):
             return
         if finish is None:
             return

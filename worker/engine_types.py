@@ -51,6 +51,7 @@ class TokenChunk:
 
     text: str
     logprobs: list[tuple[str, float]] | None = None
+    completion_tokens: int = 0  # generated so far, this chunk's tokens included
 
 
 @dataclass(frozen=True, slots=True)

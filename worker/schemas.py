@@ -89,6 +89,9 @@ class Tool(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    # vLLM's extension: usage (tokens so far) in every chunk, so a client knows the prompt's
+    # size from the first chunk on (Anthropic's message_start reports it).
+    continuous_usage_stats: bool = False
 
 
 class ChatCompletionRequest(BaseModel):

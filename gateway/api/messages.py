@@ -221,11 +221,24 @@ class MessagesStreamEncoder:
         self.kind = ""  # kind of the open block, "" when none
         self.tool_index: int | None = None
         self.thinking: list[str] = []  # the open thinking block's text, for its signature
+        self.started = False  # message_start went out
 
     def keepalive(self) -> bytes:
+        # Pings may come before message_start (the SDKs skip them wherever they are).
         return sse.named_frame("ping", {"type": "ping"})
 
     def start(self) -> bytes:
+        # message_start waits for the first event: upstreams that know the prompt's size send
+        # it (an early Usage) right before the first delta, and clients read input_tokens there.
+        return b""
+
+    def _message_start(self) -> bytes:
+        self.started = True
+        usage = (
+            _usage(self.acc)
+            if self.acc.usage is not None
+            else {"input_tokens": 0, "output_tokens": 0}
+        )
         message = {
             "id": self.id,
             "type": "message",
@@ -234,7 +247,7 @@ class MessagesStreamEncoder:
             "model": self.model,
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": usage,
         }
         return sse.named_frame("message_start", {"type": "message_start", "message": message})
 
@@ -267,6 +280,12 @@ class MessagesStreamEncoder:
         )
 
     def encode(self, event: Event) -> bytes:
+        frames = self._encode(event)  # folds ``event`` in first: an early Usage is known here
+        if self.started or isinstance(event, Error):  # a failure needs no message around it
+            return frames
+        return self._message_start() + frames
+
+    def _encode(self, event: Event) -> bytes:
         opened = self.acc.add(event)
         if isinstance(event, TextDelta):
             out = b"" if self.kind == "text" else self._open("text", {"type": "text", "text": ""})
