@@ -3,8 +3,9 @@
 The commit point is the first content delta (or terminal); an early ``Usage`` waits for it. A
 failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable, an
 exception, or a stream that ends early – is retried once on the same route after
-``retry_backoff_s``, then on the next route. After it, nothing is retried: the error goes on to the client. Every routed stream starts with a ``Meta``
-event carrying ``x-route``, ``x-peer`` and ``x-attempts``, merged with the upstream's own.
+``retry_backoff_s``, then on the next route. After it, nothing is retried: the error goes on to
+the client. Every routed stream starts with a ``Meta`` event carrying ``x-route``, ``x-peer``
+and ``x-attempts``, merged with the upstream's own.
 """
 
 from __future__ import annotations
