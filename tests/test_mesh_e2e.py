@@ -189,11 +189,14 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         assert mixed.status_code == 200, mixed.text
         assert mixed.json()["choices"][0]["message"]["content"]
         assert mixed.headers["x-moa-policy"] == "consensus"  # --moa-policy reached the arbiter
-        # Every request left a row in the node's request log (default: HOME/requests.jsonl).
-        rows = [
-            orjson.loads(line) for line in (b.home / "requests.jsonl").read_bytes().splitlines()
-        ]
-        assert {row["model"] for row in rows} >= {"model", "mesh"}
+
+        # Every request leaves a row in the node's request log (default: HOME/requests.jsonl),
+        # written after the response ended – so wait for it rather than read at once.
+        def logged_models() -> set[str]:
+            lines = (b.home / "requests.jsonl").read_bytes().splitlines()
+            return {orjson.loads(line)["model"] for line in lines}
+
+        _wait_for(lambda: logged_models() >= {"model", "mesh"}, 10, "request log rows")
 
         status = subprocess.run(
             _mesh("status", "--home", str(b.home), "--json"),
