@@ -159,6 +159,16 @@ def test_tool_calls_non_stream_and_stream(tool: tuple[str, Engine]) -> None:
     )
     fragments = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert fragments[0].id and fragments[0].function.name == "get_weather"
+    # The arguments follow the opening fragment as they are generated, without id or name.
+    assert fragments[0].function.arguments == "" and len(fragments) >= 2
+    assert all(f.id is None and f.function.name is None for f in fragments[1:])
+    assert {f.index for f in fragments} == {0}
+    # Cut before its end tag: the call was already streamed, and the finish says it is cut.
+    cut = api.chat.completions.create(
+        model="tiny-tool", messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=2
+    )
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.choices[0].message.tool_calls[0].function.name == "get_weather"
     assert json.loads("".join(f.function.arguments or "" for f in fragments)) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 

@@ -76,15 +76,54 @@ def split_tools(chunks: list[str]) -> list[tuple[str, object]]:
     return pieces
 
 
-def test_tool_call_across_chunks() -> None:
+def whole_calls(pieces: list[tuple[str, object]]) -> list:
+    return [v for k, v in pieces if k in ("tool_call", "tool_call_end")]
+
+
+def test_tool_call_across_chunks_streams_its_arguments() -> None:
     call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    pieces = split_tools(["Sure. <tool", "_call>\n", call[:10], call[10:], "\n</tool_call>"])
+    cuts = ["Sure. <tool", "_call>\n", call[:10], call[10:40], call[40:], "\n</tool", "_call>"]
+    pieces = split_tools(cuts)
     assert pieces[0] == ("content", "Sure. ")
-    kind, parsed = pieces[1]
-    assert kind == "tool_call"
-    assert parsed.name == "get_weather"
-    assert json.loads(parsed.arguments) == {"city": "Paris"}
-    assert parsed.id.startswith("call_")
+    kinds = [k for k, _ in pieces[1:]]
+    assert kinds == ["tool_call_start", "tool_call_args", "tool_call_args", "tool_call_end"]
+    call_id, name = pieces[1][1]
+    assert name == "get_weather" and call_id.startswith("call_")
+    streamed = "".join(v for k, v in pieces if k == "tool_call_args")
+    assert streamed == '{"city": "Paris"}'
+    (parsed,) = whole_calls(pieces)
+    assert (parsed.id, parsed.name, parsed.arguments) == (call_id, "get_weather", streamed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arguments=st.dictionaries(
+        st.text(alphabet='ab{}[]"\\: ', max_size=4),
+        st.one_of(st.text(alphabet='x{}"\\', max_size=4), st.integers(), st.lists(st.none())),
+        max_size=3,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12),
+)
+def test_streamed_arguments_are_chunking_invariant(arguments: dict, cuts: list[int]) -> None:
+    args = json.dumps(arguments)
+    text = f'ok <tool_call>{{"name": "f", "arguments": {args}}}</tool_call> done'
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    pieces = split_tools(chunks)
+    assert next(v for k, v in pieces if k == "tool_call_start")[1] == "f"
+    assert "".join(v for k, v in pieces if k == "tool_call_args") == args
+    (call,) = whole_calls(pieces)
+    assert json.loads(call.arguments) == arguments
+    # (Whitespace right after the end tag is trimmed only when it arrives with the tag.)
+    assert "".join(v for k, v in pieces if k == "content").split() == ["ok", "done"]
+
+
+def test_cut_off_arguments_keep_the_started_call() -> None:
+    pieces = split_tools(['<tool_call>{"name": "a", "arguments": {"x": [1, ', "2"])
+    kinds = [k for k, _ in pieces]
+    assert kinds == ["tool_call_start", "tool_call_args", "tool_call_args", "tool_call_end"]
+    (call,) = whole_calls(pieces)
+    assert (call.name, call.arguments) == ("a", '{"x": [1, 2')
 
 
 def test_two_calls_and_string_arguments() -> None:
@@ -92,8 +131,11 @@ def test_two_calls_and_string_arguments() -> None:
         '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>\n'
         '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
     )
-    calls = [v for k, v in split_tools([text]) if k == "tool_call"]
+    pieces = split_tools([text])
+    calls = whole_calls(pieces)
     assert [c.name for c in calls] == ["a", "b"]
+    # String arguments come whole; the object ones stream.
+    assert [k for k, _ in pieces][:2] == ["tool_call", "tool_call_start"]
     assert json.loads(calls[0].arguments) == {"x": 1}
 
 
@@ -112,7 +154,7 @@ def test_tool_names_clamped() -> None:
     assert clamp_tool_name("   ") == "unknown"
     assert clamp_tool_name(None) == "unknown"
     assert clamp_tool_name("x" * 500) == "x" * MAX_TOOL_NAME
-    calls = [v for k, v in split_tools(['<tool_call>{"name": "", "arguments": {}}</tool_call>'])]
+    calls = whole_calls(split_tools(['<tool_call>{"name": "", "arguments": {}}</tool_call>']))
     assert calls[0].name == "unknown"
 
 
@@ -148,6 +190,9 @@ def test_assembler_think_then_tool_call() -> None:
     assert deltas[0] == {"reasoning_content": "plan"}
     assert deltas[1]["tool_calls"][0]["function"]["name"] == "f"
     assert deltas[1]["tool_calls"][0]["index"] == 0
+    assert deltas[1]["tool_calls"][0]["function"]["arguments"] == ""
+    # Later fragments carry only the index and arguments text (OpenAI's streaming shape).
+    assert deltas[2] == {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}
     message = asm.message()
     assert message["reasoning_content"] == "plan"
     assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}

@@ -241,7 +241,10 @@ def _logprob_entries(logprobs: list[tuple[str, float]]) -> list[dict[str, Any]]:
 # answer, or null. Plain OpenAI clients ignore it; the gateway maps it to Anthropic's
 # ``stop_sequence``.
 def _finish_reason(assembler: DeltaAssembler, done: Finished) -> str:
-    return "tool_calls" if assembler.tool_calls else done.finish_reason
+    # A call cut off by max_tokens was already streamed as a call: "length" says it is cut.
+    if assembler.tool_calls and done.finish_reason != "length":
+        return "tool_calls"
+    return done.finish_reason
 
 
 async def _sse_frames(

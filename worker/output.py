@@ -63,6 +63,17 @@ class DeltaAssembler:
                 index = len(self.tool_calls)
                 self.tool_calls.append(value)
                 deltas.append({"tool_calls": [tool_call_dict(value, index)]})
+            elif kind == "tool_call_start":
+                call_id, name = value
+                index = len(self.tool_calls)
+                self.tool_calls.append(ParsedToolCall(call_id, name, ""))
+                deltas.append({"tool_calls": [tool_call_dict(self.tool_calls[index], index)]})
+            elif kind == "tool_call_args":
+                index = len(self.tool_calls) - 1
+                fragment = {"index": index, "function": {"arguments": value}}
+                deltas.append({"tool_calls": [fragment]})
+            elif kind == "tool_call_end":
+                self.tool_calls[-1] = value  # the whole call, for the non-streaming message
             elif value:
                 self.content.append(value)
                 deltas.append({"content": value})

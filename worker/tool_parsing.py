@@ -2,7 +2,9 @@
 
 The tags and the span parser come from mlx-lm's tool parsers when the tokenizer names one (Qwen,
 Mistral, Gemma, …); otherwise the span is JSON ``{"name": …, "arguments": …}``. A span that does
-not parse is given back as plain content, so nothing the model wrote is lost.
+not parse is given back as plain content, so nothing the model wrote is lost – unless the call
+already started streaming (``{"name": …, "arguments": {…`` spans, see ``tool_stream``): then the
+call stands with the arguments the client already has.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from worker.tool_stream import ArgumentStreamer
 
 MAX_TOOL_NAME = 200
 DEFAULT_START = "<tool_call>"
@@ -51,7 +55,7 @@ def _to_calls(parsed: Any) -> list[ParsedToolCall]:
             arguments = json.dumps(arguments, ensure_ascii=False)
         calls.append(
             ParsedToolCall(
-                id=f"call_{uuid.uuid4().hex[:24]}",
+                id=new_call_id(),
                 name=clamp_tool_name(item.get("name")),
                 arguments=arguments,
             )
@@ -59,8 +63,16 @@ def _to_calls(parsed: Any) -> list[ParsedToolCall]:
     return calls
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ToolCallSplitter:
-    """Streams content text through; returns ("content", str) and ("tool_call", call) pieces."""
+    """Streams content text through; returns ("content", str) and tool call pieces.
+
+    A call comes whole as ("tool_call", call), or, when its arguments stream, as
+    ("tool_call_start", (id, name)), ("tool_call_args", text)…, ("tool_call_end", call).
+    """
 
     def __init__(
         self,
@@ -76,18 +88,25 @@ class ToolCallSplitter:
         self._tools = tools
         self._in_call = False
         self._held = ""
+        self._streamer = ArgumentStreamer()
+        self._call_id = ""
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
         buffer = self._held + text
         while buffer:
             if self._in_call:
+                # ``buffer`` is the whole span so far: the streamer keeps its place in it.
                 if not self._end:
+                    out.extend(self._stream(buffer, len(buffer)))
                     break  # the call runs to the end of the output
                 at = buffer.find(self._end)
                 if at < 0:
+                    safe = len(buffer) - _partial_suffix(buffer, self._end)
+                    out.extend(self._stream(buffer, safe))
                     break
-                out.extend(self._parse(buffer[:at]))
+                out.extend(self._stream(buffer[:at], at))
+                out.extend(self._close_span(buffer[:at]))
                 buffer = buffer[at + len(self._end) :].lstrip()
                 self._in_call = False
                 continue
@@ -110,8 +129,28 @@ class ToolCallSplitter:
         held, self._held = self._held, ""
         if self._in_call:
             self._in_call = False
-            return self._parse(held, complete=bool(not self._end))
+            out = self._stream(held, len(held))
+            return out + self._close_span(held, complete=bool(not self._end))
         return [("content", held)] if held else []
+
+    def _stream(self, span: str, safe_end: int) -> list[tuple[str, Any]]:
+        streamer = self._streamer
+        was_started = streamer.started
+        piece = streamer.feed(span, safe_end)
+        out: list[tuple[str, Any]] = []
+        if streamer.started and not was_started:
+            self._call_id = new_call_id()
+            out.append(("tool_call_start", (self._call_id, clamp_tool_name(streamer.name))))
+        if piece:
+            out.append(("tool_call_args", piece))
+        return out
+
+    def _close_span(self, span: str, complete: bool = True) -> list[tuple[str, Any]]:
+        streamer, self._streamer = self._streamer, ArgumentStreamer()
+        if not streamer.started:
+            return self._parse(span, complete)
+        name = clamp_tool_name(streamer.name)
+        return [("tool_call_end", ParsedToolCall(self._call_id, name, streamer.text()))]
 
     def _parse(self, span: str, complete: bool = True) -> list[tuple[str, Any]]:
         try:
