@@ -172,3 +172,21 @@ def test_anthropic_events_validate_and_add_up(deltas, calls, ending):
             if calls or ending.finish_reason == "tool_calls"
             else "end_turn"
         )
+
+
+def test_anthropic_message_start_waits_for_the_first_event():
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    request, parsed = messages.parse(body)
+    encoder = messages.MessagesStreamEncoder(request, parsed)
+    assert encoder.start() == b""
+    ping = _frames(encoder.keepalive())
+    assert [name for name, _ in ping] == ["ping"]  # a ping may come first; no message yet
+    frames = _frames(encoder.encode(Usage(12, 0, 0)) + encoder.encode(TextDelta("hi")))
+    names = [name for name, _ in frames]
+    assert names == ["message_start", "content_block_start", "content_block_delta"]
+    assert orjson.loads(frames[0][1])["message"]["usage"]["input_tokens"] == 12
+    # A stream that fails before any event is just the error, no message around it.
+    failing = messages.MessagesStreamEncoder(request, parsed)
+    failing.start()
+    frames = _frames(failing.encode(Error(kind="upstream", message="x")))
+    assert [name for name, _ in frames] == ["error"]
