@@ -78,8 +78,14 @@ def check_model_available(home: Path, model: str) -> None:
 
     resolved = store.resolve_model(home, model)
     if resolved == model and "/" not in model and not Path(model).expanduser().is_dir():
+        if model in store.REGISTRY:
+            raise NodeError(
+                f"model {model!r} is not in {store.models_dir(home)}; pull it first: mesh models pull {model}"
+            )
+        known = ", ".join(sorted(store.REGISTRY))
         raise NodeError(
-            f"model {model!r} is not in {store.models_dir(home)}; pull it first: mesh models pull {model}"
+            f"model {model!r} is not in {store.models_dir(home)}, not a directory and not a known "
+            f"model ({known}); convert a GGUF with `mesh models convert` or pass an MLX directory"
         )
 
 

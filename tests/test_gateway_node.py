@@ -113,6 +113,10 @@ def test_unpulled_store_model_is_refused_in_words(tmp_path):
     with pytest.raises(NodeError, match="mesh models pull smollm2-135m"):
         check_model_available(tmp_path, "smollm2-135m")
     check_model_available(tmp_path, "mlx-community/some-model")  # hub ids go to the worker
+    # A name nobody can pull gets no advice to pull it.
+    with pytest.raises(NodeError, match="not a known model") as refused:
+        check_model_available(tmp_path, "llama-9000")
+    assert "models pull" not in str(refused.value)
 
 
 async def test_worker_that_cannot_load_fails_the_start_and_leaves_nothing(tmp_path):
