@@ -321,6 +321,7 @@ def main() -> None:
         "| API | TTFT p50 direct → gateway (added) | TTFT p95 direct → gateway (added) | CPU/token direct → gateway (ratio) |",
         "|---|---|---|---|",
     ]
+    missed = []
     for api, ttft, cpu_d, cpu_g in rows:
         d, g = ttft["direct"], ttft["gateway"]
         cells = []
@@ -331,6 +332,13 @@ def main() -> None:
             f"{cpu_d * 1e6:.1f} → {cpu_g * 1e6:.1f} µs ({(cpu_g - cpu_d) * 1e6:+.1f} µs, {cpu_g / cpu_d:.2f}×)"
         )
         lines.append(f"| {api} | " + " | ".join(cells) + " |")
+        added_p50_ms = (_p(g, 0.5) - _p(d, 0.5)) * 1e3
+        if added_p50_ms > 2.0:
+            missed.append(f"{api} added TTFT p50 {added_p50_ms:+.2f} ms")
+        if cpu_g * 1e6 > 30.0:
+            missed.append(f"{api} gateway CPU {cpu_g * 1e6:.1f} µs/token")
+    verdict = "met" if not missed else "NOT met in this run: " + "; ".join(missed)
+    lines += ["", f"Targets (over HTTP): **{verdict}**."]
     lines += [
         "",
         "In-process (ASGI call → first content frame handed to the server; no sockets, no uvicorn):",

@@ -292,17 +292,26 @@ def report(
         "| metric | ours | mlx_lm.server | ours/theirs | better when | ours better? |",
         "|---|---|---|---|---|---|",
     ]
+    missed = []
     for name, a, b, better in rows:
         if a != a or b != b:  # NaN: metric not measured in this run (--metrics)
             continue
         ratio = a / b if b else float("nan")
         good = ratio <= 1.0 if better == "lower" else ratio >= 1.0
+        if not good:
+            missed.append(f"{name} ({ratio:.2f})")
         lines.append(
             f"| {name} | {a:.3f} | {b:.3f} | {ratio:.2f} | {better} | {'yes' if good else 'NO'} |"
         )
+    verdict = "met" if not missed else "NOT met in this run: " + "; ".join(missed)
+    lines += ["", f"Target no ratio worse than 1.0 against mlx_lm.server: **{verdict}**."]
     if ours.turn1_ttft:
         reuse = median(ours.turn2_ttft) / median(ours.turn1_ttft)
-        lines += ["", f"Our second-turn TTFT is {reuse:.2f}x our first-turn TTFT (target <= 0.3)."]
+        reuse_verdict = "met" if reuse <= 0.3 else "NOT met"
+        lines.append(
+            f"Our second-turn TTFT is {reuse:.2f}x our first-turn TTFT "
+            f"(target <= 0.3: **{reuse_verdict}**)."
+        )
     lines += [
         "",
         "Raw samples (seconds or tokens/s):",
