@@ -194,6 +194,21 @@ class WorkerProcess:
             await asyncio.wait([self._output])
 
 
+@contextlib.contextmanager
+def _starting_status(models: Sequence[str]) -> Iterator[None]:
+    """A spinner while workers load and the mesh joins (seconds to minutes), on a terminal only:
+    logs and pipes get the one ready line instead."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    what = f"loading {', '.join(models)}" if models else "starting"
+    with console.status(f"{what} and joining the mesh…"):
+        yield
+
+
 def _die_with_parent() -> None:
     """Linux: the worker gets SIGTERM if the node dies, even by SIGKILL (no orphans)."""
     import ctypes
@@ -299,7 +314,8 @@ class Node:
         """Start everything, serve until :meth:`stop`, then shut down in order."""
         self.config.home.mkdir(parents=True, exist_ok=True)
         try:
-            await self.start_workers()
+            with _starting_status(self.config.models if self.config.start_workers else ()):
+                await self.start_workers()
             app = create_app(
                 self.build_directory(),
                 self.config.gateway,
