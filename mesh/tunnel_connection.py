@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from mesh.tunnel import TunnelConfig, TunnelEndpoint
 
 log = logging.getLogger(__name__)
+# Past the silence deadline by this much when the ping loop wakes for it (timer granularity).
+_WAKE_SLACK_S = 0.01
 
 StreamHandler = Callable[[TunnelStream], Awaitable[None]]
 CONTROL_STREAM_ID = 0  # the client's first bidirectional stream
@@ -364,7 +366,6 @@ class PeerConnection:
         Silence, not a lost ping, is the signal: under packet loss a ping or its ack may be
         dropped while the peer is alive, but a live peer is never silent for long."""
         interval, timeout = self._config.ping_interval, self._config.ping_timeout
-        tick = min(interval, timeout / 4)
         next_ping = self._loop.time()
         while self._lost is None:
             now = self._loop.time()
@@ -378,7 +379,10 @@ class PeerConnection:
                 self._quic.send_ping(uid)
                 self._protocol.transmit()
                 next_ping = now + interval
-            await asyncio.sleep(tick)
+            # Wake for the next ping or the moment the peer would have been silent too long,
+            # whichever is first: detection then takes ping_timeout, not ping_timeout + a tick.
+            silence_deadline = self._protocol.last_heard + timeout + _WAKE_SLACK_S
+            await asyncio.sleep(max(0.0, min(next_ping, silence_deadline) - self._loop.time()))
             silent = self._loop.time() - self._protocol.last_heard
             if silent > timeout:
                 log.warning("%r: peer silent for %.1fs, closing", self, silent)
