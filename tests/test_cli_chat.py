@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,6 +225,10 @@ def test_a_connection_cut_mid_answer_is_one_sentence() -> None:
     from starlette.routing import Route
 
     async def cut_short(request):  # type: ignore[no-untyped-def]
+        # Read the whole request first: a socket closed with request bytes still unread (the
+        # body can trail the headers) is reset (RST), not closed (FIN); both are covered below.
+        await request.body()
+
         async def body():  # type: ignore[no-untyped-def]
             yield b'data: {"choices": [{"delta": {"content": "Half an"}}]}\n\n'
             raise ConnectionResetError("the node died")  # uvicorn drops the connection
@@ -233,3 +240,61 @@ def test_a_connection_cut_mid_answer_is_one_sentence() -> None:
         result = chat("--url", server.url, "-m", "tiny", "hi")
     assert result.stdout.startswith("Half an")
     assert_clean_failure(result, "closed the connection mid-answer")
+
+
+class CuttingServer:
+    """A raw TCP server that reads one whole request, optionally starts a chunked SSE answer,
+    then ends the connection with a FIN (close) or an RST (SO_LINGER 0): each cut exactly."""
+
+    def __init__(self, *, answer_first: bool, reset: bool) -> None:
+        self.answer_first, self.reset = answer_first, reset
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve_one, daemon=True)
+
+    def _serve_one(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length:")
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
+            if self.answer_first:
+                chunk = b'data: {"choices": [{"delta": {"content": "Half an"}}]}\n\n'
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                    + f"{len(chunk):x}\r\n".encode()
+                    + chunk
+                    + b"\r\n"
+                )
+            if self.reset:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def __enter__(self) -> CuttingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(timeout=10)
+        self._listener.close()
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
+@pytest.mark.parametrize("answer_first", [True, False], ids=["mid-answer", "before-answering"])
+def test_every_way_a_connection_is_cut_is_one_sentence(answer_first: bool, reset: bool) -> None:
+    with CuttingServer(answer_first=answer_first, reset=reset) as server:
+        result = chat("--url", server.url, "-m", "tiny", "hi")
+    if answer_first:
+        assert result.stdout.startswith("Half an")
+        assert_clean_failure(result, "closed the connection mid-answer")
+    else:
+        assert "Half an" not in result.stdout
+        assert_clean_failure(result, "closed the connection before answering")

@@ -151,10 +151,13 @@ class ChatSession:
                     response.read()
                     raise ChatError(self._status_message(response))
                 self.last_headers = dict(response.headers)
-                for kind, fragment in parse_chat_stream(response.iter_lines()):
-                    if kind == "text":
-                        answer.append(fragment)
-                    yield kind, fragment
+                try:
+                    for kind, fragment in parse_chat_stream(response.iter_lines()):
+                        if kind == "text":
+                            answer.append(fragment)
+                        yield kind, fragment
+                except httpx.TransportError as exc:
+                    raise ChatError(_transport_message(self.url, exc, answering=True)) from None
         finally:
             if answer:
                 self.messages.append({"role": "assistant", "content": "".join(answer)})
@@ -193,15 +196,19 @@ def _transport_errors(url: str) -> Iterator[None]:
         raise ChatError(_transport_message(url, exc)) from None
 
 
-def _transport_message(url: str, exc: httpx.HTTPError) -> str:
+def _transport_message(url: str, exc: httpx.HTTPError, *, answering: bool = False) -> str:
+    """One sentence for ``exc``; ``answering`` once the response has started streaming."""
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
+        # A node that dies sends FIN (RemoteProtocolError) or, when request bytes are still
+        # unread on its side, RST (ReadError, ECONNRESET): the same event to the person.
+        when = "mid-answer" if answering else "before answering"
+        return f"the node at {url} closed the connection {when}"
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
         return f"'{url}' is not a valid node URL (expected http://host:port)"
     if isinstance(exc, httpx.ConnectError):
         return f"cannot reach a node at {url}: is `mesh up` running?"
     if isinstance(exc, httpx.TimeoutException):
         return f"the node at {url} did not answer in time"
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return f"the node at {url} closed the connection mid-answer"
     return f"talking to {url} failed: {exc}"
 
 
