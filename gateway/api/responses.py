@@ -320,51 +320,34 @@ class ResponsesStreamEncoder:
         self.output.append(done)
         return out
 
+    def _content_delta(
+        self, kind: str, item: dict, event_type: str, payload: dict, text: str
+    ) -> bytes:
+        """One text or reasoning delta, opening its output item first when it is not the open one."""
+        out = b""
+        if self.item_kind != kind or self.item is None:
+            out = self._open(kind, {**item, "status": "in_progress", "content": []})
+        self.item_parts.append(text)
+        where = {"item_id": self.item["id"], "output_index": self.item_index, "content_index": 0}  # type: ignore[index]
+        return out + self._event(event_type, {**where, **payload})
+
     def encode(self, event: Event) -> bytes:
         opened = self.acc.add(event)
         if isinstance(event, TextDelta):
-            out = b""
-            if self.item_kind != "message" or self.item is None:
-                out = self._open(
-                    "message",
-                    {
-                        "id": new_id("msg_"),
-                        "type": "message",
-                        "role": "assistant",
-                        "status": "in_progress",
-                        "content": [],
-                    },
-                )
-            self.item_parts.append(event.text)
-            where = {
-                "item_id": self.item["id"],
-                "output_index": self.item_index,
-                "content_index": 0,
-            }  # type: ignore[index]
-            return out + self._event(
-                "response.output_text.delta", {**where, "delta": event.text, "logprobs": []}
+            return self._content_delta(
+                "message",
+                {"id": new_id("msg_"), "type": "message", "role": "assistant"},
+                "response.output_text.delta",
+                {"delta": event.text, "logprobs": []},
+                event.text,
             )
         if isinstance(event, ReasoningDelta):
-            out = b""
-            if self.item_kind != "reasoning" or self.item is None:
-                out = self._open(
-                    "reasoning",
-                    {
-                        "id": new_id("rs_"),
-                        "type": "reasoning",
-                        "summary": [],
-                        "status": "in_progress",
-                        "content": [],
-                    },
-                )
-            self.item_parts.append(event.text)
-            where = {
-                "item_id": self.item["id"],
-                "output_index": self.item_index,
-                "content_index": 0,
-            }  # type: ignore[index]
-            return out + self._event(
-                "response.reasoning_text.delta", {**where, "delta": event.text}
+            return self._content_delta(
+                "reasoning",
+                {"id": new_id("rs_"), "type": "reasoning", "summary": []},
+                "response.reasoning_text.delta",
+                {"delta": event.text},
+                event.text,
             )
         if isinstance(event, ToolCallDelta):
             out = b""
