@@ -327,7 +327,32 @@ def quality_table(correct: dict[str, int], ttfts: dict[str, list[float]], n: int
         lines.append(
             f"| {label} | {hits}/{n} ({100 * hits / n:.0f} %) | {100 * low:.0f}–{100 * high:.0f} % | {ttft} |"
         )
-    return lines
+    return [*lines, "", *quality_verdict(correct, ttfts)]
+
+
+def quality_verdict(correct: dict[str, int], ttfts: dict[str, list[float]]) -> list[str]:
+    """The issue's targets, stated for this run: mesh ≥ the best single worker, and TTFT."""
+
+    def median_ms(label: str) -> float:
+        times = [t for t in ttfts.get(label, []) if not math.isnan(t)]
+        return statistics.median(times) * 1000 if times else math.nan
+
+    singles = [label for label in correct if label.startswith("single ")]
+    if not singles or "mesh race" not in correct:
+        return []
+    best = max(singles, key=lambda label: correct[label])
+    fastest = min(singles, key=median_ms)
+    race = median_ms("mesh race")
+    met = correct["mesh race"] >= correct[best]
+    below = 1 - race / median_ms("buffered (all, then send)")
+    return [
+        f"Default `race` vs the best single worker ({best}): {correct['mesh race']} vs "
+        f"{correct[best]} correct – target mesh ≥ best single **{'met' if met else 'NOT met'}** "
+        f"(a tie is within the CI). TTFT {race / median_ms(fastest):.2f} × the fastest single "
+        f"worker and {100 * below:.0f} % below buffered "
+        f"(target ≥ 80 %: **{'met' if below >= 0.8 else 'NOT met'}**; real workers here share one "
+        "CPU, so running several at once slows each of them)."
+    ]
 
 
 # -- report --------------------------------------------------------------------------------------
