@@ -33,6 +33,8 @@ class SSEDecoder:
         self.comments = 0
 
     def feed(self, chunk: bytes) -> list[SSEFrame]:
+        if not chunk:  # an empty read must not forget a CR that may pair with the next LF
+            return []
         if self._pending_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]
         self._pending_cr = False

@@ -50,6 +50,16 @@ def test_sse_frames_do_not_depend_on_chunk_boundaries(cuts: list[int]) -> None:
     assert frames == EXPECTED
 
 
+def test_sse_empty_read_between_cr_and_lf_keeps_the_pair() -> None:
+    # Found by the property test above: cuts=[66, 66] split a CRLF with an empty chunk between.
+    cr_at = STREAM.index(b"\r\n")
+    decoder = SSEDecoder()
+    frames = (
+        decoder.feed(STREAM[: cr_at + 1]) + decoder.feed(b"") + decoder.feed(STREAM[cr_at + 1 :])
+    )
+    assert frames == EXPECTED
+
+
 def test_sse_strips_bom_split_across_chunks_and_flags_unfinished_frames() -> None:
     decoder = SSEDecoder()
     assert decoder.feed(b"\xef\xbb") == []
