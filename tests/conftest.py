@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from worker.testing import THINK_SCRIPT, TOOL_SCRIPT, make_tiny_model
+
+# CI (CI=true) replays the same examples every run, so a red CI is reproducible and never a
+# roll of the dice; runs on a developer's machine keep exploring new inputs and find new bugs.
+# No per-example deadline in CI either: a shared 2-core runner's timing is not behaviour.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
