@@ -28,7 +28,7 @@ from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
 from worker.net import bind_socket
 from worker.output import DeltaAssembler
 from worker.sampling import SamplingParams
-from worker.schemas import ChatCompletionRequest, describe_validation_error
+from worker.schemas import ChatCompletionRequest, describe_validation_error, openai_usage
 from worker.thinking import normalize_thinking
 from worker.tool_parsing import ToolCallSplitter, parse_json_span
 
@@ -225,12 +225,7 @@ async def _start_job(
 
 
 def _usage(done: Finished) -> dict[str, Any]:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-    }
+    return openai_usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
 
 
 def _logprob_entries(logprobs: list[tuple[str, float]]) -> list[dict[str, Any]]:

@@ -150,3 +150,13 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str]:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or "body"
     return param, f"invalid field '{param}': {first['msg']}"
+
+
+def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The OpenAI chat ``usage`` object (the worker's and the gateway's chat responses alike)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

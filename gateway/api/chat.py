@@ -13,6 +13,7 @@ from gateway.api.common import Accumulator, new_id, place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body
 from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from worker.schemas import openai_usage
 from worker.thinking import normalize_thinking
 
 
@@ -183,12 +184,7 @@ def error_body(error: Error) -> dict[str, Any]:
 
 
 def _usage_dict(acc: Accumulator) -> dict[str, Any]:
-    return {
-        "prompt_tokens": acc.prompt_tokens,
-        "completion_tokens": acc.completion_tokens,
-        "total_tokens": acc.prompt_tokens + acc.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": acc.cached_tokens},
-    }
+    return openai_usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
 
 
 class ChatStreamEncoder:
