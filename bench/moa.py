@@ -27,6 +27,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import orjson
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.events import Done, Event, TextDelta, is_terminal
@@ -238,7 +240,47 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-async def bench_quality(model_dirs: list[Path], items: int, max_tokens: int, seed: int):
+def load_item_log(path: Path, header: dict) -> list[dict]:
+    """The items already run with these settings (a run interrupted by a session limit resumes
+    where it stopped). A log written with other settings is an error, not silently mixed in."""
+    if not path.exists():
+        return []
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    if not lines:
+        return []
+    if lines[0] != {"header": header}:
+        raise SystemExit(
+            f"{path} was written with other settings ({lines[0]}); pass another --item-log "
+            "or delete it to start over"
+        )
+    return lines[1:]
+
+
+def append_line(path: Path, row: dict, *, fresh: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb" if fresh else "ab") as log:
+        log.write(orjson.dumps(row) + b"\n")
+
+
+def tally(done: list[dict]) -> tuple[dict[str, int], dict[str, list[float]]]:
+    correct: dict[str, int] = {}
+    ttfts: dict[str, list[float]] = {}
+    for row in done:
+        for label, (hit, first) in row["outcome"].items():
+            correct[label] = correct.get(label, 0) + hit
+            ttfts.setdefault(label, []).append(math.nan if first is None else first)
+    return correct, ttfts
+
+
+async def bench_quality(
+    model_dirs: list[Path],
+    items: int,
+    max_tokens: int,
+    seed: int,
+    item_log: Path,
+    time_budget_s: float = math.inf,
+) -> list[dict]:
+    started = time.monotonic()
     from gateway.testing import ServerThread
     from gateway.worker_client import WorkerUpstream
     from worker.app import create_app as create_worker_app
@@ -257,10 +299,23 @@ async def bench_quality(model_dirs: list[Path], items: int, max_tokens: int, see
         # Default policy settings; deadlines sized for slow CPUs (a 135M model decodes at a few
         # tokens/s on a shared Linux CPU, and three samples share it).
         config = MoaConfig(first_token_timeout_s=600, total_timeout_s=1800)
-        await record(live.routes(model_dirs[0].name)[0].upstream, _ask("Hi", max_tokens=2))
-        correct: dict[str, int] = {}
-        ttfts: dict[str, list[float]] = {}
+        header = {
+            "models": [p.name for p in model_dirs],
+            "tasks": TASKS,
+            "seed": seed,
+            "max_tokens": max_tokens,
+        }
+        done = load_item_log(item_log, header)
+        if not done:
+            append_line(item_log, {"header": header}, fresh=True)
+        if len(done) < items:
+            await record(live.routes(model_dirs[0].name)[0].upstream, _ask("Hi", max_tokens=2))
         for index, (question, answer) in enumerate(make_items(items, seed)):
+            if index < len(done):
+                continue
+            if time.monotonic() - started > time_budget_s:
+                print(f"time budget spent after {len(done)} items", flush=True)
+                break
             request = _ask(
                 f"{question}\nReply with only the final number.",
                 max_tokens=max_tokens,
@@ -299,15 +354,23 @@ async def bench_quality(model_dirs: list[Path], items: int, max_tokens: int, see
             decided = await asyncio.gather(*(decide(p) for p in POLICIES))
             for policy, result in zip(POLICIES, decided, strict=True):
                 outcome[f"mesh {policy}"] = result
-            for label, (text, first) in outcome.items():
-                correct[label] = correct.get(label, 0) + is_correct(text, answer)
-                ttfts.setdefault(label, []).append(first)
+            row = {
+                "item": index,
+                "answer": answer,
+                "outcome": {
+                    label: (is_correct(text, answer), None if math.isnan(first) else first)
+                    for label, (text, first) in outcome.items()
+                },
+                "texts": {label: text for label, (text, _) in outcome.items()},
+            }
+            append_line(item_log, row)
+            done.append(row)
             print(
                 f"item {index + 1}/{items}: answer {answer}: "
                 + ", ".join(f"{k}={v[0].strip()[:12]!r}" for k, v in outcome.items()),
                 flush=True,
             )
-        return correct, ttfts
+        return done[:items]
     finally:
         for server in servers:
             server.__exit__(None, None, None)
@@ -381,6 +444,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "moa.md")
+    parser.add_argument(
+        "--item-log",
+        type=Path,
+        default=Path(__file__).parent / "results" / "moa-items.jsonl",
+        help="per-item results; a rerun with the same settings resumes from it",
+    )
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=math.inf,
+        help="start no new item after this many seconds, then write the (partial) report",
+    )
     args = parser.parse_args()
 
     rows = asyncio.run(bench_ttft(args.requests, args.seed))
@@ -408,8 +483,22 @@ def main() -> None:
         "",
     ]
     if args.model:
-        correct, ttfts = asyncio.run(
-            bench_quality(args.model, args.items, args.max_tokens, args.seed)
+        done = asyncio.run(
+            bench_quality(
+                args.model,
+                args.items,
+                args.max_tokens,
+                args.seed,
+                args.item_log,
+                args.time_budget_s,
+            )
+        )
+        correct, ttfts = tally(done)
+        partial = (
+            f" **Partial run: {len(done)} of {args.items} items so far**; rerun the same command "
+            "to resume from the item log."
+            if len(done) < args.items
+            else ""
         )
         report += [
             "## Quality on reasoning-gym (real models)",
@@ -420,13 +509,14 @@ def main() -> None:
                 if len(args.model) == 1
                 else ""
             )
-            + f". {args.items} items ({', '.join(TASKS)}; seed {args.seed}), greedy caller, "
+            + f". {len(done)} items ({', '.join(TASKS)}; seed {args.seed}), greedy caller, "
             f"`max_tokens={args.max_tokens}`, thinking off, exact match on the last integer. "
             "Candidates run live once per item; each policy decides over a replay of the same "
             "streams (its aggregator call runs live). TTFTs are under concurrent load on a "
-            "shared CPU, so compare them within this table only.",
+            f"shared CPU, so compare them within this table only. Per-item replies: "
+            f"[`{args.item_log.name}`]({args.item_log.name}).{partial}",
             "",
-            *quality_table(correct, ttfts, args.items),
+            *quality_table(correct, ttfts, len(done)),
             "",
         ]
     else:
