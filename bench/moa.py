@@ -31,7 +31,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.events import Done, Event, TextDelta, is_terminal
+from gateway.events import Done, Event, TextDelta, event_to_dict, is_terminal
 from gateway.moa import POLICIES, MixtureOfAgents, MoaConfig
 from gateway.moa.candidates import plan_candidates
 from gateway.request import ChatRequest, Message
@@ -149,24 +149,51 @@ def ttft_table(rows: list[tuple[str, list[float]]]) -> tuple[list[str], dict[str
 
 # -- part 2: quality with real models ----------------------------------------------------------
 
-TASKS = {
-    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
-    "leg_counting": {"min_animals": 1, "max_animals": 2, "max_instances": 3},
+# label: (reasoning-gym generator, its config). Easy settings: the models at hand have 135M-270M
+# parameters, and on harder items every mode scores ~0, which compares nothing.
+TASKS: dict[str, tuple[str, dict]] = {
+    "add_sub_1digit": (
+        "basic_arithmetic",
+        {
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 1,
+            "max_digits": 1,
+            "operators": ["+", "-"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+        },
+    ),
+    "add_sub_2digit": (
+        "basic_arithmetic",
+        {
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 2,
+            "max_digits": 2,
+            "operators": ["+", "-"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+        },
+    ),
+    "leg_counting": ("leg_counting", {"min_animals": 1, "max_animals": 1, "max_instances": 3}),
 }
 _INT = re.compile(r"-?\d+")
 
 
-def make_items(count: int, seed: int) -> list[tuple[str, str]]:
-    """(question, answer) pairs, alternating over TASKS, from fixed seeds."""
+def make_items(count: int, seed: int) -> list[tuple[str, str, str]]:
+    """(task label, question, answer) triples, alternating over TASKS, from fixed seeds."""
     import reasoning_gym  # optional: pip install 'mlx-mesh[bench]'
 
     per_task = math.ceil(count / len(TASKS))
     pools = [
-        list(reasoning_gym.create_dataset(name, size=per_task, seed=seed, **cfg))
-        for name, cfg in TASKS.items()
+        [
+            (label, e["question"], str(e["answer"]))
+            for e in reasoning_gym.create_dataset(name, size=per_task, seed=seed, **cfg)
+        ]
+        for label, (name, cfg) in TASKS.items()
     ]
-    items = [pool[i] for i in range(per_task) for pool in pools][:count]
-    return [(e["question"], str(e["answer"])) for e in items]
+    return [pool[i] for i in range(per_task) for pool in pools][:count]
 
 
 def is_correct(text: str, answer: str) -> bool:
@@ -248,7 +275,7 @@ def load_item_log(path: Path, header: dict) -> list[dict]:
     lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
     if not lines:
         return []
-    if lines[0] != {"header": header}:
+    if lines[0] != {"header": orjson.loads(orjson.dumps(header))}:
         raise SystemExit(
             f"{path} was written with other settings ({lines[0]}); pass another --item-log "
             "or delete it to start over"
@@ -310,7 +337,7 @@ async def bench_quality(
             append_line(item_log, {"header": header}, fresh=True)
         if len(done) < items:
             await record(live.routes(model_dirs[0].name)[0].upstream, _ask("Hi", max_tokens=2))
-        for index, (question, answer) in enumerate(make_items(items, seed)):
+        for index, (task, question, answer) in enumerate(make_items(items, seed)):
             if index < len(done):
                 continue
             if time.monotonic() - started > time_budget_s:
@@ -356,12 +383,18 @@ async def bench_quality(
                 outcome[f"mesh {policy}"] = result
             row = {
                 "item": index,
+                "task": task,
                 "answer": answer,
                 "outcome": {
                     label: (is_correct(text, answer), None if math.isnan(first) else first)
                     for label, (text, first) in outcome.items()
                 },
                 "texts": {label: text for label, (text, _) in outcome.items()},
+                # The raw candidate streams, so a changed arbiter can be replayed offline.
+                "recordings": {
+                    c.name: [[gap, event_to_dict(event)] for gap, event in rec.steps]
+                    for c, rec in zip(candidates, recordings, strict=True)
+                },
             }
             append_line(item_log, row)
             done.append(row)
@@ -391,6 +424,17 @@ def quality_table(correct: dict[str, int], ttfts: dict[str, list[float]], n: int
             f"| {label} | {hits}/{n} ({100 * hits / n:.0f} %) | {100 * low:.0f}–{100 * high:.0f} % | {ttft} |"
         )
     return [*lines, "", *quality_verdict(correct, ttfts)]
+
+
+def per_task_table(done: list[dict]) -> list[str]:
+    labels = list(done[0]["outcome"]) if done else []
+    lines = ["| task | n | " + " | ".join(labels) + " |", "|---|---:|" + "---:|" * len(labels)]
+    for task in TASKS:
+        rows = [r for r in done if r.get("task") == task]
+        if rows:
+            hits = [sum(r["outcome"][label][0] for r in rows) for label in labels]
+            lines.append(f"| {task} | {len(rows)} | " + " | ".join(map(str, hits)) + " |")
+    return lines
 
 
 def quality_verdict(correct: dict[str, int], ttfts: dict[str, list[float]]) -> list[str]:
@@ -436,18 +480,98 @@ Callers who prefer quality over latency choose them per request with `metadata.m
 person with bigger models should rerun `--items 300` and revisit this choice."""
 
 
+RESULTS = Path(__file__).parent / "results"
+
+
+def ttft_report(requests: int, seed: int) -> list[str]:
+    rows = asyncio.run(bench_ttft(requests, seed))
+    table, medians = ttft_table(rows)
+    race = medians["mesh race (default: N=4, early commit)"]
+    return [
+        '# `model="mesh"`: TTFT',
+        "",
+        f"Produced by `python bench/moa.py` ({time.strftime('%Y-%m-%d')}). Answer quality per "
+        "policy against each single worker: [moa-quality.md](moa-quality.md).",
+        "",
+        "## TTFT with scripted workers",
+        "",
+        f"{requests} requests; three workers with jittered prefill and decode speeds "
+        f"(median TTFT / per-token: "
+        + ", ".join(f"{n} {t * 1000:.0f} ms / {p * 1000:.0f} ms" for n, (t, p) in PROFILES.items())
+        + f"; 5 % of calls stall 6× in prefill), {ANSWER_TOKENS}-token answers. Default config "
+        "except N. TTFT = time to the first text delta the client receives.",
+        "",
+        *table,
+        "",
+        f"Targets (default `race`): median ≤ 1.25 × fastest single worker – "
+        f"**{race / medians['fastest']:.2f} ×** "
+        f"({'met' if race <= 1.25 * medians['fastest'] else 'missed'}); "
+        f"≥ 80 % below buffered – **{100 * (1 - race / medians['buffered']):.0f} % below** "
+        f"({'met' if race <= 0.2 * medians['buffered'] else 'missed'}).",
+        "",
+        "## Default policy",
+        "",
+        WHY_DEFAULT,
+        "",
+    ]
+
+
+def quality_report(args: argparse.Namespace) -> list[str]:
+    done = asyncio.run(
+        bench_quality(
+            args.model, args.items, args.max_tokens, args.seed, args.item_log, args.time_budget_s
+        )
+    )
+    correct, ttfts = tally(done)
+    partial = (
+        f" **Partial run: {len(done)} of {args.items} items so far**; rerun the same command to "
+        "resume from the item log."
+        if len(done) < args.items
+        else ""
+    )
+    tasks = "; ".join(f"{label} ({name} {cfg})" for label, (name, cfg) in TASKS.items())
+    mixture = (
+        " (one model: self-mixture of 3 samples at temperatures 0, 0.7, 1.0)"
+        if len(args.model) == 1
+        else ""
+    )
+    return [
+        '# `model="mesh"`: answer quality on reasoning-gym (real models)',
+        "",
+        f"Produced by `python bench/moa.py --no-ttft --items {args.items} "
+        + " ".join(f"--model {p.name}" for p in args.model)
+        + f"` ({time.strftime('%Y-%m-%d')}).",
+        "",
+        f"Models: {', '.join(p.name for p in args.model)}{mixture}. {len(done)} items, "
+        f"alternating over the tasks {tasks}; seed {args.seed}. Greedy caller, "
+        f"`max_tokens={args.max_tokens}`, thinking off, exact match on the last integer of the "
+        "reply. Candidates run live once per item; each policy decides over a replay of the same "
+        "streams (its aggregator call runs live). TTFTs are under concurrent load on a shared "
+        f"CPU, so compare them within this table only. Per-item replies: "
+        f"[`{args.item_log.name}`]({args.item_log.name}).{partial}",
+        "",
+        *quality_table(correct, ttfts, len(done)),
+        "",
+        "Per task (exact match):",
+        "",
+        *per_task_table(done),
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60, help="scripted requests per mode")
+    parser.add_argument("--no-ttft", action="store_true", help="skip part 1 (scripted TTFT)")
     parser.add_argument("--model", type=Path, action="append", default=[], help="MLX model dir")
     parser.add_argument("--items", type=int, default=300, help="reasoning-gym items (part 2)")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "moa.md")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the reports go")
     parser.add_argument(
         "--item-log",
         type=Path,
-        default=Path(__file__).parent / "results" / "moa-items.jsonl",
+        default=RESULTS / "moa-items.jsonl",
         help="per-item results; a rerun with the same settings resumes from it",
     )
     parser.add_argument(
@@ -457,74 +581,15 @@ def main() -> None:
         help="start no new item after this many seconds, then write the (partial) report",
     )
     args = parser.parse_args()
-
-    rows = asyncio.run(bench_ttft(args.requests, args.seed))
-    table, medians = ttft_table(rows)
-    race = medians["mesh race (default: N=4, early commit)"]
-    report = [
-        '# `model="mesh"`: TTFT and quality',
-        "",
-        f"Produced by `python bench/moa.py` ({time.strftime('%Y-%m-%d')}).",
-        "",
-        "## TTFT with scripted workers",
-        "",
-        f"{args.requests} requests; three workers with jittered prefill and decode speeds "
-        f"(median TTFT / per-token: "
-        + ", ".join(f"{n} {t * 1000:.0f} ms / {p * 1000:.0f} ms" for n, (t, p) in PROFILES.items())
-        + f"; 5 % of calls stall 6× in prefill), {ANSWER_TOKENS}-token answers. Default config "
-        "except N. TTFT = time to the first text delta the client receives.",
-        "",
-        *table,
-        "",
-        f"Targets (default `race`): median ≤ 1.25 × fastest single worker – "
-        f"**{race / medians['fastest']:.2f} ×** ({'met' if race <= 1.25 * medians['fastest'] else 'missed'}); "
-        f"≥ 80 % below buffered – **{100 * (1 - race / medians['buffered']):.0f} % below** "
-        f"({'met' if race <= 0.2 * medians['buffered'] else 'missed'}).",
-        "",
-    ]
+    args.results.mkdir(parents=True, exist_ok=True)
+    if not args.no_ttft:
+        report = ttft_report(args.requests, args.seed)
+        (args.results / "moa.md").write_text("\n".join(report))
+        print("\n".join(report))
     if args.model:
-        done = asyncio.run(
-            bench_quality(
-                args.model,
-                args.items,
-                args.max_tokens,
-                args.seed,
-                args.item_log,
-                args.time_budget_s,
-            )
-        )
-        correct, ttfts = tally(done)
-        partial = (
-            f" **Partial run: {len(done)} of {args.items} items so far**; rerun the same command "
-            "to resume from the item log."
-            if len(done) < args.items
-            else ""
-        )
-        report += [
-            "## Quality on reasoning-gym (real models)",
-            "",
-            f"Models: {', '.join(p.name for p in args.model)}"
-            + (
-                " (one model: self-mixture of 3 samples at temperatures 0, 0.7, 1.0)"
-                if len(args.model) == 1
-                else ""
-            )
-            + f". {len(done)} items ({', '.join(TASKS)}; seed {args.seed}), greedy caller, "
-            f"`max_tokens={args.max_tokens}`, thinking off, exact match on the last integer. "
-            "Candidates run live once per item; each policy decides over a replay of the same "
-            "streams (its aggregator call runs live). TTFTs are under concurrent load on a "
-            f"shared CPU, so compare them within this table only. Per-item replies: "
-            f"[`{args.item_log.name}`]({args.item_log.name}).{partial}",
-            "",
-            *quality_table(correct, ttfts, len(done)),
-            "",
-        ]
-    else:
-        report += ["## Quality", "", "Not run: pass `--model DIR` (see the module docstring).", ""]
-    report += ["## Default policy", "", WHY_DEFAULT, ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(report))
-    print("\n".join(report))
+        report = quality_report(args)
+        (args.results / "moa-quality.md").write_text("\n".join(report))
+        print("\n".join(report))
 
 
 if __name__ == "__main__":
