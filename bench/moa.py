@@ -2,21 +2,26 @@
 answer quality of each MoA policy against each single worker (with confidence intervals and the
 oracle), on reasoning-gym items with exact-match scoring.
 
-Part 1 (always): scripted workers with realistic, jittered prefill and decode speeds.
-Part 2 (``--model DIR``, repeatable; needs ``pip install 'mlx-mesh[bench]'`` for reasoning-gym):
-real MLX workers over HTTP. Each item's candidate streams are run live once (exactly the calls
-``mesh`` makes, concurrently) and recorded with their timings; every policy then decides over a
-replay of those same streams, and the reduce policy's aggregator call runs live on the real
-strongest model. So policies are compared on identical candidates at a fraction of the cost.
+Part 1 (unless ``--no-ttft``): scripted workers with realistic, jittered prefill and decode
+speeds; with ``--model DIR`` (repeatable) also live TTFT of real MLX workers. → ``moa.md``.
+Part 2 (``--model DIR`` and ``--items N > 0``; needs ``pip install -e '.[bench]'`` for
+reasoning-gym): real MLX workers over HTTP. Each item's candidate streams are run live once
+(exactly the calls ``mesh`` makes, concurrently) and recorded with their timings; every policy
+then decides over a replay of those same streams, and the reduce policy's aggregator call runs
+live on the real strongest model. So policies are compared on identical candidates at a fraction
+of the cost. Every item is appended to an item log; rerunning the same command resumes there
+(``--time-budget-s`` stops early and still writes the report). → ``moa-quality.md``.
 
-    python bench/moa.py                                  # part 1 only
-    python bench/moa.py --model ~/.mlx-mesh/models/smollm2-135m --items 300
+    python bench/moa.py                                   # part 1, scripted only
+    python bench/moa.py --model M1 --model M2 --items 0   # part 1 with real-model TTFT
+    python bench/moa.py --no-ttft --model M1 --model M2 --items 300
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import math
 import random
@@ -24,7 +29,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import orjson
@@ -258,6 +263,74 @@ class ReplayThenLive:
         return source.stream(request)
 
 
+# -- part 3: TTFT with real models -------------------------------------------------------------
+
+TOPICS = [
+    "why the sky is blue",
+    "how a bicycle stays upright",
+    "what a compiler does",
+    "why bread rises",
+    "how bees make honey",
+    "what causes the seasons",
+    "how a refrigerator keeps food cold",
+    "why leaves change colour in autumn",
+    "how a rainbow forms",
+    "what a database index is",
+    "why the moon has phases",
+    "how vaccines work",
+]
+
+
+async def _first_delta(stream: AsyncIterator[Event]) -> float:
+    """Seconds to the first text delta; then the stream is closed (which cancels the work)."""
+    start = time.monotonic()
+    try:
+        async for event in stream:
+            if isinstance(event, TextDelta):
+                return time.monotonic() - start
+            if is_terminal(event):
+                break
+        return math.nan
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def bench_real_ttft(
+    model_dirs: list[Path], requests: int, max_tokens: int
+) -> list[tuple[str, list[float]]]:
+    """Live TTFT of each single worker, of ``mesh`` (default policy) and of the buffered
+    baseline (every candidate runs to the end, then the answer is sent), one request at a time."""
+    times: dict[str, list[float]] = {}
+    with live_workers(model_dirs) as live:
+        config = MoaConfig(first_token_timeout_s=600, total_timeout_s=1800)
+        await _first_delta(live.routes(model_dirs[0].name)[0].upstream.stream(_ask("Hi")))
+        for i in range(requests):
+            topic = TOPICS[i % len(TOPICS)]
+            request = _ask(
+                f"In a few sentences, explain {topic}.", max_tokens=max_tokens, temperature=0.0
+            )
+            modes: dict[str, AsyncIterator[Event]] = {}
+            for path in model_dirs:
+                route = live.routes(path.name)[0]
+                modes[f"single {path.name}"] = route.upstream.stream(
+                    request.model_copy(update={"model": path.name})
+                )
+            modes["mesh race (default)"] = MixtureOfAgents(live, config).stream(request)
+            for label, stream in modes.items():
+                times.setdefault(label, []).append(await _first_delta(stream))
+                await asyncio.sleep(0.5)  # let cancelled work stop before the next measurement
+            start = time.monotonic()
+            candidates = plan_candidates(live, request, config)
+            await asyncio.gather(*(record(c.upstream, c.request) for c in candidates))
+            times.setdefault("buffered (all, then send)", []).append(time.monotonic() - start)
+            print(
+                f"real TTFT {i + 1}/{requests}: "
+                + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in times.items()),
+                flush=True,
+            )
+    return list(times.items())
+
+
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return (0.0, 0.0)
@@ -299,15 +372,9 @@ def tally(done: list[dict]) -> tuple[dict[str, int], dict[str, list[float]]]:
     return correct, ttfts
 
 
-async def bench_quality(
-    model_dirs: list[Path],
-    items: int,
-    max_tokens: int,
-    seed: int,
-    item_log: Path,
-    time_budget_s: float = math.inf,
-) -> list[dict]:
-    started = time.monotonic()
+@contextlib.contextmanager
+def live_workers(model_dirs: list[Path]) -> Iterator[StaticDirectory]:
+    """Real MLX workers over HTTP on loopback, one per model directory, in a directory."""
     from gateway.testing import ServerThread
     from gateway.worker_client import WorkerUpstream
     from worker.app import create_app as create_worker_app
@@ -323,6 +390,24 @@ async def bench_quality(
             servers.append(server)
             size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
             live.add(ModelInfo(path.name, parameters=size), WorkerUpstream(server.url, path.name))
+        yield live
+    finally:
+        for server in servers:
+            server.__exit__(None, None, None)
+        for engine in engines:
+            engine.close()
+
+
+async def bench_quality(
+    model_dirs: list[Path],
+    items: int,
+    max_tokens: int,
+    seed: int,
+    item_log: Path,
+    time_budget_s: float = math.inf,
+) -> list[dict]:
+    started = time.monotonic()
+    with live_workers(model_dirs) as live:
         # Default policy settings; deadlines sized for slow CPUs (a 135M model decodes at a few
         # tokens/s on a shared Linux CPU, and three samples share it).
         config = MoaConfig(first_token_timeout_s=600, total_timeout_s=1800)
@@ -404,11 +489,6 @@ async def bench_quality(
                 flush=True,
             )
         return done[:items]
-    finally:
-        for server in servers:
-            server.__exit__(None, None, None)
-        for engine in engines:
-            engine.close()
 
 
 def quality_table(correct: dict[str, int], ttfts: dict[str, list[float]], n: int) -> list[str]:
@@ -483,7 +563,35 @@ person with bigger models should rerun `--items 300` and revisit this choice."""
 RESULTS = Path(__file__).parent / "results"
 
 
-def ttft_report(requests: int, seed: int) -> list[str]:
+def real_ttft_section(args: argparse.Namespace) -> list[str]:
+    if not args.model or not args.real_requests:
+        return ["## TTFT with real models", "", "Not run: pass `--model DIR` (repeatable).", ""]
+    rows = asyncio.run(bench_real_ttft(args.model, args.real_requests, args.real_max_tokens))
+    table, medians = ttft_table(rows)
+    race = medians["mesh race (default)"]
+    below = 1 - race / medians["buffered"]
+    return [
+        "## TTFT with real models",
+        "",
+        f"Models: {', '.join(p.name for p in args.model)}, served by real MLX workers over HTTP "
+        f"on this machine's CPU. {args.real_requests} requests, one at a time, each asking for a "
+        f"few sentences (`max_tokens={args.real_max_tokens}`, greedy). Singles run alone; "
+        "`mesh` and the buffered baseline run every candidate at once on the same CPU, so each "
+        "candidate is slower than it is alone – on a real mesh they run on different machines.",
+        "",
+        *table,
+        "",
+        f"Targets (default `race`): median ≤ 1.25 × fastest single worker – "
+        f"**{race / medians['fastest']:.2f} ×** "
+        f"({'met' if race <= 1.25 * medians['fastest'] else 'missed'}); "
+        f"≥ 80 % below buffered – **{100 * below:.0f} % below** "
+        f"({'met' if below >= 0.8 else 'missed'}).",
+        "",
+    ]
+
+
+def ttft_report(args: argparse.Namespace) -> list[str]:
+    requests, seed = args.requests, args.seed
     rows = asyncio.run(bench_ttft(requests, seed))
     table, medians = ttft_table(rows)
     race = medians["mesh race (default: N=4, early commit)"]
@@ -509,6 +617,7 @@ def ttft_report(requests: int, seed: int) -> list[str]:
         f"≥ 80 % below buffered – **{100 * (1 - race / medians['buffered']):.0f} % below** "
         f"({'met' if race <= 0.2 * medians['buffered'] else 'missed'}).",
         "",
+        *real_ttft_section(args),
         "## Default policy",
         "",
         WHY_DEFAULT,
@@ -567,6 +676,8 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=300, help="reasoning-gym items (part 2)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--real-requests", type=int, default=12, help="real-model TTFT requests")
+    parser.add_argument("--real-max-tokens", type=int, default=64)
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the reports go")
     parser.add_argument(
         "--item-log",
@@ -583,10 +694,10 @@ def main() -> None:
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
     if not args.no_ttft:
-        report = ttft_report(args.requests, args.seed)
+        report = ttft_report(args)
         (args.results / "moa.md").write_text("\n".join(report))
         print("\n".join(report))
-    if args.model:
+    if args.model and args.items:
         report = quality_report(args)
         (args.results / "moa-quality.md").write_text("\n".join(report))
         print("\n".join(report))
