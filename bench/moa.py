@@ -201,11 +201,36 @@ def make_items(count: int, seed: int) -> list[tuple[str, str, str]]:
     return [pool[i] for i in range(per_task) for pool in pools][:count]
 
 
-def is_correct(text: str, answer: str) -> bool:
+def is_correct(text: str, answer: str, question: str = "") -> bool:
     """Exact match on the last integer of the reply (the items have integer answers; small
-    models restate the question before answering, as in GSM8K-style scoring)."""
+    models restate the question before answering, as in GSM8K-style scoring), once echoes of the
+    question are removed: a base model that parrots "Calculate 0 + 7." has not answered 7."""
+    for line in question.splitlines():
+        echo = line.strip().rstrip(".?!")
+        if len(echo) >= 8:
+            text = text.replace(echo, " ")
     found = _INT.findall(text.replace(",", ""))
     return bool(found) and found[-1] == answer.strip()
+
+
+def rescore(done: list[dict], items: list[tuple[str, str, str]]) -> list[dict]:
+    """Score the logged replies again with the current rule (logs keep the raw texts)."""
+    out = []
+    for row in done:
+        _, question, answer = items[row["item"]]
+        outcome = {}
+        for label, (_, first) in row["outcome"].items():
+            if label.startswith("oracle"):
+                texts = [
+                    "".join(e.get("text", "") for _, e in steps if e.get("t") == "text")
+                    for steps in row.get("recordings", {}).values()
+                ]
+                hit = any(is_correct(t, answer, question) for t in texts)
+            else:
+                hit = is_correct(row["texts"][label], answer, question)
+            outcome[label] = (hit, first)
+        out.append({**row, "outcome": outcome})
+    return out
 
 
 @dataclasses.dataclass
@@ -407,21 +432,22 @@ async def bench_quality(
     time_budget_s: float = math.inf,
 ) -> list[dict]:
     started = time.monotonic()
+    header = {
+        "models": [p.name for p in model_dirs],
+        "tasks": TASKS,
+        "seed": seed,
+        "max_tokens": max_tokens,
+    }
+    done = load_item_log(item_log, header)
+    if len(done) >= items or time_budget_s <= 0:
+        return done[:items]  # nothing to run: report what the log holds
+    if not done:
+        append_line(item_log, {"header": header}, fresh=True)
     with live_workers(model_dirs) as live:
         # Default policy settings; deadlines sized for slow CPUs (a 135M model decodes at a few
         # tokens/s on a shared Linux CPU, and three samples share it).
         config = MoaConfig(first_token_timeout_s=600, total_timeout_s=1800)
-        header = {
-            "models": [p.name for p in model_dirs],
-            "tasks": TASKS,
-            "seed": seed,
-            "max_tokens": max_tokens,
-        }
-        done = load_item_log(item_log, header)
-        if not done:
-            append_line(item_log, {"header": header}, fresh=True)
-        if len(done) < items:
-            await record(live.routes(model_dirs[0].name)[0].upstream, _ask("Hi", max_tokens=2))
+        await record(live.routes(model_dirs[0].name)[0].upstream, _ask("Hi", max_tokens=2))
         for index, (task, question, answer) in enumerate(make_items(items, seed)):
             if index < len(done):
                 continue
@@ -441,7 +467,7 @@ async def bench_quality(
                 if c.name.endswith("#0") or "#" not in c.name:
                     outcome[f"single {c.model.id}"] = (rec.text, rec.ttft)
             outcome["oracle (any candidate)"] = (
-                next((r.text for r in recordings if is_correct(r.text, answer)), ""),
+                next((r.text for r in recordings if is_correct(r.text, answer, question)), ""),
                 math.nan,
             )
             outcome["buffered (all, then send)"] = (
@@ -471,7 +497,10 @@ async def bench_quality(
                 "task": task,
                 "answer": answer,
                 "outcome": {
-                    label: (is_correct(text, answer), None if math.isnan(first) else first)
+                    label: (
+                        is_correct(text, answer, question),
+                        None if math.isnan(first) else first,
+                    )
                     for label, (text, first) in outcome.items()
                 },
                 "texts": {label: text for label, (text, _) in outcome.items()},
@@ -631,6 +660,7 @@ def quality_report(args: argparse.Namespace) -> list[str]:
             args.model, args.items, args.max_tokens, args.seed, args.item_log, args.time_budget_s
         )
     )
+    done = rescore(done, make_items(args.items, args.seed))
     correct, ttfts = tally(done)
     partial = (
         f" **Partial run: {len(done)} of {args.items} items so far**; rerun the same command to "
@@ -654,9 +684,11 @@ def quality_report(args: argparse.Namespace) -> list[str]:
         f"Models: {', '.join(p.name for p in args.model)}{mixture}. {len(done)} items, "
         f"alternating over the tasks {tasks}; seed {args.seed}. Greedy caller, "
         f"`max_tokens={args.max_tokens}`, thinking off, exact match on the last integer of the "
-        "reply. Candidates run live once per item; each policy decides over a replay of the same "
-        "streams (its aggregator call runs live). TTFTs are under concurrent load on a shared "
-        f"CPU, so compare them within this table only. Per-item replies: "
+        "reply once echoes of the question are removed. Candidates run live once per item; "
+        "each policy decides over a replay of the same streams (its aggregator call runs "
+        "live). TTFTs are under concurrent load on a shared CPU, so compare them within this "
+        "table only; the buffered row is there for its TTFT (its text is simply the first "
+        "candidate's). Per-item replies: "
         f"[`{args.item_log.name}`]({args.item_log.name}).{partial}",
         "",
         *quality_table(correct, ttfts, len(done)),
