@@ -1,9 +1,9 @@
 """Internal stream events: what every upstream yields and every API encoder consumes.
 
-An upstream stream is any number of deltas and ``Usage`` events, closed by exactly one terminal
-event: ``Done`` or ``Error``. Encoders rely on that terminal event to end their stream. The last
-``Usage`` counts; an earlier one, right before the first delta, tells the prompt's size early
-(Anthropic's ``message_start``).
+An upstream stream is any number of deltas, ``Progress`` notes and ``Usage`` events, closed by
+exactly one terminal event: ``Done`` or ``Error``. Encoders rely on that terminal event to end
+their stream. The last ``Usage`` counts; an earlier one, right before the first delta, tells the
+prompt's size early (Anthropic's ``message_start``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,17 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A note on what the upstream is doing before its answer starts ("asking 3 models…").
+
+    Not content: it never commits a route or starts an answer. Responses clients get it as a
+    reasoning summary; APIs without a summary channel drop it.
+    """
+
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +116,13 @@ class Error:
 
 Delta = ReasoningDelta | TextDelta | ToolCallDelta
 Terminal = Done | Error
-Event = ReasoningDelta | TextDelta | ToolCallDelta | Usage | Meta | Done | Error
+Event = ReasoningDelta | TextDelta | ToolCallDelta | Progress | Usage | Meta | Done | Error
 
 _EVENT_TYPES: dict[str, type] = {
     "reasoning": ReasoningDelta,
     "text": TextDelta,
     "tool_call": ToolCallDelta,
+    "progress": Progress,
     "usage": Usage,
     "meta": Meta,
     "done": Done,

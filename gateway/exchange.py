@@ -27,7 +27,16 @@ from starlette.types import Receive, Scope, Send
 from gateway import router, sse
 from gateway.api.common import Accumulator
 from gateway.api.errors import RequestInvalid
-from gateway.events import Done, Error, Event, Meta, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.events import (
+    Done,
+    Error,
+    Event,
+    Meta,
+    Progress,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+)
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
 from gateway.router import RouteError
@@ -261,16 +270,18 @@ class EventResponse:
         Normally that is the first event, or none by ``deadline``. An upstream that decides late
         (``model="mesh"``) names its ``decision_header``: then the start is held – content
         included – until that header arrives, bounded by its ``decision_wait_s``. Facts that still
-        come later reach the request record, just not the headers.
+        come later reach the request record, just not the headers. A ``Progress`` note alone does
+        not end the wait (it is not content): a failure soon after still gets a real status.
         """
         upstream = self.routes[0].upstream if self.routes else None
         awaited: str | None = getattr(upstream, "decision_header", None)
         loop = asyncio.get_running_loop()
         hold_until = max(deadline, loop.time() + getattr(upstream, "decision_wait_s", 0.0))
         held: list[Event] = []
+        answering = False  # held anything but progress notes
         while True:
             pending = awaited is not None and awaited not in self.route_headers
-            if held and not pending:
+            if answering and not pending:
                 return held
             remaining = (hold_until if pending else deadline) - loop.time()
             if remaining <= 0:
@@ -282,6 +293,7 @@ class EventResponse:
             if isinstance(event, Meta):
                 continue
             held.append(event)
+            answering = answering or not isinstance(event, Progress)
             if isinstance(event, Done | Error):
                 return held
 

@@ -1,6 +1,7 @@
 """Pick routes for a model and run one request across them, retrying before the commit point.
 
-The commit point is the first content delta (or terminal); an early ``Usage`` waits for it. A
+The commit point is the first content delta (or terminal); an early ``Usage`` waits for it, and
+a ``Progress`` note passes through without committing (it is not part of the answer). A
 failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable, an
 exception, or a stream that ends early – is retried once on the same route after
 ``retry_backoff_s``, then on the next route. After it, nothing is retried: the error goes on to
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.events import Done, Error, Event, Meta, Usage
+from gateway.events import Done, Error, Event, Meta, Progress, Usage
 from gateway.request import ChatRequest
 from gateway.upstream import ModelDirectory, Route
 
@@ -122,6 +123,12 @@ class Router:
                         continue
                     if isinstance(event, Usage):  # an early prompt count: a fact, not content
                         pending_usage = event
+                        continue
+                    if isinstance(event, Progress):
+                        # A note, not content: it goes out (with the route facts known so far, so
+                        # they can reach the headers) and a retry stays possible.
+                        yield Meta(route_headers(route, attempt, reasons) | pending_meta)
+                        yield event
                         continue
                     if isinstance(event, Error) and is_retryable(event) and attempt < len(plan):
                         reasons.append(f"{_route_label(route)}:{event.kind}")

@@ -63,7 +63,9 @@ class StaticDirectory:
 
     def add(self, info: ModelInfo, upstream: Upstream, kind: str = "local") -> None:
         _, routes = self.entries.setdefault(info.id, (info, []))
-        routes.append(Route(upstream=upstream, kind=kind, peer=None if kind == "local" else upstream.name))
+        routes.append(
+            Route(upstream=upstream, kind=kind, peer=None if kind == "local" else upstream.name)
+        )
 
     def models(self) -> list[ModelInfo]:
         return [info for info, _ in self.entries.values()]

@@ -11,6 +11,7 @@ from gateway.events import (
     Error,
     EventDecodeError,
     Meta,
+    Progress,
     ReasoningDelta,
     TextDelta,
     ToolCallDelta,
@@ -23,6 +24,7 @@ EVENTS = [
     ReasoningDelta("hm"),
     TextDelta("hi", logprob=-0.25),
     ToolCallDelta(0, id="c", name="f", arguments="{}"),
+    Progress("asking 3 models…"),
     Usage(3, 2, 1),
     Meta({"x-route": "local"}),
     Done("length"),
@@ -45,6 +47,14 @@ def test_done_stop_sequence_is_on_the_wire_and_optional() -> None:
     }
     # A peer that predates the field sends only the finish reason.
     assert event_from_dict({"t": "done", "finish_reason": "stop"}) == Done("stop")
+
+
+def test_progress_has_its_own_tag_not_reasoning() -> None:
+    # A peer must not mistake the note for the model's reasoning.
+    assert event_to_dict(Progress("asking 2 models…")) == {
+        "t": "progress",
+        "text": "asking 2 models…",
+    }
 
 
 def test_unknown_fields_are_a_decode_error() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.events import Done, Error, Meta, TextDelta, Usage
+from gateway.events import Done, Error, Meta, Progress, TextDelta, Usage
 from gateway.request import ChatRequest, Message
 from gateway.router import RouteError, Router
 from gateway.testing import Raise, ScriptedUpstream, asgi_request, text_script
@@ -53,6 +53,21 @@ async def test_early_usage_waits_for_the_commit_and_does_not_commit():
     assert upstream.calls == 2  # the Usage before the failure did not commit the first attempt
     assert [type(e) for e in events] == [Meta, Usage, TextDelta, Usage, Done]
     assert events[1] == early  # once, from the attempt that answered, right before its content
+
+
+async def test_progress_note_goes_out_at_once_and_does_not_commit():
+    note = Progress("asking 2 models…")
+    upstream = ScriptedUpstream(
+        scripts=[[Meta({"x-moa-workers": "2"}), note, BUSY], [note, *text_script("ok")]],
+        name="local",
+    )
+    events = await _run(_router(upstream))
+    assert upstream.calls == 2  # the note before the failure did not commit the first attempt
+    # Each note follows the route facts known by then, so they can reach the headers first.
+    first = events[0].headers
+    assert (first["x-attempts"], first["x-moa-workers"]) == ("1", "2")
+    assert events[1] == note and events.count(note) == 2
+    assert _meta(events).headers["x-attempts"] == "2" and isinstance(events[-1], Done)
 
 
 async def test_exception_before_first_delta_is_retried_then_next_route():

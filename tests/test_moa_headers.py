@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.events import Done, Event, Meta, ReasoningDelta, TextDelta
+from gateway.events import Done, Event, Meta, Progress, TextDelta
 from gateway.metrics import RequestRecord
 from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.request import ChatRequest
@@ -36,6 +36,8 @@ def serve(moa, directory=None):
 
 async def ask_mesh(app, *, stream: bool = True, path: str = "/v1/chat/completions"):
     body = {"model": "mesh", "messages": [{"role": "user", "content": "Q?"}], "stream": stream}
+    if path == "/v1/responses":
+        body = {"model": "mesh", "input": "Q?", "stream": stream}
     return await asgi_request(app, "POST", path, body)
 
 
@@ -65,10 +67,13 @@ async def test_progress_note_does_not_start_the_response_before_the_decision():
     directory = two_workers(ttft=0.05)
     moa = MixtureOfAgents(directory, MoaConfig(progress=True))
     app, records = serve(moa, directory)
-    result = await ask_mesh(app)
+    result = await ask_mesh(app, path="/v1/responses")
     assert result.headers["x-moa-winner"] in ("a", "b") and result.headers["x-moa-policy"] == "race"
     assert b"asking 2 models" in result.body and b"sky" in result.body
     assert records[0].route["x-moa-winner"] == result.headers["x-moa-winner"]
+    # Chat Completions has no channel for the note: only the answer.
+    chat = await ask_mesh(app)
+    assert b"asking" not in chat.body and b"sky" in chat.body
 
 
 async def test_all_workers_failing_after_a_progress_note_gets_a_real_error_status():
@@ -92,7 +97,7 @@ class LateDecider:
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         yield Meta({"x-moa-policy": "reduce", "x-moa-workers": "3"})
-        yield ReasoningDelta("asking 3 models…")
+        yield Progress("asking 3 models…")
         script = ScriptedUpstream.of(Sleep(0.2), Meta({"x-moa-winner": "w2"}), *text_script("ok"))
         async for event in script.stream(request):
             yield event
@@ -100,10 +105,10 @@ class LateDecider:
 
 async def test_a_decision_past_the_bound_starts_without_it_but_the_record_keeps_it():
     app, records = serve(LateDecider())
-    result = await ask_mesh(app)
+    result = await ask_mesh(app, path="/v1/responses")
     assert result.status == 200 and result.headers["x-moa-policy"] == "reduce"
     assert "x-moa-winner" not in result.headers  # the response started at the bound
-    assert b"asking 3 models" in result.body and result.body.endswith(b"data: [DONE]\n\n")
+    assert b"asking 3 models" in result.body and b"event: response.completed" in result.body
     (record,) = records
     assert record.route["x-moa-winner"] == "w2" and record.route["x-moa-workers"] == "3"
 

@@ -17,6 +17,7 @@ from gateway.events import (
     Error,
     Event,
     Meta,
+    Progress,
     ReasoningDelta,
     TextDelta,
     Usage,
@@ -169,7 +170,9 @@ async def test_meta_headers_and_optional_progress_precede_any_text():
     assert_well_formed(events)
     # The opening Meta precedes the progress note, so its facts can reach the headers in time.
     assert events[0][1] == Meta({"x-moa-policy": "race", "x-moa-workers": "2"})
-    assert isinstance(events[1][1], ReasoningDelta) and "2 models" in events[1][1].text
+    assert events[1][1] == Progress("asking 2 models…")
+    # A note, not reasoning: the only text the client gets is the winner's.
+    assert not any(isinstance(e, ReasoningDelta) for _, e in events)
     headers = meta_of(events)
     assert headers["x-moa-policy"] == "race" and headers["x-moa-workers"] == "2"
     assert headers["x-moa-winner"] == "a" and headers["x-moa-decision"] == "race"
@@ -244,7 +247,7 @@ async def test_client_disconnect_before_commit_cancels_every_worker():
     )
     stream = moa.stream(ask())
     assert isinstance(await anext(stream), Meta)
-    assert isinstance(await anext(stream), ReasoningDelta)
+    assert isinstance(await anext(stream), Progress)
     await asyncio.sleep(0.05)  # the workers are streaming now
     assert all(u.active == 1 for u in workers)
     await stream.aclose()

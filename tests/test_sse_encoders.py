@@ -13,11 +13,14 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
 from gateway.api import chat, messages, responses
-from gateway.events import Done, Error, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import Done, Error, Progress, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 
 piece = st.text(min_size=1, max_size=4)
 content = st.lists(
-    st.one_of(st.builds(TextDelta, piece), st.builds(ReasoningDelta, piece)), max_size=8
+    st.one_of(
+        st.builds(TextDelta, piece), st.builds(ReasoningDelta, piece), st.builds(Progress, piece)
+    ),
+    max_size=8,
 )
 tools = st.lists(st.lists(st.text(max_size=4), min_size=1, max_size=3), max_size=2)
 endings = st.sampled_from(
@@ -89,6 +92,11 @@ def test_chat_chunks_validate_and_add_up(deltas, calls, ending):
     assert "".join(c.choices[0].delta.content or "" for c in with_choice) == _expected_text(
         events, TextDelta
     )
+    # Progress notes have no channel here: reasoning is the model's alone.
+    reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in with_choice
+    )
+    assert reasoning == _expected_text(events, ReasoningDelta)
     seen: set[int] = set()
     args: dict[int, str] = {}
     for fragment in (tc for c in with_choice for tc in c.choices[0].delta.tool_calls or []):
@@ -133,6 +141,16 @@ def test_responses_events_validate_and_add_up(deltas, calls, ending):
     assert final.response.output_text == _expected_text(events, TextDelta)
     streamed = "".join(p.delta for p in parsed if p.type == "response.output_text.delta")
     assert streamed == final.response.output_text
+    # Progress notes become reasoning summaries, never reasoning content.
+    reasoning_items = [i for i in final.response.output if i.type == "reasoning"]
+    summaries = "".join(s.text for i in reasoning_items for s in i.summary)
+    assert summaries == _expected_text(events, Progress)
+    thought = "".join(c.text for i in reasoning_items for c in i.content or [])
+    assert thought == _expected_text(events, ReasoningDelta)
+    summary_deltas = "".join(
+        p.delta for p in parsed if p.type == "response.reasoning_summary_text.delta"
+    )
+    assert summary_deltas == summaries
     calls_out = [i for i in final.response.output if i.type == "function_call"]
     assert [c.arguments for c in calls_out] == ["".join(f) for f in calls]
     assert len({p.response.id for p in parsed if hasattr(p, "response")}) == 1
@@ -162,6 +180,12 @@ def test_anthropic_events_validate_and_add_up(deltas, calls, ending):
         if p.type == "content_block_delta" and p.delta.type == "text_delta"
     )
     assert text == _expected_text(events, TextDelta)
+    thinking = "".join(
+        p.delta.thinking
+        for p in parsed
+        if p.type == "content_block_delta" and p.delta.type == "thinking_delta"
+    )
+    assert thinking == _expected_text(events, ReasoningDelta)  # Progress notes are dropped
     if isinstance(ending, Done):
         assert stops == starts and parsed[-1].type == "message_stop"
         stop_reason = parsed[-2].delta.stop_reason

@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.events import Done, Error, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import Done, Error, Progress, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.testing import Raise, ScriptedUpstream, Sleep, Stall, asgi_request
 from gateway.upstream import ModelInfo, StaticDirectory
 
 deltas = st.one_of(
     st.builds(TextDelta, st.text(max_size=5)),
     st.builds(ReasoningDelta, st.text(max_size=5)),
+    st.builds(Progress, st.text(max_size=5)),
     st.builds(
         ToolCallDelta,
         index=st.integers(0, 1),

@@ -253,7 +253,9 @@ class ChatStreamEncoder:
             return out + sse.DONE
         if isinstance(event, Error):
             return sse.data_frame(error_body(event)) + sse.DONE
-        return b""  # Usage is folded into the accumulator; Meta is for headers
+        # Usage is folded into the accumulator; Meta is for headers; a Progress note has no
+        # channel here (it must not show up as text or reasoning before the answer).
+        return b""
 
 
 def completion_body(request: ChatRequest, acc: Accumulator) -> dict[str, Any]:

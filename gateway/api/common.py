@@ -5,7 +5,16 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import (
+    Done,
+    Error,
+    Event,
+    Progress,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
 from gateway.request import Message
 
 MAX_TOOL_NAME = 200
@@ -37,6 +46,8 @@ class Accumulator:
     text_parts: list[str] = field(default_factory=list)
     reasoning_parts: list[str] = field(default_factory=list)
     reasoning_deltas: int = 0
+    # Progress notes ("asking 3 models…"): kept apart from reasoning, they are not the model's.
+    progress_parts: list[str] = field(default_factory=list)
     tool_calls: dict[int, ToolCallState] = field(default_factory=dict)
     usage: Usage | None = None
     finish_reason: str | None = None
@@ -50,6 +61,8 @@ class Accumulator:
         elif isinstance(event, ReasoningDelta):
             self.reasoning_parts.append(event.text)
             self.reasoning_deltas += 1
+        elif isinstance(event, Progress):
+            self.progress_parts.append(event.text)
         elif isinstance(event, ToolCallDelta):
             call = self.tool_calls.get(event.index)
             if call is None:
@@ -80,6 +93,10 @@ class Accumulator:
     @property
     def reasoning(self) -> str:
         return "".join(self.reasoning_parts)
+
+    @property
+    def progress(self) -> str:
+        return "".join(self.progress_parts)
 
     @property
     def prompt_tokens(self) -> int:

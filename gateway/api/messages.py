@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway import sse
 from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
 from gateway.api.errors import RequestInvalid, anthropic_error_body
-from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
 
@@ -280,6 +280,10 @@ class MessagesStreamEncoder:
         )
 
     def encode(self, event: Event) -> bytes:
+        if isinstance(event, Progress):
+            # No summary channel in Messages; nor does a note start the message (message_start
+            # should carry the prompt count of an early Usage that may still come).
+            return b""
         frames = self._encode(event)  # folds ``event`` in first: an early Usage is known here
         if self.started or isinstance(event, Error):  # a failure needs no message around it
             return frames

@@ -1,7 +1,8 @@
 """OpenAI Responses: ``input`` items → ChatRequest; events → typed stream events / a response.
 
 Output is a list of items opened and closed in order (reasoning, message, function_call); every
-event carries a ``sequence_number``; one response id throughout.
+event carries a ``sequence_number``; one response id throughout. A ``Progress`` note becomes a
+reasoning item with a summary (no content): the one place a client may see it before the answer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway import sse
 from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body
-from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
 
@@ -283,7 +284,16 @@ class ResponsesStreamEncoder:
                 "response.content_part.added",
                 {**where, "part": {"type": "reasoning_text", "text": ""}},
             )
+        elif kind == "summary":
+            out += self._event(
+                "response.reasoning_summary_part.added",
+                {**self._summary_where(item), "part": _summary_part("")},
+            )
         return out
+
+    def _summary_where(self, item: dict[str, Any]) -> dict[str, Any]:
+        """Where the open summary item's one summary part is (progress notes all append to it)."""
+        return {"item_id": item["id"], "output_index": self.item_index, "summary_index": 0}
 
     def _close(self, status: str = "completed") -> bytes:
         item = self.item
@@ -306,6 +316,9 @@ class ResponsesStreamEncoder:
             out += self._event("response.reasoning_text.done", {**where, "text": text})
             out += self._event("response.content_part.done", {**where, "part": part})
             done["content"] = [part]
+        elif self.item_kind == "summary":
+            out += self._close_summary(item, status)
+            done["summary"] = [_summary_part("".join(self.item_parts))]
         else:
             out += self._event(
                 "response.function_call_arguments.done",
@@ -319,6 +332,31 @@ class ResponsesStreamEncoder:
         out += self._event("response.output_item.done", {"output_index": index, "item": done})
         self.output.append(done)
         return out
+
+    def _close_summary(self, item: dict[str, Any], status: str) -> bytes:
+        text = "".join(self.item_parts)
+        where = self._summary_where(item)
+        part_done = {**where, "part": _summary_part(text)}
+        if status == "incomplete":  # the response failed while the note was still open
+            part_done["status"] = "incomplete"
+        out = self._event("response.reasoning_summary_text.done", {**where, "text": text})
+        return out + self._event("response.reasoning_summary_part.done", part_done)
+
+    def _progress(self, text: str) -> bytes:
+        """A progress note: appended to the open summary item, else opening one."""
+        out = b""
+        item = self.item
+        if self.item_kind != "summary" or item is None:
+            item = {
+                "id": new_id("rs_"),
+                "type": "reasoning",
+                "summary": [],
+                "status": "in_progress",
+            }
+            out = self._open("summary", item)
+        self.item_parts.append(text)
+        delta = {**self._summary_where(item), "delta": text}
+        return out + self._event("response.reasoning_summary_text.delta", delta)
 
     def _content_delta(
         self, kind: str, item: dict, event_type: str, payload: dict, text: str
@@ -349,6 +387,8 @@ class ResponsesStreamEncoder:
                 {"delta": event.text},
                 event.text,
             )
+        if isinstance(event, Progress):
+            return self._progress(event.text)
         if isinstance(event, ToolCallDelta):
             out = b""
             if (
@@ -401,6 +441,11 @@ def response_body(request: ChatRequest, body: ResponsesBody, acc: Accumulator) -
     output: list[dict[str, Any]] = []
     incomplete = acc.finish_reason == "length"
     status = "incomplete" if incomplete else "completed"
+    if acc.progress:
+        summary = [_summary_part(acc.progress)]
+        output.append(
+            {"id": new_id("rs_"), "type": "reasoning", "summary": summary, "status": status}
+        )
     if acc.reasoning:
         output.append(
             {
@@ -434,3 +479,7 @@ def response_body(request: ChatRequest, body: ResponsesBody, acc: Accumulator) -
             }
         )
     return _Shell(request, body).response(status, output, acc)
+
+
+def _summary_part(text: str) -> dict[str, Any]:
+    return {"type": "summary_text", "text": text}

@@ -39,7 +39,8 @@ class MoaConfig:
     # Per worker: first content delta within this, whole stream within total_timeout_s.
     first_token_timeout_s: float = 60.0
     total_timeout_s: float = 600.0
-    # Emit one ReasoningDelta ("asking 3 models…") before the decision.
+    # Emit one Progress note ("asking 3 models…") before the decision: Responses clients see it
+    # as a reasoning summary; the other APIs drop it.
     progress: bool = False
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from gateway.events import (
     Error,
     Event,
     Meta,
+    Progress,
     ReasoningDelta,
     TextDelta,
     ToolCallDelta,
@@ -239,7 +240,8 @@ class _Run:
         # response headers even when the decision comes later than the gateway can wait.
         yield Meta({"x-moa-policy": self.policy, "x-moa-workers": str(len(self.candidates))})
         if self.config.progress:
-            yield ReasoningDelta(f"asking {len(self.candidates)} models…")
+            # A note, not reasoning: no text may reach the client before the commit.
+            yield Progress(f"asking {len(self.candidates)} models…")
         winner = None
         while True:
             # Cancels first, so a loser stops before the winner's buffer is flushed.
