@@ -101,6 +101,15 @@ def test_up_refuses_an_unknown_moa_policy_in_one_sentence(tmp_path):
     assert "unknown --moa-policy 'vote'" in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize(("flag", "progress"), [([], False), (["--moa-progress"], True)])
+def test_up_wires_moa_progress_into_the_node_config(tmp_path, monkeypatch, flag, progress):
+    started = []
+    monkeypatch.setattr("mesh.mesh_node.run_mesh_node", lambda config, mesh: started.append(config))
+    result = runner.invoke(app, ["up", "--home", str(tmp_path), "--no-worker", *flag])
+    assert result.exit_code == 0, result.output
+    assert started[0].moa.progress is progress
+
+
 def test_id_creates_and_keeps_the_identity(tmp_path):
     first = runner.invoke(app, ["id", "--home", str(tmp_path)])
     second = runner.invoke(app, ["id", "--home", str(tmp_path)])

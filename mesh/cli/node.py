@@ -39,6 +39,11 @@ def up_command(
     moa_workers: int = typer.Option(
         3, "--moa-workers", help="model=mesh: most worker calls per request."
     ),
+    moa_progress: bool = typer.Option(
+        False,
+        "--moa-progress/--no-moa-progress",
+        help="model=mesh: tell Responses clients 'asking N models…' as a reasoning summary.",
+    ),
     join: str | None = typer.Option(
         None, "--join", help="Join the mesh of this invite token (from `mesh invite`)."
     ),
@@ -85,7 +90,7 @@ def up_command(
             request_log=request_log or home_dir / "requests.jsonl",
             retry_backoff_ms=retry_backoff_ms,
         ),
-        moa=MoaConfig(policy=moa_policy, max_workers=moa_workers),
+        moa=MoaConfig(policy=moa_policy, max_workers=moa_workers, progress=moa_progress),
     )
     mesh_config = MeshConfig(
         host=mesh_host,
