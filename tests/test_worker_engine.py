@@ -132,6 +132,19 @@ async def test_cancel_stops_generation(engine: Engine) -> None:
     assert generated < 3000
 
 
+async def test_a_cancelled_job_leaves_its_prompt_cached(engine: Engine) -> None:
+    """An agent harness that interrupts a reply and sends the conversation again skips the
+    prefill of everything the interrupted job had processed."""
+    prompt = prompt_of(engine, "a long conversation that gets interrupted")
+    job = engine.submit(GenerationRequest(prompt, 3000, GREEDY))
+    async for _ in job.events():
+        break  # the first token: the prompt is in the cache now
+    engine.cancel(job)
+    await wait_until(lambda: "cache_kept" in engine.stats.events_for(job.id))
+    _, _, done = await run(engine, GenerationRequest([*prompt, 7, 8], 3, GREEDY))
+    assert done.cached_tokens >= len(prompt)
+
+
 async def test_second_turn_reuses_committed_prefix(think_engine: Engine) -> None:
     messages = [{"role": "user", "content": "What is 2+2?"}]
     kwargs = {"enable_thinking": False}

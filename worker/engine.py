@@ -11,7 +11,8 @@ drained between decode steps, so a cancel stops its job within one step.
 Prompt cache commit happens *after* the response: a finished job's KV cache is held as a pending
 commit until the HTTP layer calls ``commit`` (after writing the terminal frame). A new job whose
 prompt would reuse a pending commit waits for it (at most ``commit_wait_s``), so it never reads a
-half-committed cache and the client of the first job never waits for the bookkeeping.
+half-committed cache and the client of the first job never waits for the bookkeeping. A job
+cancelled after its first token stores its cache at once (nobody is left to wait for).
 """
 
 from __future__ import annotations
@@ -346,10 +347,9 @@ class Engine:
                 self.stats.queue_depth -= 1
                 self.stats.cancelled += 1
             self.stats.log("cancelled", job_id)
-        for uid, active in list(self._active.items()):
+        for active in list(self._active.values()):
             if active.job.id == job_id:
-                self._generator.remove([uid])
-                self._drop(uid)
+                self._stop(active)
                 with self._lock:
                     self.stats.cancelled += 1
                 self.stats.log("cancelled", job_id)
@@ -442,9 +442,21 @@ class Engine:
     def _send(self, active: _Active, event: JobEvent) -> bool:
         if active.job._deliver(event):
             return True
-        self._generator.remove([active.uid])
-        self._drop(active.uid)
+        self._stop(active)
         return False
+
+    def _stop(self, active: _Active) -> None:
+        """Stop a job before its end. Once it has produced a token its prompt is in the KV
+        cache, which goes to the store: a client that interrupts and sends the conversation
+        again (agent harnesses do) and MoA's cancelled losers then skip that prefill. Before
+        that the generator's cache need not match its token list, so it is dropped."""
+        keep = active.first_token
+        caches = self._generator.remove([active.uid], return_prompt_caches=keep)
+        self._drop(active.uid)
+        cache, tokens = caches.get(active.uid, (None, None))
+        if cache is not None and tokens:
+            self._store.insert(list(tokens), cache)
+            self.stats.log("cache_kept", active.job.id)
 
     def _drop(self, uid: int) -> None:
         active = self._active.pop(uid, None)
