@@ -55,6 +55,7 @@ RESPONSES = ApiSpec(
     responses.ResponsesStreamEncoder,
     responses.response_body,
     responses.error_body,
+    shows_progress=True,
 )
 MESSAGES = ApiSpec(
     "messages",

@@ -64,6 +64,9 @@ class ApiSpec:
     make_encoder: Callable[[ChatRequest, Any], Encoder]
     make_body: Callable[[ChatRequest, Any, Accumulator], dict[str, Any]]
     error_body: Callable[[Error], dict[str, Any]]
+    # The API renders MoA ``Progress`` notes (Responses: a reasoning summary). Then a note starts
+    # the response: showing it while the models work is its whole point.
+    shows_progress: bool = False
 
 
 def json_response(
@@ -270,8 +273,9 @@ class EventResponse:
         Normally that is the first event, or none by ``deadline``. An upstream that decides late
         (``model="mesh"``) names its ``decision_header``: then the start is held – content
         included – until that header arrives, bounded by its ``decision_wait_s``. Facts that still
-        come later reach the request record, just not the headers. A ``Progress`` note alone does
-        not end the wait (it is not content): a failure soon after still gets a real status.
+        come later reach the request record, just not the headers. A ``Progress`` note ends the
+        wait only where the API shows it (then the decision headers are in the record only);
+        elsewhere it is not content, and a failure soon after still gets a real status.
         """
         upstream = self.routes[0].upstream if self.routes else None
         awaited: str | None = getattr(upstream, "decision_header", None)
@@ -293,6 +297,8 @@ class EventResponse:
             if isinstance(event, Meta):
                 continue
             held.append(event)
+            if isinstance(event, Progress) and self.spec.shows_progress:
+                return held
             answering = answering or not isinstance(event, Progress)
             if isinstance(event, Done | Error):
                 return held

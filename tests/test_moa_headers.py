@@ -63,17 +63,19 @@ async def test_consensus_decided_after_the_header_wait_still_sends_every_moa_hea
     assert {k: record.route[k] for k in MOA_KEYS} == {k: result.headers[k] for k in MOA_KEYS}
 
 
-async def test_progress_note_does_not_start_the_response_before_the_decision():
-    directory = two_workers(ttft=0.05)
+async def test_a_shown_progress_note_starts_the_response_and_the_winner_goes_to_the_record():
+    directory = two_workers(ttft=0.3)
     moa = MixtureOfAgents(directory, MoaConfig(progress=True))
     app, records = serve(moa, directory)
     result = await ask_mesh(app, path="/v1/responses")
-    assert result.headers["x-moa-winner"] in ("a", "b") and result.headers["x-moa-policy"] == "race"
+    # Started at the note, before the decision: what was known then is in the headers.
+    assert result.headers["x-moa-policy"] == "race" and "x-moa-winner" not in result.headers
     assert b"asking 2 models" in result.body and b"sky" in result.body
-    assert records[0].route["x-moa-winner"] == result.headers["x-moa-winner"]
-    # Chat Completions has no channel for the note: only the answer.
+    assert records[0].route["x-moa-winner"] in ("a", "b")
+    # Chat Completions has no channel for the note: it waits for the decision as always.
     chat = await ask_mesh(app)
     assert b"asking" not in chat.body and b"sky" in chat.body
+    assert chat.headers["x-moa-winner"] in ("a", "b")
 
 
 async def test_all_workers_failing_after_a_progress_note_gets_a_real_error_status():
@@ -85,6 +87,10 @@ async def test_all_workers_failing_after_a_progress_note_gets_a_real_error_statu
     result = await ask_mesh(app)
     assert result.status == 504 and b"MoA workers failed" in result.body
     assert result.headers["x-moa-policy"] == "race" and records[0].status == 504
+    # Responses shows the note, so its stream had started: the failure is its terminal event.
+    shown = await ask_mesh(app, path="/v1/responses")
+    assert shown.status == 200 and b"asking 2 models" in shown.body
+    assert shown.body.rstrip().endswith(b"}") and b"event: response.failed" in shown.body
 
 
 @dataclass

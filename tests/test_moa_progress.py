@@ -21,6 +21,7 @@ from gateway.config import GatewayConfig
 from gateway.events import Done, Progress, TextDelta, Usage
 from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.testing import ScriptedUpstream, ServerThread, Sleep, Step
+from gateway.testing import Stall as StallStep
 from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.peer_upstream import _decode_event
 from mesh.serve import _encode
@@ -161,3 +162,19 @@ def test_sdk_clients_get_only_the_winners_answer(server, oai):
 def test_progress_survives_the_tunnel_codec():
     note = Progress(NOTE)
     assert _decode_event(_encode(note)) == note
+
+
+def test_the_note_reaches_a_responses_client_while_no_worker_has_answered():
+    """The note is the answer to a spinner: it must arrive while every worker is still silent,
+    not held back until the arbiter decides."""
+    directory = StaticDirectory()
+    for name in ("a", "b"):
+        directory.add(ModelInfo(name), ScriptedUpstream.of(StallStep()))
+    moa = MixtureOfAgents(directory, MoaConfig(progress=True, first_token_timeout_s=60))
+    body = {"model": "mesh", "input": "Q?", "stream": True}
+    with ServerThread(create_app(directory, GatewayConfig(), moa=moa)) as srv:
+        with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=10) as response:
+            assert response.status_code == 200 and "x-moa-winner" not in response.headers
+            for line in response.iter_lines():
+                if line == "event: response.reasoning_summary_text.delta":
+                    break
