@@ -4,7 +4,8 @@ The commit point is the first content delta (or terminal); an early ``Usage`` wa
 a ``Progress`` note passes through without committing (it is not part of the answer). A
 failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable, an
 exception, or a stream that ends early – is retried once on the same route after
-``retry_backoff_s``, then on the next route. After it, nothing is retried: the error goes on to
+``retry_backoff_s``, then on the next route (the MoA route is not retried: its arbiter already
+deals with failing workers). After it, nothing is retried: the error goes on to
 the client. Every routed stream starts with a ``Meta`` event carrying ``x-route``, ``x-peer``
 and ``x-attempts``, merged with the upstream's own.
 """
@@ -101,7 +102,10 @@ class Router:
 
     async def stream(self, request: ChatRequest, routes: list[Route]) -> AsyncIterator[Event]:
         """Run ``request`` over ``routes`` with retry-before-commit; always ends with a terminal."""
-        plan = [routes[0], *routes] if routes else []  # first route twice, then the rest once
+        # The first route twice, then the rest once. Not the MoA route: its arbiter already
+        # outlives failing workers, and a second fan-out would only double a dead mesh's load.
+        retry_first = bool(routes) and routes[0].kind != "moa"
+        plan = [routes[0], *routes] if retry_first else list(routes)
         reasons: list[str] = []
         last_error: Error | None = None
         for attempt, route in enumerate(plan, start=1):

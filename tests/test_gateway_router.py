@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gateway.app import create_app
+from gateway.config import GatewayConfig
 from gateway.events import Done, Error, Meta, Progress, TextDelta, Usage
 from gateway.request import ChatRequest, Message
 from gateway.router import RouteError, Router
@@ -70,6 +72,15 @@ async def test_progress_note_goes_out_at_once_and_does_not_commit():
     assert _meta(events).headers["x-attempts"] == "2" and isinstance(events[-1], Done)
 
 
+async def test_a_failed_moa_fan_out_is_not_run_again():
+    moa = ScriptedUpstream.of(Progress("asking 2 models…"), BUSY, name="moa")
+    app = create_app(StaticDirectory(), GatewayConfig(retry_backoff_ms=1), moa=moa)
+    body = {"model": "mesh", "messages": [{"role": "user", "content": "hi"}]}
+    result = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert moa.calls == 1 and result.status == 503
+    assert result.headers["x-attempts"] == "1"
+
+
 async def test_exception_before_first_delta_is_retried_then_next_route():
     first = ScriptedUpstream(scripts=[[Raise(ConnectionError("refused"))]], name="local")
     second = ScriptedUpstream.of(*text_script("from peer"), name="peer-b")
@@ -124,8 +135,6 @@ def test_unknown_model_and_unreachable_model():
 
 
 async def test_retry_reaches_client_with_route_headers():
-    from gateway.app import create_app
-    from gateway.config import GatewayConfig
 
     upstream = ScriptedUpstream(scripts=[[BUSY], text_script("ok")], name="local")
     directory = StaticDirectory()
@@ -139,8 +148,6 @@ async def test_retry_reaches_client_with_route_headers():
 
 
 async def test_moa_hook_serves_model_mesh():
-    from gateway.app import create_app
-    from gateway.config import GatewayConfig
 
     moa = ScriptedUpstream.of(Meta({"x-moa-winner": "a"}), *text_script("mixed"), name="moa")
     app = create_app(StaticDirectory(), GatewayConfig(), moa=moa)
@@ -153,8 +160,6 @@ async def test_moa_hook_serves_model_mesh():
 
 
 async def test_slow_first_event_still_gets_route_headers():
-    from gateway.app import create_app
-    from gateway.config import GatewayConfig
     from gateway.testing import Sleep
 
     upstream = ScriptedUpstream.of(Sleep(0.05), *text_script("late"), name="local")
