@@ -628,7 +628,8 @@ def ttft_report(args: argparse.Namespace) -> list[str]:
         '# `model="mesh"`: TTFT',
         "",
         f"Produced by `python bench/moa.py` ({time.strftime('%Y-%m-%d')}). Answer quality per "
-        "policy against each single worker: [moa-quality.md](moa-quality.md).",
+        "policy against each single worker: [moa-quality.md](moa-quality.md) (two models) "
+        "and [moa-quality-self.md](moa-quality-self.md) (one model, self-mixture).",
         "",
         "## TTFT with scripted workers",
         "",
@@ -679,6 +680,11 @@ def quality_report(args: argparse.Namespace) -> list[str]:
         "",
         f"Produced by `python bench/moa.py --no-ttft --items {args.items} "
         + " ".join(f"--model {p.name}" for p in args.model)
+        + (
+            f" --quality-out {args.quality_out} --item-log {args.item_log.name}"
+            if args.quality_out != "moa-quality.md"
+            else ""
+        )
         + f"` ({time.strftime('%Y-%m-%d')}).",
         "",
         f"Models: {', '.join(p.name for p in args.model)}{mixture}. {len(done)} items, "
@@ -712,6 +718,9 @@ def main() -> None:
     parser.add_argument("--real-max-tokens", type=int, default=64)
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the reports go")
     parser.add_argument(
+        "--quality-out", default="moa-quality.md", help="part 2 report name, in --results"
+    )
+    parser.add_argument(
         "--item-log",
         type=Path,
         default=RESULTS / "moa-items.jsonl",
@@ -731,7 +740,7 @@ def main() -> None:
         print("\n".join(report))
     if args.model and args.items:
         report = quality_report(args)
-        (args.results / "moa-quality.md").write_text("\n".join(report))
+        (args.results / args.quality_out).write_text("\n".join(report))
         print("\n".join(report))
 
 
