@@ -73,6 +73,13 @@ def peer_certificate(quic: QuicConnection) -> x509.Certificate | None:
     return getattr(tls, "_peer_certificate", None)
 
 
+# Fail loudly (the handshake aborts, the log says why) rather than run without client certs.
+_AIOQUIC_CHANGED = (
+    "this aioquic version lacks the private hooks mesh uses to request client certificates "
+    "(QuicConnection._initialize, tls._request_client_certificate); install aioquic 1.2-1.7"
+)
+
+
 def request_client_certificate(quic: QuicConnection) -> None:
     """Make a server-side connection ask for the client's certificate (mutual TLS).
 
@@ -80,10 +87,14 @@ def request_client_certificate(quic: QuicConnection) -> None:
     CertificateVerify signature, but only behind a private flag on the TLS context it creates
     on the first datagram. We wrap that creation step for this one connection. The chain is
     not verified (self-signed by design): ``verify_peer`` pins and checks node ids."""
-    initialize = quic._initialize  # type: ignore[attr-defined]
+    initialize = getattr(quic, "_initialize", None)
+    if initialize is None:
+        raise RuntimeError(_AIOQUIC_CHANGED)
 
     def initialize_with_client_cert(peer_cid: bytes) -> None:
         initialize(peer_cid)
+        if not hasattr(quic.tls, "_request_client_certificate"):
+            raise RuntimeError(_AIOQUIC_CHANGED)
         quic.tls._request_client_certificate = True  # type: ignore[attr-defined]
 
     quic._initialize = initialize_with_client_cert  # type: ignore[attr-defined,method-assign]
