@@ -535,6 +535,37 @@ def quality_table(correct: dict[str, int], ttfts: dict[str, list[float]], n: int
     return [*lines, "", *quality_verdict(correct, ttfts)]
 
 
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test (McNemar on the discordant items): the chance of a split at
+    least this uneven if neither mode were better."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_table(done: list[dict]) -> list[str]:
+    """Each mesh policy against the best single worker on the same items: the CIs of two
+    accuracies overlap long before a paired difference stops being significant."""
+    if not done:
+        return []
+    labels = list(done[0]["outcome"])
+    singles = [label for label in labels if label.startswith("single ")]
+    best = max(singles, key=lambda label: sum(r["outcome"][label][0] for r in done))
+    lines = [
+        f"Paired against the best single worker ({best}), item by item:",
+        "",
+        "| mode | right where it was wrong | wrong where it was right | sign test p |",
+        "|---|---:|---:|---:|",
+    ]
+    for label in (x for x in labels if x.startswith("mesh ")):
+        wins = sum(r["outcome"][label][0] and not r["outcome"][best][0] for r in done)
+        losses = sum(r["outcome"][best][0] and not r["outcome"][label][0] for r in done)
+        lines.append(f"| {label} | {wins} | {losses} | {sign_test_p(wins, losses):.3f} |")
+    return lines
+
+
 def per_task_table(done: list[dict]) -> list[str]:
     labels = list(done[0]["outcome"]) if done else []
     lines = ["| task | n | " + " | ".join(labels) + " |", "|---|---:|" + "---:|" * len(labels)]
@@ -698,6 +729,8 @@ def quality_report(args: argparse.Namespace) -> list[str]:
         f"[`{args.item_log.name}`]({args.item_log.name}).{partial}",
         "",
         *quality_table(correct, ttfts, len(done)),
+        "",
+        *paired_table(done),
         "",
         "Per task (exact match):",
         "",
