@@ -336,20 +336,31 @@ async def bench_real_ttft(
         await _first_delta(live.routes(model_dirs[0].name)[0].upstream.stream(_ask("Hi")))
         for i in range(requests):
             topic = TOPICS[i % len(TOPICS)]
-            request = _ask(
-                f"In a few sentences, explain {topic}.", max_tokens=max_tokens, temperature=0.0
-            )
+
+            def cold(mode: int, topic: str = topic, i: int = i) -> ChatRequest:
+                """The request, opening with a system line of its own: no mode may reuse the
+                prompt cache another mode's run of the same question left behind."""
+                system = Message(role="system", content=f"Conversation {i}.{mode}.")
+                ask = Message(role="user", content=f"In a few sentences, explain {topic}.")
+                return ChatRequest(
+                    model="mesh",
+                    messages=[system, ask],
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                )
+
             modes: dict[str, AsyncIterator[Event]] = {}
-            for path in model_dirs:
+            for mode, path in enumerate(model_dirs):
                 route = live.routes(path.name)[0]
                 modes[f"single {path.name}"] = route.upstream.stream(
-                    request.model_copy(update={"model": path.name})
+                    cold(mode).model_copy(update={"model": path.name})
                 )
-            modes["mesh race (default)"] = MixtureOfAgents(live, config).stream(request)
+            modes["mesh race (default)"] = MixtureOfAgents(live, config).stream(cold(-1))
             for label, stream in modes.items():
                 times.setdefault(label, []).append(await _first_delta(stream))
                 await asyncio.sleep(0.5)  # let cancelled work stop before the next measurement
             start = time.monotonic()
+            request = cold(-2)
             candidates = plan_candidates(live, request, config)
             await asyncio.gather(*(record(c.upstream, c.request) for c in candidates))
             times.setdefault("buffered (all, then send)", []).append(time.monotonic() - start)
@@ -618,11 +629,12 @@ the opening is conclusive ("The…"), after N=4 deltas when it might still turn 
 ("I…") – so its TTFT is the fastest worker's, and its median and tail are often *better* than the
 fastest single worker's, because it takes the best of several jittered prefills and skips a
 stalled one. `consensus` and `reduce` must wait for agreement, complete answers or the grace
-period, which puts their TTFT within a few tens of percent of the buffered baseline. On the items
-and models at hand neither bought a measurable accuracy gain over `race` (the confidence intervals
-overlap; the 135M model rarely answers these items correctly at all, so the oracle is low too).
-Callers who prefer quality over latency choose them per request with `metadata.moa_policy`, and a
-person with bigger models should rerun `--items 300` and revisit this choice."""
+period, which puts their TTFT within a few tens of percent of the buffered baseline. In the
+300-item quality run ([moa-quality.md](moa-quality.md)) neither bought accuracy over `race`: with
+the models at hand the oracle (any candidate right) equals the best single worker, so there was
+nothing to gain, and `race` lost nothing. Callers who prefer quality over latency choose the
+others per request with `metadata.moa_policy`; a person with bigger models should rerun the
+quality part and revisit this choice."""
 
 
 RESULTS = Path(__file__).parent / "results"
@@ -640,7 +652,8 @@ def real_ttft_section(args: argparse.Namespace) -> list[str]:
         "",
         f"Models: {', '.join(p.name for p in args.model)}, served by real MLX workers over HTTP "
         f"on this machine's CPU. {args.real_requests} requests, one at a time, each asking for a "
-        f"few sentences (`max_tokens={args.real_max_tokens}`, greedy). Singles run alone; "
+        f"few sentences (`max_tokens={args.real_max_tokens}`, greedy), each mode's copy opening "
+        "with a system line of its own, so none reuses another's prompt cache. Singles run alone; "
         "`mesh` and the buffered baseline run every candidate at once on the same CPU, so each "
         "candidate is slower than it is alone – on a real mesh they run on different machines.",
         "",
