@@ -373,18 +373,36 @@ def test_race_waits_briefly_for_the_preferred_sample_and_takes_it():
     arbiter = preferring()
     assert feed(arbiter, "a", ["The", " sky"], start=0.1) == []
     assert feed(arbiter, "b", ["It", " is", " blue"], start=0.05) == []  # passes at 0.25
-    assert arbiter.next_deadline() == pytest.approx(0.25 + WINDOW)
-    decisions = arbiter.handle(TokenArrived("a", " is"), 0.3)  # within the window
+    decisions = arbiter.handle(TokenArrived("a", " is"), 0.3)
     assert commits(decisions) == [Commit("a", "race")] and cancels(decisions) == {"b", "c"}
 
 
-def test_race_takes_the_first_passer_when_the_window_runs_out():
+def test_race_takes_the_first_passer_when_the_preferred_sample_stays_silent():
     arbiter = preferring()
-    feed(arbiter, "a", ["The"], start=0.1)
     assert feed(arbiter, "b", ["It", " is", " blue"], start=0.05) == []
     assert arbiter.tick(0.25 + WINDOW / 2) == []
     decisions = arbiter.tick(0.25 + WINDOW)
     assert commits(decisions) == [Commit("b", "race")] and cancels(decisions) == {"a", "c"}
+
+
+def test_race_waits_for_a_streaming_preferred_sample_past_the_window():
+    """Another sample's conclusive first word ("Yes") does not beat the caller's own sample,
+    which streams at the same pace but needs N tokens to be judged."""
+    arbiter = preferring(race_min_tokens=3)
+    assert feed(arbiter, "b", ["Yes"], start=0.1) == []  # conclusive: b passes at once
+    assert feed(arbiter, "a", ["I"], start=0.1) == []  # could still become a refusal
+    assert arbiter.tick(0.1 + 10 * WINDOW) == []
+    assert arbiter.handle(TokenArrived("a", " think"), 1.0) == []
+    decisions = arbiter.handle(TokenArrived("a", " so"), 1.1)
+    assert commits(decisions) == [Commit("a", "race")] and cancels(decisions) == {"b", "c"}
+
+
+def test_race_takes_another_sample_when_the_preferred_one_is_judged_a_refusal():
+    arbiter = preferring(race_min_tokens=3)
+    feed(arbiter, "b", ["Yes", ",", " blue"], start=0.1)
+    feed(arbiter, "a", ["I", " cannot"], start=0.1)
+    decisions = arbiter.handle(TokenArrived("a", " help"), 0.5)
+    assert commits(decisions) == [Commit("b", "race")]
 
 
 def test_race_does_not_wait_for_a_preferred_sample_that_cannot_pass():

@@ -7,7 +7,8 @@ woken at ``next_deadline()`` (``tick(now)``), it returns decisions: ``Commit``, 
 Policies:
 - ``race``: commit to the first worker whose first N deltas pass the gates (lowest TTFT); with a
   ``preferred`` worker (self-mixture: the caller's own sample), a passer that is not it waits up
-  to ``race_prefer_window_s`` for the preferred one to pass as well.
+  to ``race_prefer_window_s`` for the preferred one's first token, and once that streams, for
+  its verdict: another sample wins only when the caller's own one is silent, slow or fails.
 - ``consensus``: commit when workers agree (equal finished answers or a shared prefix), else at
   the grace deadline to the best-scored stream.
 - ``reduce``: once k of n answers are complete (or at the grace deadline) run an aggregator over
@@ -331,11 +332,18 @@ class Arbiter:
         if not passers:
             return self._fallback_if_settled(candidates, now)
         first = min(passers, key=lambda v: v.first_token_at or now)
-        preferred = self.workers[self.preferred] if self.preferred is not None else None
+        prefer = self.preferred is not None and self.config.race_prefer_window_s > 0
+        preferred = self.workers[self.preferred] if prefer else None  # type: ignore[index]
         if preferred is None or first is preferred or preferred in passers:
             return self._commit((preferred if preferred in passers else first).name, "race", now)
-        if not preferred.running:  # failed, or finished without passing: it never will
+        if not preferred.running or self._race_ready(preferred):
+            # Failed, finished or judged without passing: it never will.
             return self._commit(first.name, "race", now)
+        if preferred.first_token_at is not None:
+            # Streaming: its opening is judged within race_min_tokens tokens. Samples of one
+            # model share a batch and keep pace, so another sample's quicker *verdict* (a
+            # conclusive first word) must not replace the caller's own temperature and seed.
+            return []
         if self.other_passed_at is None:
             self.other_passed_at = now
         if now >= self.other_passed_at + self.config.race_prefer_window_s:
