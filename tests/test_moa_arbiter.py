@@ -385,6 +385,20 @@ def test_race_takes_the_first_passer_when_the_preferred_sample_stays_silent():
     assert commits(decisions) == [Commit("b", "race")] and cancels(decisions) == {"a", "c"}
 
 
+def test_race_waits_for_the_preferred_sample_in_proportion_to_the_time_to_first_token():
+    """Samples admitted one prefill apart: after a 6 s prefill the caller's own sample may lag
+    by 0.4 s, far beyond the fixed window, and still wins (a quarter of 6 s is 1.5 s)."""
+    arbiter = preferring(first_token_timeout_s=60.0)
+    assert feed(arbiter, "b", ["The", " sky", " is"], start=6.0) == []  # passes at 6.2
+    assert arbiter.next_deadline() == pytest.approx(6.2 + 0.25 * 6.0)
+    decisions = feed(arbiter, "a", ["The", " sky", " is"], start=6.4)
+    assert commits(decisions) == [Commit("a", "race")]
+    late = preferring(first_token_timeout_s=60.0)
+    feed(late, "b", ["The", " sky", " is"], start=6.0)
+    assert late.tick(7.6) == []
+    assert commits(late.tick(7.7)) == [Commit("b", "race")]
+
+
 def test_race_waits_for_a_streaming_preferred_sample_past_the_window():
     """Another sample's conclusive first word ("Yes") does not beat the caller's own sample,
     which streams at the same pace but needs N tokens to be judged."""

@@ -6,9 +6,10 @@ woken at ``next_deadline()`` (``tick(now)``), it returns decisions: ``Commit``, 
 
 Policies:
 - ``race``: commit to the first worker whose first N deltas pass the gates (lowest TTFT); with a
-  ``preferred`` worker (self-mixture: the caller's own sample), a passer that is not it waits up
-  to ``race_prefer_window_s`` for the preferred one's first token, and once that streams, for
-  its verdict: another sample wins only when the caller's own one is silent, slow or fails.
+  ``preferred`` worker (self-mixture: the caller's own sample), a passer that is not it waits
+  for the preferred one's first token (``race_prefer_window_s``, or ``race_prefer_fraction`` of
+  the passer's time to first token if longer), and once that streams, for its verdict: another
+  sample wins only when the caller's own one is silent, slow or fails.
 - ``consensus``: commit when workers agree (equal finished answers or a shared prefix), else at
   the grace deadline to the best-scored stream.
 - ``reduce``: once k of n answers are complete (or at the grace deadline) run an aggregator over
@@ -114,7 +115,7 @@ class Arbiter:
         self.win_rates = dict(win_rates or {})
         self.preferred = preferred if preferred in self.workers else None
         # race: when another worker first passed the gates while the preferred one had not.
-        self.other_passed_at: float | None = None
+        self.prefer_deadline: float | None = None
         self.state = ArbiterState.WATCHING
         self.started_at = now
         self.first_content_at: float | None = None
@@ -177,8 +178,8 @@ class Arbiter:
                 times.append(view.started_at + self.config.total_timeout_s)
                 if view.first_token_at is None:
                     times.append(self._first_token_deadline(view))
-        if self.other_passed_at is not None and self.policy == "race":
-            times.append(self.other_passed_at + self.config.race_prefer_window_s)
+        if self.prefer_deadline is not None and self.policy == "race":
+            times.append(self.prefer_deadline)
         grace = self.grace_deadline()
         if grace is not None and not self._grace_passed and self.policy != "race":
             if self.state is ArbiterState.WATCHING:
@@ -344,9 +345,11 @@ class Arbiter:
             # model share a batch and keep pace, so another sample's quicker *verdict* (a
             # conclusive first word) must not replace the caller's own temperature and seed.
             return []
-        if self.other_passed_at is None:
-            self.other_passed_at = now
-        if now >= self.other_passed_at + self.config.race_prefer_window_s:
+        if self.prefer_deadline is None:
+            ttft = (first.first_token_at or now) - first.started_at
+            wait = max(self.config.race_prefer_window_s, self.config.race_prefer_fraction * ttft)
+            self.prefer_deadline = now + wait
+        if now >= self.prefer_deadline:
             return self._commit(first.name, "race", now)
         return []  # give the preferred worker its window
 

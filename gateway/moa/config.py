@@ -27,9 +27,12 @@ class MoaConfig:
     # markup: "The…" commits at once, "I…" waits for more).
     race_min_tokens: int = 4
     race_early_commit: bool = True
-    # race, self-mixture: when a hotter sample passes first, wait this long for the caller's own
-    # sample (the first candidate) to pass too and take it instead (hot samples answer worse).
+    # race, self-mixture: when a hotter sample passes first, wait for the caller's own sample
+    # (the first candidate) to pass too and take it instead (hot samples answer worse): for its
+    # first token, at least this long, or this fraction of the passer's time to first token
+    # (samples admitted one prefill apart lag by a share of it); once it streams, for its verdict.
     race_prefer_window_s: float = 0.075
+    race_prefer_fraction: float = 0.25
     # consensus: workers agree when their normalised texts share this many leading characters.
     agree_prefix_chars: int = 24
     # consensus/reduce: after the first content delta anywhere, wait at most this long to decide.
@@ -50,5 +53,5 @@ class MoaConfig:
             raise ValueError("max_workers must be at least 1")
         if self.race_min_tokens < 1:
             raise ValueError("race_min_tokens must be at least 1")
-        if self.race_prefer_window_s < 0:
-            raise ValueError("race_prefer_window_s must not be negative")
+        if self.race_prefer_window_s < 0 or self.race_prefer_fraction < 0:
+            raise ValueError("race_prefer_window_s and race_prefer_fraction must not be negative")
