@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,24 @@ def test_python_m_worker_serves_and_announces_its_url(tiny_model_dir: Path) -> N
     finally:
         process.terminate()
         assert process.wait(timeout=30) is not None
+
+
+def test_ctrl_c_stops_the_worker_quietly(tiny_model_dir: Path) -> None:
+    """No uvicorn lifespan traceback, no C++ abort (exit 134): exit status 0."""
+    command = [sys.executable, "-m", "worker", "--model", str(tiny_model_dir), "--port", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert process.stdout is not None
+        announced = process.stdout.readline().decode()
+        assert announced.startswith("worker listening on "), announced
+        httpx.get(f"{announced.split()[3]}/health", timeout=30).raise_for_status()
+        process.send_signal(signal.SIGINT)
+        rest = process.stdout.read().decode()
+        assert process.wait(timeout=30) == 0, rest
+        assert "Traceback" not in rest and "terminate called" not in rest, rest
+    finally:
+        process.kill()
+        process.wait(timeout=30)
 
 
 def test_missing_model_directory_is_one_clear_error(tmp_path: Path) -> None:

@@ -381,7 +381,10 @@ def serve(
     sock = bind_socket(host, port)
     actual_port = sock.getsockname()[1]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{actual_port}"
-    config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False)
+    # No lifespan handlers: "off" also keeps uvicorn from logging a traceback on Ctrl-C.
+    config = uvicorn.Config(
+        create_app(engine), log_level="warning", access_log=False, lifespan="off"
+    )
     server = uvicorn.Server(config)
     if announce:
         print(f"worker listening on {url} (model {engine.name})", flush=True)
