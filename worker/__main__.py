@@ -1,7 +1,5 @@
 """``python -m worker --model X --port N``: see worker/serve_main.py."""
 
-import sys
+from worker.serve_main import exit_process, main
 
-from worker.serve_main import main
-
-sys.exit(main())
+exit_process(main())

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from worker.engine import Engine, EngineError
 from worker.engine_types import EngineConfig
@@ -64,6 +66,16 @@ def run(
         serve(engine, host, port)
     finally:
         engine.close()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit at once, without the interpreter's teardown. After a clean shutdown MLX's stream
+    threads can still be joinable when native static destructors run, and that aborts the
+    process ("terminate called without an active exception", status 134)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,13 +19,16 @@ def worker_command(
 ) -> None:
     """Serve MODEL over HTTP (OpenAI chat completions, /v1/models, /health)."""
     from worker.engine import EngineError
-    from worker.serve_main import run
+    from worker.serve_main import exit_process, run
 
     try:
         run(model, host=host, port=port, home=resolve_home(home), name=name)
+    except KeyboardInterrupt:
+        exit_process(0)
     except EngineError as exc:
         raise fail(str(exc)) from exc
     except LookupError as exc:
         raise fail(f"unknown model {model!r}: {exc}") from exc
     except OSError as exc:
         raise fail(f"cannot serve on {host}:{port}: {exc}") from exc
+    exit_process(0)
