@@ -11,22 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.request import ChatRequest
+from worker.thinking import THINKING_ALIASES
 
-# chat_template_kwargs keys that templates use to switch thinking on or off.
-THINKING_SWITCHES = (
-    "enable_thinking",
-    "thinking",
-    "enable_reasoning",
-    "reasoning",
-    # The spellings worker/thinking.py also accepts.
-    "enableThinking",
-    "use_reasoning",
-    "reasoning_enabled",
-    "use_thinking",
-    "thinking_enabled",
-    "enable_think",
-    "think_enabled",
-)
+# chat_template_kwargs keys that templates use to switch thinking on or off: the worker's
+# aliases plus the bare names some templates read.
+THINKING_SWITCHES = (*THINKING_ALIASES, "thinking", "reasoning")
 THINKING_BUDGETS = ("thinking_budget", "reasoning_budget", "max_thinking_tokens")
 OFF_EFFORTS = (None, "none")
 
