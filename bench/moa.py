@@ -416,27 +416,17 @@ def tally(done: list[dict]) -> tuple[dict[str, int], dict[str, list[float]]]:
 @contextlib.contextmanager
 def live_workers(model_dirs: list[Path]) -> Iterator[StaticDirectory]:
     """Real MLX workers over HTTP on loopback, one per model directory, in a directory."""
-    from gateway.testing import ServerThread
     from gateway.worker_client import WorkerUpstream
-    from worker.app import create_app as create_worker_app
-    from worker.engine import Engine
+    from worker.testing import run_worker_in_thread
 
-    engines, servers, live = [], [], StaticDirectory()
-    try:
+    live = StaticDirectory()
+    with contextlib.ExitStack() as workers:
         for path in model_dirs:
-            engine = Engine(str(path), name=path.name)
-            engine.start()
-            engines.append(engine)
-            server = ServerThread(create_worker_app(engine)).__enter__()
-            servers.append(server)
+            url, _ = workers.enter_context(run_worker_in_thread(path, name=path.name))
             size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-            live.add(ModelInfo(path.name, parameters=size), WorkerUpstream(server.url, path.name))
+            upstream = WorkerUpstream(url.removesuffix("/v1"), path.name)
+            live.add(ModelInfo(path.name, parameters=size), upstream)
         yield live
-    finally:
-        for server in servers:
-            server.__exit__(None, None, None)
-        for engine in engines:
-            engine.close()
 
 
 async def bench_quality(
