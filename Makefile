@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: run test setup lint browser bench clean
+.PHONY: run test unit setup lint browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ browser:
 
 test: setup lint browser
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The fast loop: unit tests of the pure pieces only (no servers, processes or browser).
+unit: setup
+	$(BIN)/python -m pytest -q -m "not e2e" $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/worker_vs_mlx_lm.py

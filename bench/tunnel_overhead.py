@@ -34,7 +34,11 @@ from gateway.events import Done, TextDelta, Usage  # noqa: E402
 from gateway.request import ChatRequest, Message  # noqa: E402
 from gateway.testing import ScriptedUpstream, Sleep  # noqa: E402
 from gateway.upstream import ModelInfo, StaticDirectory  # noqa: E402
-from mesh.frames import (  # noqa: E402
+from mesh.identity import NodeIdentity  # noqa: E402
+from mesh.peer_upstream import PeerUpstream  # noqa: E402
+from mesh.tunnel.connection import PeerConnection  # noqa: E402
+from mesh.tunnel.endpoint import TunnelEndpoint  # noqa: E402
+from mesh.tunnel.frames import (  # noqa: E402
     BodyEnd,
     Data,
     End,
@@ -43,10 +47,8 @@ from mesh.frames import (  # noqa: E402
     ResponseHead,
     encode,
 )
-from mesh.identity import NodeIdentity  # noqa: E402
-from mesh.peer_upstream import PeerUpstream  # noqa: E402
-from mesh.serve import TunnelServer  # noqa: E402
-from mesh.tunnel import PeerConnection, TunnelEndpoint, TunnelStream  # noqa: E402
+from mesh.tunnel.stream import TunnelStream  # noqa: E402
+from mesh.tunnel_server import TunnelServer  # noqa: E402
 
 CHUNK = 16 * 1024
 

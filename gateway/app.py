@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway import models_api
+from gateway import info_api
 from gateway.api import chat, count_tokens, messages, responses
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
@@ -109,9 +109,9 @@ def create_app(
         Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
         Route("/v1/messages", ApiEndpoint(MESSAGES), methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens.count_tokens, methods=["POST"]),
-        Route("/v1/models", models_api.list_models, methods=["GET"]),
-        Route("/health", models_api.health, methods=["GET"]),
-        Route("/metrics", models_api.metrics, methods=["GET"]),
+        Route("/v1/models", info_api.list_models, methods=["GET"]),
+        Route("/health", info_api.health, methods=["GET"]),
+        Route("/metrics", info_api.metrics, methods=["GET"]),
         *extra_routes,
         *console_routes(requests=recent_requests),
     ]

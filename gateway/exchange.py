@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway import router, sse
-from gateway.api.common import Accumulator
+from gateway.answer import Accumulator
 from gateway.api.errors import RequestInvalid
 from gateway.events import (
     Done,

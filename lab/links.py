@@ -1,4 +1,4 @@
-"""The lab's network: one chaos proxy (:mod:`mesh.chaos`) per ordered pair of nodes.
+"""The lab's network: one chaos proxy (:mod:`lab.chaos`) per ordered pair of nodes.
 
 Node *i* reaches node *j* only through ``proxy(i, j)``, which relays to *j*'s mesh port. A fault
 on direction ``a → b`` is set on both proxies that carry such datagrams: ``proxy(a, b)``'s
@@ -15,14 +15,14 @@ import shutil
 import subprocess
 from collections.abc import Iterable
 
+from lab.chaos import ChaosProxy
 from lab.scenario import FaultSettings, parse_link, partition_directions
-from mesh.chaos import ChaosProxy
 
 Direction = tuple[int, int]
 
 
 def chaos_fields(settings: FaultSettings) -> dict[str, object]:
-    """Scenario settings → :class:`mesh.chaos.Faults` fields (kbit/s → bytes/s)."""
+    """Scenario settings → :class:`lab.chaos.Faults` fields (kbit/s → bytes/s)."""
     return {
         "loss": settings.loss,
         "delay_ms": settings.delay_ms,

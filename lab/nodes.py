@@ -21,7 +21,7 @@ import httpx
 
 from lab.procs import ManagedProcess
 from lab.scenario import NodeSpec
-from mesh.invite import decode_invite
+from mesh.membership.invite import decode_invite
 
 # `python -c` rather than the console script: works from a checkout without an installed `mesh`.
 # Node logs (node-N.log) carry the mesh's INFO lines with times: links, dials, refusals.

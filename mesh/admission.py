@@ -1,6 +1,6 @@
 """Admission: the membership handshake, run on a new connection's control stream.
 
-The thin asyncio adapter around :mod:`mesh.membership`'s sans-IO handshakes: it carries their
+The thin asyncio adapter around :mod:`mesh.membership.handshake`'s sans-IO handshakes: it carries their
 messages as ``Control(kind="auth")`` frames, checks the peer's claims against what mutual TLS
 proved (its certificate fingerprint and node id), and records the outcome in the member files.
 The service closes a refused connection with AUTH_FAILED; the peer's request streams are held
@@ -13,17 +13,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mesh.frames import Control
 from mesh.identity import NodeIdentity
-from mesh.invite import InviteToken
-from mesh.members import MemberStore, MeshCredentials, save_credentials, save_members
-from mesh.membership import (
+from mesh.membership.handshake import (
     ClientHandshake,
     HandshakeState,
     ServerHandshake,
     message_from_dict,
 )
-from mesh.tunnel import PeerConnection
+from mesh.membership.invite import InviteToken
+from mesh.membership.members import MemberStore, MeshCredentials, save_credentials, save_members
+from mesh.tunnel.connection import PeerConnection
+from mesh.tunnel.frames import Control
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from mesh.addresses import split_address
-from mesh.members import Member
+from mesh.membership.members import Member
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ before the commit point. A model only peers serve goes to the best peers. ``/v1/
 every model reachable in the mesh, each once.
 
 The serving side of the tunnel never uses this directory: a forwarded request runs against
-the local directory only (``mesh.serve``), so a request is forwarded at most once.
+the local directory only (``mesh.tunnel_server``), so a request is forwarded at most once.
 """
 
 from __future__ import annotations

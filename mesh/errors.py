@@ -1,6 +1,7 @@
 """The root of mesh's exceptions. Every error mesh raises on purpose is a ``MeshError``::
 
     MeshError
+    ├── NodeError                the node cannot start: bad configuration, a worker never came up
     ├── IdentityError            unreadable/mismatched key or certificate in the home dir
     ├── FrameError               the frame codec got bytes it cannot decode (or a frame too large)
     │   └── ProtocolViolation    well-formed frames in an order the protocol forbids
@@ -26,6 +27,10 @@ from __future__ import annotations
 
 class MeshError(Exception):
     """Root of every error mesh raises on purpose."""
+
+
+class NodeError(MeshError):
+    """The node cannot start: a bad configuration or a worker that never came up."""
 
 
 class IdentityError(MeshError):

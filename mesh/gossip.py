@@ -17,8 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mesh.members import Member
-from mesh.message_codec import MessageCodec
+from mesh.membership.codec import MessageCodec
+from mesh.membership.members import Member
 
 DEFAULT_INTERVAL_S = 2.0
 

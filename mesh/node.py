@@ -1,14 +1,12 @@
-"""A node: the supervised worker child processes, the gateway on uvicorn, and ``node.json``.
+"""A node: worker processes, the gateway on uvicorn, the mesh service, and ``node.json``.
 
-``Node.run()`` starts one worker per model (``python -m worker``), waits until each says it is
-listening, builds the model directory and the gateway app, serves it, records the node in
-``<home>/node.json`` (for ``mesh chat`` and friends) and runs until ``stop()`` (SIGINT/SIGTERM
-in ``mesh up``). Workers that die are restarted with exponential backoff; on shutdown they are
-terminated (and on Linux they die with the node even if it is killed).
-
-Seams for the mesh layer: override or replace :meth:`Node.build_directory` (peer-aware
-directory), :meth:`Node.build_moa`, :meth:`Node.extra_routes` and :meth:`Node.status`;
-``on_started`` hooks run once the gateway is listening (start tunnels, gossip, discovery there).
+``Node.run()`` starts one worker per model (``mesh.workers``), builds the model directory and the
+gateway app, serves it, records the node in ``<home>/node.json`` (for ``mesh chat`` and friends)
+and runs until ``stop()`` (SIGINT/SIGTERM in ``mesh up``). ``MeshNode`` is the node that takes
+part in a mesh (what ``mesh up`` runs): its model directory covers local workers first, then
+peers; ``model="mesh"`` mixes over that directory; the gateway gets ``/api/status`` and the invite
+endpoint; the :class:`~mesh.service.MeshService` starts *before* the workers load – a bad invite
+token fails in a second, not after a model load – and stops with the node.
 """
 
 from __future__ import annotations
@@ -26,26 +24,25 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.console import close_event_streams
 from gateway.moa.config import MoaConfig
-from gateway.upstream import ModelDirectory, ModelInfo, StaticDirectory
+from gateway.upstream import ModelDirectory, ModelInfo, Route, StaticDirectory
 from gateway.worker_client import WorkerUpstream
+from mesh.errors import NodeError
+from mesh.http import mesh_routes
+from mesh.identity import NodeIdentity
+from mesh.node_file import remove_node_file, write_node_file
+from mesh.service import MeshConfig, MeshService
+from mesh.workers import WorkerOptions, WorkerProcess, check_model_available
 from worker.net import bind_socket
 
 log = logging.getLogger(__name__)
 
-NODE_FILE = "node.json"
-STABLE_RUN_S = 30.0  # a worker that ran this long before dying restarts at the base backoff
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-class NodeError(Exception):
-    """The node cannot start: a bad configuration or a worker that never came up."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +59,15 @@ class NodeConfig:
     restart_backoff_max_s: float = 30.0
     python: str = sys.executable
 
+    def worker_options(self) -> WorkerOptions:
+        return WorkerOptions(
+            home=self.home,
+            ready_timeout_s=self.worker_ready_timeout_s,
+            restart_backoff_s=self.restart_backoff_s,
+            restart_backoff_max_s=self.restart_backoff_max_s,
+            python=self.python,
+        )
+
     def check(self) -> None:
         """Refuse unsafe or impossible settings before anything starts."""
         if self.host not in LOOPBACK and not self.gateway.api_key:
@@ -70,128 +76,6 @@ class NodeConfig:
             )
         if self.start_workers and not self.models:
             raise NodeError("no model to serve: pass --model NAME (or --no-worker)")
-
-
-def check_model_available(home: Path, model: str) -> None:
-    """Fail early, in words, for a store name that was never pulled (hub ids pass through)."""
-    from worker import store
-
-    resolved = store.resolve_model(home, model)
-    if resolved == model and "/" not in model and not Path(model).expanduser().is_dir():
-        if model in store.REGISTRY:
-            raise NodeError(
-                f"model {model!r} is not in {store.models_dir(home)}; pull it first: mesh models pull {model}"
-            )
-        known = ", ".join(sorted(store.REGISTRY))
-        raise NodeError(
-            f"model {model!r} is not in {store.models_dir(home)}, not a directory and not a known "
-            f"model ({known}); convert a GGUF with `mesh models convert` or pass an MLX directory"
-        )
-
-
-def served_name(model: str) -> str:
-    """The name a model is served under: a directory's name, else the store name itself."""
-    path = Path(model).expanduser()
-    return path.name if path.is_dir() else model
-
-
-class WorkerProcess:
-    """One supervised ``python -m worker`` child serving one model on loopback."""
-
-    def __init__(self, model: str, config: NodeConfig) -> None:
-        self.model = model
-        self.name = served_name(model)
-        self.config = config
-        self.url: str | None = None
-        self.port = 0  # 0 on the first start; the same port afterwards so routes stay valid
-        self.restarts = 0
-        self.process: asyncio.subprocess.Process | None = None
-        self._stopping = False
-        self._supervisor: asyncio.Task[None] | None = None
-        self._output: asyncio.Task[None] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def _command(self) -> list[str]:
-        return [
-            self.config.python, "-m", "worker",
-            "--model", self.model, "--name", self.name,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--home", str(self.config.home),
-        ]  # fmt: skip
-
-    async def _spawn(self) -> str:
-        """Start the child and return its URL once it announces it is listening."""
-        self.process = await asyncio.create_subprocess_exec(
-            *self._command(),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches the node, which stops the worker in order
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-        assert self.process.stdout is not None
-        tail: list[str] = []
-        async with asyncio.timeout(self.config.worker_ready_timeout_s):
-            while line := (await self.process.stdout.readline()).decode(errors="replace"):
-                tail = [*tail[-20:], line.rstrip()]
-                if line.startswith("worker listening on "):
-                    url = line.split()[3]
-                    self.port = int(url.rsplit(":", 1)[1])
-                    self._output = asyncio.create_task(_forward(self.process.stdout, self.name))
-                    await _wait_healthy(url, self.process)
-                    return url
-        code = await self.process.wait()
-        raise NodeError(
-            f"worker for {self.model!r} exited ({code}) before it was ready:\n" + "\n".join(tail)
-        )
-
-    async def start(self) -> str:
-        self.url = await self._spawn()
-        self._supervisor = asyncio.create_task(self._supervise(), name=f"worker-{self.name}")
-        return self.url
-
-    async def _supervise(self) -> None:
-        loop = asyncio.get_running_loop()
-        backoff = self.config.restart_backoff_s
-        started = loop.time()
-        while not self._stopping:
-            assert self.process is not None
-            code = await self.process.wait()
-            if self._stopping:
-                return
-            if loop.time() - started > STABLE_RUN_S:  # it ran fine for a while: not a crash loop
-                backoff = self.config.restart_backoff_s
-            log.warning("worker %s exited with %s; restarting in %.1fs", self.name, code, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.config.restart_backoff_max_s)
-            started = loop.time()
-            try:
-                self.url = await self._spawn()
-                self.restarts += 1
-            except (NodeError, OSError, TimeoutError) as exc:
-                log.error("worker %s failed to restart: %s", self.name, exc)
-                if self.process is not None and self.process.returncode is None:
-                    self.process.kill()  # hung while loading: do not wait on it forever
-
-    async def stop(self, grace_s: float = 5.0) -> None:
-        self._stopping = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            await asyncio.wait([self._supervisor])
-        process = self.process
-        if process is not None and process.returncode is None:
-            process.terminate()
-            try:
-                async with asyncio.timeout(grace_s):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        if self._output is not None:
-            self._output.cancel()
-            await asyncio.wait([self._output])
 
 
 @contextlib.contextmanager
@@ -207,32 +91,6 @@ def _starting_status(models: Sequence[str]) -> Iterator[None]:
     what = f"loading {', '.join(models)}" if models else "starting"
     with console.status(f"{what} and joining the mesh…"):
         yield
-
-
-def _die_with_parent() -> None:
-    """Linux: the worker gets SIGTERM if the node dies, even by SIGKILL (no orphans)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-async def _wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:
-    """Until the worker's /health answers 200 (it announces itself just before serving)."""
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while process.returncode is None:
-            try:
-                if (await client.get(f"{url}/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not accepting yet: poll again
-            await asyncio.sleep(0.05)
-    raise NodeError(f"worker at {url} exited ({process.returncode}) before it was healthy")
-
-
-async def _forward(stream: asyncio.StreamReader, name: str) -> None:
-    while line := await stream.readline():
-        log.info("[worker %s] %s", name, line.decode(errors="replace").rstrip())
 
 
 async def _model_info(upstream: WorkerUpstream) -> ModelInfo:
@@ -291,7 +149,7 @@ class Node:
             return
         for model in self.config.models:
             check_model_available(self.config.home, model)
-            worker = WorkerProcess(model, self.config)
+            worker = WorkerProcess(model, self.config.worker_options())
             if any(w.name == worker.name for w in self.workers):
                 raise NodeError(f"two --model options serve the same name {worker.name!r}")
             self.workers.append(worker)
@@ -354,8 +212,7 @@ class Node:
             await asyncio.gather(*(w.stop() for w in self.workers))
             for upstream in self.upstreams.values():
                 await upstream.aclose()
-            with contextlib.suppress(FileNotFoundError):
-                (self.config.home / NODE_FILE).unlink()
+            remove_node_file(self.config.home)
 
     def _write_node_file(self, port: int) -> None:
         info = {
@@ -368,12 +225,7 @@ class Node:
         }
         if self.config.gateway.api_key:
             info["api_key"] = self.config.gateway.api_key
-        path = self.config.home / NODE_FILE
-        partial = path.with_suffix(".json.tmp")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold the API key
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-        partial.replace(path)  # readers never see a half-written file
+        write_node_file(self.config.home, info)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -407,6 +259,100 @@ def run_node(config: NodeConfig) -> None:
 
     async def main() -> None:
         node = Node(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, node.stop)
+        await node.run()
+
+    asyncio.run(main())
+
+
+class _LocalModels:
+    """The node's local directory; filled once the workers are up (the mesh starts earlier)."""
+
+    def __init__(self) -> None:
+        self.inner: ModelDirectory = StaticDirectory()
+
+    def models(self) -> Sequence[ModelInfo]:
+        return self.inner.models()
+
+    def routes(self, model: str, session_key: str | None = None) -> list[Route]:
+        return self.inner.routes(model, session_key)
+
+
+class MeshNode(Node):
+    def __init__(self, config: NodeConfig, mesh: MeshConfig) -> None:
+        super().__init__(config)
+        self.identity = NodeIdentity.load_or_create(config.home)
+        self.local = _LocalModels()
+        self.mesh = MeshService(
+            config.home, self.identity, self.local, mesh, load_probe=self._worker_load
+        )
+        self.on_started.append(self._announce_gateway)
+
+    def build_directory(self) -> ModelDirectory:
+        self.local.inner = super().build_directory()
+        return self.mesh.directory
+
+    def build_moa(self) -> Any:
+        """``model="mesh"`` mixes every model reachable in the MESH, not only local ones."""
+        from gateway.moa.upstream import MixtureOfAgents
+
+        return MixtureOfAgents(self.mesh.directory, self.config.moa)
+
+    def extra_routes(self) -> list[Any]:
+        return [*super().extra_routes(), *mesh_routes(self.mesh)]
+
+    def status(self) -> dict[str, Any]:
+        base = super().status()
+        return base | {
+            "node_id": self.identity.node_id,
+            "mesh_id": self.mesh.mesh_id,
+            "peers": len(self.mesh.links),
+        }
+
+    async def start_workers(self) -> None:
+        self.config.home.mkdir(parents=True, exist_ok=True)
+        await self.mesh.start()
+        log.info("node %s in mesh %s", self.identity.short_id, self.mesh.mesh_id)
+        await super().start_workers()
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            await self.mesh.stop()
+
+    async def _announce_gateway(self, node: Node) -> None:
+        self.mesh.config.gateway_url = self.url or ""
+        print(
+            f"mesh node {self.identity.node_id} on udp port {self.mesh.endpoint.port}", flush=True
+        )
+
+    async def _worker_load(self) -> dict[str, Any]:
+        """Queue depth, in-flight and tok/s summed over this node's workers (their /health)."""
+        total = {"queue_depth": 0, "in_flight": 0, "tok_s": 0.0}
+        urls = [w.url for w in self.workers if w.url]
+        if not urls:
+            return total
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            for url in urls:
+                try:
+                    data = (await client.get(f"{url}/health")).json()
+                except (httpx.HTTPError, ValueError) as exc:
+                    log.debug("worker health at %s failed: %s", url, exc)
+                    continue
+                total["queue_depth"] += int(data.get("queue_depth", 0))
+                total["in_flight"] += int(data.get("in_flight", 0))
+                total["tok_s"] += float(data.get("tokens_per_second", 0.0))
+        return total
+
+
+def run_mesh_node(config: NodeConfig, mesh: MeshConfig) -> None:
+    """Run a mesh node in this process until SIGINT/SIGTERM (``mesh up``)."""
+
+    async def main() -> None:
+        node = MeshNode(config, mesh)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, node.stop)

@@ -40,7 +40,7 @@ from gateway.events import (
 )
 from gateway.request import ChatRequest
 from mesh.errors import MeshError
-from mesh.frames import (
+from mesh.tunnel.frames import (
     Body,
     BodyEnd,
     Data,

@@ -3,7 +3,7 @@
 It owns the :class:`~mesh.tunnel.TunnelEndpoint` and, per peer connection, runs the membership
 handshake (:class:`~mesh.admission.Admission`, ``Control(kind="auth")`` frames), then gossip on
 the same control stream (``kind="gossip"``) and serves the peer's request streams with the LOCAL routes
-(:class:`~mesh.serve.TunnelServer`). A background dialer keeps a link to every known member
+(:class:`~mesh.tunnel_server.TunnelServer`). A background dialer keeps a link to every known member
 (static ``--peer`` addresses and LAN discovery add addresses to try). The gateway sees the mesh
 only through :attr:`MeshService.directory`.
 
@@ -34,7 +34,6 @@ from mesh.dialer import Dialer
 from mesh.directory import MeshDirectory
 from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
 from mesh.errors import ConnectError, MeshError
-from mesh.frames import Control, ErrorCode
 from mesh.gossip import (
     GossipDecodeError,
     GossipMessage,
@@ -46,8 +45,8 @@ from mesh.gossip import (
     gossip_from_dict,
 )
 from mesh.identity import NodeIdentity
-from mesh.invite import InviteError, InviteToken, decode_invite, make_invite
-from mesh.members import (
+from mesh.membership.invite import InviteError, InviteToken, decode_invite, make_invite
+from mesh.membership.members import (
     Member,
     MeshCredentials,
     load_credentials,
@@ -57,8 +56,11 @@ from mesh.members import (
 )
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerTable
-from mesh.serve import TunnelServer
-from mesh.tunnel import DEFAULT_PORT, PeerConnection, TunnelConfig, TunnelEndpoint
+from mesh.tunnel.config import DEFAULT_PORT, TunnelConfig
+from mesh.tunnel.connection import PeerConnection
+from mesh.tunnel.endpoint import TunnelEndpoint
+from mesh.tunnel.frames import Control, ErrorCode
+from mesh.tunnel_server import TunnelServer
 
 log = logging.getLogger(__name__)
 

@@ -37,3 +37,14 @@ def tiny_think_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Plain template, scripted output: one ``get_weather({"city": "Paris"})`` tool call."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-tool") / "model", script=TOOL_SCRIPT)
+
+
+_E2E_DIR = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e/ (loopback servers, processes, the browser) is marked ``e2e``,
+    so the fast loop runs alone: ``pytest -m "not e2e"`` (``make unit``)."""
+    for item in items:
+        if _E2E_DIR in item.path.parents:
+            item.add_marker(pytest.mark.e2e)

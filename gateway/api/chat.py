@@ -9,7 +9,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway import sse
-from gateway.api.common import Accumulator, new_id, place_system_messages
+from gateway.answer import Accumulator, new_id
+from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body
 from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec

@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway import sse
-from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
+from gateway.answer import Accumulator, clamp_tool_name, new_id
+from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec

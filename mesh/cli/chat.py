@@ -19,8 +19,8 @@ import orjson
 import typer
 
 from mesh.cli.app import HomeOption, app, console, err_console, fail, resolve_home
+from mesh.node_file import NodeFileError, node_file_path, read_node_file
 
-NODE_FILE = "node.json"
 MESH = "mesh"  # the mixture-of-agents model name
 HELP_LINE = "/model NAME switches model, /models lists them, /new starts over, /quit leaves"
 
@@ -37,21 +37,15 @@ class NodeAddress:
 
 def find_node(home: Path) -> NodeAddress:
     """The running node recorded in ``<home>/node.json``."""
-    path = home / NODE_FILE
     try:
-        info = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise ChatError(
-            f"no node is running for {home} (no {path}); start one with `mesh up` or pass --url"
-        ) from None
-    except (OSError, orjson.JSONDecodeError) as exc:
-        raise ChatError(f"cannot read {path}: {exc}") from None
-    if not isinstance(info, dict) or not isinstance(info.get("url"), str):
-        raise ChatError(f"{path} has no node url; restart the node with `mesh up`")
+        info = read_node_file(home)
+    except NodeFileError as exc:
+        raise ChatError(str(exc)) from None
     pid = info.get("pid")
     if isinstance(pid, int) and not _process_alive(pid):
         raise ChatError(
-            f"the node recorded in {path} (pid {pid}) is not running; start it with `mesh up`"
+            f"the node recorded in {node_file_path(home)} (pid {pid}) is not running; "
+            "start it with `mesh up`"
         )
     return NodeAddress(url=info["url"].rstrip("/"), api_key=info.get("api_key"))
 

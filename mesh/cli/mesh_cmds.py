@@ -46,7 +46,7 @@ def id_command(home: Path | None = HomeOption) -> None:
     """Print this node's id (creating its identity if it has none yet) and its mesh."""
     from mesh.errors import IdentityError
     from mesh.identity import NodeIdentity
-    from mesh.members import load_credentials
+    from mesh.membership.members import load_credentials
 
     home_dir = resolve_home(home)
     try:
@@ -65,7 +65,7 @@ def invite_command(
     ttl: str = typer.Option("1h", "--ttl", help="How long the token is valid: 90s, 15m, 1h, 2d."),
 ) -> None:
     """Mint a one-use invite token on the running node; the token is the last line printed."""
-    from mesh.invite import InviteError, parse_ttl
+    from mesh.membership.invite import InviteError, parse_ttl
 
     try:
         ttl_s = parse_ttl(ttl)

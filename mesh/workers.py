@@ -1,0 +1,183 @@
+"""Worker processes: one supervised ``python -m worker`` child per model, on loopback.
+
+``WorkerProcess.start()`` spawns the child, waits until it says it is listening and its
+``/health`` answers, and supervises it: a worker that dies is restarted with exponential backoff
+on the same port (so routes stay valid); ``stop()`` terminates it (and on Linux a worker dies
+with the node even if the node is killed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from mesh.errors import NodeError
+
+log = logging.getLogger(__name__)
+
+STABLE_RUN_S = 30.0  # a worker that ran this long before dying restarts at the base backoff
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How worker children are started and restarted (the node's config builds it)."""
+
+    home: Path
+    ready_timeout_s: float = 600.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    python: str = sys.executable
+
+
+def check_model_available(home: Path, model: str) -> None:
+    """Fail early, in words, for a store name that was never pulled (hub ids pass through)."""
+    from worker import store
+
+    resolved = store.resolve_model(home, model)
+    if resolved == model and "/" not in model and not Path(model).expanduser().is_dir():
+        if model in store.REGISTRY:
+            raise NodeError(
+                f"model {model!r} is not in {store.models_dir(home)}; pull it first: mesh models pull {model}"
+            )
+        known = ", ".join(sorted(store.REGISTRY))
+        raise NodeError(
+            f"model {model!r} is not in {store.models_dir(home)}, not a directory and not a known "
+            f"model ({known}); convert a GGUF with `mesh models convert` or pass an MLX directory"
+        )
+
+
+def served_name(model: str) -> str:
+    """The name a model is served under: a directory's name, else the store name itself."""
+    path = Path(model).expanduser()
+    return path.name if path.is_dir() else model
+
+
+class WorkerProcess:
+    """One supervised ``python -m worker`` child serving one model on loopback."""
+
+    def __init__(self, model: str, options: WorkerOptions) -> None:
+        self.model = model
+        self.name = served_name(model)
+        self.options = options
+        self.url: str | None = None
+        self.port = 0  # 0 on the first start; the same port afterwards so routes stay valid
+        self.restarts = 0
+        self.process: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._supervisor: asyncio.Task[None] | None = None
+        self._output: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def _command(self) -> list[str]:
+        return [
+            self.options.python, "-m", "worker",
+            "--model", self.model, "--name", self.name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--home", str(self.options.home),
+        ]  # fmt: skip
+
+    async def _spawn(self) -> str:
+        """Start the child and return its URL once it announces it is listening."""
+        self.process = await asyncio.create_subprocess_exec(
+            *self._command(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches the node, which stops the worker in order
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        assert self.process.stdout is not None
+        tail: list[str] = []
+        async with asyncio.timeout(self.options.ready_timeout_s):
+            while line := (await self.process.stdout.readline()).decode(errors="replace"):
+                tail = [*tail[-20:], line.rstrip()]
+                if line.startswith("worker listening on "):
+                    url = line.split()[3]
+                    self.port = int(url.rsplit(":", 1)[1])
+                    self._output = asyncio.create_task(_forward(self.process.stdout, self.name))
+                    await _wait_healthy(url, self.process)
+                    return url
+        code = await self.process.wait()
+        raise NodeError(
+            f"worker for {self.model!r} exited ({code}) before it was ready:\n" + "\n".join(tail)
+        )
+
+    async def start(self) -> str:
+        self.url = await self._spawn()
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"worker-{self.name}")
+        return self.url
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = self.options.restart_backoff_s
+        started = loop.time()
+        while not self._stopping:
+            assert self.process is not None
+            code = await self.process.wait()
+            if self._stopping:
+                return
+            if loop.time() - started > STABLE_RUN_S:  # it ran fine for a while: not a crash loop
+                backoff = self.options.restart_backoff_s
+            log.warning("worker %s exited with %s; restarting in %.1fs", self.name, code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.options.restart_backoff_max_s)
+            started = loop.time()
+            try:
+                self.url = await self._spawn()
+                self.restarts += 1
+            except (NodeError, OSError, TimeoutError) as exc:
+                log.error("worker %s failed to restart: %s", self.name, exc)
+                if self.process is not None and self.process.returncode is None:
+                    self.process.kill()  # hung while loading: do not wait on it forever
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.wait([self._supervisor])
+        process = self.process
+        if process is not None and process.returncode is None:
+            process.terminate()
+            try:
+                async with asyncio.timeout(grace_s):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        if self._output is not None:
+            self._output.cancel()
+            await asyncio.wait([self._output])
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGTERM if the node dies, even by SIGKILL (no orphans)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+async def _wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:
+    """Until the worker's /health answers 200 (it announces itself just before serving)."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while process.returncode is None:
+            try:
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not accepting yet: poll again
+            await asyncio.sleep(0.05)
+    raise NodeError(f"worker at {url} exited ({process.returncode}) before it was healthy")
+
+
+async def _forward(stream: asyncio.StreamReader, name: str) -> None:
+    while line := await stream.readline():
+        log.info("[worker %s] %s", name, line.decode(errors="replace").rstrip())

@@ -1,0 +1,152 @@
+"""``mesh id``, ``mesh invite`` and ``mesh status`` against a gateway on loopback serving the
+mesh endpoints' shapes (the endpoints themselves are tested in test_mesh_service.py)."""
+
+from __future__ import annotations
+
+import os
+
+import orjson
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from typer.testing import CliRunner
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.testing import ServerThread
+from gateway.upstream import StaticDirectory
+from mesh.cli import app
+from mesh.membership.invite import make_invite
+
+runner = CliRunner()
+STATUS = {
+    "node": {
+        "node_id": "a" * 64,
+        "mesh_id": "m1",
+        "members": 2,
+        "models": [{"name": "tiny"}],
+        "queue_depth": 0,
+        "in_flight": 1,
+    },
+    "peers": [
+        {
+            "node_id": "b" * 64,
+            "state": "up",
+            "connected": True,
+            "addresses": ["10.0.0.2:9338"],
+            "models": [{"name": "big"}],
+            "queue_depth": 2,
+            "in_flight": 1,
+            "tok_s": 31.5,
+            "rtt_ms": 1.25,
+            "last_seen_s": 0.4,
+        },
+    ],
+}
+TOKEN = make_invite(mesh_id="m1", inviter="a" * 64, fingerprint="f", addresses=["h:1"], now=0.0)
+
+
+@pytest.fixture
+def node(tmp_path):
+    seen: list[dict] = []
+
+    async def status(request: Request) -> JSONResponse:
+        return JSONResponse(STATUS)
+
+    async def invite(request: Request) -> JSONResponse:
+        seen.append(orjson.loads(await request.body()))
+        return JSONResponse({"token": TOKEN.encode(), "expires_at": 4e9})
+
+    routes = [Route("/api/status", status), Route("/api/mesh/invite", invite, methods=["POST"])]
+    config = GatewayConfig(api_key="secret")
+    with ServerThread(create_app(StaticDirectory(), config, extra_routes=routes)) as server:
+        info = {"url": server.url, "pid": os.getpid(), "api_key": "secret"}
+        (tmp_path / "node.json").write_bytes(orjson.dumps(info))
+        yield tmp_path, seen
+
+
+def test_invite_prints_the_token_alone_on_the_last_line(node):
+    home, seen = node
+    result = runner.invoke(app, ["invite", "--home", str(home), "--ttl", "15m"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1] == TOKEN.encode()
+    assert seen == [{"ttl_s": 900.0}]  # the API key from node.json got it past the guard
+
+
+def test_invite_bad_ttl_is_one_sentence(node):
+    home, _ = node
+    result = runner.invoke(app, ["invite", "--home", str(home), "--ttl", "soon"])
+    assert result.exit_code == 1 and "bad ttl" in result.output
+
+
+def test_status_table_and_json(node):
+    home, _ = node
+    table = runner.invoke(app, ["status", "--home", str(home)], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    assert "bbbbbbbbbbbbbbbb" in table.output and "10.0.0.2:9338" in table.output
+    assert "big" in table.output and "1.2" in table.output  # RTT column
+    raw = runner.invoke(app, ["status", "--home", str(home), "--json"])
+    assert orjson.loads(raw.output) == STATUS
+
+
+def test_commands_without_a_running_node_fail_cleanly(tmp_path):
+    result = runner.invoke(app, ["status", "--home", str(tmp_path)])
+    assert result.exit_code == 1 and "no node is running" in " ".join(result.output.split())
+
+
+def test_up_refuses_an_unknown_moa_policy_in_one_sentence(tmp_path):
+    result = runner.invoke(app, ["up", "--home", str(tmp_path), "--moa-policy", "vote"])
+    assert result.exit_code == 1
+    assert "unknown --moa-policy 'vote'" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(("flag", "progress"), [([], False), (["--moa-progress"], True)])
+def test_up_wires_moa_progress_into_the_node_config(tmp_path, monkeypatch, flag, progress):
+    started = []
+    monkeypatch.setattr("mesh.node.run_mesh_node", lambda config, mesh: started.append(config))
+    result = runner.invoke(app, ["up", "--home", str(tmp_path), "--no-worker", *flag])
+    assert result.exit_code == 0, result.output
+    assert started[0].moa.progress is progress
+
+
+def test_id_creates_and_keeps_the_identity(tmp_path):
+    first = runner.invoke(app, ["id", "--home", str(tmp_path)])
+    second = runner.invoke(app, ["id", "--home", str(tmp_path)])
+    assert first.exit_code == 0, first.output
+    node_id = first.output.strip().splitlines()[-1]
+    assert len(node_id) == 64 and second.output.strip().splitlines()[-1] == node_id
+    assert "mesh: (none yet)" in first.output
+
+
+class _StubService:
+    def status(self) -> dict:
+        return STATUS
+
+    def create_invite(self, ttl_s: float):
+        return TOKEN
+
+
+@pytest.mark.parametrize(
+    ("client", "api_key", "status"),
+    [
+        ("127.0.0.1", None, 200),
+        ("10.0.0.5", None, 403),  # no key: minting invites is for this machine only
+        ("10.0.0.5", "k", 200),  # with a key the guard already checked it
+    ],
+)
+async def test_invite_endpoint_is_loopback_only_without_a_key(client, api_key, status):
+    import httpx
+
+    from mesh.http import mesh_routes
+
+    app = create_app(
+        StaticDirectory(), GatewayConfig(api_key=api_key), extra_routes=mesh_routes(_StubService())
+    )
+    transport = httpx.ASGITransport(app=app, client=(client, 1234))
+    headers = {"authorization": "Bearer k"} if api_key else {}
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        response = await http.post("/api/mesh/invite", json={}, headers=headers)
+    assert response.status_code == status
+    if status == 200:
+        assert response.json()["token"] == TOKEN.encode()

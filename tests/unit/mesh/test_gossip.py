@@ -1,0 +1,73 @@
+"""Gossip messages and the publisher's timing decisions, driven by an explicit clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mesh.gossip import (
+    GossipDecodeError,
+    GossipPublisher,
+    Leave,
+    Members,
+    ModelAd,
+    NodeState,
+    decode_gossip,
+    encode_gossip,
+)
+from mesh.membership.members import Member
+
+
+def _state(**kw) -> NodeState:
+    return NodeState(node_id="n", models=[ModelAd(name="m", context_length=2048)], **kw)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        _state(queue_depth=3, tok_s=12.5, gateway_url="http://127.0.0.1:9337"),
+        Leave(node_id="n"),
+        Members(members=[Member(node_id="a", public_key="00")]),
+    ],
+)
+def test_roundtrip(message):
+    assert decode_gossip(encode_gossip(message)) == message
+
+
+def test_newer_peers_may_add_fields():
+    data = b'{"type":"state","node_id":"n","seq":2,"gpu":"m4"}'
+    state = decode_gossip(data)
+    assert isinstance(state, NodeState) and state.seq == 2
+
+
+@given(st.binary(max_size=100))
+def test_decode_garbage_raises_only_decode_error(data):
+    try:
+        decode_gossip(data)
+    except GossipDecodeError:
+        pass
+
+
+def test_publisher_first_poll_publishes_and_sets_identity():
+    pub = GossipPublisher(node_id="me", interval_s=2.0)
+    out = pub.poll(_state(), now=0.0)
+    assert out is not None and out.node_id == "me" and out.seq == 1 and out.epoch == pub.epoch
+
+
+def test_publisher_heartbeat_when_unchanged():
+    pub = GossipPublisher(node_id="me", interval_s=2.0)
+    pub.poll(_state(), now=0.0)
+    assert pub.poll(_state(), now=1.0) is None
+    assert pub.next_due(1.0) == pytest.approx(1.0)
+    beat = pub.poll(_state(), now=2.0)
+    assert beat is not None and beat.seq == 2
+
+
+def test_publisher_publishes_changes_early_but_rate_limited():
+    pub = GossipPublisher(node_id="me", interval_s=2.0, min_gap_s=0.25)
+    pub.poll(_state(), now=0.0)
+    assert pub.poll(_state(queue_depth=1), now=0.1) is None  # within min gap
+    changed = pub.poll(_state(queue_depth=1), now=0.3)
+    assert changed is not None and changed.queue_depth == 1
+    assert pub.poll(_state(queue_depth=1), now=0.6) is None  # unchanged, not yet due

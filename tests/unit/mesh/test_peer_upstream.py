@@ -1,0 +1,221 @@
+"""PeerUpstream (requesting side) against TunnelServer (serving side) over an in-memory stream
+pair: the frame protocol, failure mapping before/after the commit point, and cancellation.
+The same two classes run over real QUIC in test_mesh_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.events import Done, Error, Meta, TextDelta, Usage
+from gateway.request import ChatRequest, Message
+from gateway.testing import Raise, ScriptedUpstream, Stall, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+from mesh.errors import ConnectError, ConnectionLost
+from mesh.peer_upstream import PeerUpstream
+from mesh.tunnel.frames import StreamRole
+from mesh.tunnel.stream import TunnelStream
+from mesh.tunnel_server import TunnelServer
+
+WINDOW = 1 << 16
+
+
+class _PipeHost:
+    """One side of an in-memory stream pair (the StreamHost a PeerConnection would be)."""
+
+    def __init__(self) -> None:
+        self.peer: TunnelStream | None = None
+        self.lost: ConnectionLost | None = None
+
+    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        asyncio.get_running_loop().call_soon(self.peer._on_data, data, end_stream)
+
+    def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if send:
+            loop.call_soon(self.peer._on_reset, code)
+        if receive:
+            loop.call_soon(self.peer._on_stop_sending, code)
+
+    def _stream_done(self, stream_id: int) -> None:
+        pass
+
+    def _lost_error(self) -> ConnectionLost | None:
+        return self.lost
+
+
+class PipeConnection:
+    """``open_stream`` hands the responder half to ``server.handle`` in a task."""
+
+    def __init__(self, server: TunnelServer) -> None:
+        self.server = server
+        self.tasks: list[asyncio.Task] = []
+        self.responders: list[TunnelStream] = []
+        self.requesters: list[TunnelStream] = []
+
+    async def open_stream(self) -> TunnelStream:
+        a, b = _PipeHost(), _PipeHost()
+        requester = TunnelStream(a, 0, StreamRole.RESPONSE, WINDOW)
+        responder = TunnelStream(b, 0, StreamRole.REQUEST, WINDOW)
+        a.peer, b.peer = responder, requester
+        self.requesters.append(requester)
+        self.responders.append(responder)
+        self.tasks.append(asyncio.create_task(self.server.handle(responder, "peer")))
+        return requester
+
+    def lose(self) -> None:
+        """The whole connection dies (a killed peer)."""
+        for stream in self.requesters:
+            stream._on_connection_lost(ConnectionLost("connection lost"))
+        for stream in self.responders:
+            stream._on_connection_lost(ConnectionLost("connection lost"))
+
+    async def join(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*self.tasks), 5)
+
+
+def _setup(*steps, model="m", **server_kw):
+    worker = ScriptedUpstream.of(*steps, name="local")
+    local = StaticDirectory()
+    local.add(ModelInfo(id=model), worker)
+    server = TunnelServer(local, retry_backoff_s=0.01, **server_kw)
+    connection = PipeConnection(server)
+
+    async def connect():
+        return connection
+
+    return worker, server, connection, PeerUpstream(name="b" * 64, connect=connect, self_id="a")
+
+
+def _request(model="m") -> ChatRequest:
+    return ChatRequest(model=model, messages=[Message(role="user", content="hi")], temperature=0)
+
+
+async def _collect(upstream: PeerUpstream, request: ChatRequest | None = None) -> list:
+    return [event async for event in upstream.stream(request or _request())]
+
+
+async def test_events_cross_the_tunnel_unchanged():
+    script = text_script("Hello mesh", chunk=2)
+    worker, server, connection, upstream = _setup(*script)
+    events = await _collect(upstream)
+    await connection.join()
+    meta = [e for e in events if isinstance(e, Meta)]
+    content = [e for e in events if not isinstance(e, Meta)]
+    assert content == script
+    # The serving side's route headers arrive renamed so ours (x-route=peer) win.
+    assert meta and meta[0].headers["x-peer-route"] == "local"
+    assert "x-route" not in meta[0].headers
+    assert worker.requests[0] == _request()
+    assert server.served == 1 and server.active == 0
+
+
+async def test_model_not_served_there_is_retryable():
+    _, _, connection, upstream = _setup(*text_script(), model="other")
+    (event,) = await _collect(upstream)
+    assert isinstance(event, Error) and event.retryable and event.kind == "unavailable"
+    await connection.join()
+
+
+async def test_overloaded_peer_is_retryable():
+    worker, _, connection, upstream = _setup(*text_script(), max_concurrent=0)
+    (event,) = await _collect(upstream)
+    assert isinstance(event, Error) and event.retryable and event.kind == "overloaded"
+    assert worker.calls == 0
+    await connection.join()
+
+
+async def test_connect_failure_is_retryable():
+    async def connect():
+        raise ConnectError("unreachable")
+
+    upstream = PeerUpstream(name="b" * 64, connect=connect)
+    (event,) = await _collect(upstream)
+    assert isinstance(event, Error) and event.retryable and event.kind == "unavailable"
+
+
+async def test_upstream_error_before_output_keeps_its_retryable_flag():
+    _, _, connection, upstream = _setup(Raise(RuntimeError("worker died")))
+    events = await _collect(upstream)
+    assert isinstance(events[-1], Error) and events[-1].retryable
+    await connection.join()
+
+
+async def test_tunnel_lost_before_first_delta_is_retryable():
+    _, _, connection, upstream = _setup(Stall())
+    events = upstream.stream(_request())
+    task = asyncio.create_task(anext(events))
+    await asyncio.sleep(0.05)
+    connection.lose()
+    event = await asyncio.wait_for(task, 5)
+    assert isinstance(event, Error) and event.retryable
+    await events.aclose()
+    await connection.join()
+
+
+async def test_tunnel_lost_after_first_delta_is_final():
+    _, _, connection, upstream = _setup(TextDelta("partial"), Stall())
+    seen = []
+    async for event in upstream.stream(_request()):
+        seen.append(event)
+        if isinstance(event, TextDelta):
+            connection.lose()
+    assert isinstance(seen[-1], Error)
+    assert seen[-1].kind == "upstream" and not seen[-1].retryable
+    await connection.join()
+
+
+async def test_cancelling_the_consumer_cancels_the_peers_worker():
+    worker, server, connection, upstream = _setup(TextDelta("one"), Stall())
+    events = upstream.stream(_request())
+    async for event in events:
+        if isinstance(event, TextDelta):
+            break
+    await events.aclose()  # the client went away
+    await connection.join()
+    assert worker.cancelled == 1 and server.active == 0
+
+
+async def test_usage_and_done_arrive_in_order():
+    script = [TextDelta("x"), Usage(prompt_tokens=3, completion_tokens=1), Done("length")]
+    _, _, connection, upstream = _setup(*script)
+    events = [e for e in await _collect(upstream) if not isinstance(e, Meta)]
+    assert events == script
+    await connection.join()
+
+
+@pytest.mark.parametrize("attempts", [2])
+async def test_attempt_number_counts_calls_on_one_upstream(attempts):
+    _, _, connection, upstream = _setup(*text_script())
+    for _ in range(attempts):
+        await _collect(upstream)
+    assert upstream.calls == attempts
+    await connection.join()
+
+
+async def test_whole_answer_whose_end_frame_is_lost_still_counts():
+    """Done arrived, then the connection died before End: the client has the whole answer."""
+    import orjson
+
+    from gateway.events import event_to_dict
+    from mesh.tunnel.frames import BodyEnd, Data, ResponseHead
+
+    class DiesBeforeEnd:
+        async def handle(self, stream, peer_id: str = "") -> None:
+            while not isinstance(await stream.recv(), BodyEnd):
+                pass
+            await stream.send(ResponseHead(status=200))
+            for event in (TextDelta("all"), Done("stop")):
+                await stream.send(Data(orjson.dumps(event_to_dict(event))))
+            await asyncio.sleep(0.05)  # let the frames arrive, then die without End
+            connection.lose()
+
+    connection = PipeConnection(DiesBeforeEnd())  # type: ignore[arg-type]
+
+    async def connect():
+        return connection
+
+    upstream = PeerUpstream(name="b" * 64, connect=connect)
+    assert await _collect(upstream) == [TextDelta("all"), Done("stop")]
+    await connection.join()
