@@ -3,6 +3,8 @@
 - :class:`ScriptedUpstream` plays a script of events with delays, can raise or stall at given
   points, records the requests it received and whether it was cancelled.
 - :func:`asgi_request` drives an ASGI app in-process and can disconnect at a chosen moment.
+- :func:`chat_request` parses a Chat Completions body the way the gateway does (thinking knobs
+  normalised at the edge), for tests that need a ``ChatRequest`` as a client would make it.
 - :class:`ServerThread` runs an app on uvicorn on 127.0.0.1, port 0, in a background thread.
 """
 
@@ -19,6 +21,14 @@ import orjson
 
 from gateway.events import Done, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest
+
+
+def chat_request(model: str = "mesh", content: str = "hi", **fields: Any) -> ChatRequest:
+    """A ``ChatRequest`` parsed from a Chat Completions body with ``fields`` (any API knob)."""
+    from gateway.api import chat
+
+    body = {"model": model, "messages": [{"role": "user", "content": content}], **fields}
+    return chat.parse(body)[0]
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """Thinking: one on/off/None setting from every knob clients use, and the ``<think>`` splitter.
 
-``normalize_thinking(body)`` reads a raw request body (OpenAI, OpenRouter, vLLM, Qwen, Anthropic
-spellings) and returns True (on), False (off) or None (not asked: the model's default).
+``normalize_thinking(body)`` is THE one parser of thinking knobs: every public edge (the gateway's
+three APIs, the worker's own API) calls it on the raw body, and everything downstream reads the
+result (``ChatRequest.reasoning``). It knows the OpenAI, OpenRouter, vLLM, Qwen and Anthropic
+spellings and returns True (on), False (off) or None (not asked, or "auto": the model's default).
 Precedence, strongest first: ``chat_template_kwargs``; explicit booleans (``enable_thinking`` and
-aliases); Anthropic ``thinking``; ``reasoning`` object; ``reasoning_effort``; ``thinking_budget``.
+aliases); Anthropic ``thinking``; ``reasoning`` object; ``reasoning_effort``; budgets
+(``thinking_budget`` and aliases). The same readers apply inside ``chat_template_kwargs``.
 
 ``ThinkSplitter`` turns streamed model text into reasoning and content pieces. It is pure and
 chunking-invariant: any split of the same text into chunks gives the same reasoning and content.
@@ -24,6 +27,11 @@ THINKING_ALIASES = (
     "enable_think",
     "think_enabled",
 )
+
+# Keys templates read to switch thinking on or off: the aliases plus the bare names.
+THINKING_SWITCHES = (*THINKING_ALIASES, "thinking", "reasoning")
+# Token budgets for the thinking pass: a positive budget asks for thinking, 0 turns it off.
+THINKING_BUDGETS = ("thinking_budget", "reasoning_budget", "max_thinking_tokens")
 
 _TRUE = {"true", "on", "yes", "1", "enabled", "enable"}
 _FALSE = {"false", "off", "no", "0", "disabled", "disable", "none"}
@@ -53,6 +61,13 @@ def _from_budget(value: Any) -> bool | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return value != 0  # negative budgets mean "unlimited" in some APIs
+
+
+def _from_budgets(source: dict[str, Any]) -> bool | None:
+    for key in THINKING_BUDGETS:
+        if (found := _from_budget(source.get(key))) is not None:
+            return found
+    return None
 
 
 def _from_aliases(source: dict[str, Any]) -> bool | None:
@@ -85,33 +100,30 @@ def _from_reasoning(value: Any) -> bool | None:
     return _from_budget(value.get("max_tokens"))
 
 
-def _from_template_kwargs(value: Any) -> bool | None:
-    if not isinstance(value, dict):
-        return None
-    if (found := _from_aliases(value)) is not None:
-        return found
-    if "thinking" in value and (found := _as_bool(value["thinking"])) is not None:
-        return found
-    return _from_effort(value.get("reasoning_effort"))
-
-
-def normalize_thinking(body: dict[str, Any]) -> bool | None:
-    """True/False when any recognised knob in ``body`` asks for thinking on/off, else None."""
-    if not isinstance(body, dict):
-        return None
+def _from_knobs(source: dict[str, Any]) -> bool | None:
+    """The knobs of one level (the body, or its ``chat_template_kwargs``), strongest first."""
     readers = (
-        lambda: _from_template_kwargs(body.get("chat_template_kwargs")),
-        lambda: _from_aliases(body),
-        lambda: _from_anthropic(body.get("thinking")) if "thinking" in body else None,
-        lambda: _from_reasoning(body.get("reasoning")) if "reasoning" in body else None,
-        lambda: _from_effort(body.get("reasoning_effort")),
-        lambda: _from_budget(body.get("thinking_budget")),
+        lambda: _from_aliases(source),
+        lambda: _from_anthropic(source.get("thinking")) if "thinking" in source else None,
+        lambda: _from_reasoning(source.get("reasoning")) if "reasoning" in source else None,
+        lambda: _from_effort(source.get("reasoning_effort")),
+        lambda: _from_budgets(source),
     )
     for read in readers:
         found = read()
         if found is not None:
             return found
     return None
+
+
+def normalize_thinking(body: dict[str, Any]) -> bool | None:
+    """True/False when any recognised knob in ``body`` asks for thinking on/off, else None."""
+    if not isinstance(body, dict):
+        return None
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and (found := _from_knobs(kwargs)) is not None:
+        return found
+    return _from_knobs(body)
 
 
 Kind = Literal["reasoning", "content"]

@@ -17,7 +17,7 @@ from gateway.moa.candidates import (
 from gateway.moa.config import MoaConfig
 from gateway.moa.knobs import thinking_opted_in, with_thinking
 from gateway.request import ChatRequest, Message
-from gateway.testing import ScriptedUpstream
+from gateway.testing import ScriptedUpstream, chat_request
 from gateway.upstream import ModelInfo, StaticDirectory
 
 V = gates.Verdict
@@ -142,7 +142,7 @@ def test_win_record_rates_are_smoothed_and_learn():
     ],
 )
 def test_each_opt_in_knob_turns_thinking_on(fields):
-    request = ask(**fields)
+    request = chat_request(**fields)  # knobs are normalised at the edge
     assert thinking_opted_in(request)
     out = with_thinking(request, True)
     assert out.reasoning is True and out.chat_template_kwargs["enable_thinking"] is True
@@ -163,7 +163,7 @@ def test_each_opt_in_knob_turns_thinking_on(fields):
     ],
 )
 def test_thinking_stays_off_without_an_opt_in(fields):
-    request = ask(**fields)
+    request = chat_request(**fields)  # knobs are normalised at the edge
     assert not thinking_opted_in(request)
     out = with_thinking(request, False)
     assert out.reasoning is False and out.reasoning_effort == "none"

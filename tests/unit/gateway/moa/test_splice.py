@@ -25,7 +25,7 @@ from gateway.events import (
 )
 from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.request import ChatRequest, Message
-from gateway.testing import Raise, ScriptedUpstream, Sleep, Stall, Step
+from gateway.testing import Raise, ScriptedUpstream, Sleep, Stall, Step, chat_request
 from gateway.upstream import ModelInfo, StaticDirectory
 
 # N-token race semantics, so tests control exactly when the race decides.
@@ -229,7 +229,7 @@ async def test_thinking_off_reaches_every_worker_call_including_self_mixture_sam
 async def test_each_opt_in_knob_reaches_every_worker(knob):
     workers = [ScriptedUpstream.of(*paced("answer")) for _ in range(3)]
     moa = MixtureOfAgents(mesh_of(*((f"m{i}", i, u) for i, u in enumerate(workers))), FAST)
-    await collect(moa, ask(**knob))
+    await collect(moa, chat_request(content="Q?", **knob))  # normalised at the edge
     for upstream in workers:
         (request,) = upstream.requests
         assert request.reasoning is True
