@@ -26,6 +26,8 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gateway.upstream import Upstream  # noqa: E402
+
 APIS = {
     "chat": (
         "/v1/chat/completions",
@@ -106,7 +108,7 @@ def make_direct_app():
     return Starlette(routes=[*routes, _cpu_route()])
 
 
-class _TokenCountingUpstream:
+class _TokenCountingUpstream(Upstream):
     """Plays a script sized by the request's max_tokens (so one app serves every size)."""
 
     name = "local"

@@ -277,7 +277,7 @@ async def record(upstream: Upstream, request: ChatRequest) -> Recording:
     return Recording(steps)
 
 
-class ReplayThenLive:
+class ReplayThenLive(Upstream):
     """Replays recorded streams for the first calls, then serves later calls (the aggregator)
     live from the real worker."""
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -24,7 +23,8 @@ from gateway.exchange import ApiEndpoint, ApiSpec, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard
 from gateway.router import Router
-from gateway.upstream import ModelDirectory
+from gateway.status import StatusSource
+from gateway.upstream import ModelDirectory, Upstream
 
 
 @dataclass
@@ -34,7 +34,7 @@ class GatewayState:
     config: GatewayConfig
     router: Router
     metrics: GatewayMetrics
-    status_provider: Callable[[], dict[str, Any]] | None = None
+    status: StatusSource | None = None
     in_flight: int = 0  # responses running an upstream
     in_flight_guarded: int = 0  # admitted by the in-flight limit (includes parsing/routing)
     waiting: int = 0  # running but no content yet (queued or prefilling upstream)
@@ -83,18 +83,19 @@ def create_app(
     directory: ModelDirectory,
     config: GatewayConfig | None = None,
     *,
-    moa: Any = None,
+    moa: Upstream | None = None,
     extra_routes: Sequence[BaseRoute] = (),
-    status_provider: Callable[[], dict[str, Any]] | None = None,
+    status: StatusSource | None = None,
 ) -> Starlette:
-    """The gateway app. ``moa`` (an object with ``.stream(request)``) serves ``model="mesh"``;
-    ``extra_routes`` lets ``mesh`` add endpoints; ``status_provider`` adds fields to /health."""
+    """The gateway app. ``moa`` serves ``model="mesh"``; ``extra_routes`` lets ``mesh`` add
+    endpoints; ``status`` is the node's status picture (:mod:`gateway.status`): it feeds
+    ``/health``, ``/api/status`` and the console."""
     config = config or GatewayConfig()
     state = GatewayState(
         config=config,
         router=Router(directory, moa=moa, retry_backoff_s=config.retry_backoff_ms / 1000),
         metrics=GatewayMetrics(config.request_log),
-        status_provider=status_provider,
+        status=status,
     )
 
     recent_requests = RecentRequests()  # the console's live request table
@@ -112,8 +113,9 @@ def create_app(
         Route("/v1/models", info_api.list_models, methods=["GET"]),
         Route("/health", info_api.health, methods=["GET"]),
         Route("/metrics", info_api.metrics, methods=["GET"]),
+        Route("/api/status", info_api.status, methods=["GET"]),
         *extra_routes,
-        *console_routes(requests=recent_requests),
+        *console_routes(status, directory=directory, requests=recent_requests),
     ]
     app = Starlette(
         routes=routes,

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,12 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from gateway.status import StatusSource, read_status
 from gateway.upstream import ModelDirectory
 
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).with_name("static")
-STATUS_PATH = "/api/status"  # the mesh's status endpoint, when mounted
-
-StatusProvider = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
 
 
 class RecentRequests:
@@ -140,32 +137,6 @@ class ConsoleFeed:
         return frames
 
 
-def directory_status(directory: ModelDirectory) -> dict[str, Any]:
-    """The mesh picture of a node without a mesh: just itself and the models it can reach."""
-    return {
-        "node": {
-            "id": "local",
-            "name": "this node",
-            "state": "up",
-            "models": [info.id for info in directory.models()],
-        },
-        "peers": [],
-    }
-
-
-async def read_status(
-    provider: StatusProvider | None, directory: ModelDirectory | None
-) -> dict[str, Any] | None:
-    base = directory_status(directory) if directory is not None else None
-    if provider is None:
-        return base
-    result = provider()
-    if inspect.isawaitable(result):
-        result = await result
-    # A provider may know only part of the picture (no peers yet): the directory fills the rest.
-    return {**(base or {}), **result}
-
-
 def close_event_streams(app: Any) -> None:
     """End every open ``/api/events`` stream within one poll: call when the server starts to
     shut down, or open consoles hold up uvicorn's graceful shutdown until its timeout."""
@@ -173,7 +144,7 @@ def close_event_streams(app: Any) -> None:
 
 
 def console_routes(
-    status_provider: StatusProvider | None = None,
+    status_provider: StatusSource | None = None,
     *,
     directory: ModelDirectory | None = None,
     requests: RecentRequests | None = None,
@@ -182,10 +153,9 @@ def console_routes(
 ) -> list[BaseRoute]:
     """The console's routes, to be added to the gateway's route list.
 
-    ``status_provider`` returns the mesh picture (``{"node": {...}, "peers": [...]}``, as
-    ``GET /api/status``); ``directory`` fills in this node's models when the provider does not
-    say. Both default to the gateway's own (``app.state.gateway``) when mounted in
-    :func:`gateway.app.create_app`. ``requests`` is the gateway's recent-request buffer.
+    ``status_provider`` returns the mesh picture (see :mod:`gateway.status`); ``directory``
+    fills in this node's models when the source does not say; :func:`gateway.app.create_app`
+    passes its own. ``requests`` is the gateway's recent-request buffer.
     """
 
     async def index(request: Request) -> Response:
@@ -196,21 +166,11 @@ def console_routes(
         return JSONResponse({"requests": rows})
 
     async def events(request: Request) -> Response:
-        # Inside the gateway app, default to the mesh's /api/status, else the gateway's own
-        # status provider, and fill this node's models in from its directory.
-        gateway = getattr(request.app.state, "gateway", None)
-        provider = (
-            status_provider
-            or _status_route_provider(request)
-            or getattr(gateway, "status_provider", None)
-        )
-        models = directory or (gateway.router.directory if gateway is not None else None)
-
         def closing() -> bool:
             return getattr(request.app.state, "console_closing", False)
 
         return StreamingResponse(
-            _event_stream(provider, models, requests, poll_s, heartbeat_s, closing),
+            _event_stream(status_provider, directory, requests, poll_s, heartbeat_s, closing),
             media_type="text/event-stream",
             headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         )
@@ -223,30 +183,8 @@ def console_routes(
     ]
 
 
-def _status_route_provider(request: Request) -> StatusProvider | None:
-    """Read the app's own ``GET /api/status`` (mounted by ``mesh``) in-process, if it has one."""
-    endpoints = [
-        route.endpoint
-        for route in request.app.routes
-        if isinstance(route, Route) and route.path == STATUS_PATH
-    ]
-    if not endpoints:
-        return None
-    endpoint = endpoints[0]
-
-    async def provider() -> Mapping[str, Any]:
-        response = endpoint(request)
-        if inspect.isawaitable(response):
-            response = await response
-        if response.status_code != 200:
-            raise RuntimeError(f"{STATUS_PATH} answered {response.status_code}")
-        return orjson.loads(response.body)
-
-    return provider
-
-
 async def _event_stream(
-    status_provider: StatusProvider | None,
+    status_provider: StatusSource | None,
     directory: ModelDirectory | None,
     requests: RecentRequests | None,
     poll_s: float,

@@ -2,9 +2,9 @@
 
 Streaming: the HTTP response headers are held until the first upstream event or
 ``header_wait_s``, whichever comes first, so route ``Meta`` headers usually make it in and a
-failure before any content still gets a proper HTTP status. An upstream that names a
-``decision_header`` (``model="mesh"``: ``x-moa-winner``) holds the start until that header
-arrives, at most its ``decision_wait_s``; every ``Meta``, even one after the start, ends up in
+failure before any content still gets a proper HTTP status. An upstream with a
+``start_hold`` (``model="mesh"``: ``x-moa-winner``) holds the start until that header
+arrives, at most its ``wait_s``; every ``Meta``, even one after the start, ends up in
 the request record. Then frames are written as events
 arrive, with keep-alives while idle. A client disconnect cancels the upstream; the producer is
 always closed before the response returns.
@@ -271,16 +271,16 @@ class EventResponse:
         """The events read before the response starts (Metas folded into the headers).
 
         Normally that is the first event, or none by ``deadline``. An upstream that decides late
-        (``model="mesh"``) names its ``decision_header``: then the start is held – content
-        included – until that header arrives, bounded by its ``decision_wait_s``. Facts that still
+        (``model="mesh"``) has a ``start_hold``: then the start is held – content included –
+        until its header arrives, bounded by its ``wait_s``. Facts that still
         come later reach the request record, just not the headers. A ``Progress`` note ends the
         wait only where the API shows it (then the decision headers are in the record only);
         elsewhere it is not content, and a failure soon after still gets a real status.
         """
-        upstream = self.routes[0].upstream if self.routes else None
-        awaited: str | None = getattr(upstream, "decision_header", None)
+        hold = self.routes[0].upstream.start_hold if self.routes else None
+        awaited = hold.header if hold is not None else None
         loop = asyncio.get_running_loop()
-        hold_until = max(deadline, loop.time() + getattr(upstream, "decision_wait_s", 0.0))
+        hold_until = max(deadline, loop.time() + (hold.wait_s if hold is not None else 0.0))
         held: list[Event] = []
         answering = False  # held anything but progress notes
         while True:

@@ -9,7 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.exchange import json_response
-from gateway.router import MESH_MODEL
+from gateway.status import health_facts, read_status
+from gateway.upstream import MESH_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,19 @@ async def health(request: Request) -> Response:
         "in_flight": state.in_flight,
         "uptime_s": round(time.monotonic() - state.started, 3),
     }
-    if state.status_provider is not None:
+    if state.status is not None:
         try:
-            body |= state.status_provider()
+            body |= health_facts(await read_status(state.status, None))
         except Exception as exc:  # the node's extra facts are optional; liveness is not
-            log.exception("status provider failed")
+            log.exception("status source failed")
             body["status_error"] = f"{type(exc).__name__}: {exc}"
     return json_response(body)
+
+
+async def status(request: Request) -> Response:
+    """``GET /api/status``: this node and every peer it knows (the console's picture)."""
+    state = request.app.state.gateway
+    return json_response(await read_status(state.status, state.router.directory))
 
 
 async def metrics(request: Request) -> Response:

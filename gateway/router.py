@@ -16,15 +16,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.events import Done, Error, Event, Meta, Progress, Usage
 from gateway.request import ChatRequest
-from gateway.upstream import ModelDirectory, Route
+from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream
 
 log = logging.getLogger(__name__)
 
-MESH_MODEL = "mesh"
 _RETRY_KINDS = frozenset({"overloaded", "unavailable"})
 
 
@@ -36,33 +34,46 @@ class RouteError(Exception):
         self.error = error
 
 
-@dataclass
-class _UpstreamAdapter:
-    """Gives an object with only ``.stream(request)`` (the MoA arbiter) an upstream name."""
-
-    target: Any
-    name: str = "moa"
-
-    def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
-        return self.target.stream(request)
-
-    # The MoA decides late; these let the gateway hold the response start for its decision.
-    @property
-    def decision_header(self) -> str | None:
-        return getattr(self.target, "decision_header", None)
-
-    @property
-    def decision_wait_s(self) -> float:
-        return getattr(self.target, "decision_wait_s", 0.0)
-
-
 def is_retryable(error: Error) -> bool:
     return error.retryable or error.kind in _RETRY_KINDS
 
 
+@dataclass
+class CommitTracker:
+    """The commit point of one attempt, fed its events in order. Pure.
+
+    Before the commit a failure may be retried; after it, never: the client has part of an
+    answer. The first content event commits – a delta, or a terminal. ``Meta`` (route facts),
+    an early ``Usage`` (a prompt count) and a ``Progress`` note do not: they are not the answer.
+    """
+
+    committed: bool = False
+
+    def feed(self, event: Event) -> bool:
+        """Record ``event``; True when it is the one that commits."""
+        if self.committed or isinstance(event, Meta | Usage | Progress):
+            return False
+        self.committed = True
+        return True
+
+    def may_retry(self, error: Error) -> bool:
+        """Whether ``error``, arriving now, may be retried elsewhere instead of answered."""
+        return not self.committed and is_retryable(error)
+
+    def failure(self, error: Error) -> Error:
+        """``error`` as the client must see it: never retryable after the commit."""
+        if not self.committed:
+            return error
+        return Error(kind="upstream", message=error.message, retryable=False)
+
+
 class Router:
     def __init__(
-        self, directory: ModelDirectory, *, moa: Any = None, retry_backoff_s: float = 0.75
+        self,
+        directory: ModelDirectory,
+        *,
+        moa: Upstream | None = None,
+        retry_backoff_s: float = 0.75,
     ):
         self.directory = directory
         self.moa = moa
@@ -77,8 +88,7 @@ class Router:
     def resolve(self, request: ChatRequest) -> list[Route]:
         """Candidate routes, best first; raises :class:`RouteError` for unknown/unreachable."""
         if request.model == MESH_MODEL and self.moa is not None:
-            name = getattr(self.moa, "name", "moa")
-            return [Route(upstream=_UpstreamAdapter(self.moa, name), kind="moa")]
+            return [Route(upstream=self.moa, kind="moa")]
         routes = self.directory.routes(request.model, request.session_key)
         if routes:
             return routes
@@ -102,9 +112,9 @@ class Router:
 
     async def stream(self, request: ChatRequest, routes: list[Route]) -> AsyncIterator[Event]:
         """Run ``request`` over ``routes`` with retry-before-commit; always ends with a terminal."""
-        # The first route twice, then the rest once. Not the MoA route: its arbiter already
-        # outlives failing workers, and a second fan-out would only double a dead mesh's load.
-        retry_first = bool(routes) and routes[0].kind != "moa"
+        # The first route twice, then the rest once. Not an upstream that says no (the MoA: its
+        # arbiter already outlives failing workers; a second fan-out doubles a dead mesh's load).
+        retry_first = bool(routes) and routes[0].upstream.retryable
         plan = [routes[0], *routes] if retry_first else list(routes)
         reasons: list[str] = []
         last_error: Error | None = None
@@ -113,11 +123,11 @@ class Router:
                 await asyncio.sleep(self.retry_backoff_s)
             pending_meta: dict[str, str] = {}
             pending_usage: Usage | None = None
-            committed = False
+            commit = CommitTracker()
             source = route.upstream.stream(request)
             try:
                 async for event in source:
-                    if committed:
+                    if commit.committed:
                         yield event
                         if isinstance(event, Done | Error):
                             return
@@ -134,11 +144,11 @@ class Router:
                         yield Meta(route_headers(route, attempt, reasons) | pending_meta)
                         yield event
                         continue
-                    if isinstance(event, Error) and is_retryable(event) and attempt < len(plan):
+                    if isinstance(event, Error) and commit.may_retry(event) and attempt < len(plan):
                         reasons.append(f"{_route_label(route)}:{event.kind}")
                         last_error = event
                         break
-                    committed = True
+                    commit.feed(event)
                     yield Meta(route_headers(route, attempt, reasons) | pending_meta)
                     if pending_usage is not None:
                         yield pending_usage
@@ -146,7 +156,7 @@ class Router:
                     if isinstance(event, Done | Error):
                         return
                 else:
-                    if committed:
+                    if commit.committed:
                         yield Error(
                             kind="upstream", message="upstream ended without a terminal event"
                         )
@@ -156,7 +166,7 @@ class Router:
                         kind="upstream", message="upstream ended before answering", retryable=True
                     )
             except Exception as exc:  # an upstream bug or a broken connection: translate it here
-                if committed:
+                if commit.committed:
                     log.warning("upstream %s failed after commit: %r", route.upstream.name, exc)
                     yield Error(
                         kind="upstream", message=f"upstream failed: {type(exc).__name__}: {exc}"

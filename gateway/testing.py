@@ -21,6 +21,7 @@ import orjson
 
 from gateway.events import Done, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest
+from gateway.upstream import Upstream
 
 
 def chat_request(model: str = "mesh", content: str = "hi", **fields: Any) -> ChatRequest:
@@ -54,7 +55,7 @@ Step = Event | Sleep | Raise | Stall
 
 
 @dataclass
-class ScriptedUpstream:
+class ScriptedUpstream(Upstream):
     """An :class:`~gateway.upstream.Upstream` that plays scripted steps.
 
     ``scripts`` holds one script per call (the last one repeats), so a retry test can fail the
@@ -64,6 +65,7 @@ class ScriptedUpstream:
     scripts: list[list[Step]]
     name: str = "scripted"
     delay_s: float = 0.0
+    retryable: bool = True  # False plays the MoA, which the router never retries
     requests: list[ChatRequest] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0

@@ -4,6 +4,11 @@ An :class:`Upstream` takes a :class:`ChatRequest` and yields internal events end
 one ``Done`` or ``Error``. The gateway never knows whether that is the local worker (HTTP on
 loopback), a peer (QUIC tunnel, in ``mesh``) or a test double (:mod:`gateway.testing`).
 
+Besides ``stream``, every upstream has the same few capabilities, with defaults (subclass
+:class:`Upstream` to inherit them): ``retryable`` (may the router retry it before the commit
+point), ``start_hold`` (how long the gateway may hold the response start for a late decision),
+``count_tokens`` (an exact prompt count, or None) and ``aclose``.
+
 A :class:`ModelDirectory` is the read-only view of which models are reachable and how to reach
 them. ``mesh`` implements it over its peer table; a one-node gateway uses :class:`StaticDirectory`.
 """
@@ -17,14 +22,39 @@ from typing import Protocol, runtime_checkable
 from gateway.events import Event
 from gateway.request import ChatRequest
 
+MESH_MODEL = "mesh"  # the mixture-of-agents model name
+
+
+@dataclass(frozen=True, slots=True)
+class StartHold:
+    """An upstream that decides late: the gateway holds the response start until ``header``
+    arrives in a ``Meta`` (content included), for at most ``wait_s`` seconds."""
+
+    header: str
+    wait_s: float
+
 
 @runtime_checkable
 class Upstream(Protocol):
     """Something that serves models. ``stream`` must always end with ``Done`` or ``Error``."""
 
     name: str  # "local" or a peer's node id: goes into route headers and metrics
+    # False when a retry would repeat work the upstream already spread (the MoA's fan-out).
+    retryable: bool = True
 
     def stream(self, request: ChatRequest) -> AsyncIterator[Event]: ...
+
+    @property
+    def start_hold(self) -> StartHold | None:
+        """Hold the response start for a decision (``model="mesh"``); None: the first event."""
+        return None
+
+    async def count_tokens(self, request: ChatRequest) -> int | None:
+        """The exact prompt token count, or None when this upstream cannot tell."""
+        return None
+
+    async def aclose(self) -> None:
+        """Release connections; the upstream is not used afterwards."""
 
 
 @dataclass(frozen=True, slots=True)

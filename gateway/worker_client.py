@@ -26,6 +26,7 @@ from gateway.events import (
     Usage,
 )
 from gateway.request import ChatRequest, Message
+from gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ def _mean_logprob(logprobs: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-class WorkerUpstream:
+class WorkerUpstream(Upstream):
     """Streams chat requests to one worker; ``name`` goes into route headers ("local")."""
 
     def __init__(

@@ -1,10 +1,10 @@
 """The mesh's HTTP endpoints on the gateway (added through ``create_app(extra_routes=...)``).
 
-``GET /api/status``        this node and every peer (id, addresses, models, load, RTT, state)
 ``POST /api/mesh/invite``  ``{"ttl_s": 3600}`` → ``{"token": "mlxmesh1.…"}`` (``mesh invite``)
 
 Minting invites is an admin action: allowed from loopback, or from anywhere only when the gateway
-has an API key (its middleware has then already checked it).
+has an API key (its middleware has then already checked it). ``GET /api/status`` is the
+gateway's own, fed by the node's status source.
 """
 
 from __future__ import annotations
@@ -34,13 +34,9 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
-def mesh_routes(service: MeshService) -> list[BaseRoute]:
-    async def status(request: Request) -> Response:
-        return JSONResponse(service.status())
-
+def mesh_routes(service: MeshService, *, api_key: str | None) -> list[BaseRoute]:
     async def invite(request: Request) -> Response:
         client = request.client.host if request.client else ""
-        api_key = request.app.state.gateway.config.api_key
         if client not in _LOOPBACK and not api_key:
             return _error(403, "invites can be minted from loopback only", "permission_error")
         raw = await request.body()
@@ -52,6 +48,5 @@ def mesh_routes(service: MeshService) -> list[BaseRoute]:
         return JSONResponse({"token": token.encode(), "expires_at": token.expires_at})
 
     return [
-        Route("/api/status", status, methods=["GET"]),
         Route("/api/mesh/invite", invite, methods=["POST"]),
     ]

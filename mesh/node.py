@@ -137,7 +137,9 @@ class Node:
         return []
 
     def status(self) -> dict[str, Any]:
-        return {"workers": {w.name: {"url": w.url, "restarts": w.restarts} for w in self.workers}}
+        """The status picture (``gateway.status``): workers by name, with their restarts (not
+        their URLs: a worker is this node's private business)."""
+        return {"workers": {w.name: {"restarts": w.restarts} for w in self.workers}}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class Node:
                 self.config.gateway,
                 moa=self.build_moa(),
                 extra_routes=self.extra_routes(),
-                status_provider=self.status,
+                status=self.status,
             )
             sock = _bind(self.config.host, self.config.port)
             port = sock.getsockname()[1]
@@ -301,15 +303,13 @@ class MeshNode(Node):
         return MixtureOfAgents(self.mesh.directory, self.config.moa)
 
     def extra_routes(self) -> list[Any]:
-        return [*super().extra_routes(), *mesh_routes(self.mesh)]
+        return [
+            *super().extra_routes(),
+            *mesh_routes(self.mesh, api_key=self.config.gateway.api_key),
+        ]
 
     def status(self) -> dict[str, Any]:
-        base = super().status()
-        return base | {
-            "node_id": self.identity.node_id,
-            "mesh_id": self.mesh.mesh_id,
-            "peers": len(self.mesh.links),
-        }
+        return super().status() | self.mesh.status()
 
     async def start_workers(self) -> None:
         self.config.home.mkdir(parents=True, exist_ok=True)

@@ -33,12 +33,11 @@ from gateway.events import (
     Event,
     EventDecodeError,
     Meta,
-    ReasoningDelta,
-    TextDelta,
-    ToolCallDelta,
     event_from_dict,
 )
 from gateway.request import ChatRequest
+from gateway.router import CommitTracker
+from gateway.upstream import Upstream
 from mesh.errors import MeshError
 from mesh.tunnel.frames import (
     Body,
@@ -57,7 +56,6 @@ CHAT_PATH = "/mesh/v1/chat"
 HOP_HEADER = "x-mesh-hop"
 FROM_HEADER = "x-mesh-from"
 DEFAULT_DEADLINE_S = 600.0
-_DELTAS = (ReasoningDelta, TextDelta, ToolCallDelta)
 # The serving side's own route headers describe its local hop; keep them under other names so
 # they do not overwrite ours (x-route=peer, x-peer=<node id>).
 _REMOTE_RENAMES = {"x-route": "x-peer-route", "x-peer": "x-peer-upstream", "x-attempts": "x-peer-attempts"}  # fmt: skip
@@ -68,7 +66,7 @@ class StreamOpener(Protocol):
 
 
 @dataclass
-class PeerUpstream:
+class PeerUpstream(Upstream):
     """Runs requests on peer ``name`` (its node id) over the connection ``connect()`` returns.
 
     ``on_begin``/``on_end`` let the peer table count requests in flight there (routing load).
@@ -101,7 +99,7 @@ class PeerUpstream:
         except (MeshError, OSError, TimeoutError) as exc:
             yield _unavailable(f"cannot reach peer {self.name[:12]}: {exc}")
             return
-        committed = False
+        commit = CommitTracker()
         complete = False
         terminal: Event | None = None
         try:
@@ -131,7 +129,7 @@ class PeerUpstream:
                 if isinstance(frame, End):
                     complete = True
                     if terminal is None:
-                        yield _error_after(committed, _error_for_end(frame, self.name))
+                        yield commit.failure(_error_for_end(frame, self.name))
                     else:
                         yield terminal
                     return
@@ -143,17 +141,19 @@ class PeerUpstream:
                 elif isinstance(event, Done | Error):
                     terminal = event  # yielded once End confirms the stream completed
                 else:
-                    committed = committed or isinstance(event, _DELTAS)
+                    commit.feed(event)
                     yield event
             # recv() returns None only after End, which returned above.
-            yield _error_after(committed, _unavailable("peer stream ended without End"))
+            yield commit.failure(_unavailable("peer stream ended without End"))
         except MeshError as exc:  # stream reset, connection lost, protocol violation
-            log.info("peer %s stream failed (committed=%s): %s", self.name[:12], committed, exc)
+            log.info(
+                "peer %s stream failed (committed=%s): %s", self.name[:12], commit.committed, exc
+            )
             if terminal is not None:
                 yield terminal  # the answer was whole; only its closing frame got lost
             else:
                 lost = _unavailable(f"tunnel to {self.name[:12]} lost: {exc}")
-                yield _error_after(committed, lost)
+                yield commit.failure(lost)
         finally:
             if not complete:
                 # Cancelled consumer or failure: tell the peer to stop generating.
@@ -162,13 +162,6 @@ class PeerUpstream:
 
 def _unavailable(message: str) -> Error:
     return Error(kind="unavailable", message=message, retryable=True)
-
-
-def _error_after(committed: bool, error: Error) -> Error:
-    """After the first delta nothing may be retried: the client already has part of an answer."""
-    if not committed:
-        return error
-    return Error(kind="upstream", message=error.message, retryable=False)
 
 
 def _decode_event(data: bytes) -> Event:

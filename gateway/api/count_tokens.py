@@ -55,10 +55,7 @@ async def count_tokens(request: Request) -> Response:
     except RouteError as exc:
         return error_response(error_body, exc.error)
     for route in routes:
-        counter = getattr(route.upstream, "count_tokens", None)
-        if counter is None:
-            continue
-        count = await counter(chat_request)
+        count = await route.upstream.count_tokens(chat_request)
         if count is not None:
             return json_response({"input_tokens": count}, headers={"x-token-count": "exact"})
     return json_response(

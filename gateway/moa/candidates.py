@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from gateway.moa.config import MoaConfig
 from gateway.moa.knobs import thinking_opted_in, with_thinking
 from gateway.request import ChatRequest, Message
-from gateway.upstream import ModelDirectory, ModelInfo, Upstream
-
-MESH_MODEL = "mesh"
+from gateway.upstream import MESH_MODEL, ModelDirectory, ModelInfo, Upstream
 
 AGGREGATOR_INSTRUCTIONS = (
     "You have been given several candidate responses to the user's latest message, written by "

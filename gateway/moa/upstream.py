@@ -50,7 +50,7 @@ from gateway.moa.events import (
 )
 from gateway.moa.scoring import WinRecord
 from gateway.request import ChatRequest
-from gateway.upstream import ModelDirectory, Upstream
+from gateway.upstream import MESH_MODEL, ModelDirectory, StartHold, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +118,17 @@ def _self_mixture(candidates: list[Candidate]) -> bool:
     return len(candidates) > 1 and len({c.model.id for c in candidates}) == 1
 
 
-class MixtureOfAgents:
+class MixtureOfAgents(Upstream):
     """The ``mesh`` model: an :class:`~gateway.upstream.Upstream` over the directory's models.
 
     Its stream opens with a ``Meta`` of the policy and worker count and sends a second one with
-    the winner at the decision. ``decision_header``/``decision_wait_s`` tell the gateway to hold
-    the response start for that second one (see gateway/exchange.py).
+    the winner at the decision; ``start_hold`` tells the gateway to hold the response start for
+    that second one (see gateway/exchange.py). It is never retried: its arbiter already outlives
+    failing workers, and a second fan-out would only double the load on a failing mesh.
     """
 
-    name = "mesh"
+    name = MESH_MODEL
+    retryable = False
     decision_header = "x-moa-winner"
 
     def __init__(
@@ -142,10 +144,12 @@ class MixtureOfAgents:
         self.wins = WinRecord()
 
     @property
-    def decision_wait_s(self) -> float:
-        """The longest the decision normally takes: every worker's first-token deadline, then
-        the consensus/reduce grace period (a reduce aggregator may take longer still)."""
-        return self.config.first_token_timeout_s + self.config.grace_s
+    def start_hold(self) -> StartHold:
+        """Until the winner header, at most as long as the decision normally takes: every
+        worker's first-token deadline, then the consensus/reduce grace period (a reduce
+        aggregator may take longer still)."""
+        wait_s = self.config.first_token_timeout_s + self.config.grace_s
+        return StartHold(self.decision_header, wait_s)
 
     def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         return self._stream(request)

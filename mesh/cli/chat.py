@@ -18,10 +18,10 @@ import httpx
 import orjson
 import typer
 
+from gateway.upstream import MESH_MODEL
 from mesh.cli.app import HomeOption, app, console, err_console, fail, resolve_home
 from mesh.node_file import NodeFileError, node_file_path, read_node_file
 
-MESH = "mesh"  # the mixture-of-agents model name
 HELP_LINE = "/model NAME switches model, /models lists them, /new starts over, /quit leaves"
 
 
@@ -208,8 +208,8 @@ def _transport_message(url: str, exc: httpx.HTTPError, *, answering: bool = Fals
 
 def default_model(offered: list[str]) -> str:
     """``mesh`` where the node runs mixture-of-agents, else the first model it offers."""
-    if MESH in offered:
-        return MESH
+    if MESH_MODEL in offered:
+        return MESH_MODEL
     if not offered:
         raise ChatError("the node serves no models yet; start one with `mesh up --model NAME`")
     err_console.print(f"using {offered[0]} (this node offers no `mesh`)", style="dim")
@@ -345,7 +345,7 @@ def chat_command(
     timeout = httpx.Timeout(10.0, read=None)  # answers may think for a long time
     with httpx.Client(timeout=timeout) as client:
         session = ChatSession(
-            url=node.url, model=model or MESH, client=client, api_key=api_key or node.api_key
+            url=node.url, model=model or MESH_MODEL, client=client, api_key=api_key or node.api_key
         )
         if model is None:
             try:

@@ -51,16 +51,14 @@ TOKEN = make_invite(mesh_id="m1", inviter="a" * 64, fingerprint="f", addresses=[
 def node(tmp_path):
     seen: list[dict] = []
 
-    async def status(request: Request) -> JSONResponse:
-        return JSONResponse(STATUS)
-
     async def invite(request: Request) -> JSONResponse:
         seen.append(orjson.loads(await request.body()))
         return JSONResponse({"token": TOKEN.encode(), "expires_at": 4e9})
 
-    routes = [Route("/api/status", status), Route("/api/mesh/invite", invite, methods=["POST"])]
+    routes = [Route("/api/mesh/invite", invite, methods=["POST"])]
     config = GatewayConfig(api_key="secret")
-    with ServerThread(create_app(StaticDirectory(), config, extra_routes=routes)) as server:
+    app = create_app(StaticDirectory(), config, extra_routes=routes, status=lambda: STATUS)
+    with ServerThread(app) as server:
         info = {"url": server.url, "pid": os.getpid(), "api_key": "secret"}
         (tmp_path / "node.json").write_bytes(orjson.dumps(info))
         yield tmp_path, seen
@@ -140,9 +138,8 @@ async def test_invite_endpoint_is_loopback_only_without_a_key(client, api_key, s
 
     from mesh.http import mesh_routes
 
-    app = create_app(
-        StaticDirectory(), GatewayConfig(api_key=api_key), extra_routes=mesh_routes(_StubService())
-    )
+    routes = mesh_routes(_StubService(), api_key=api_key)
+    app = create_app(StaticDirectory(), GatewayConfig(api_key=api_key), extra_routes=routes)
     transport = httpx.ASGITransport(app=app, client=(client, 1234))
     headers = {"authorization": "Bearer k"} if api_key else {}
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:

@@ -272,7 +272,11 @@ class MeshNode:
             tunnel=TunnelConfig(ping_interval=0.3, ping_timeout=1.0, handshake_timeout=3.0),
         )
         self.service = MeshService(home, NodeIdentity.load_or_create(home), local, config)
-        self.app = create_app(self.service.directory, extra_routes=mesh_routes(self.service))
+        self.app = create_app(
+            self.service.directory,
+            extra_routes=mesh_routes(self.service, api_key=None),
+            status=self.service.status,
+        )
         self.server = ServerThread(self.app)
 
     def __enter__(self) -> MeshNode:

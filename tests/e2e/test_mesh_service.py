@@ -331,7 +331,7 @@ async def test_status_and_invite_endpoints(mesh):
     from mesh.http import mesh_routes
 
     a, b, _ = await _pair(mesh)
-    app = create_app(b.directory, extra_routes=mesh_routes(b))
+    app = create_app(b.directory, extra_routes=mesh_routes(b, api_key=None), status=b.status)
     status = await asgi_request(app, "GET", "/api/status")
     assert status.status == 200
     body = status.json()

@@ -208,27 +208,26 @@ async def test_page_static_files_and_request_history() -> None:
     assert empty.json() == {"requests": []}
 
 
-async def test_events_read_the_mesh_status_route_in_process() -> None:
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    mesh_status = {
-        "node": {"node_id": "n1", "models": [{"name": "tiny"}]},
-        "peers": [{"node_id": "p"}],
-    }
-
-    async def status(request):  # type: ignore[no-untyped-def]
-        return JSONResponse(mesh_status)
-
-    app = Starlette(routes=[Route("/api/status", status), *console_routes(poll_s=0.01)])
-    result = await asgi_request(app, "GET", "/api/events", disconnect_after_s=0.1)
-    assert frames_of(result.body)[0] == ("status", mesh_status)
-
-
-async def test_inside_the_gateway_the_status_provider_and_directory_are_used() -> None:
+async def test_the_one_status_source_feeds_the_console_api_status_and_health() -> None:
     from gateway.app import create_app
 
-    app = create_app(make_directory("tiny"), status_provider=lambda: {"workers": {"tiny": {}}})
+    mesh_status = {
+        "node": {"node_id": "n1", "mesh_id": "m1", "models": [{"name": "tiny"}]},
+        "peers": [{"node_id": "p", "connected": True}, {"node_id": "q", "connected": False}],
+    }
+    app = create_app(make_directory("tiny"), status=lambda: mesh_status)
+    result = await asgi_request(app, "GET", "/api/events", disconnect_after_s=0.6)
+    assert frames_of(result.body)[0] == ("status", mesh_status)
+    assert (await asgi_request(app, "GET", "/api/status")).json() == mesh_status
+    health = (await asgi_request(app, "GET", "/health")).json()
+    assert (health["node_id"], health["mesh_id"], health["peers"]) == ("n1", "m1", 1)
+    assert "node" not in health  # a summary only
+
+
+async def test_inside_the_gateway_the_status_source_and_directory_are_used() -> None:
+    from gateway.app import create_app
+
+    app = create_app(make_directory("tiny"), status=lambda: {"workers": {"tiny": {}}})
     result = await asgi_request(app, "GET", "/api/events", disconnect_after_s=0.6)
     _, status = frames_of(result.body)[0]
     assert status["node"]["models"] == ["tiny"]

@@ -11,7 +11,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.events import TextDelta
 from gateway.testing import ScriptedUpstream, Stall, asgi_request, text_script
-from gateway.upstream import ModelInfo, StaticDirectory
+from gateway.upstream import ModelInfo, StaticDirectory, Upstream
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
@@ -132,20 +132,20 @@ async def test_unknown_path_and_method_answer_in_json():
     assert "allow" in wrong.headers
 
 
-async def test_health_survives_a_failing_status_provider():
+async def test_health_survives_a_failing_status_source():
     def broken() -> dict:
         raise RuntimeError("peer table locked")
 
     directory = StaticDirectory()
     directory.add(ModelInfo(id="m"), ScriptedUpstream.of(*text_script("ok")))
-    app = create_app(directory, GatewayConfig(), status_provider=broken)
+    app = create_app(directory, GatewayConfig(), status=broken)
     health = await asgi_request(app, "GET", "/health")
     assert (
         health.status == 200 and health.json()["status_error"] == "RuntimeError: peer table locked"
     )
 
 
-class _EchoUpstream:
+class _EchoUpstream(Upstream):
     """Streams the last user message back in small pieces, yielding between them."""
 
     name = "local"

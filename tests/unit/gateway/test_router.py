@@ -74,6 +74,7 @@ async def test_progress_note_goes_out_at_once_and_does_not_commit():
 
 async def test_a_failed_moa_fan_out_is_not_run_again():
     moa = ScriptedUpstream.of(Progress("asking 2 models…"), BUSY, name="moa")
+    moa.retryable = False  # as MixtureOfAgents says
     app = create_app(StaticDirectory(), GatewayConfig(retry_backoff_ms=1), moa=moa)
     body = {"model": "mesh", "messages": [{"role": "user", "content": "hi"}]}
     result = await asgi_request(app, "POST", "/v1/chat/completions", body)

@@ -13,7 +13,7 @@ from gateway.metrics import RequestRecord
 from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.request import ChatRequest
 from gateway.testing import ScriptedUpstream, Sleep, Stall, Step, asgi_request, text_script
-from gateway.upstream import ModelInfo, StaticDirectory
+from gateway.upstream import ModelInfo, StartHold, StaticDirectory, Upstream
 
 MOA_KEYS = ("x-moa-policy", "x-moa-workers", "x-moa-winner", "x-moa-decision-ms")
 # The gateway's own header wait is far shorter than any decision below.
@@ -94,12 +94,11 @@ async def test_all_workers_failing_after_a_progress_note_gets_a_real_error_statu
 
 
 @dataclass
-class LateDecider:
+class LateDecider(Upstream):
     """An upstream that decides later than it promised the gateway to wait."""
 
     name: str = "late"
-    decision_header: str = "x-moa-winner"
-    decision_wait_s: float = 0.05
+    start_hold = StartHold("x-moa-winner", wait_s=0.05)
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         yield Meta({"x-moa-policy": "reduce", "x-moa-workers": "3"})

@@ -1,0 +1,64 @@
+"""The commit point as a pure object: retryable until the first content event, never after."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.events import (
+    Done,
+    Error,
+    Meta,
+    Progress,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.router import CommitTracker
+
+BUSY = Error(kind="overloaded", message="busy")
+BROKEN = Error(kind="upstream", message="broke", retryable=True)
+REFUSED = Error(kind="invalid_request", message="bad")
+
+
+@pytest.mark.parametrize(
+    "fact", [Meta({"x-route": "local"}), Usage(12, 0), Progress("asking 2 models…")]
+)
+def test_facts_and_notes_do_not_commit(fact) -> None:
+    tracker = CommitTracker()
+    assert tracker.feed(fact) is False
+    assert not tracker.committed and tracker.may_retry(BUSY)
+    assert tracker.failure(BROKEN) is BROKEN  # still retryable as it came
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        TextDelta("Hel"),
+        ReasoningDelta("let me see"),
+        ToolCallDelta(index=0, id="c1", name="f", arguments=""),
+        Done("stop"),
+        REFUSED,
+    ],
+)
+def test_the_first_content_event_commits_once(content) -> None:
+    tracker = CommitTracker()
+    tracker.feed(Meta({"x-route": "local"}))
+    assert tracker.feed(content) is True
+    assert tracker.committed
+    assert tracker.feed(TextDelta("more")) is False  # only the first one commits
+
+
+def test_after_the_commit_nothing_is_retried() -> None:
+    tracker = CommitTracker()
+    tracker.feed(TextDelta("par"))
+    assert not tracker.may_retry(BUSY) and not tracker.may_retry(BROKEN)
+    seen = tracker.failure(BROKEN)
+    assert seen.retryable is False and seen.kind == "upstream" and seen.message == "broke"
+
+
+def test_only_retryable_errors_may_be_retried_before_the_commit() -> None:
+    tracker = CommitTracker()
+    assert tracker.may_retry(BUSY)  # overloaded is retryable by kind
+    assert tracker.may_retry(BROKEN)  # retryable by flag
+    assert not tracker.may_retry(REFUSED)  # a client mistake is answered, not retried
