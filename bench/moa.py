@@ -416,7 +416,7 @@ def tally(done: list[dict]) -> tuple[dict[str, int], dict[str, list[float]]]:
 @contextlib.contextmanager
 def live_workers(model_dirs: list[Path]) -> Iterator[StaticDirectory]:
     """Real MLX workers over HTTP on loopback, one per model directory, in a directory."""
-    from gateway.worker_client import WorkerUpstream
+    from gateway.worker_client import WorkerClient
     from worker.testing import run_worker_in_thread
 
     live = StaticDirectory()
@@ -424,7 +424,7 @@ def live_workers(model_dirs: list[Path]) -> Iterator[StaticDirectory]:
         for path in model_dirs:
             url, _ = workers.enter_context(run_worker_in_thread(path, name=path.name))
             size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-            upstream = WorkerUpstream(url.removesuffix("/v1"), path.name)
+            upstream = WorkerClient(url.removesuffix("/v1"), path.name)
             live.add(ModelInfo(path.name, parameters=size), upstream)
         yield live
 

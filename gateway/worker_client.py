@@ -1,15 +1,18 @@
-"""``WorkerUpstream``: the :class:`~gateway.upstream.Upstream` over the local worker's HTTP API.
+"""``WorkerClient``: every call to one worker's HTTP API, over one long-lived connection pool.
 
-ChatRequest → OpenAI chat-completions body (+ the worker's extensions); streamed chunks →
-internal events. Connection refused before any byte → ``Error(unavailable, retryable)``.
-Cancelling the consumer closes the HTTP response, which stops the worker's generation.
+It is the :class:`~gateway.upstream.Upstream` for the worker's model (ChatRequest → OpenAI
+chat-completions body + the worker's extensions; streamed chunks → internal events; connection
+refused before any byte → ``Error(unavailable, retryable)``; cancelling the consumer closes the
+HTTP response, which stops the worker's generation), and it also counts tokens, reads the
+worker's health and model description, and waits for a starting worker to be ready.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import httpx
@@ -26,7 +29,7 @@ from gateway.events import (
     Usage,
 )
 from gateway.request import ChatRequest, Message
-from gateway.upstream import Upstream
+from gateway.upstream import ModelInfo, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +186,8 @@ def _mean_logprob(logprobs: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-class WorkerUpstream(Upstream):
-    """Streams chat requests to one worker; ``name`` goes into route headers ("local")."""
+class WorkerClient(Upstream):
+    """One worker's API; ``name`` goes into route headers ("local")."""
 
     def __init__(
         self,
@@ -260,11 +263,35 @@ class WorkerUpstream(Upstream):
         return None
 
     async def health(self) -> dict[str, Any] | None:
+        """The worker's ``/health`` body, or None when it does not answer 200 with JSON."""
         try:
             response = await self._client.get(f"{self.base_url}/health", timeout=2.0)
-        except httpx.HTTPError:
+            return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
             return None
-        return response.json() if response.status_code == 200 else None
+
+    async def wait_ready(self, alive: Callable[[], bool], poll_s: float = 0.05) -> bool:
+        """Poll ``/health`` until it answers (True) or ``alive()`` says the worker died (False)."""
+        while alive():
+            if await self.health() is not None:
+                return True
+            await asyncio.sleep(poll_s)
+        return False
+
+    async def describe(self) -> ModelInfo:
+        """The worker's own description of its model (context length, size), for /v1/models."""
+        try:
+            response = await self._client.get(f"{self.base_url}/v1/models", timeout=5.0)
+            data = response.json()["data"][0]
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+            log.warning("worker %s did not describe its model: %s", self.model_name, exc)
+            return ModelInfo(id=self.model_name)
+        return ModelInfo(
+            id=self.model_name,
+            architecture=str(data.get("architecture") or "unknown"),
+            parameters=data.get("parameters"),
+            context_length=data.get("context_length"),
+        )
 
 
 async def _status_error(response: httpx.Response) -> Error:

@@ -1,9 +1,10 @@
 """Worker processes: one supervised ``python -m worker`` child per model, on loopback.
 
-``WorkerProcess.start()`` spawns the child, waits until it says it is listening and its
-``/health`` answers, and supervises it: a worker that dies is restarted with exponential backoff
-on the same port (so routes stay valid); ``stop()`` terminates it (and on Linux a worker dies
-with the node even if the node is killed).
+``WorkerSupervisor`` owns the node's workers: it starts them in parallel, keeps them running and
+stops them. Each ``WorkerProcess`` spawns its child, waits until it says it is listening and its
+``/health`` answers, and restarts it with exponential backoff on the same port when it dies (so
+routes stay valid); on Linux a worker dies with the node even if the node is killed. Every call
+to a worker goes through its one :class:`~gateway.worker_client.WorkerClient`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import httpx
-
+from gateway.worker_client import WorkerClient
 from mesh.errors import NodeError
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class WorkerProcess:
         self.name = served_name(model)
         self.options = options
         self.url: str | None = None
+        self.client: WorkerClient | None = None  # made on the first start; the URL never changes
         self.port = 0  # 0 on the first start; the same port afterwards so routes stay valid
         self.restarts = 0
         self.process: asyncio.subprocess.Process | None = None
@@ -87,25 +90,30 @@ class WorkerProcess:
 
     async def _spawn(self) -> str:
         """Start the child and return its URL once it announces it is listening."""
-        self.process = await asyncio.create_subprocess_exec(
+        self.process = process = await asyncio.create_subprocess_exec(
             *self._command(),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the node, which stops the worker in order
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
-        assert self.process.stdout is not None
+        assert process.stdout is not None
         tail: list[str] = []
         async with asyncio.timeout(self.options.ready_timeout_s):
-            while line := (await self.process.stdout.readline()).decode(errors="replace"):
+            while line := (await process.stdout.readline()).decode(errors="replace"):
                 tail = [*tail[-20:], line.rstrip()]
                 if line.startswith("worker listening on "):
                     url = line.split()[3]
                     self.port = int(url.rsplit(":", 1)[1])
-                    self._output = asyncio.create_task(_forward(self.process.stdout, self.name))
-                    await _wait_healthy(url, self.process)
+                    self._output = asyncio.create_task(_forward(process.stdout, self.name))
+                    if self.client is None:
+                        self.client = WorkerClient(url, self.name)
+                    if not await self.client.wait_ready(lambda: process.returncode is None):
+                        raise NodeError(
+                            f"worker at {url} exited ({process.returncode}) before it was healthy"
+                        )
                     return url
-        code = await self.process.wait()
+        code = await process.wait()
         raise NodeError(
             f"worker for {self.model!r} exited ({code}) before it was ready:\n" + "\n".join(tail)
         )
@@ -155,6 +163,65 @@ class WorkerProcess:
         if self._output is not None:
             self._output.cancel()
             await asyncio.wait([self._output])
+        if self.client is not None:
+            await self.client.aclose()
+
+
+class WorkerSupervisor:
+    """The node's worker processes, one per model: started together, stopped together."""
+
+    def __init__(self, options: WorkerOptions, models: Sequence[str]) -> None:
+        self.options = options
+        self.models = list(models)
+        self.processes: list[WorkerProcess] = []
+
+    @property
+    def clients(self) -> dict[str, WorkerClient]:
+        """Each started worker's client, by served name."""
+        return {p.name: p.client for p in self.processes if p.client is not None}
+
+    async def start(self) -> None:
+        """Start every worker in parallel; one failure cancels the other starts (the caller
+        then calls :meth:`stop`). Raises ``NodeError`` in words."""
+        for model in self.models:
+            check_model_available(self.options.home, model)
+            process = WorkerProcess(model, self.options)
+            if any(p.name == process.name for p in self.processes):
+                raise NodeError(f"two --model options serve the same name {process.name!r}")
+            self.processes.append(process)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for process in self.processes:
+                    group.create_task(process.start())
+        except* (NodeError, OSError, TimeoutError) as failures:
+            first = failures.exceptions[0]
+            if isinstance(first, TimeoutError):
+                raise NodeError("a worker did not become ready in time") from None
+            raise NodeError(str(first)) from None
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(p.stop() for p in self.processes))
+
+    def status(self) -> dict[str, Any]:
+        """Restarts by worker (not URLs: a worker is this node's private business)."""
+        return {p.name: {"restarts": p.restarts} for p in self.processes}
+
+    def locations(self) -> dict[str, Any]:
+        """Where each worker runs, for ``node.json`` (read by this machine's CLI only)."""
+        return {p.name: {"url": p.url, "pid": p.pid} for p in self.processes}
+
+    async def load(self) -> dict[str, Any]:
+        """Queue depth, in-flight and tok/s summed over the workers' ``/health`` (for gossip)."""
+        total = {"queue_depth": 0, "in_flight": 0, "tok_s": 0.0}
+        for client in self.clients.values():
+            data = await client.health()
+            if data is None:
+                log.debug("worker %s did not answer its health check", client.model_name)
+                continue
+            total["queue_depth"] += int(data.get("queue_depth", 0))
+            total["in_flight"] += int(data.get("in_flight", 0))
+            total["tok_s"] += float(data.get("tokens_per_second", 0.0))
+        return total
 
 
 def _die_with_parent() -> None:
@@ -163,19 +230,6 @@ def _die_with_parent() -> None:
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-async def _wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:
-    """Until the worker's /health answers 200 (it announces itself just before serving)."""
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while process.returncode is None:
-            try:
-                if (await client.get(f"{url}/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not accepting yet: poll again
-            await asyncio.sleep(0.05)
-    raise NodeError(f"worker at {url} exited ({process.returncode}) before it was healthy")
 
 
 async def _forward(stream: asyncio.StreamReader, name: str) -> None:

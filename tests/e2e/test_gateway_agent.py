@@ -16,7 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.events import Done, ToolCallDelta
 from gateway.testing import ScriptedUpstream, ServerThread
 from gateway.upstream import ModelInfo, StaticDirectory
-from gateway.worker_client import WorkerUpstream
+from gateway.worker_client import WorkerClient
 from worker.app import create_app as create_worker_app
 from worker.engine import Engine
 
@@ -80,7 +80,7 @@ def agent_gateway(tiny_model_dir):
     try:
         with ServerThread(create_worker_app(engine)) as worker:
             directory = StaticDirectory()
-            directory.add(ModelInfo(id="tiny"), WorkerUpstream(worker.url, "tiny"))
+            directory.add(ModelInfo(id="tiny"), WorkerClient(worker.url, "tiny"))
             with ServerThread(create_app(directory, GatewayConfig())) as front:
                 yield front
     finally:

@@ -11,7 +11,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.testing import ServerThread
 from gateway.upstream import ModelInfo, StaticDirectory
-from gateway.worker_client import WorkerUpstream
+from gateway.worker_client import WorkerClient
 from worker.app import create_app as create_worker_app
 from worker.engine import Engine
 
@@ -40,8 +40,8 @@ def gateway(tiny_model_dir, tiny_think_model_dir, tiny_tool_model_dir):
             engines.append(engine)
             server = ServerThread(create_worker_app(engine)).__enter__()
             servers.append(server)
-            directory.add(ModelInfo(id=name), WorkerUpstream(server.url, name))
-        directory.add(ModelInfo(id="down"), WorkerUpstream("http://127.0.0.1:9", "down"))
+            directory.add(ModelInfo(id=name), WorkerClient(server.url, name))
+        directory.add(ModelInfo(id="down"), WorkerClient("http://127.0.0.1:9", "down"))
         with ServerThread(create_app(directory, GatewayConfig(retry_backoff_ms=1))) as front:
             front.worker_urls = {e.name: srv.url for e, srv in zip(engines, servers, strict=True)}
             yield front

@@ -1,4 +1,4 @@
-"""WorkerUpstream without a worker: request bodies, chunk decoding and failure mapping over
+"""WorkerClient without a worker: request bodies, chunk decoding and failure mapping over
 httpx's MockTransport."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import orjson
 
 from gateway.events import Done, Error, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
-from gateway.worker_client import WorkerUpstream, worker_body
+from gateway.worker_client import WorkerClient, worker_body
 
 REQUEST = ChatRequest(
     model="m",
@@ -50,13 +50,13 @@ def _sse(*payloads: object) -> bytes:
     )
 
 
-def _upstream(handler) -> WorkerUpstream:
-    return WorkerUpstream(
+def _upstream(handler) -> WorkerClient:
+    return WorkerClient(
         "http://worker", "m", client=httpx.AsyncClient(transport=httpx.MockTransport(handler))
     )
 
 
-async def _events(upstream: WorkerUpstream) -> list:
+async def _events(upstream: WorkerClient) -> list:
     return [e async for e in upstream.stream(REQUEST)]
 
 

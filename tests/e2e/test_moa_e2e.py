@@ -11,7 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.testing import ServerThread
 from gateway.upstream import ModelInfo, StaticDirectory
-from gateway.worker_client import WorkerUpstream
+from gateway.worker_client import WorkerClient
 from worker.app import create_app as create_worker_app
 from worker.engine import Engine
 
@@ -31,7 +31,7 @@ def mesh_gateway(tiny_think_model_dir, tiny_model_dir):
             engines.append(engine)
             server = ServerThread(create_worker_app(engine)).__enter__()
             servers.append(server)
-            upstreams[name] = WorkerUpstream(server.url, name)
+            upstreams[name] = WorkerClient(server.url, name)
         solo, duo = StaticDirectory(), StaticDirectory()
         solo.add(ModelInfo("think", parameters=2), upstreams["think"])
         duo.add(ModelInfo("think", parameters=2), upstreams["think"])

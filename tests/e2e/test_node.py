@@ -122,11 +122,13 @@ def test_unpulled_store_model_is_refused_in_words(tmp_path):
 
 async def test_worker_that_cannot_load_fails_the_start_and_leaves_nothing(tmp_path):
     from mesh.node import Node
+    from mesh.service import MeshConfig
 
     not_a_model = tmp_path / "empty-model"
     not_a_model.mkdir()
-    node = Node(NodeConfig(home=tmp_path / "home", models=(str(not_a_model),), port=0))
+    config = NodeConfig(home=tmp_path / "home", models=(str(not_a_model),), port=0)
+    node = Node(config, MeshConfig(port=0, discovery=False))
     with pytest.raises(NodeError, match="before it was ready"):
         await node.run()
-    assert node.workers[0].process.returncode is not None
+    assert node.workers.processes[0].process.returncode is not None
     assert not (tmp_path / "home" / "node.json").exists()
