@@ -4,17 +4,22 @@ See ``mesh/tunnel/__init__.py`` for the API as a whole. This module turns aioqui
 behaviour: certificate pinning and duplicate-node detection at handshake, the control stream,
 holding peer streams until the connection is authenticated, keep-alive pings with a timeout,
 resets surfaced to readers, and ``ConnectionLost`` for every stream when the connection dies.
+
+A connection talks to whoever keeps the table of connections (the endpoint) only through the
+small :class:`ConnectionRegistry` protocol; the tie-break rules themselves are pure
+(``registry.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events
@@ -31,13 +36,10 @@ from mesh.errors import (
     StreamLost,
     Superseded,
 )
+from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.frames import ErrorCode, StreamRole, Window, encode, error_name
 from mesh.tunnel.pins import Pin, peer_certificate, request_client_certificate, verify_peer
 from mesh.tunnel.stream import TunnelStream
-
-if TYPE_CHECKING:
-    from mesh.tunnel.config import TunnelConfig
-    from mesh.tunnel.endpoint import TunnelEndpoint
 
 log = logging.getLogger(__name__)
 # Past the silence deadline by this much when the ping loop wakes for it (timer granularity).
@@ -45,6 +47,42 @@ _WAKE_SLACK_S = 0.01
 
 StreamHandler = Callable[[TunnelStream], Awaitable[None]]
 CONTROL_STREAM_ID = 0  # the client's first bidirectional stream
+
+
+class ConnectionRegistry(Protocol):
+    """What a connection needs from the table of connections it belongs to (the endpoint)."""
+
+    @property
+    def node_id(self) -> str: ...  # ours
+
+    @property
+    def config(self) -> TunnelConfig: ...
+
+    def own_dial_to(self, incoming: PeerConnection) -> asyncio.Future[Any] | None:
+        """Our unfinished dial that ``incoming`` must wait for, if any."""
+
+    def register(self, conn: PeerConnection) -> bool:
+        """Make ``conn`` THE connection to its peer; False if the existing one wins the tie."""
+
+    def announce(self, conn: PeerConnection) -> None:
+        """``conn`` is ready: hand it to the application."""
+
+    def unregister(self, conn: PeerConnection) -> None:
+        """``conn`` died: it is no longer the connection to its peer."""
+
+    def forget(self, conn: PeerConnection) -> None:
+        """aioquic finished closing ``conn``: drop the last reference."""
+
+    def report_duplicate(self, exc: DuplicateNodeError) -> None:
+        """The peer has our own node id (a copied home dir)."""
+
+
+class ConnectionState(enum.Enum):
+    HANDSHAKE = "handshake"  # TLS and pins, then the control stream
+    HELD = "held"  # waiting for our own dial to the same peer to end (its tie rule)
+    READY = "ready"  # THE connection to the peer; its streams wait for authentication
+    AUTHENTICATED = "authenticated"  # the membership handshake passed: peer streams are served
+    CLOSED = "closed"
 
 
 _CLOSE_ERRORS: dict[int, type[ConnectError]] = {
@@ -64,7 +102,7 @@ class PeerConnection:
 
     def __init__(
         self,
-        endpoint: TunnelEndpoint,
+        registry: ConnectionRegistry,
         protocol: TunnelProtocol,
         is_client: bool,
         pin: Pin | None,
@@ -81,8 +119,9 @@ class PeerConnection:
         self.close_code: int | None = None
         self.close_reason = ""
         self.control: TunnelStream | None = None
-        self._endpoint = endpoint
-        self._config: TunnelConfig = endpoint.config
+        self.state = ConnectionState.HANDSHAKE
+        self._registry = registry
+        self._config: TunnelConfig = registry.config
         self._protocol = protocol
         self._quic: QuicConnection = protocol._quic
         self._pin = pin
@@ -132,6 +171,8 @@ class PeerConnection:
         """Allow peer-opened streams to be served (held ones are dispatched now)."""
         if self.authenticated.is_set():
             return
+        if self._lost is None:
+            self._set_state(ConnectionState.AUTHENTICATED)
         self.authenticated.set()
         held, self._held = self._held, []
         for stream in held:
@@ -165,6 +206,17 @@ class PeerConnection:
     async def wait_ready(self) -> None:
         """Handshake done, pins checked, control stream up. Raises the ConnectError subtype."""
         await asyncio.shield(self._ready)
+
+    def background_tasks(self) -> list[asyncio.Task[None]]:
+        """Its stream handlers and keep-alive, for a shutdown that waits for them."""
+        return [*self._tasks, *([self._keepalive] if self._keepalive else [])]
+
+    def _set_state(self, state: ConnectionState) -> None:
+        if state is self.state:
+            return
+        peer = self.peer_node_id[:12] if self.peer_node_id else "?"
+        log.debug("connection %s: %s -> %s", peer, self.state.value, state.value)
+        self.state = state
 
     def __repr__(self) -> str:
         peer = self.peer_node_id[:12] if self.peer_node_id else "?"
@@ -209,7 +261,7 @@ class PeerConnection:
             )
             if isinstance(exc, DuplicateNodeError):
                 log.error("%s", exc)
-                self._endpoint._report_duplicate(exc)
+                self._registry.report_duplicate(exc)
             self._fail_handshake(exc, code)
             return
         self._handshake_done = True
@@ -227,7 +279,7 @@ class PeerConnection:
     def _check_peer_certificate(self) -> None:
         peer = verify_peer(
             peer_certificate(self._quic),
-            self._endpoint.identity.node_id,
+            self._registry.node_id,
             self._pin,
             self.peer_address,
         )
@@ -301,10 +353,10 @@ class PeerConnection:
             if event.error_code == ErrorCode.DUPLICATE_NODE and not self._ready.done():
                 exc = DuplicateNodeError(
                     f"peer at {self.peer_address} refused us: it runs with our node id "
-                    f"{self._endpoint.identity.short_id} (a copied home dir?)"
+                    f"{self._registry.node_id[:12]} (a copied home dir?)"
                 )
                 log.error("%s", exc)
-                self._endpoint._report_duplicate(exc)
+                self._registry.report_duplicate(exc)
             self._mark_lost(
                 ConnectionLost(f"peer closed the connection: {reason}", event.error_code)
             )
@@ -315,20 +367,22 @@ class PeerConnection:
     def _become_ready(self) -> None:
         if self._ready.done() or self._lost is not None:
             return
-        own_dial = self._endpoint._own_dial_to(self)
+        own_dial = self._registry.own_dial_to(self)
         if own_dial is not None:
+            self._set_state(ConnectionState.HELD)
             own_dial.add_done_callback(lambda _dial: self._become_ready())  # decide after it
             return
-        if not self._endpoint._register(self):
+        if not self._registry.register(self):
             self._fail_handshake(
                 Superseded("simultaneous dial: kept the other connection"), ErrorCode.SUPERSEDED
             )
             return
         if not self.is_client and self.control is not None:
             self._stream_write(self.control.stream_id, encode(Window(0)), False)  # accepted
+        self._set_state(ConnectionState.READY)
         self._ready.set_result(None)
         self._keepalive = self._loop.create_task(self._ping_forever())
-        self._endpoint._announce(self)
+        self._registry.announce(self)
 
     def _fail_handshake(self, exc: ConnectError, code: ErrorCode) -> None:
         if not self._ready.done():
@@ -412,8 +466,9 @@ class PeerConnection:
         for task in [*self._tasks, self._keepalive]:
             if task is not None and task is not current:
                 task.cancel()
+        self._set_state(ConnectionState.CLOSED)
         self.closed.set()
-        self._endpoint._unregister(self)
+        self._registry.unregister(self)
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:
@@ -439,14 +494,14 @@ class TunnelProtocol(QuicConnectionProtocol):
         quic: QuicConnection,
         stream_handler: object = None,
         *,
-        endpoint: TunnelEndpoint,
+        registry: ConnectionRegistry,
         is_client: bool,
         pin: Pin | None = None,
     ) -> None:
         super().__init__(quic)
         if not is_client:
             request_client_certificate(quic)
-        self.conn = PeerConnection(endpoint, self, is_client, pin)
+        self.conn = PeerConnection(registry, self, is_client, pin)
         self._is_client = is_client
         self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
 
@@ -471,4 +526,4 @@ class TunnelProtocol(QuicConnectionProtocol):
         """aioquic finished closing; a dialed connection owns its UDP socket."""
         if self._is_client and self._transport is not None:
             self._transport.close()
-        self.conn._endpoint._forget(self.conn)
+        self.conn._registry.forget(self.conn)

@@ -22,6 +22,8 @@ from mesh.tunnel.config import ALPN, DEFAULT_PORT, TunnelConfig
 from mesh.tunnel.connection import PeerConnection, TunnelProtocol
 from mesh.tunnel.frames import ErrorCode
 from mesh.tunnel.pins import Pin
+from mesh.tunnel.registry import Link, Verdict, decide, waits_for_own_dial
+from mesh.tunnel.registry import stale_after as stale_after_for
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class TunnelEndpoint:
             conn.close(ErrorCode.SHUTDOWN, "node shutting down")
         tasks = [*self._tasks]
         for conn in conns:
-            tasks += [*conn._tasks, *([conn._keepalive] if conn._keepalive else [])]
+            tasks += conn.background_tasks()
         tasks = [t for t in tasks if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
@@ -159,7 +161,7 @@ class TunnelEndpoint:
             _, protocol = await loop.create_datagram_endpoint(
                 lambda: TunnelProtocol(
                     QuicConnection(configuration=self._quic_config(is_client=True)),
-                    endpoint=self,
+                    registry=self,
                     is_client=True,
                     pin=pin,
                 ),
@@ -221,43 +223,42 @@ class TunnelEndpoint:
             raise ConnectError(f"cannot resolve {host}: {exc}") from exc
         return tuple(infos[0][4])
 
-    # ---- called by PeerConnection ----
+    # ---- the ConnectionRegistry a PeerConnection talks to ----
 
-    def _register(self, conn: PeerConnection) -> bool:
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    def register(self, conn: PeerConnection) -> bool:
         """Make ``conn`` THE connection to its peer; False if an existing one wins the tie."""
         assert conn.peer_node_id is not None
         self._all.add(conn)
         existing = self.connection_for(conn.peer_node_id)
-        if existing is not None and existing is not conn:
-            if self._initiator(existing) == self._initiator(conn):
-                why = "the same side dialed again"  # e.g. the peer restarted
-            elif existing.silent_for > self._stale_after():
-                why = "the old connection went silent"  # the peer restarted: it is dead
-            elif self._initiator(conn) < self._initiator(existing):
-                why = "simultaneous dial, lower node id's dial wins"
-            else:
-                return False
-            log.info("replacing connection to %s: %s", conn.peer_node_id[:12], why)
-            existing.close(ErrorCode.SUPERSEDED, f"replaced: {why}")
+        if existing is conn:
+            existing = None
+        decision = decide(
+            self._link(existing) if existing is not None else None,
+            self._link(conn),
+            stale_after=self.stale_after(),
+        )
+        if decision.verdict is Verdict.REFUSE:
+            return False
+        if existing is not None:
+            log.info("replacing connection to %s: %s", conn.peer_node_id[:12], decision.why)
+            existing.close(ErrorCode.SUPERSEDED, f"replaced: {decision.why}")
         self._by_node[conn.peer_node_id] = conn
         self._notify_registered()
         return True
 
-    def _stale_after(self) -> float:
-        """Silence after which an existing connection loses to a fresh one from the same peer.
-        Both sides ping every ``ping_interval``, so a live peer is rarely silent this long."""
-        return max(0.25, 2 * self.config.ping_interval)
+    def stale_after(self) -> float:
+        return stale_after_for(self.config.ping_interval)
 
-    def _own_dial_to(self, incoming: PeerConnection) -> asyncio.Future[PeerConnection] | None:
-        """Our unfinished dial to the peer behind ``incoming``, if it would win the tie.
-
-        ``incoming`` must wait for it: refused if the dial succeeds (the peer's ``connect`` then
-        returns our dial), registered if it fails. Deciding before the dial ends would be wrong
-        either way: accepting lets the peer's ``connect`` return a connection that our dial
-        replaces a moment later; refusing locks out a restarted peer while we dial its old,
-        dead address. The dial is tracked from ``connect()`` on, before its socket exists."""
+    def own_dial_to(self, incoming: PeerConnection) -> asyncio.Future[PeerConnection] | None:
+        """Our unfinished dial to the peer behind ``incoming``, if it must wait for it
+        (``registry.waits_for_own_dial``). Dials are tracked from ``connect()`` on, before their
+        socket exists."""
         peer = incoming.peer_node_id
-        if incoming.is_client or peer is None or not self.identity.node_id < peer:
+        if not waits_for_own_dial(self.node_id, peer, incoming=not incoming.is_client):
             return None
         for pin, dial in self._dials.items():
             if dial.done():
@@ -268,14 +269,15 @@ class TunnelEndpoint:
                 return dial
         return None
 
-    def _initiator(self, conn: PeerConnection) -> str:
-        return self.identity.node_id if conn.is_client else (conn.peer_node_id or "")
+    def _link(self, conn: PeerConnection) -> Link:
+        initiator = self.node_id if conn.is_client else (conn.peer_node_id or "")
+        return Link(initiator=initiator, silent_for=conn.silent_for)
 
-    def _unregister(self, conn: PeerConnection) -> None:
+    def unregister(self, conn: PeerConnection) -> None:
         if conn.peer_node_id is not None and self._by_node.get(conn.peer_node_id) is conn:
             del self._by_node[conn.peer_node_id]
 
-    def _announce(self, conn: PeerConnection) -> None:
+    def announce(self, conn: PeerConnection) -> None:
         handler = self.on_connection
         if handler is None:
             return
@@ -290,7 +292,7 @@ class TunnelEndpoint:
             log.exception("on_connection handler failed for %r", conn)
             conn.close(ErrorCode.INTERNAL, "connection handler failed")
 
-    def _report_duplicate(self, exc: DuplicateNodeError) -> None:
+    def report_duplicate(self, exc: DuplicateNodeError) -> None:
         if self.on_duplicate_node is not None:
             self.on_duplicate_node(exc)
 
@@ -298,7 +300,7 @@ class TunnelEndpoint:
         event, self._registered = self._registered, asyncio.Event()
         event.set()
 
-    def _forget(self, conn: PeerConnection) -> None:
+    def forget(self, conn: PeerConnection) -> None:
         """aioquic finished closing ``conn``: drop the last reference."""
         self._all.discard(conn)
 
@@ -307,7 +309,7 @@ class TunnelEndpoint:
     def _server_protocol(
         self, quic: QuicConnection, stream_handler: object = None
     ) -> TunnelProtocol:
-        protocol = TunnelProtocol(quic, endpoint=self, is_client=False)
+        protocol = TunnelProtocol(quic, registry=self, is_client=False)
         self._all.add(protocol.conn)
         return protocol
 

@@ -671,7 +671,7 @@ async def test_restarted_peer_replaces_the_dead_connection_at_once() -> None:
         old = await dial(a, b1)  # initiated by the lower id: it would win a plain tie-break
         assert b1._server is not None
         b1._server._transport.close()  # b1 dies without a word
-        await eventually(lambda: old.silent_for > a._stale_after())
+        await eventually(lambda: old.silent_for > a.stale_after())
         fresh = await b2.connect("127.0.0.1", a.port, expected_node_id=a.identity.node_id)
         assert (await request(fresh, "/again", b"x"))[-1] == End()
         await eventually(lambda: old.is_closed)
