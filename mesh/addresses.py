@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import socket
 
+from mesh.errors import AddressError
+
 
 def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` → (host, port); ValueError for anything else."""
+    """``host:port`` or ``[v6]:port`` → (host, port); ``AddressError`` for anything else."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"bad address {address!r}: expected HOST:PORT")
+        raise AddressError(f"bad address {address!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
 
 

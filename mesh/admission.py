@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mesh.errors import HandshakeInputError
 from mesh.identity import NodeIdentity
 from mesh.membership.handshake import (
     ClientHandshake,
@@ -85,7 +86,7 @@ class Admission:
 
 async def _exchange(conn: PeerConnection, handshake, outbox: list) -> None:
     """Send ``outbox``, then feed the peer's auth messages to ``handshake`` until it is done.
-    Raises ValueError for anything but an auth message (the caller refuses the peer)."""
+    Raises HandshakeInputError for anything but an auth message (the caller refuses the peer)."""
     control = conn.control
     assert control is not None
     while True:
@@ -95,5 +96,5 @@ async def _exchange(conn: PeerConnection, handshake, outbox: list) -> None:
             return
         frame = await control.recv()
         if not isinstance(frame, Control) or frame.kind != "auth":
-            raise ValueError(f"expected an auth message, got {type(frame).__name__}")
+            raise HandshakeInputError(f"expected an auth message, got {type(frame).__name__}")
         outbox = handshake.receive(message_from_dict(frame.body))

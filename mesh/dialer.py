@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from mesh.addresses import split_address
+from mesh.errors import AddressError
 from mesh.membership.members import Member
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class Dialer:
                 return
             try:
                 host, port = split_address(address)
-            except ValueError as exc:
+            except AddressError as exc:
                 problems.append(str(exc))
                 continue
             if await self.link(member.node_id, host, port):

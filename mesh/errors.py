@@ -2,6 +2,11 @@
 
     MeshError
     ├── NodeError                the node cannot start: bad configuration, a worker never came up
+    ├── AddressError             not ``HOST:PORT``
+    ├── InviteError              an invite token or TTL that is malformed, foreign or expired
+    ├── MembershipError          this node cannot be (or become) a member: join refused, ...
+    ├── HandshakeInputError      the peer sent something that is not a membership message
+    ├── GossipDecodeError        gossip bytes that are not a gossip message
     ├── IdentityError            unreadable/mismatched key or certificate in the home dir
     ├── FrameError               the frame codec got bytes it cannot decode (or a frame too large)
     │   └── ProtocolViolation    well-formed frames in an order the protocol forbids
@@ -18,8 +23,8 @@
             └── ConnectionLost   the whole connection died (peer closed, ping timeout, idle)
 
 ``ClosedError`` is "you closed it"; ``StreamLost`` and below are "the peer or the network broke
-it" (trio's ClosedResourceError vs BrokenResourceError). Other mesh modules add their own
-subclasses of ``MeshError`` (membership, gossip) in their modules.
+it" (trio's ClosedResourceError vs BrokenResourceError). Code that handles peer input catches
+``MeshError``, never ``ValueError``: every way a peer or a person can be wrong is in this tree.
 """
 
 from __future__ import annotations
@@ -31,6 +36,26 @@ class MeshError(Exception):
 
 class NodeError(MeshError):
     """The node cannot start: a bad configuration or a worker that never came up."""
+
+
+class AddressError(MeshError):
+    """An address that is not ``HOST:PORT`` (or ``[v6]:PORT``)."""
+
+
+class InviteError(MeshError):
+    """An invite token that is malformed, of another version, or expired; or a bad TTL."""
+
+
+class MembershipError(MeshError):
+    """This node cannot be (or become) a member: bad token, join refused, another mesh."""
+
+
+class HandshakeInputError(MeshError):
+    """The peer sent something that is not a membership handshake message."""
+
+
+class GossipDecodeError(MeshError):
+    """Gossip bytes or a gossip dict that is not a valid gossip message."""
 
 
 class IdentityError(MeshError):

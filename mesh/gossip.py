@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mesh.errors import GossipDecodeError
 from mesh.membership.codec import MessageCodec
 from mesh.membership.members import Member
 
@@ -65,10 +66,6 @@ class Members(BaseModel):
 
 
 GossipMessage = NodeState | Leave | Members
-
-
-class GossipDecodeError(ValueError):
-    pass
 
 
 _CODEC = MessageCodec(GossipMessage, GossipDecodeError, "gossip message")

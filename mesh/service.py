@@ -33,9 +33,8 @@ from mesh.admission import Admission
 from mesh.dialer import Dialer
 from mesh.directory import MeshDirectory
 from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
-from mesh.errors import ConnectError, MeshError
+from mesh.errors import AddressError, ConnectError, MembershipError, MeshError
 from mesh.gossip import (
-    GossipDecodeError,
     GossipMessage,
     GossipPublisher,
     Leave,
@@ -65,10 +64,6 @@ from mesh.tunnel_server import TunnelServer
 log = logging.getLogger(__name__)
 
 LoadProbe = Callable[[], Awaitable[dict[str, Any]]]
-
-
-class MembershipError(MeshError):
-    """This node cannot be (or become) a member: bad token, join refused, another mesh."""
 
 
 @dataclass
@@ -263,7 +258,7 @@ class MeshService:
                     expected_fingerprint=token.fingerprint,
                     expected_node_id=token.inviter,
                 )
-            except (ConnectError, ValueError) as exc:
+            except (ConnectError, AddressError) as exc:
                 problems.append(f"{address}: {exc}")
                 continue
             if await self._wait_link(conn) and self.credentials is not None:
@@ -310,7 +305,7 @@ class MeshService:
                 refusal = await (
                     admission.present(conn) if conn.is_client else admission.admit(conn)
                 )
-        except (MeshError, TimeoutError, ValueError) as exc:
+        except (MeshError, TimeoutError) as exc:
             refusal = f"handshake failed: {type(exc).__name__}: {exc}"
         if refusal:
             log.warning(
@@ -340,7 +335,7 @@ class MeshService:
             while (frame := await control.recv()) is not None:
                 if isinstance(frame, Control) and frame.kind == "gossip":
                     self._on_gossip(peer_id, gossip_from_dict(frame.body))
-        except (MeshError, GossipDecodeError) as exc:
+        except MeshError as exc:
             log.info("link with %s ended: %s", peer_id[:12], exc)
         finally:
             if self.links.get(peer_id) is conn:
@@ -450,7 +445,7 @@ class MeshService:
     async def _start_discovery(self) -> None:
         hosts = []
         for address in self.addresses:
-            with contextlib.suppress(ValueError):  # not HOST:PORT: nothing to advertise
+            with contextlib.suppress(AddressError):  # not HOST:PORT: nothing to advertise
                 hosts.append(split_address(address)[0])
         self._discovery = LanDiscovery(
             node_id=self.node_id,

@@ -33,6 +33,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mesh.errors import HandshakeInputError
 from mesh.identity import node_id_of
 from mesh.identity import verify as verify_signature
 from mesh.membership.codec import MessageCodec
@@ -113,8 +114,8 @@ class Denied(_Msg):
 
 
 HandshakeMessage = Hello | Challenge | Proof | Welcome | Denied
-# Bad input raises ValueError only: anything that is not one of our messages.
-_CODEC = MessageCodec(HandshakeMessage, ValueError, "handshake message")
+# Bad input raises HandshakeInputError only: anything that is not one of our messages.
+_CODEC = MessageCodec(HandshakeMessage, HandshakeInputError, "handshake message")
 encode_message = _CODEC.encode
 message_from_dict = _CODEC.from_dict
 decode_message = _CODEC.decode

@@ -17,12 +17,10 @@ import secrets
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mesh.errors import InviteError
+
 TOKEN_PREFIX = "mlxmesh1."
 DEFAULT_TTL_S = 3600.0
-
-
-class InviteError(ValueError):
-    """A token that is malformed, of another version, or expired."""
 
 
 class InviteToken(BaseModel):

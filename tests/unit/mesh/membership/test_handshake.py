@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mesh.errors import HandshakeInputError
 from mesh.identity import node_id_of as node_id_for
 from mesh.membership.handshake import (
     AuthFailure,
@@ -373,10 +374,10 @@ def test_join_welcome_without_secret_refused(mesh, server_key, store):
 
 
 @given(st.binary(max_size=200))
-def test_decode_message_raises_only_value_error(data):
+def test_decode_message_raises_only_handshake_input_error(data):
     try:
         decode_message(data)
-    except ValueError:
+    except HandshakeInputError:
         pass
 
 
@@ -388,7 +389,7 @@ def test_server_survives_any_first_message(body):
                              store=MemberStore(), now=NOW)  # fmt: skip
     try:
         message = message_from_dict(body)
-    except ValueError:
+    except HandshakeInputError:
         return
     replies = server.receive(message)
     assert len(replies) == 1 and server.state in (
@@ -399,7 +400,7 @@ def test_server_survives_any_first_message(body):
 
 @pytest.mark.parametrize("data", [b"", b"{}", b"[]", b'{"type":"hello"}', b"\xff"])
 def test_decode_message_rejects_garbage(data):
-    with pytest.raises(ValueError):
+    with pytest.raises(HandshakeInputError):
         decode_message(data)
 
 
