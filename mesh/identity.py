@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import NameOID
 
 from mesh.errors import IdentityError
+from mesh.files import write_private, write_public
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,8 @@ class NodeIdentity:
             return cls._load(key_path, cert_path)
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         ident = cls.generate()
-        _write_private(key_path, ident.key_pem)
-        cert_path.write_bytes(ident.cert_pem)
+        write_private(key_path, ident.key_pem)
+        write_public(cert_path, ident.cert_pem)
         return ident
 
     @classmethod
@@ -129,7 +130,7 @@ class NodeIdentity:
         else:
             # The key is the identity; a lost certificate is simply re-issued.
             cert = _self_signed_cert(key)
-            cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+            write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
         return cls(private_key=key, certificate=cert)
 
     @property
@@ -185,11 +186,3 @@ def _self_signed_cert(key: ed25519.Ed25519PrivateKey) -> x509.Certificate:
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(key, algorithm=None)  # Ed25519 takes no separate hash
     )
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Create ``path`` with mode 0600 from the start (no window where it is world-readable)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.chmod(path, 0o600)

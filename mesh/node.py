@@ -33,6 +33,7 @@ from gateway.moa.config import MoaConfig
 from gateway.moa.upstream import MixtureOfAgents
 from gateway.upstream import StaticDirectory
 from mesh.errors import NodeError
+from mesh.files import make_home
 from mesh.http import mesh_routes
 from mesh.identity import NodeIdentity
 from mesh.node_file import remove_node_file, write_node_file
@@ -104,6 +105,7 @@ class Node:
     def __init__(self, config: NodeConfig, mesh: MeshConfig | None = None) -> None:
         config.check()
         self.config = config
+        make_home(config.home)
         self.identity = NodeIdentity.load_or_create(config.home)
         models = config.models if config.start_workers else ()
         self.workers = WorkerSupervisor(config.worker_options(), models)
@@ -133,7 +135,6 @@ class Node:
 
     async def run(self) -> None:
         """Start everything, serve until :meth:`stop`, then shut down in order."""
-        self.config.home.mkdir(parents=True, exist_ok=True)
         try:
             with _starting_status(self.workers.models):
                 await self.mesh.start()

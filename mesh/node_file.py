@@ -7,11 +7,12 @@ API key, so it is written 0600 and replaced atomically (readers never see half a
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from mesh.files import write_private
 
 NODE_FILE = "node.json"
 
@@ -25,12 +26,7 @@ def node_file_path(home: Path) -> Path:
 
 
 def write_node_file(home: Path, info: dict[str, Any]) -> None:
-    path = node_file_path(home)
-    partial = path.with_suffix(".json.tmp")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold the API key
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-    partial.replace(path)  # readers never see a half-written file
+    write_private(node_file_path(home), orjson.dumps(info, option=orjson.OPT_INDENT_2))
 
 
 def remove_node_file(home: Path) -> None:

@@ -8,12 +8,12 @@ changes them lives in :mod:`mesh.membership.handshake`.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from mesh.files import write_private
 from mesh.identity import node_id_of
 from mesh.membership.invite import InviteToken, secret_digest
 
@@ -84,17 +84,6 @@ class MemberStore(BaseModel):
 
 MESH_FILE = "mesh.json"
 MEMBERS_FILE = "members.json"
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write atomically with mode 0600: these files hold secrets."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
 
 
 def load_credentials(home: Path) -> MeshCredentials | None:

@@ -85,3 +85,25 @@ def test_loose_key_permissions_are_tightened(tmp_path: Path) -> None:
     key_file.chmod(0o644)
     assert NodeIdentity.load_or_create(tmp_path).node_id == first.node_id
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+
+
+def test_home_files_keep_their_modes_whatever_the_umask(tmp_path) -> None:
+    """A permissive umask must not make the certificate writable or the home listable by others."""
+    import os
+
+    from mesh.files import make_home
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    home = tmp_path / "home"
+    old = os.umask(0)
+    try:
+        make_home(home)
+        NodeIdentity.load_or_create(home)
+    finally:
+        os.umask(old)
+    assert mode(home) == 0o700
+    certs = list(home.rglob("*.pem"))
+    assert certs and all(mode(p) in (0o600, 0o644) for p in certs)
+    assert all(mode(p) & 0o022 == 0 for p in home.rglob("*"))
