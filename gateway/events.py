@@ -99,6 +99,19 @@ STATUS_BY_KIND: dict[str, int] = {
 }
 
 
+# The answers an upstream (worker or peer) may pass on to the client as they are. Anything else
+# is the upstream's own failure (502): a 401 from a worker or peer means OUR credentials were
+# wrong, not the client's, and a 500 there is a bug there.
+_PASSED_ON = ("invalid_request", "not_found", "too_large", "overloaded", "unavailable", "timeout")
+_KIND_BY_STATUS: dict[int, ErrorKind] = {STATUS_BY_KIND[kind]: kind for kind in _PASSED_ON}  # type: ignore[misc]
+RETRYABLE_KINDS = frozenset({"overloaded", "unavailable"})
+
+
+def kind_for_status(status: int) -> ErrorKind:
+    """The error kind of an upstream's HTTP ``status`` (the inverse of ``Error.status``)."""
+    return _KIND_BY_STATUS.get(status, "upstream")
+
+
 @dataclass(frozen=True, slots=True)
 class Error:
     """Terminal failure. ``retryable`` is true only when nothing was processed upstream."""

@@ -28,6 +28,7 @@ from gateway import router, sse
 from gateway.answer import Accumulator
 from gateway.api.errors import RequestInvalid
 from gateway.events import (
+    RETRYABLE_KINDS,
     Done,
     Error,
     Event,
@@ -83,7 +84,7 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> Response:
     extra = dict(headers or {})
-    if error.kind in ("overloaded", "unavailable"):
+    if error.kind in RETRYABLE_KINDS:  # the client may come back soon: say when
         extra.setdefault("retry-after", "1")
     return json_response(spec_error_body(error), status=error.status, headers=extra)
 

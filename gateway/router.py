@@ -17,13 +17,11 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from gateway.events import Done, Error, Event, Meta, Progress, Usage
+from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Usage
 from gateway.request import ChatRequest
 from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream
 
 log = logging.getLogger(__name__)
-
-_RETRY_KINDS = frozenset({"overloaded", "unavailable"})
 
 
 class RouteError(Exception):
@@ -35,7 +33,7 @@ class RouteError(Exception):
 
 
 def is_retryable(error: Error) -> bool:
-    return error.retryable or error.kind in _RETRY_KINDS
+    return error.retryable or error.kind in RETRYABLE_KINDS
 
 
 @dataclass

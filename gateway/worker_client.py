@@ -19,29 +19,21 @@ import httpx
 import orjson
 
 from gateway.events import (
+    RETRYABLE_KINDS,
     Done,
     Error,
-    ErrorKind,
     Event,
     ReasoningDelta,
     TextDelta,
     ToolCallDelta,
     Usage,
+    kind_for_status,
 )
 from gateway.request import ChatRequest, Message
 from gateway.upstream import ModelInfo, Upstream
 
 log = logging.getLogger(__name__)
 
-_KIND_BY_STATUS: dict[int, ErrorKind] = {
-    400: "invalid_request",
-    401: "authentication",
-    404: "not_found",
-    413: "too_large",
-    429: "overloaded",
-    503: "unavailable",
-    504: "timeout",
-}
 _FINISH = {"stop", "length", "tool_calls", "content_filter"}
 
 
@@ -305,7 +297,5 @@ async def _status_error(response: httpx.Response) -> Error:
     except (orjson.JSONDecodeError, AttributeError):
         pass  # not JSON: the raw text is the message
     status = response.status_code
-    kind = _KIND_BY_STATUS.get(status, "upstream")
-    return Error(
-        kind=kind, message=message, retryable=kind in ("overloaded", "unavailable"), code=code
-    )
+    kind = kind_for_status(status)
+    return Error(kind=kind, message=message, retryable=kind in RETRYABLE_KINDS, code=code)

@@ -28,12 +28,14 @@ from typing import Protocol
 import orjson
 
 from gateway.events import (
+    RETRYABLE_KINDS,
     Done,
     Error,
     Event,
     EventDecodeError,
     Meta,
     event_from_dict,
+    kind_for_status,
 )
 from gateway.request import ChatRequest
 from gateway.router import CommitTracker
@@ -185,12 +187,8 @@ def _error_for_end(end: End, peer: str) -> Error:
 
 def _error_for_status(head: ResponseHead, peer: str) -> Error:
     message = head.headers.get("x-error", f"peer {peer[:12]} answered {head.status}")
-    if head.status == 429:
-        return Error(kind="overloaded", message=message, retryable=True)
-    if head.status == 503:
-        return Error(kind="unavailable", message=message, retryable=True)
-    kinds = {400: "invalid_request", 404: "not_found", 413: "too_large", 504: "timeout"}
-    return Error(kind=kinds.get(head.status, "upstream"), message=message)  # type: ignore[arg-type]
+    kind = kind_for_status(head.status)
+    return Error(kind=kind, message=message, retryable=kind in RETRYABLE_KINDS)
 
 
 async def _drain(stream) -> bool:
