@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from mesh.addresses import split_address
 from mesh.errors import AddressError
+from mesh.identity import short_id
 from mesh.membership.members import Member
 
 log = logging.getLogger(__name__)
@@ -107,4 +108,6 @@ class Dialer:
         delay = min(self.max_backoff_s, self.redial_s * 2**failures)
         self._retry_at[member.node_id] = (self.clock() + delay, failures + 1)
         level = logging.INFO if failures == 0 else logging.DEBUG  # once while it stays away
-        log.log(level, "cannot reach member %s at %s", member.node_id[:12], ", ".join(problems))
+        log.log(
+            level, "cannot reach member %s at %s", short_id(member.node_id), ", ".join(problems)
+        )

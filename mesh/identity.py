@@ -80,6 +80,14 @@ def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
+SHORT_ID_LENGTH = 12
+
+
+def short_id(node_id: str | None) -> str:
+    """A node id as logs and people see it: its first 12 hex digits ("?" when not known yet)."""
+    return node_id[:SHORT_ID_LENGTH] if node_id else "?"
+
+
 @dataclass(frozen=True)
 class NodeIdentity:
     """A node's private key and certificate. Create with :meth:`load_or_create`."""
@@ -145,7 +153,7 @@ class NodeIdentity:
     @property
     def short_id(self) -> str:
         """First 12 hex digits of the node id, for logs and humans."""
-        return self.node_id[:12]
+        return short_id(self.node_id)
 
     @property
     def cert_fingerprint(self) -> str:

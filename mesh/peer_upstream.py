@@ -41,6 +41,7 @@ from gateway.request import ChatRequest
 from gateway.router import CommitTracker
 from gateway.upstream import Upstream
 from mesh.errors import MeshError
+from mesh.identity import short_id
 from mesh.tunnel.frames import (
     Body,
     BodyEnd,
@@ -99,7 +100,7 @@ class PeerUpstream(Upstream):
             connection = await self.connect()
             stream = await connection.open_stream()
         except (MeshError, OSError, TimeoutError) as exc:
-            yield _unavailable(f"cannot reach peer {self.name[:12]}: {exc}")
+            yield _unavailable(f"cannot reach peer {short_id(self.name)}: {exc}")
             return
         commit = CommitTracker()
         complete = False
@@ -121,7 +122,7 @@ class PeerUpstream(Upstream):
                 yield _error_for_end(first, self.name)
                 return
             if not isinstance(first, ResponseHead):
-                yield _unavailable(f"peer {self.name[:12]} answered without a response head")
+                yield _unavailable(f"peer {short_id(self.name)} answered without a response head")
                 return
             if first.status != 200:
                 complete = await _drain(stream)
@@ -149,12 +150,15 @@ class PeerUpstream(Upstream):
             yield commit.failure(_unavailable("peer stream ended without End"))
         except MeshError as exc:  # stream reset, connection lost, protocol violation
             log.info(
-                "peer %s stream failed (committed=%s): %s", self.name[:12], commit.committed, exc
+                "peer %s stream failed (committed=%s): %s",
+                short_id(self.name),
+                commit.committed,
+                exc,
             )
             if terminal is not None:
                 yield terminal  # the answer was whole; only its closing frame got lost
             else:
-                lost = _unavailable(f"tunnel to {self.name[:12]} lost: {exc}")
+                lost = _unavailable(f"tunnel to {short_id(self.name)} lost: {exc}")
                 yield commit.failure(lost)
         finally:
             if not complete:
@@ -175,7 +179,7 @@ def _decode_event(data: bytes) -> Event:
 
 def _error_for_end(end: End, peer: str) -> Error:
     code = end.code
-    text = f"peer {peer[:12]}: {error_name(code)} {end.message}".strip()
+    text = f"peer {short_id(peer)}: {error_name(code)} {end.message}".strip()
     if code == ErrorCode.REJECTED:
         return Error(kind="unavailable", message=text, retryable=True)
     if code == ErrorCode.DEADLINE:
@@ -186,7 +190,7 @@ def _error_for_end(end: End, peer: str) -> Error:
 
 
 def _error_for_status(head: ResponseHead, peer: str) -> Error:
-    message = head.headers.get("x-error", f"peer {peer[:12]} answered {head.status}")
+    message = head.headers.get("x-error", f"peer {short_id(peer)} answered {head.status}")
     kind = kind_for_status(head.status)
     return Error(kind=kind, message=message, retryable=kind in RETRYABLE_KINDS)
 

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from mesh.gossip import ModelAd, NodeState
+from mesh.identity import short_id
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class PeerRecord:
 
     def _set_status(self, status: PeerStatus) -> None:
         if status is not self.status:
-            log.info("peer %s %s -> %s", self.node_id[:12], self.status.value, status.value)
+            log.info("peer %s %s -> %s", short_id(self.node_id), self.status.value, status.value)
             self.status = status
 
 
@@ -90,7 +91,7 @@ class PeerTable:
         record = self.peers.get(state.node_id)
         if record is None:
             self.peers[state.node_id] = PeerRecord(state.node_id, state, PeerStatus.UP, now)
-            log.info("peer %s joined", state.node_id[:12])
+            log.info("peer %s joined", short_id(state.node_id))
             return [PeerJoined(state.node_id)]
         if record.state.epoch == state.epoch and state.seq <= record.state.seq:
             return []  # stale or duplicate copy
@@ -117,7 +118,7 @@ class PeerTable:
     def on_leave(self, node_id: str) -> list[PeerEvent]:
         if self.peers.pop(node_id, None) is None:
             return []
-        log.info("peer %s left", node_id[:12])
+        log.info("peer %s left", short_id(node_id))
         return [PeerDropped(node_id, "left")]
 
     def on_disconnected(self, node_id: str) -> list[PeerEvent]:
@@ -136,7 +137,7 @@ class PeerTable:
             silent = now - record.last_seen
             if silent >= self.drop_after_s:
                 del self.peers[node_id]
-                log.info("peer %s dropped after %.0fs of silence", node_id[:12], silent)
+                log.info("peer %s dropped after %.0fs of silence", short_id(node_id), silent)
                 events.append(PeerDropped(node_id, "silent"))
             elif silent >= self.down_after_s and record.status is PeerStatus.UP:
                 record._set_status(PeerStatus.DOWN)

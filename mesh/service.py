@@ -43,7 +43,7 @@ from mesh.gossip import (
     NodeState,
     gossip_from_dict,
 )
-from mesh.identity import NodeIdentity
+from mesh.identity import NodeIdentity, short_id
 from mesh.membership.invite import InviteError, InviteToken, decode_invite, make_invite
 from mesh.membership.members import (
     Member,
@@ -262,7 +262,7 @@ class MeshService:
                 problems.append(f"{address}: {exc}")
                 continue
             if await self._wait_link(conn) and self.credentials is not None:
-                log.info("joined mesh %s through %s", token.mesh_id, token.inviter[:12])
+                log.info("joined mesh %s through %s", token.mesh_id, short_id(token.inviter))
                 self.admission.join = None
                 return
             problems.append(f"{address}: {self.admission.refusal or conn.close_reason}")
@@ -274,7 +274,7 @@ class MeshService:
         try:
             conn = await self.endpoint.connect(host, port, expected_node_id=node_id)
         except ConnectError as exc:
-            log.debug("dial %s at %s:%d: %s", node_id[:12], host, port, exc)
+            log.debug("dial %s at %s:%d: %s", short_id(node_id), host, port, exc)
             return False
         return await self._wait_link(conn)
 
@@ -309,7 +309,10 @@ class MeshService:
             refusal = f"handshake failed: {type(exc).__name__}: {exc}"
         if refusal:
             log.warning(
-                "membership with %s at %s refused: %s", peer_id[:12], conn.peer_address, refusal
+                "membership with %s at %s refused: %s",
+                short_id(peer_id),
+                conn.peer_address,
+                refusal,
             )
             # The reason travels in the CLOSE frame: a Denied message sent just before may be lost.
             conn.close(ErrorCode.AUTH_FAILED, f"auth failed: {refusal}"[:200])
@@ -325,7 +328,7 @@ class MeshService:
         self.dialer.on_linked(peer_id)
         conn.on_stream = lambda stream: self.tunnel_server.handle(stream, peer_id)
         conn.mark_authenticated()
-        log.info("linked with %s at %s", peer_id[:12], conn.peer_address)
+        log.info("linked with %s at %s", short_id(peer_id), conn.peer_address)
         control = conn.control
         assert control is not None
         try:
@@ -336,7 +339,7 @@ class MeshService:
                 if isinstance(frame, Control) and frame.kind == "gossip":
                     self._on_gossip(peer_id, gossip_from_dict(frame.body))
         except MeshError as exc:
-            log.info("link with %s ended: %s", peer_id[:12], exc)
+            log.info("link with %s ended: %s", short_id(peer_id), exc)
         finally:
             if self.links.get(peer_id) is conn:
                 del self.links[peer_id]
@@ -363,7 +366,7 @@ class MeshService:
         async def connect() -> PeerConnection:
             conn = self.links.get(node_id)
             if conn is None or conn.is_closed:
-                raise ConnectError(f"no live link to {node_id[:12]}")
+                raise ConnectError(f"no live link to {short_id(node_id)}")
             return conn
 
         return PeerUpstream(
@@ -416,7 +419,7 @@ class MeshService:
                 async with asyncio.timeout(1.0):
                     await conn.control.send(frame)
             except (MeshError, TimeoutError) as exc:
-                log.debug("gossip to %s failed: %s", peer_id[:12], exc)
+                log.debug("gossip to %s failed: %s", short_id(peer_id), exc)
 
     def local_state(self) -> NodeState:
         load = self._load
@@ -464,7 +467,7 @@ class MeshService:
             members=self.members.members,
             connected=self.links,
         ):
-            log.info("found member %s on the LAN at %s", advert.node_id[:12], advert.addresses)
+            log.info("found member %s on the LAN at %s", short_id(advert.node_id), advert.addresses)
             self.dialer.on_found(advert.node_id, advert.addresses)
 
     # ------------------------------------------------------------------ status

@@ -26,6 +26,7 @@ from gateway.request import ChatRequest
 from gateway.router import Router
 from gateway.upstream import ModelDirectory
 from mesh.errors import MeshError
+from mesh.identity import short_id
 from mesh.peer_upstream import CHAT_PATH
 from mesh.tunnel.frames import Body, BodyEnd, Data, End, ErrorCode, RequestHead, ResponseHead
 
@@ -52,7 +53,7 @@ class TunnelServer:
         try:
             await self._handle(stream, peer_id)
         except MeshError as exc:
-            log.info("request stream from %s ended early: %s", peer_id[:12], exc)
+            log.info("request stream from %s ended early: %s", short_id(peer_id), exc)
             stream.reset(ErrorCode.CANCELLED)
 
     async def _handle(self, stream, peer_id: str) -> None:

@@ -20,6 +20,7 @@ import typer
 
 from gateway.upstream import MESH_MODEL
 from mesh.cli.app import HomeOption, app, console, err_console, fail, resolve_home
+from mesh.identity import short_id
 from mesh.node_file import NodeFileError, node_file_path, read_node_file
 
 HELP_LINE = "/model NAME switches model, /models lists them, /new starts over, /quit leaves"
@@ -243,7 +244,7 @@ def _print_footer(
     route, peer = headers.get("x-route"), headers.get("x-peer")
     parts = [route] if route else []
     if peer and peer not in ("local", route):
-        parts.append(f"peer {peer[:12]}")
+        parts.append(f"peer {short_id(peer)}")
     if headers.get("x-moa-winner"):
         parts.append(f"winner {headers['x-moa-winner']}")
     if first is not None:

@@ -36,6 +36,7 @@ from mesh.errors import (
     StreamLost,
     Superseded,
 )
+from mesh.identity import short_id
 from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.frames import ErrorCode, StreamRole, Window, encode, error_name
 from mesh.tunnel.pins import Pin, peer_certificate, request_client_certificate, verify_peer
@@ -214,12 +215,12 @@ class PeerConnection:
     def _set_state(self, state: ConnectionState) -> None:
         if state is self.state:
             return
-        peer = self.peer_node_id[:12] if self.peer_node_id else "?"
+        peer = short_id(self.peer_node_id)
         log.debug("connection %s: %s -> %s", peer, self.state.value, state.value)
         self.state = state
 
     def __repr__(self) -> str:
-        peer = self.peer_node_id[:12] if self.peer_node_id else "?"
+        peer = short_id(self.peer_node_id)
         side = "out" if self.is_client else "in"
         return f"<PeerConnection {side} {peer} {self.peer_address} closed={self.is_closed}>"
 
@@ -353,7 +354,7 @@ class PeerConnection:
             if event.error_code == ErrorCode.DUPLICATE_NODE and not self._ready.done():
                 exc = DuplicateNodeError(
                     f"peer at {self.peer_address} refused us: it runs with our node id "
-                    f"{self._registry.node_id[:12]} (a copied home dir?)"
+                    f"{short_id(self._registry.node_id)} (a copied home dir?)"
                 )
                 log.error("%s", exc)
                 self._registry.report_duplicate(exc)

@@ -17,7 +17,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from mesh.errors import ConnectError, DuplicateNodeError, Superseded
-from mesh.identity import NodeIdentity
+from mesh.identity import NodeIdentity, short_id
 from mesh.tunnel.config import ALPN, DEFAULT_PORT, TunnelConfig
 from mesh.tunnel.connection import PeerConnection, TunnelProtocol
 from mesh.tunnel.frames import ErrorCode
@@ -244,7 +244,7 @@ class TunnelEndpoint:
         if decision.verdict is Verdict.REFUSE:
             return False
         if existing is not None:
-            log.info("replacing connection to %s: %s", conn.peer_node_id[:12], decision.why)
+            log.info("replacing connection to %s: %s", short_id(conn.peer_node_id), decision.why)
             existing.close(ErrorCode.SUPERSEDED, f"replaced: {decision.why}")
         self._by_node[conn.peer_node_id] = conn
         self._notify_registered()

@@ -14,7 +14,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from mesh.errors import AuthFailed, DuplicateNodeError, IdentityError
-from mesh.identity import cert_fingerprint_of, node_id_of_cert, public_key_of_cert
+from mesh.identity import cert_fingerprint_of, node_id_of_cert, public_key_of_cert, short_id
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def verify_peer(
     peer = PeerIdentity(cert, public_key, node_id_of_cert(cert), cert_fingerprint_of(cert))
     if peer.node_id == own_node_id:
         raise DuplicateNodeError(
-            f"peer at {where} runs with OUR node id {peer.node_id[:12]}: two nodes share one "
+            f"peer at {where} runs with OUR node id {short_id(peer.node_id)}: two nodes share one "
             "identity (a copied home dir?). Give one of them a fresh home dir; refusing the "
             "connection."
         )
@@ -62,7 +62,7 @@ def verify_peer(
             )
         if pin.node_id and pin.node_id.lower() != peer.node_id:
             raise AuthFailed(
-                f"node id mismatch at {where}: expected {pin.node_id[:12]}, got {peer.node_id[:12]}"
+                f"node id mismatch at {where}: expected {short_id(pin.node_id)}, got {short_id(peer.node_id)}"
             )
     return peer
 
