@@ -74,7 +74,7 @@ REGISTRY: dict[str, RegistryEntry] = {
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class StoredModel:
     """What a model directory holds, read from its config and safetensors headers."""
 
     name: str
@@ -126,7 +126,7 @@ def ensure_model(home: Path, name_or_path: str, progress: Progress | None = None
     return resolve_model(home, name_or_path)
 
 
-def list_models(home: Path) -> list[ModelInfo]:
+def list_models(home: Path) -> list[StoredModel]:
     """The complete models in the store, by name (scratch directories are not listed)."""
     root = models_dir(home)
     if not root.is_dir():
@@ -202,7 +202,7 @@ def import_gguf(
     return dest
 
 
-def describe_model(path: Path, name: str | None = None) -> ModelInfo:
+def describe_model(path: Path, name: str | None = None) -> StoredModel:
     """Architecture, parameter count, quantization, context length and size of an MLX dir."""
     config = _read_config(path)
     text_config = config.get("text_config") or {}
@@ -210,7 +210,7 @@ def describe_model(path: Path, name: str | None = None) -> ModelInfo:
     headers = [_safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
     tensors = {k: v for h in headers for k, v in h.items() if k != "__metadata__"}
     context = config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
-    return ModelInfo(
+    return StoredModel(
         name=name or path.name,
         path=path,
         architecture=str(config.get("model_type") or text_config.get("model_type") or "unknown"),
