@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -101,10 +100,6 @@ def create_app(
     recent_requests = RecentRequests()  # the console's live request table
     state.metrics.listeners.append(recent_requests.record)
 
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", ApiEndpoint(CHAT), methods=["POST"]),
         Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
@@ -119,7 +114,6 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
-        lifespan=lifespan,
         middleware=[Middleware(GatewayGuard, state=state)],
         exception_handlers={404: _http_error, 405: _http_error},
     )

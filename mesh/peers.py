@@ -91,7 +91,6 @@ class PeerTable:
         record = self.peers.get(state.node_id)
         if record is None:
             self.peers[state.node_id] = PeerRecord(state.node_id, state, PeerStatus.UP, now)
-            log.info("peer %s joined", short_id(state.node_id))
             return [PeerJoined(state.node_id)]
         if record.state.epoch == state.epoch and state.seq <= record.state.seq:
             return []  # stale or duplicate copy
@@ -103,12 +102,6 @@ class PeerTable:
         record._set_status(PeerStatus.UP)
         return events
 
-    def on_heard(self, node_id: str, now: float) -> None:
-        """Any authenticated traffic from the peer counts as a heartbeat."""
-        record = self.peers.get(node_id)
-        if record is not None:
-            record.last_seen = max(record.last_seen, now)
-
     def on_rtt(self, node_id: str, rtt_s: float) -> None:
         record = self.peers.get(node_id)
         if record is not None and rtt_s >= 0:
@@ -118,7 +111,6 @@ class PeerTable:
     def on_leave(self, node_id: str) -> list[PeerEvent]:
         if self.peers.pop(node_id, None) is None:
             return []
-        log.info("peer %s left", short_id(node_id))
         return [PeerDropped(node_id, "left")]
 
     def on_disconnected(self, node_id: str) -> list[PeerEvent]:
@@ -137,7 +129,6 @@ class PeerTable:
             silent = now - record.last_seen
             if silent >= self.drop_after_s:
                 del self.peers[node_id]
-                log.info("peer %s dropped after %.0fs of silence", short_id(node_id), silent)
                 events.append(PeerDropped(node_id, "silent"))
             elif silent >= self.down_after_s and record.status is PeerStatus.UP:
                 record._set_status(PeerStatus.DOWN)

@@ -54,7 +54,7 @@ from mesh.membership.members import (
     save_members,
 )
 from mesh.peer_upstream import PeerUpstream
-from mesh.peers import PeerTable
+from mesh.peers import PeerEvent, PeerJoined, PeerTable, PeerWentDown
 from mesh.tunnel.config import DEFAULT_PORT, TunnelConfig
 from mesh.tunnel.connection import PeerConnection
 from mesh.tunnel.endpoint import TunnelEndpoint
@@ -346,17 +346,28 @@ class MeshService:
                 if conn.close_code == ErrorCode.SHUTDOWN:  # its Leave may not have made it
                     self._on_gossip(peer_id, Leave(node_id=peer_id))
                 else:
-                    self.peers.on_disconnected(peer_id)
+                    self._log_peer_events(self.peers.on_disconnected(peer_id))
             conn.close(ErrorCode.NO_ERROR, "link ended")
+
+    @staticmethod
+    def _log_peer_events(events: list[PeerEvent]) -> None:
+        """The peer table's verdicts, as a person reading the log wants them."""
+        for event in events:
+            if isinstance(event, PeerJoined):
+                log.info("peer %s joined", short_id(event.node_id))
+            elif isinstance(event, PeerWentDown):
+                log.info("peer %s is down: %s", short_id(event.node_id), event.reason)
+            else:
+                log.info("peer %s dropped: %s", short_id(event.node_id), event.reason)
 
     def _on_gossip(self, peer_id: str, message: GossipMessage) -> None:
         now = time.monotonic()
         if isinstance(message, NodeState):
             if message.node_id == peer_id:  # a peer speaks only for itself
-                self.peers.on_state(message, now)
+                self._log_peer_events(self.peers.on_state(message, now))
         elif isinstance(message, Leave):
             if message.node_id == peer_id:
-                self.peers.on_leave(peer_id)
+                self._log_peer_events(self.peers.on_leave(peer_id))
                 self.dialer.on_left(peer_id)
         elif isinstance(message, Members):
             if self.members.merge([m for m in message.members if m.node_id != self.node_id]):
@@ -411,7 +422,7 @@ class MeshService:
         for peer_id, conn in list(self.links.items()):
             if conn.rtt is not None:
                 self.peers.on_rtt(peer_id, conn.rtt)
-        self.peers.tick(now)
+        self._log_peer_events(self.peers.tick(now))
 
     async def _broadcast(self, frame: Control) -> None:
         for peer_id, conn in list(self.links.items()):
