@@ -24,6 +24,8 @@ run: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # The console's browser tests drive Debian's Chromium: install it when missing and we are root,
 # otherwise those tests skip with the reason.

@@ -116,71 +116,98 @@ class Router:
         plan = [routes[0], *routes] if retry_first else list(routes)
         reasons: list[str] = []
         last_error: Error | None = None
-        for attempt, route in enumerate(plan, start=1):
-            if attempt > 1 and route is plan[attempt - 2]:
+        for number, route in enumerate(plan, start=1):
+            if number > 1 and route is plan[number - 2]:
                 await asyncio.sleep(self.retry_backoff_s)
-            pending_meta: dict[str, str] = {}
-            pending_usage: Usage | None = None
-            commit = CommitTracker()
-            source = route.upstream.stream(request)
-            try:
-                async for event in source:
-                    if commit.committed:
-                        yield event
-                        if isinstance(event, Done | Error):
-                            return
-                        continue
-                    if isinstance(event, Meta):
-                        pending_meta.update(event.headers)
-                        continue
-                    if isinstance(event, Usage):  # an early prompt count: a fact, not content
-                        pending_usage = event
-                        continue
-                    if isinstance(event, Progress):
-                        # A note, not content: it goes out (with the route facts known so far, so
-                        # they can reach the headers) and a retry stays possible.
-                        yield Meta(route_headers(route, attempt, reasons) | pending_meta)
-                        yield event
-                        continue
-                    if isinstance(event, Error) and commit.may_retry(event) and attempt < len(plan):
-                        reasons.append(f"{_route_label(route)}:{event.kind}")
-                        last_error = event
-                        break
+            attempt = _Attempt(route, number, reasons, last=number == len(plan))
+            async for event in attempt.run(request):
+                yield event
+            if attempt.failure is None:
+                return  # answered (or failed after the commit, which is an answer too)
+            last_error = attempt.failure
+        yield Meta(route_headers(plan[-1], len(plan), reasons) if plan else {})
+        yield last_error or Error(kind="unavailable", message="no route", retryable=True)
+
+
+@dataclass
+class _Attempt:
+    """One try on one route. ``run`` passes the answer through once it commits; before that it
+    holds route facts back and, on a failure that may be retried, stops with ``failure`` set
+    (and its reason added to ``reasons``) instead of answering."""
+
+    route: Route
+    number: int
+    reasons: list[str]
+    last: bool
+    failure: Error | None = None
+
+    async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
+        pending_meta: dict[str, str] = {}
+        pending_usage: Usage | None = None
+        commit = CommitTracker()
+        source = self.route.upstream.stream(request)
+        try:
+            async for event in source:  # until the commit
+                if isinstance(event, Meta):
+                    pending_meta.update(event.headers)
+                elif isinstance(event, Usage):  # an early prompt count: a fact, not content
+                    pending_usage = event
+                elif isinstance(event, Progress):
+                    # A note, not content: it goes out (with the route facts known so far, so
+                    # they can reach the headers) and a retry stays possible.
+                    yield Meta(self._headers() | pending_meta)
+                    yield event
+                elif isinstance(event, Error) and commit.may_retry(event) and not self.last:
+                    self._fail(event.kind, event)
+                    return
+                else:
                     commit.feed(event)
-                    yield Meta(route_headers(route, attempt, reasons) | pending_meta)
+                    yield Meta(self._headers() | pending_meta)
                     if pending_usage is not None:
                         yield pending_usage
                     yield event
-                    if isinstance(event, Done | Error):
-                        return
-                else:
-                    if commit.committed:
-                        yield Error(
-                            kind="upstream", message="upstream ended without a terminal event"
-                        )
-                        return
-                    reasons.append(f"{_route_label(route)}:eof")
-                    last_error = Error(
-                        kind="upstream", message="upstream ended before answering", retryable=True
-                    )
-            except Exception as exc:  # an upstream bug or a broken connection: translate it here
-                if commit.committed:
-                    log.warning("upstream %s failed after commit: %r", route.upstream.name, exc)
-                    yield Error(
-                        kind="upstream", message=f"upstream failed: {type(exc).__name__}: {exc}"
-                    )
+                    break
+            else:
+                ended = "upstream ended before answering"
+                self._fail("eof", Error(kind="upstream", message=ended, retryable=True))
+                return
+            if isinstance(event, Done | Error):
+                return
+            async for event in source:  # committed: straight through to the terminal
+                yield event
+                if isinstance(event, Done | Error):
                     return
-                log.info("upstream %s failed before commit: %r", route.upstream.name, exc)
-                reasons.append(f"{_route_label(route)}:{type(exc).__name__}")
-                last_error = Error(
-                    kind="unavailable", message=f"upstream failed: {exc}", retryable=True
-                )
-            finally:
-                closer = getattr(source, "aclose", None)
-                if closer is not None:
-                    await closer()
-        yield Meta(route_headers(plan[-1], len(plan), reasons) if plan else {})
-        yield last_error or Error(kind="unavailable", message="no route", retryable=True)
+            yield Error(kind="upstream", message="upstream ended without a terminal event")
+        except Exception as exc:  # an upstream bug or a broken connection: translate it here
+            answer = self._broke(exc, committed=commit.committed)
+            if answer is not None:
+                yield answer
+        finally:
+            await _close(source)
+
+    def _broke(self, exc: Exception, *, committed: bool) -> Error | None:
+        """The upstream raised: after the commit that is the answer's end; before, a retry."""
+        name = self.route.upstream.name
+        if committed:
+            log.warning("upstream %s failed after commit: %r", name, exc)
+            return Error(kind="upstream", message=f"upstream failed: {type(exc).__name__}: {exc}")
+        log.info("upstream %s failed before commit: %r", name, exc)
+        lost = Error(kind="unavailable", message=f"upstream failed: {exc}", retryable=True)
+        self._fail(type(exc).__name__, lost)
+        return None
+
+    def _headers(self) -> dict[str, str]:
+        return route_headers(self.route, self.number, self.reasons)
+
+    def _fail(self, reason: str, error: Error) -> None:
+        self.reasons.append(f"{_route_label(self.route)}:{reason}")
+        self.failure = error
+
+
+async def _close(source: AsyncIterator[Event]) -> None:
+    closer = getattr(source, "aclose", None)  # async generators have it; plain iterators not
+    if closer is not None:
+        await closer()
 
 
 def _route_label(route: Route) -> str:

@@ -144,7 +144,7 @@ async def list_models(
     return row, ids
 
 
-async def measure_request(
+async def measure_request(  # noqa: C901 - to be split (complexity gate, issue 10)
     client: httpx.AsyncClient,
     target: Target,
     *,

@@ -242,7 +242,7 @@ def _finish_reason(assembler: DeltaAssembler, done: Finished) -> str:
     return done.finish_reason
 
 
-async def _sse_frames(
+async def _sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
     engine: Engine,
     job: Job,
     assembler: DeltaAssembler,

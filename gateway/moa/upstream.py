@@ -236,7 +236,7 @@ class _Run:
         except TimeoutError:
             return None
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncIterator[Event]:  # noqa: C901 - to be split (complexity gate, issue 10)
         decisions: list[Decision] = []
         for c in self.candidates:
             decisions += self._start(c.name, c.upstream, c.request)

@@ -181,7 +181,7 @@ def encode(frame: Frame) -> bytes:
     return _HEADER.pack(ftype, len(payload)) + payload
 
 
-def _json(model: type[_JsonFrame]) -> Callable[[bytes], Frame]:
+def _json(model: type[RequestHead | ResponseHead | End | Control]) -> Callable[[bytes], Frame]:
     def parse(payload: bytes) -> Frame:
         try:
             return model.model_validate(orjson.loads(payload))
