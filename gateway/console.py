@@ -32,6 +32,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from gateway.sse import encoded_frame, named_frame
 from gateway.status import StatusSource, read_status
 from gateway.upstream import ModelDirectory
 
@@ -96,10 +97,6 @@ def console_row(data: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def sse_frame(event: str, data: Any) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
 class ConsoleFeed:
     """Decides what to send on ``/api/events``: pure, fed snapshots and the current time."""
 
@@ -124,16 +121,16 @@ class ConsoleFeed:
             encoded = orjson.dumps(status, option=orjson.OPT_SORT_KEYS)
             if encoded != self._last_status:
                 self._last_status = encoded
-                frames.append(b"event: status\ndata: " + encoded + b"\n\n")
+                frames.append(encoded_frame("status", encoded))
         for seq, row in new_requests:
             if seq > self.request_seq:
                 self.request_seq = seq
-                frames.append(sse_frame("request", row))
+                frames.append(named_frame("request", row))
         if frames:
             self._last_sent = now
         elif now - self._last_sent >= self.heartbeat_s:
             self._last_sent = now
-            frames.append(sse_frame("heartbeat", {}))
+            frames.append(named_frame("heartbeat", {}))
         return frames
 
 

@@ -23,4 +23,9 @@ def data_frame(payload: Any) -> bytes:
 
 def named_frame(event: str, payload: Any) -> bytes:
     """``event: <name>`` + ``data: <json>`` – Responses and Anthropic Messages framing."""
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+    return encoded_frame(event, orjson.dumps(payload))
+
+
+def encoded_frame(event: str, data: bytes) -> bytes:
+    """A named frame around JSON that is already encoded (one line: orjson never breaks it)."""
+    return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
