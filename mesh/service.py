@@ -488,6 +488,7 @@ class MeshService:
         now = time.monotonic()
         me = self.local_state().model_dump(exclude={"type", "seq", "epoch"})
         me |= {"mesh_id": self.mesh_id, "members": len(self.members.members)}
+        me["refused"] = dict(self.endpoint.refusals)  # strangers turned away, by reason
         peers = self.peers.snapshot(now)
         for row in peers:
             conn = self.links.get(row["node_id"])

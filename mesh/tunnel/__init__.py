@@ -2,7 +2,8 @@
 
 The asyncio/aioquic adapter around the sans-IO frame codec (``frames.py``). Modules:
 ``config.py`` (``TunnelConfig``, ALPN, default port), ``endpoint.py`` (``TunnelEndpoint``),
-``connection.py`` (``PeerConnection``), ``stream.py`` (``TunnelStream``), ``pins.py``
+``connection.py`` (``PeerConnection``), ``protocol.py`` (its aioquic protocol), ``stream.py``
+(``TunnelStream``), ``pins.py``
 (certificate pinning, node-id checks), ``testing.py`` (in-memory stream pairs for tests).
 Redialing lost peers is ``mesh/dialer.py``'s job.
 

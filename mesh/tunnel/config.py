@@ -19,5 +19,11 @@ class TunnelConfig:
     handshake_timeout: float = 10.0
     stream_window: int = 256 * 1024  # unconsumed bytes a sender may have in flight per stream
     max_held_streams: int = 16  # peer streams held while unauthenticated (each ≤ one window)
+    # Strangers get nothing: a connection not authenticated this long after it began is closed,
+    # may send at most this many request-stream bytes first, and only so many may wait at once.
+    auth_deadline: float = 15.0
+    max_preauth_bytes: int = 1 << 20
+    max_preauth_per_address: int = 8
+    max_preauth_total: int = 64
     max_datagram_size: int = 1200
     close_grace: float = 1.0  # how long close() waits for connections to finish closing

@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol
 
-from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 from cryptography import x509
@@ -39,7 +38,7 @@ from mesh.errors import (
 from mesh.identity import short_id
 from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.frames import ErrorCode, StreamRole, Window, encode, error_name
-from mesh.tunnel.pins import Pin, peer_certificate, request_client_certificate, verify_peer
+from mesh.tunnel.pins import Pin, peer_certificate, verify_peer
 from mesh.tunnel.stream import TunnelStream
 
 log = logging.getLogger(__name__)
@@ -77,6 +76,25 @@ class ConnectionRegistry(Protocol):
     def report_duplicate(self, exc: DuplicateNodeError) -> None:
         """The peer has our own node id (a copied home dir)."""
 
+    def admit_unauthenticated(self, conn: PeerConnection) -> bool:
+        """Whether one more not-yet-authenticated connection from its address may wait."""
+
+    def count_refusal(self, reason: str) -> None:
+        """A stranger was turned away (for metrics)."""
+
+
+class QuicLink(Protocol):
+    """The aioquic side of one connection (``protocol.TunnelProtocol``)."""
+
+    _quic: QuicConnection
+    last_heard: float  # loop time of the last datagram from the peer
+
+    def transmit(self) -> None: ...
+
+    def _transmit_soon(self) -> None: ...
+
+    def terminated(self) -> None: ...
+
 
 class ConnectionState(enum.Enum):
     HANDSHAKE = "handshake"  # TLS and pins, then the control stream
@@ -104,7 +122,7 @@ class PeerConnection:
     def __init__(
         self,
         registry: ConnectionRegistry,
-        protocol: TunnelProtocol,
+        protocol: QuicLink,
         is_client: bool,
         pin: Pin | None,
     ) -> None:
@@ -139,6 +157,12 @@ class PeerConnection:
         self._ping_ids = itertools.count(1)
         self._keepalive: asyncio.Task[None] | None = None
         self._lost: ConnectionLost | None = None
+        self._preauth_bytes = 0  # request-stream bytes received before authentication
+        # The deadline runs from the first packet, not from the control stream: a stranger that
+        # completes TLS and then never speaks must not hold the connection (and its memory).
+        self._auth_timer: asyncio.TimerHandle | None = self._loop.call_later(
+            self._config.auth_deadline, self._auth_expired
+        )
 
     # ---- public API ----
 
@@ -150,6 +174,11 @@ class PeerConnection:
     @property
     def is_closed(self) -> bool:
         return self._lost is not None
+
+    @property
+    def handshake_done(self) -> bool:
+        """TLS finished and the peer's certificate passed the pins."""
+        return self._handshake_done
 
     @property
     def is_ready(self) -> bool:
@@ -174,6 +203,7 @@ class PeerConnection:
             return
         if self._lost is None:
             self._set_state(ConnectionState.AUTHENTICATED)
+        self._cancel_auth_timer()
         self.authenticated.set()
         held, self._held = self._held, []
         for stream in held:
@@ -207,6 +237,24 @@ class PeerConnection:
     async def wait_ready(self) -> None:
         """Handshake done, pins checked, control stream up. Raises the ConnectError subtype."""
         await asyncio.shield(self._ready)
+
+    def _auth_expired(self) -> None:
+        self._auth_timer = None
+        if self.authenticated.is_set() or self._lost is not None:
+            return
+        self._registry.count_refusal("auth_deadline")
+        log.warning(
+            "closing %s from %s: not authenticated within %.0fs",
+            short_id(self.peer_node_id),
+            self.peer_address,
+            self._config.auth_deadline,
+        )
+        self.close(ErrorCode.AUTH_FAILED, "not authenticated in time")
+
+    def _cancel_auth_timer(self) -> None:
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
 
     def background_tasks(self) -> list[asyncio.Task[None]]:
         """Its stream handlers and keep-alive, for a shutdown that waits for them."""
@@ -265,6 +313,11 @@ class PeerConnection:
                 self._registry.report_duplicate(exc)
             self._fail_handshake(exc, code)
             return
+        if not self.is_client and not self._registry.admit_unauthenticated(self):
+            self._fail_handshake(
+                ConnectError("too many unauthenticated connections"), ErrorCode.REJECTED
+            )
+            return
         self._handshake_done = True
         if self.is_client:
             stream_id = self._next_stream_id
@@ -294,6 +347,12 @@ class PeerConnection:
         if stream is None:
             stream = self._accept_stream(event.stream_id)
             if stream is None:
+                return
+        if stream is not self.control and not self.authenticated.is_set():
+            self._preauth_bytes += len(event.data)
+            if self._preauth_bytes > self._config.max_preauth_bytes:
+                self._registry.count_refusal("preauth_bytes")
+                self.close(ErrorCode.AUTH_FAILED, "too much data before authenticating")
                 return
         stream._on_data(event.data, event.end_stream)
         if stream is self.control:
@@ -453,6 +512,7 @@ class PeerConnection:
 
     def _mark_lost(self, error: ConnectionLost) -> None:
         self._lost = error
+        self._cancel_auth_timer()
         self.close_code, self.close_reason = error.code, str(error)
         if not self._ready.done():
             err_type = _CLOSE_ERRORS.get(error.code or 0, ConnectError)
@@ -485,46 +545,3 @@ _EVENT_HANDLERS: dict[type, Callable[[PeerConnection, Any], None]] = {
     events.PingAcknowledged: PeerConnection._on_ping_ack,
     events.ConnectionTerminated: PeerConnection._on_terminated,
 }
-
-
-class TunnelProtocol(QuicConnectionProtocol):
-    """aioquic's datagram protocol, with events routed to a ``PeerConnection``."""
-
-    def __init__(
-        self,
-        quic: QuicConnection,
-        stream_handler: object = None,
-        *,
-        registry: ConnectionRegistry,
-        is_client: bool,
-        pin: Pin | None = None,
-    ) -> None:
-        super().__init__(quic)
-        if not is_client:
-            request_client_certificate(quic)
-        self.conn = PeerConnection(registry, self, is_client, pin)
-        self._is_client = is_client
-        self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
-
-    def transmit(self) -> None:
-        transport = self._transport
-        if transport is None or transport.is_closing():
-            # Our socket is gone (endpoint stopped, or the test killed it): let aioquic run
-            # its timers to the end, but nothing can be sent any more.
-            self._quic.datagrams_to_send(now=self._loop.time())
-            self._transmit_task = None
-            return
-        super().transmit()
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self.last_heard = self._loop.time()
-        super().datagram_received(data, addr)
-
-    def quic_event_received(self, event: events.QuicEvent) -> None:
-        self.conn.handle_event(event)
-
-    def terminated(self) -> None:
-        """aioquic finished closing; a dialed connection owns its UDP socket."""
-        if self._is_client and self._transport is not None:
-            self._transport.close()
-        self.conn._registry.forget(self.conn)

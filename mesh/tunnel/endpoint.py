@@ -9,6 +9,7 @@ import asyncio
 import logging
 import socket
 import ssl
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,9 +20,10 @@ from aioquic.quic.connection import QuicConnection
 from mesh.errors import ConnectError, DuplicateNodeError, Superseded
 from mesh.identity import NodeIdentity, short_id
 from mesh.tunnel.config import ALPN, DEFAULT_PORT, TunnelConfig
-from mesh.tunnel.connection import PeerConnection, TunnelProtocol
+from mesh.tunnel.connection import PeerConnection
 from mesh.tunnel.frames import ErrorCode
 from mesh.tunnel.pins import Pin
+from mesh.tunnel.protocol import TunnelProtocol
 from mesh.tunnel.registry import Link, Verdict, decide, waits_for_own_dial
 from mesh.tunnel.registry import stale_after as stale_after_for
 
@@ -54,6 +56,7 @@ class TunnelEndpoint:
         self._registered = asyncio.Event()  # set and replaced on every registration
         self._dials: dict[Pin, asyncio.Future[PeerConnection]] = {}
         self._closing = False
+        self.refusals: Counter[str] = Counter()  # strangers turned away, by reason
 
     # ---- lifecycle ----
 
@@ -300,6 +303,29 @@ class TunnelEndpoint:
         event, self._registered = self._registered, asyncio.Event()
         event.set()
 
+    def admit_unauthenticated(self, conn: PeerConnection) -> bool:
+        waiting = [c for c in self._unauthenticated() if c is not conn and c.handshake_done]
+        host = conn.peer_address[0] if conn.peer_address else None
+        if sum(1 for c in waiting if c.peer_address and c.peer_address[0] == host) >= (
+            self.config.max_preauth_per_address
+        ):
+            self.count_refusal("preauth_per_address")
+            return False
+        if len(waiting) >= self.config.max_preauth_total:
+            self.count_refusal("preauth_total")
+            return False
+        return True
+
+    def count_refusal(self, reason: str) -> None:
+        self.refusals[reason] += 1
+
+    def _unauthenticated(self) -> list[PeerConnection]:
+        return [
+            c
+            for c in self._all
+            if not c.is_client and not c.is_closed and not c.authenticated.is_set()
+        ]
+
     def forget(self, conn: PeerConnection) -> None:
         """aioquic finished closing ``conn``: drop the last reference."""
         self._all.discard(conn)
@@ -311,6 +337,14 @@ class TunnelEndpoint:
     ) -> TunnelProtocol:
         protocol = TunnelProtocol(quic, registry=self, is_client=False)
         self._all.add(protocol.conn)
+        # Before TLS even completes: a flood of new connections is refused at once (each costs
+        # a handshake's work and memory); the per-address cap waits for the peer's address.
+        if len(self._unauthenticated()) > 2 * self.config.max_preauth_total:
+            self.count_refusal("preauth_total")
+            # After aioquic has read the first packet, so the close reaches the stranger.
+            asyncio.get_running_loop().call_soon(
+                protocol.conn.close, ErrorCode.REJECTED, "too many unauthenticated connections"
+            )
         return protocol
 
     def _quic_config(self, *, is_client: bool) -> QuicConfiguration:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ from mesh.errors import (
     ConnectionLost,
     DuplicateNodeError,
     IncompleteResponse,
+    MeshError,
     ProtocolViolation,
     StreamReset,
 )
@@ -680,3 +682,72 @@ async def test_restarted_peer_replaces_the_dead_connection_at_once() -> None:
     finally:
         for endpoint in (a, b1, b2):
             await endpoint.close()
+
+
+# -- strangers get nothing: pre-authentication limits -----------------------------------------
+
+
+def _stranger_config() -> QuicConfiguration:
+    """A client with a valid self-signed Ed25519 certificate that never speaks our protocol."""
+    identity = NodeIdentity.generate()
+    config = QuicConfiguration(is_client=True, alpn_protocols=["mlx-mesh/1"])
+    config.verify_mode = ssl.CERT_NONE
+    config.certificate = identity.certificate
+    config.private_key = identity.private_key
+    return config
+
+
+def _connect_stranger(port: int):
+    return connect("127.0.0.1", port, configuration=_stranger_config(), create_protocol=_Silent)
+
+
+def _connect_stranger(port: int):
+    return connect("127.0.0.1", port, configuration=_stranger_config(), create_protocol=_Silent)
+
+
+class _Silent(QuicConnectionProtocol):
+    """Completes TLS, then says nothing; records how the server closed it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.close_codes: list[int] = []
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ConnectionTerminated):
+            self.close_codes.append(event.error_code)
+
+
+async def test_a_stranger_that_never_opens_the_control_stream_is_closed_at_the_deadline(
+    pair,
+) -> None:
+    _, b = pair
+    b.config = replace(FAST, auth_deadline=0.5)
+    async with _connect_stranger(b.port) as stranger:
+        await asyncio.wait_for(stranger.wait_closed(), 5)
+    assert stranger.close_codes == [ErrorCode.AUTH_FAILED]
+    assert b.refusals["auth_deadline"] == 1
+
+
+async def test_unauthenticated_connections_are_capped_per_address(pair) -> None:
+    _, b = pair
+    b.config = replace(FAST, max_preauth_per_address=2, auth_deadline=30.0)
+    async with contextlib.AsyncExitStack() as stack:
+        strangers = [await stack.enter_async_context(_connect_stranger(b.port)) for _ in range(3)]
+        await eventually(lambda: any(s.close_codes for s in strangers))
+        assert [s.close_codes for s in strangers] == [[], [], [ErrorCode.REJECTED]]
+    assert b.refusals["preauth_per_address"] == 1
+
+
+async def test_a_peer_that_sends_too_much_before_authenticating_is_closed(pair) -> None:
+    a, b = pair
+    b.config = replace(FAST, max_preauth_bytes=64 * 1024)
+    b.on_connection = None  # never authenticated
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    await stream.send(RequestHead(id="big", path="/x", deadline=5.0))
+    with contextlib.suppress(MeshError):
+        for _ in range(8):
+            await stream.send(Body(b"x" * 16 * 1024))
+    await asyncio.wait_for(conn.closed.wait(), 5)
+    assert conn.close_code == ErrorCode.AUTH_FAILED
+    assert b.refusals["preauth_bytes"] == 1
