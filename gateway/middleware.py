@@ -1,9 +1,11 @@
 """Pure ASGI middleware: API key, body size limit and in-flight limit, answered in the error shape
-of the API the client called (Anthropic for /v1/messages, OpenAI otherwise)."""
+of the API the client called (Anthropic for /v1/messages, OpenAI otherwise); and the last line
+behind them, which turns a bug's exception into a 500 in that shape."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import Any
 
 import orjson
@@ -11,6 +13,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.events import Error
+
+log = logging.getLogger(__name__)
 
 # The console page and its static files hold no data; they ask for the key themselves.
 _OPEN_PATHS = frozenset({"/health", "/"})
@@ -30,6 +34,44 @@ async def _send_error(
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class ServerErrorGuard:
+    """Any exception escaping the app becomes a 500 in the API's error shape, logged with its
+    traceback. It is meant for bugs: client mistakes are 4xx before they get here.
+
+    The exception stops here: re-raised, the server would drop the kept-alive connection (uvicorn
+    closes it when the app raises) along with the client's next request on it. Only a response
+    already under way is re-raised: it is cut short, so its connection has to go.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if finished:
+                return  # the client has its whole answer; the connection is fine
+            if started:
+                raise
+            error = Error(kind="internal", message=f"internal server error ({type(exc).__name__})")
+            await _send_error(scope, send, error)
 
 
 class GatewayGuard:

@@ -1,0 +1,133 @@
+"""Client mistakes get a 4xx in the API's own error shape, and the connection stays usable.
+
+One real gateway (uvicorn on loopback) over a scripted upstream; every request goes over one
+kept-alive httpx connection, and each case checks that the next good request reuses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.requests import Request
+from starlette.routing import Route
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.request import ChatRequest
+from gateway.testing import ScriptedUpstream, ServerThread, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+
+USER = [{"role": "user", "content": "x"}]
+CHAT = {"model": "m", "messages": USER}
+RESPONSES = {"model": "m", "input": "x"}
+MESSAGES = {"model": "m", "max_tokens": 4, "messages": USER}
+COUNT = {"model": "m", "messages": USER}
+
+
+class _BrokenCounter(ScriptedUpstream):
+    """An upstream whose token counter has a bug: a server fault, not a client mistake."""
+
+    async def count_tokens(self, request: ChatRequest) -> int | None:
+        raise RuntimeError("counter bug")
+
+
+async def _boom(request: Request) -> None:
+    raise RuntimeError("route bug")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), ScriptedUpstream.of(*text_script("ok")))
+    directory.add(ModelInfo(id="broken"), _BrokenCounter.of(*text_script("ok")))
+    app = create_app(
+        directory,
+        GatewayConfig(retry_backoff_ms=1),
+        extra_routes=[Route("/v1/boom", _boom, methods=["POST"])],
+    )
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, limits=httpx.Limits(max_connections=1)) as client:
+        yield client
+
+
+def _local_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def _post(http: httpx.Client, path: str, body: Any) -> httpx.Response:
+    return http.post(path, json=body)
+
+
+def assert_openai_error(response: httpx.Response, status: int = 400) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    return error
+
+
+def assert_anthropic_error(response: httpx.Response, status: int = 400) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    payload = response.json()
+    assert payload["type"] == "error"
+    assert isinstance(payload["error"]["type"], str) and payload["error"]["message"]
+    return payload["error"]
+
+
+def assert_still_serving(http: httpx.Client, bad: httpx.Response) -> None:
+    """The same kept-alive connection answers a good request after the bad one."""
+    assert "close" not in bad.headers.get("connection", "")
+    good = _post(http, "/v1/chat/completions", CHAT)
+    assert good.status_code == 200, good.text
+    assert _local_port(good) == _local_port(bad), "the server dropped the connection"
+
+
+# -- Bodies that are not objects -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
+)
+@pytest.mark.parametrize("raw", [b"", b"[]", b'"text"', b"null", b"{", b"\xff\xfe", b"12"])
+def test_bodies_that_are_not_json_objects_are_400(
+    http: httpx.Client, path: str, raw: bytes
+) -> None:
+    bad = http.post(path, content=raw, headers={"content-type": "text/plain"})
+    if path.startswith("/v1/messages"):
+        assert_anthropic_error(bad)
+    else:
+        assert_openai_error(bad)
+    assert_still_serving(http, bad)
+
+
+# -- Server bugs: a 500 in the API's shape, logged, connection kept ------------------------------
+
+
+def test_a_bug_in_a_route_is_a_json_500_logged_with_its_traceback(
+    http: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR):
+        bad = http.post("/v1/boom", json={})
+    error = assert_openai_error(bad, 500)
+    assert error["type"] == "server_error"
+    assert "route bug" not in error["message"]  # internals stay in the log
+    logged = [r for r in caplog.records if r.exc_info and "route bug" in str(r.exc_info[1])]
+    assert logged, "the traceback was not logged"
+    assert_still_serving(http, bad)
+
+
+def test_a_bug_in_count_tokens_is_an_anthropic_500(http: httpx.Client) -> None:
+    bad = _post(http, "/v1/messages/count_tokens", {**COUNT, "model": "broken"})
+    assert assert_anthropic_error(bad, 500)["type"] == "api_error"
+    assert_still_serving(http, bad)
