@@ -6,11 +6,11 @@ import time
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway import sse
 from gateway.api.common import Accumulator, new_id, place_system_messages
-from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.errors import RequestInvalid, openai_error_body, validated
 from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
 from worker.schemas import openai_usage
@@ -119,10 +119,7 @@ def _arguments(value: str | dict[str, Any]) -> str:
 
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
-    try:
-        body = ChatCompletionBody.model_validate(raw)
-    except ValidationError as exc:
-        raise RequestInvalid.from_validation(exc) from exc
+    body = validated(ChatCompletionBody, raw)
     messages = []
     for i, m in enumerate(body.messages):
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)

@@ -93,6 +93,110 @@ def assert_still_serving(http: httpx.Client, bad: httpx.Response) -> None:
     assert _local_port(good) == _local_port(bad), "the server dropped the connection"
 
 
+# -- Responses: wrong-typed tools and input items ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"tools": [{"type": "function", "name": 5}]}, "tools.0.name"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": "s"}]}, "tools.0.parameters"),
+        ({"tools": [{"type": "function", "name": "f", "description": []}]}, "tools.0.description"),
+        ({"input": [{"type": "function_call", "call_id": 1, "name": "f"}]}, "input.0.call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": None}]}, "input.0.name"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+            "input.0.arguments",
+        ),
+        ({"input": [{"type": "function_call_output", "call_id": 5}]}, "input.0.call_id"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]},
+            "input.0.output",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 1}]}]}, "input.0"),
+        ({"input": [{"type": "reasoning", "summary": "s"}]}, "input.0.summary"),
+        ({"input": ["just a string"]}, "input.0"),
+        ({"tool_choice": {"type": "function", "name": 7}}, "tool_choice"),
+    ],
+)
+def test_responses_wrong_types_are_400(
+    http: httpx.Client, extra: dict[str, Any], where: str
+) -> None:
+    bad = _post(http, "/v1/responses", {**RESPONSES, **extra})
+    error = assert_openai_error(bad)
+    assert error["message"].startswith(where), error
+    assert_still_serving(http, bad)
+
+
+# -- Messages and count_tokens: tool_result content and blocks -----------------------------------
+
+
+def _tool_result(content: Any) -> dict[str, Any]:
+    block = {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}
+    return {"role": "user", "content": [block]}
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize(
+    "message",
+    [
+        _tool_result(5),
+        _tool_result(["a", "b"]),  # not valid: the API takes a string or a list of blocks
+        _tool_result([{"type": "text", "text": 5}]),
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": 9, "content": "x"}]},
+        {"role": "user", "content": ["plain string in a block list"]},
+        {"role": "user", "content": [{"type": "text", "text": None}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": 3, "input": {}}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "f", "input": 1}],
+        },
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": 2}]},
+    ],
+)
+def test_messages_wrong_block_types_are_400(
+    http: httpx.Client, path: str, message: dict[str, Any]
+) -> None:
+    body = {**(MESSAGES if path == "/v1/messages" else COUNT), "messages": [message]}
+    bad = _post(http, path, body)
+    error = assert_anthropic_error(bad)
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("messages.0.content"), error
+    assert_still_serving(http, bad)
+
+
+def test_tool_result_with_text_blocks_is_accepted(http: httpx.Client) -> None:
+    body = {**MESSAGES, "messages": [_tool_result([{"type": "text", "text": "sunny"}])]}
+    assert _post(http, "/v1/messages", body).status_code == 200
+    assert _post(http, "/v1/messages/count_tokens", {**COUNT, **body}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"system": [{"type": "text", "text": 1}]},
+        {"system": 5},
+        {"tools": [{"name": "f", "input_schema": "nope"}]},
+        {"tools": [{"name": 1}]},
+        {"tool_choice": {"type": "banana"}},
+        {"tool_choice": {"type": "tool"}},  # a named choice needs the name
+        {"tool_choice": 3},
+        {"thinking": 5},
+        {"thinking": {"type": "enabled", "budget_tokens": "lots"}},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": "hi"},
+        {"model": 5},
+    ],
+)
+def test_count_tokens_validates_its_fields_like_messages(
+    http: httpx.Client, extra: dict[str, Any]
+) -> None:
+    for path, base in (("/v1/messages", MESSAGES), ("/v1/messages/count_tokens", COUNT)):
+        bad = _post(http, path, {**base, **extra})
+        assert_anthropic_error(bad)
+        assert_still_serving(http, bad)
+
+
 # -- Bodies that are not objects -----------------------------------------------------------------
 
 
