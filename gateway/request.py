@@ -9,6 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Integers reach the worker as JSON written by orjson, which holds 64 bits; a bigger one (JSON
+# numbers like 1e30 validate as ints) would fail there, so the client APIs' bodies refuse them.
+INT64_MAX = 2**63 - 1
+
 
 class ToolCall(BaseModel):
     id: str

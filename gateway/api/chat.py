@@ -12,8 +12,8 @@ from gateway import sse
 from gateway.api.common import Accumulator, new_id, place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body, validated
 from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
-from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
-from worker.schemas import openai_usage
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
+from worker.schemas import check_template_kwargs, openai_usage
 from worker.thinking import normalize_thinking
 
 
@@ -68,11 +68,11 @@ class ChatCompletionBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=0, le=INT64_MAX)
     min_p: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=INT64_MAX)  # OpenAI: an int64
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     stop: str | list[str] | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
@@ -85,6 +85,8 @@ class ChatCompletionBody(BaseModel):
     user: str | None = None
     metadata: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @field_validator("stop")
     @classmethod

@@ -16,7 +16,7 @@ from gateway import sse
 from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
 from gateway.api.errors import RequestInvalid, anthropic_error_body, validated
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
-from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
 
 _STOP_REASONS = {
@@ -137,11 +137,11 @@ class ConversationBody(BaseModel):
 
 
 class MessagesBody(ConversationBody):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=INT64_MAX)
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict[str, Any] | None = None
 

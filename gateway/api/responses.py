@@ -16,7 +16,7 @@ from gateway import sse
 from gateway.api.common import Accumulator, clamp_tool_name, new_id, place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body, validated
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
-from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
 
 _EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
@@ -107,7 +107,7 @@ class ResponsesBody(BaseModel):
     # Hosted-tool and ``allowed_tools`` choices are refused: no such tools are served here.
     tool_choice: Literal["none", "auto", "required"] | _FunctionChoice | None = None
     reasoning: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False

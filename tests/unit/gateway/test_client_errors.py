@@ -197,6 +197,41 @@ def test_count_tokens_validates_its_fields_like_messages(
         assert_still_serving(http, bad)
 
 
+# -- Chat Completions: template kwargs, seed -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", ["tokenize", "add_generation_prompt", "conversation", "messages", "tools"]
+)
+def test_chat_template_kwargs_that_collide_with_the_template_call_are_400(
+    http: httpx.Client, key: str
+) -> None:
+    bad = _post(http, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {key: True}})
+    error = assert_openai_error(bad)
+    assert error["param"] == "chat_template_kwargs"
+    assert repr(key) in error["message"]
+    assert_still_serving(http, bad)
+
+
+def test_chat_template_kwargs_that_are_template_variables_pass_through(
+    http: httpx.Client,
+) -> None:
+    body = {**CHAT, "chat_template_kwargs": {"enable_thinking": False, "custom_flag": [1]}}
+    assert _post(http, "/v1/chat/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("seed", [-1, 0, 2**63 - 1, -(2**63)])
+def test_seeds_in_the_documented_int64_range_are_accepted(http: httpx.Client, seed: int) -> None:
+    assert _post(http, "/v1/chat/completions", {**CHAT, "seed": seed}).status_code == 200
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30, 1.5, [1]])
+def test_seeds_outside_int64_are_400(http: httpx.Client, seed: Any) -> None:
+    bad = _post(http, "/v1/chat/completions", {**CHAT, "seed": seed})
+    assert assert_openai_error(bad)["param"] == "seed"
+    assert_still_serving(http, bad)
+
+
 # -- Bodies that are not objects -----------------------------------------------------------------
 
 
