@@ -60,6 +60,7 @@ class ChatRequest(BaseModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[int, float] = Field(default_factory=dict)  # token id → bias
     reasoning: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -59,6 +59,11 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Token id → bias added to its logit, in OpenAI's range; the worker checks the ids against its
+# vocabulary and applies it.
+_LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]]
+
+
 class ChatCompletionBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -77,6 +82,7 @@ class ChatCompletionBody(BaseModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: _LogitBias | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     stream: bool = False
@@ -168,6 +174,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
+        logit_bias=body.logit_bias or {},
         reasoning=normalize_thinking(raw),
         reasoning_effort=body.reasoning_effort,
         chat_template_kwargs=body.chat_template_kwargs or {},

@@ -1,6 +1,6 @@
 """Client mistakes that only the real worker used to catch, badly: template kwargs that collide
-with the template call and out-of-range seeds were 500s there and 502s through the gateway.
-A tiny MLX model, both servers on loopback."""
+with the template call and out-of-range seeds were 500s there and 502s through the gateway;
+``logit_bias`` was dropped by the gateway. A tiny MLX model, both servers on loopback."""
 
 from __future__ import annotations
 
@@ -77,3 +77,25 @@ def test_seeds_outside_the_workers_range_are_400(worker: tuple[str, Engine]) -> 
     for seed in (2**64, -(2**63) - 1):
         response = _chat(worker[0], seed=seed)
         assert response.status_code == 400 and response.json()["error"]["param"] == "seed"
+
+
+def test_logit_bias_reaches_the_model_through_the_gateway(
+    worker: tuple[str, Engine], gateway: str
+) -> None:
+    tokenizer = worker[1].tokenizer
+    token = tokenizer.encode("the", add_special_tokens=False)[0]
+    piece = tokenizer.decode([token])
+    plain = _chat(gateway, temperature=0)
+    biased = _chat(gateway, temperature=0, logit_bias={str(token): 100})
+    assert plain.status_code == biased.status_code == 200, biased.text
+    assert plain.json()["choices"][0]["message"]["content"] != piece * 6
+    assert biased.json()["choices"][0]["message"]["content"] == piece * 6
+
+
+def test_logit_bias_outside_the_vocabulary_is_400_through_the_gateway(
+    worker: tuple[str, Engine], gateway: str
+) -> None:
+    vocab = len(worker[1].tokenizer)
+    response = _chat(gateway, logit_bias={str(vocab + 5): 1})
+    assert response.status_code == 400, response.text
+    assert "logit_bias" in response.json()["error"]["message"]

@@ -197,7 +197,7 @@ def test_count_tokens_validates_its_fields_like_messages(
         assert_still_serving(http, bad)
 
 
-# -- Chat Completions: template kwargs, seed -----------------------------------------------------
+# -- Chat Completions: template kwargs, seed, logit_bias -----------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -229,6 +229,15 @@ def test_seeds_in_the_documented_int64_range_are_accepted(http: httpx.Client, se
 def test_seeds_outside_int64_are_400(http: httpx.Client, seed: Any) -> None:
     bad = _post(http, "/v1/chat/completions", {**CHAT, "seed": seed})
     assert assert_openai_error(bad)["param"] == "seed"
+    assert_still_serving(http, bad)
+
+
+@pytest.mark.parametrize(
+    "bias", [{"x": 1}, {"-1": 1}, {"5": 101}, {"5": -100.5}, {"5": "high"}, [1, 2], {"1.5": 1}]
+)
+def test_bad_logit_bias_is_400(http: httpx.Client, bias: Any) -> None:
+    bad = _post(http, "/v1/chat/completions", {**CHAT, "logit_bias": bias})
+    assert assert_openai_error(bad)["param"].startswith("logit_bias")
     assert_still_serving(http, bad)
 
 
