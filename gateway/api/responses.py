@@ -97,6 +97,12 @@ class _FunctionChoice(BaseModel):
     name: str
 
 
+class _Reasoning(BaseModel):
+    model_config = ConfigDict(extra="allow")  # summary, generate_summary
+
+    effort: str | None = None
+
+
 class ResponsesBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -106,7 +112,7 @@ class ResponsesBody(BaseModel):
     tools: list[_ToolIn] | None = None
     # Hosted-tool and ``allowed_tools`` choices are refused: no such tools are served here.
     tool_choice: Literal["none", "auto", "required"] | _FunctionChoice | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: _Reasoning | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = None
     top_p: float | None = None
@@ -202,7 +208,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
         if isinstance(choice, _FunctionChoice)
         else choice
     )
-    effort = (body.reasoning or {}).get("effort")
+    effort = body.reasoning.effort if body.reasoning else None
     request = ChatRequest(
         model=body.model,
         messages=place_system_messages(messages),
@@ -212,7 +218,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
         top_p=body.top_p,
         max_tokens=body.max_output_tokens,
         reasoning=normalize_thinking(raw),
-        reasoning_effort=effort if isinstance(effort, str) else None,
+        reasoning_effort=effort,
         stream=body.stream,
         session_key=body.prompt_cache_key or body.user,
         metadata=dict(body.metadata or {}),
@@ -245,7 +251,7 @@ class _Shell:
         choice: Any = body.tool_choice or "auto"
         if isinstance(choice, _FunctionChoice):
             choice = {"type": "function", "name": choice.name}
-        effort = (body.reasoning or {}).get("effort")
+        effort = body.reasoning.effort if body.reasoning else None
         self.fields: dict[str, Any] = {
             "id": self.id,
             "object": "response",

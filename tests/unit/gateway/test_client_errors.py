@@ -117,6 +117,7 @@ def assert_still_serving(http: httpx.Client, bad: httpx.Response) -> None:
         ({"input": [{"type": "reasoning", "summary": "s"}]}, "input.0.summary"),
         ({"input": ["just a string"]}, "input.0"),
         ({"tool_choice": {"type": "function", "name": 7}}, "tool_choice"),
+        ({"reasoning": {"effort": {"level": "high"}}}, "reasoning.effort"),
     ],
 )
 def test_responses_wrong_types_are_400(
