@@ -12,8 +12,10 @@ from gateway.events import Error
 _OPENAI_TYPES = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
+    "forbidden": "permission_error",
     "not_found": "not_found_error",
     "too_large": "invalid_request_error",
+    "misdirected": "invalid_request_error",
     "overloaded": "rate_limit_error",
     "unavailable": "server_error",
     "upstream": "server_error",
@@ -25,8 +27,10 @@ _OPENAI_TYPES = {
 _ANTHROPIC_TYPES = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
+    "forbidden": "permission_error",
     "not_found": "not_found_error",
     "too_large": "request_too_large",
+    "misdirected": "invalid_request_error",
     "overloaded": "rate_limit_error",
     "unavailable": "overloaded_error",
     "upstream": "api_error",
