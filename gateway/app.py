@@ -20,7 +20,7 @@ from gateway.console import RecentRequests, console_routes
 from gateway.events import Error
 from gateway.exchange import ApiEndpoint, ApiSpec, json_response
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import GatewayGuard
+from gateway.middleware import GatewayGuard, HostGuard, ServerErrorGuard
 from gateway.router import Router
 from gateway.status import StatusSource
 from gateway.upstream import ModelDirectory, Upstream
@@ -114,7 +114,11 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(GatewayGuard, state=state)],
+        middleware=[
+            Middleware(ServerErrorGuard),
+            Middleware(HostGuard, allowed_hosts=config.allowed_hosts),
+            Middleware(GatewayGuard, state=state),
+        ],
         exception_handlers={404: _http_error, 405: _http_error},
     )
     app.state.gateway = state

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from gateway import __version__
 
+# Names that always mean this machine. Any IP address literal is accepted as a Host too: a DNS
+# rebinding attack needs a name of the attacker's, so only names have to be listed.
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -20,3 +24,8 @@ class GatewayConfig:
     retry_backoff_ms: int = 750
     version: str = __version__
     request_log: Path | None = None
+    # Host names clients may call this gateway by (besides IP literals): the loopback names, plus
+    # whatever else the node is reached by (its advertised names, e.g. ``mac-mini.local``, a DNS
+    # name). A name outside it is refused (421, DNS rebinding), and so is a state-changing
+    # request from a browser page of another origin (403). "*" accepts any name.
+    allowed_hosts: frozenset[str] = LOOPBACK_NAMES

@@ -75,8 +75,10 @@ class Done:
 ErrorKind = Literal[
     "invalid_request",  # 400
     "authentication",  # 401
+    "forbidden",  # 403
     "not_found",  # 404
     "too_large",  # 413
+    "misdirected",  # 421
     "overloaded",  # 429
     "unavailable",  # 503
     "upstream",  # 502
@@ -88,8 +90,10 @@ ErrorKind = Literal[
 STATUS_BY_KIND: dict[str, int] = {
     "invalid_request": 400,
     "authentication": 401,
+    "forbidden": 403,
     "not_found": 404,
     "too_large": 413,
+    "misdirected": 421,
     "overloaded": 429,
     "unavailable": 503,
     "upstream": 502,

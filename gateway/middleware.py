@@ -1,16 +1,23 @@
-"""Pure ASGI middleware: API key, body size limit and in-flight limit, answered in the error shape
-of the API the client called (Anthropic for /v1/messages, OpenAI otherwise)."""
+"""Pure ASGI middleware: Host and Origin checks, API key, body size limit and in-flight limit,
+answered in the error shape of the API the client called (Anthropic for /v1/messages, OpenAI
+otherwise); and the last line behind them, which turns a bug's exception into a 500 in that shape."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
+from collections.abc import Collection
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.events import Error
+
+log = logging.getLogger(__name__)
 
 # The console page and its static files hold no data; they ask for the key themselves.
 _OPEN_PATHS = frozenset({"/health", "/"})
@@ -30,6 +37,130 @@ async def _send_error(
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class ServerErrorGuard:
+    """Any exception escaping the app becomes a 500 in the API's error shape, logged with its
+    traceback. It is meant for bugs: client mistakes are 4xx before they get here.
+
+    The exception stops here: re-raised, the server would drop the kept-alive connection (uvicorn
+    closes it when the app raises) along with the client's next request on it. Only a response
+    already under way is re-raised: it is cut short, so its connection has to go.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if finished:
+                return  # the client has its whole answer; the connection is fine
+            if started:
+                raise
+            error = Error(kind="internal", message=f"internal server error ({type(exc).__name__})")
+            await _send_error(scope, send, error)
+
+
+class HostGuard:
+    """Refuses what a browser can be tricked into sending to a gateway on this machine.
+
+    - DNS rebinding: a page of the attacker's, its name re-pointed at 127.0.0.1, calls the
+      gateway as a same-origin site. Its requests carry the attacker's name in ``Host``: a name
+      that is not an IP literal nor in ``allowed_hosts`` gets 421.
+    - Cross-site requests: any page may POST to ``http://127.0.0.1:9337`` (a text/plain body
+      needs no CORS preflight). A state-changing request whose ``Origin`` is not this gateway's
+      own (the console), an allowed name or a loopback address gets 403.
+
+    Clients that are not browsers send no ``Origin`` and call by an address or a name they were
+    given; a request without ``Host`` (HTTP/1.0, in-process) is not a browser's either.
+    """
+
+    _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+    def __init__(self, app: ASGIApp, *, allowed_hosts: Collection[str]) -> None:
+        self.app = app
+        self.any_host = "*" in allowed_hosts
+        self.names = frozenset(name.lower().rstrip(".") for name in allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.any_host:
+            await self.app(scope, receive, send)
+            return
+        host = origin = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1")
+            elif name == b"origin":
+                origin = value.decode("latin-1")
+        if host is not None and not self._allowed(_host_name(host)):
+            message = f"this gateway is not served as {host!r} (see allowed_hosts)"
+            await _send_error(scope, send, Error(kind="misdirected", message=message))
+            return
+        if (
+            origin is not None
+            and scope["method"] in self._STATE_CHANGING
+            and not self._origin_allowed(origin, host)
+        ):
+            message = f"requests from pages of origin {origin!r} are refused"
+            await _send_error(scope, send, Error(kind="forbidden", message=message))
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, name: str) -> bool:
+        return _is_ip_literal(name) or name in self.names
+
+    def _origin_allowed(self, origin: str, host: str | None) -> bool:
+        try:
+            parts = urlsplit(origin)
+            origin_name = parts.hostname  # lowercased, without brackets and port
+        except ValueError:
+            return False
+        if not origin_name or parts.scheme not in ("http", "https"):
+            return False  # "null" (sandboxed frames, file: pages) and the like
+        if host is not None and parts.netloc.lower() == host.lower():
+            return True  # the gateway's own pages (the console)
+        return origin_name.rstrip(".") in self.names or _is_loopback(origin_name)
+
+
+def _host_name(host: str) -> str:
+    """The name in a ``Host`` value, without the port and an IPv6 literal's brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_loopback(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class GatewayGuard:

@@ -9,6 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Integers reach the worker as JSON written by orjson, which holds 64 bits; a bigger one (JSON
+# numbers like 1e30 validate as ints) would fail there, so the client APIs' bodies refuse them.
+INT64_MAX = 2**63 - 1
+
 
 class ToolCall(BaseModel):
     id: str
@@ -56,6 +60,7 @@ class ChatRequest(BaseModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[int, float] = Field(default_factory=dict)  # token id → bias
     reasoning: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

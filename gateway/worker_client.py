@@ -91,6 +91,8 @@ def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
     body.update({k: v for k, v in optional.items() if v is not None})
     if request.stop:
         body["stop"] = request.stop
+    if request.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in request.logit_bias.items()}
     kwargs = dict(request.chat_template_kwargs)
     if request.reasoning is not None:
         kwargs.setdefault("enable_thinking", request.reasoning)

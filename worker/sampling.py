@@ -50,7 +50,8 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     if params.top_k > 0:
         filters.append(lambda x: apply_top_k(x, params.top_k))
     inverse_temperature = 1.0 / params.temperature
-    key: list[mx.array] = [] if params.seed is None else [mx.random.key(params.seed)]
+    # Keys take unsigned 64-bit seeds; a negative (signed) one maps to its two's complement.
+    key: list[mx.array] = [] if params.seed is None else [mx.random.key(params.seed % 2**64)]
 
     def sample(logprobs: mx.array) -> mx.array:
         for apply in filters:

@@ -7,6 +7,46 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+# The chat template call's own parameters (transformers' ``apply_chat_template``, mlx-lm's
+# wrapper) and the names the template is rendered with. Sent as ``chat_template_kwargs`` they
+# collide with the call ("got multiple values for keyword argument") or silently change it
+# (another template, tokenized output), so a request that names one is refused.
+TEMPLATE_CALL_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+# OpenAI documents ``seed`` as a signed 64-bit integer; the worker also takes the unsigned range
+# its PRNG keys span, so a caller that adds to a seed (mixture-of-agents samples) stays valid.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``value`` unchanged, or a ValueError naming the first key the template call owns."""
+    for key in value or ():
+        if key in TEMPLATE_CALL_ARGUMENTS:
+            raise ValueError(
+                f"{key!r} is an argument of the chat template call, not a template variable"
+            )
+    return value
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -105,7 +145,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
@@ -123,6 +163,8 @@ class ChatCompletionRequest(BaseModel):
     reasoning: dict[str, Any] | bool | None = None
     thinking: dict[str, Any] | bool | None = None
     thinking_budget: int | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @field_validator("stop")
     @classmethod

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway import sse
 from gateway.answer import Accumulator, new_id
 from gateway.api.common import place_system_messages
-from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.errors import RequestInvalid, openai_error_body, validated
 from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
-from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
-from worker.schemas import openai_usage
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
+from worker.schemas import check_template_kwargs, openai_usage
 from worker.thinking import normalize_thinking
 
 
@@ -60,6 +60,11 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Token id → bias added to its logit, in OpenAI's range; the worker checks the ids against its
+# vocabulary and applies it.
+_LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]]
+
+
 class ChatCompletionBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -69,15 +74,16 @@ class ChatCompletionBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=0, le=INT64_MAX)
     min_p: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=INT64_MAX)  # OpenAI: an int64
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     stop: str | list[str] | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: _LogitBias | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     stream: bool = False
@@ -86,6 +92,8 @@ class ChatCompletionBody(BaseModel):
     user: str | None = None
     metadata: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @field_validator("stop")
     @classmethod
@@ -120,10 +128,7 @@ def _arguments(value: str | dict[str, Any]) -> str:
 
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
-    try:
-        body = ChatCompletionBody.model_validate(raw)
-    except ValidationError as exc:
-        raise RequestInvalid.from_validation(exc) from exc
+    body = validated(ChatCompletionBody, raw)
     messages = []
     for i, m in enumerate(body.messages):
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
@@ -170,6 +175,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
+        logit_bias=body.logit_bias or {},
         reasoning=normalize_thinking(raw),
         reasoning_effort=body.reasoning_effort,
         chat_template_kwargs=body.chat_template_kwargs or {},

@@ -5,25 +5,39 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.errors import RequestInvalid
-from gateway.api.messages import MessageIn, ToolIn, error_body, messages_of, tools_of
+from gateway.api.errors import RequestInvalid, validated
+from gateway.api.messages import (
+    ConversationBody,
+    error_body,
+    messages_of,
+    tool_choice_of,
+    tools_of,
+)
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest
 from gateway.router import RouteError
+from worker.thinking import normalize_thinking
 
 
-class CountTokensBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    messages: list[MessageIn]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[ToolIn] | None = None
+def parse(raw: Any) -> ChatRequest:
+    """The body, validated like a Messages body (less what only generating takes), as the
+    1-token request whose prompt is counted; thinking and tool choice shape that prompt too."""
+    if not isinstance(raw, dict):
+        raise RequestInvalid("the request body must be a JSON object")
+    body = validated(ConversationBody, raw)
+    return ChatRequest(
+        model=body.model,
+        messages=messages_of(body),
+        tools=tools_of(body),
+        tool_choice=tool_choice_of(body),
+        reasoning=normalize_thinking(raw),
+        max_tokens=1,
+        stream=False,
+    )
 
 
 async def count_tokens(request: Request) -> Response:
@@ -33,21 +47,11 @@ async def count_tokens(request: Request) -> Response:
     """
     state = request.app.state.gateway
     try:
-        raw = orjson.loads(await request.body())
-        body = CountTokensBody.model_validate(raw)
-        chat_request = ChatRequest(
-            model=body.model,
-            messages=messages_of(body),
-            tools=tools_of(body),
-            max_tokens=1,
-            stream=False,
-        )
+        chat_request = parse(orjson.loads(await request.body()))
     except orjson.JSONDecodeError as exc:
         return error_response(
             error_body, Error(kind="invalid_request", message=f"malformed JSON: {exc}")
         )
-    except ValidationError as exc:
-        return error_response(error_body, RequestInvalid.from_validation(exc).to_error())
     except RequestInvalid as exc:
         return error_response(error_body, exc.to_error())
     try:

@@ -10,14 +10,14 @@ import hashlib
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway import sse
 from gateway.answer import Accumulator, clamp_tool_name, new_id
 from gateway.api.common import place_system_messages
-from gateway.api.errors import RequestInvalid, anthropic_error_body
+from gateway.api.errors import RequestInvalid, anthropic_error_body, validated
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
-from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
 
 _STOP_REASONS = {
@@ -25,6 +25,65 @@ _STOP_REASONS = {
     "length": "max_tokens",
     "tool_calls": "tool_use",
     "content_filter": "refusal",
+}
+
+
+class _TextBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # cache_control, citations
+
+    type: Literal["text"]
+    text: str
+
+
+class _ThinkingBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class _RedactedThinkingBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["redacted_thinking"]
+    data: str | None = None
+
+
+class _ToolUseBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["tool_use"]
+    id: str | None = None
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class _ToolResultBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    # The API takes a string or a list of content blocks; of those, text is what we read.
+    content: str | list[dict[str, Any]] = ""
+    is_error: bool = False
+
+
+# A block's schema depends on its type, so each block is validated by the model its type names
+# (errors name the block's own field, ``messages.2.content.0.content``); which types a turn may
+# hold depends on its role.
+_BLOCKS: dict[str, type[BaseModel]] = {
+    "text": _TextBlock,
+    "thinking": _ThinkingBlock,
+    "redacted_thinking": _RedactedThinkingBlock,
+    "tool_use": _ToolUseBlock,
+    "tool_result": _ToolResultBlock,
+}
+_TEXT_ONLY = ("text",)
+_ALLOWED_BLOCKS = {
+    "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
+    "user": ("text", "tool_result"),
+    "system": _TEXT_ONLY,
 }
 
 
@@ -45,101 +104,111 @@ class ToolIn(BaseModel):
     )
 
 
-class MessagesBody(BaseModel):
+class _ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")  # disable_parallel_tool_use
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> _ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise ValueError("a tool_choice of type 'tool' needs the tool's name")
+        return self
+
+
+class _Thinking(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+class ConversationBody(BaseModel):
+    """What Messages and count_tokens both take: the conversation, its tools and thinking."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[MessageIn]
-    max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[ToolIn] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: _ToolChoice | None = None
+    thinking: _Thinking | None = None
+
+
+class MessagesBody(ConversationBody):
+    max_tokens: int = Field(ge=1, le=INT64_MAX)
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    thinking: dict[str, Any] | None = None
+    top_k: int | None = Field(default=None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict[str, Any] | None = None
 
 
-def _blocks_text(content: Any, where: str) -> str:
+def _blocks(content: list[dict[str, Any]], allowed: tuple[str, ...], where: str) -> list[Any]:
+    """Each block of ``content`` validated by the model its type names; other types are 400."""
+    out = []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind not in allowed:
+            raise RequestInvalid(
+                f"{where}.{j}.type: {kind!r} is not supported here ({', '.join(allowed)})",
+                f"{where}.{j}.type",
+            )
+        out.append(validated(_BLOCKS[kind], block, f"{where}.{j}"))
+    return out
+
+
+def _blocks_text(content: str | list[dict[str, Any]], where: str) -> str:
     if isinstance(content, str):
         return content
-    out = []
-    for j, block in enumerate(content or []):
-        if block.get("type") != "text":
-            raise RequestInvalid(
-                f"{where}.{j}.type: {block.get('type')!r} is not supported here (text only)",
-                f"{where}.{j}",
-            )
-        out.append(str(block.get("text", "")))
-    return "".join(out)
+    return "".join(block.text for block in _blocks(content, _TEXT_ONLY, where))
 
 
 def _convert_message(m: MessageIn, where: str) -> list[Message]:  # noqa: C901 - to be split (complexity gate, issue 10)
     """One Anthropic message → our turns (a user turn with tool_result blocks → tool turns)."""
     if isinstance(m.content, str):
         return [Message(role=m.role, content=m.content)]
+    blocks = _blocks(m.content, _ALLOWED_BLOCKS[m.role], f"{where}.content")
     if m.role == "system":
-        return [Message(role="system", content=_blocks_text(m.content, f"{where}.content"))]
-    out: list[Message] = []
+        return [Message(role="system", content="".join(b.text for b in blocks))]
     if m.role == "assistant":
         turn = Message(role="assistant", content="")
-        for j, block in enumerate(m.content):
-            kind = block.get("type")
-            if kind == "text":
-                turn.content += str(block.get("text", ""))
-            elif kind == "thinking":
-                turn.reasoning = (turn.reasoning or "") + str(block.get("thinking", ""))
-            elif kind == "redacted_thinking":
-                continue
-            elif kind == "tool_use":
-                args = block.get("input", {})
+        for block in blocks:
+            if isinstance(block, _TextBlock):
+                turn.content += block.text
+            elif isinstance(block, _ThinkingBlock):
+                turn.reasoning = (turn.reasoning or "") + block.thinking
+            elif isinstance(block, _ToolUseBlock):
                 turn.tool_calls.append(
                     ToolCall(
-                        id=str(block.get("id") or new_id("toolu_")),
-                        name=str(block.get("name", "")),
-                        arguments=orjson.dumps(args).decode(),
+                        id=block.id or new_id("toolu_"),
+                        name=block.name,
+                        arguments=orjson.dumps(block.input).decode(),
                     )
                 )
-            else:
-                raise RequestInvalid(
-                    f"{where}.content.{j}.type: {kind!r} is not supported in an assistant turn",
-                    f"{where}.content.{j}",
-                )
         return [turn]
+    out: list[Message] = []
     text: list[str] = []
-    for j, block in enumerate(m.content):
-        kind = block.get("type")
-        if kind == "text":
-            text.append(str(block.get("text", "")))
-        elif kind == "tool_result":
-            if text:
-                out.append(Message(role="user", content="".join(text)))
-                text = []
-            body = block.get("content", "")
-            result = (
-                body
-                if isinstance(body, str)
-                else _blocks_text(body, f"{where}.content.{j}.content")
-            )
-            if block.get("is_error"):
-                result = f"Error: {result}"
-            out.append(
-                Message(role="tool", content=result, tool_call_id=str(block.get("tool_use_id", "")))
-            )
-        else:
-            raise RequestInvalid(
-                f"{where}.content.{j}.type: {kind!r} is not supported (text, tool_result)",
-                f"{where}.content.{j}",
-            )
+    for j, block in enumerate(blocks):
+        if isinstance(block, _TextBlock):
+            text.append(block.text)
+            continue
+        if text:
+            out.append(Message(role="user", content="".join(text)))
+            text = []
+        result = _blocks_text(block.content, f"{where}.content.{j}.content")
+        if block.is_error:
+            result = f"Error: {result}"
+        out.append(Message(role="tool", content=result, tool_call_id=block.tool_use_id))
     if text or not out:
         out.append(Message(role="user", content="".join(text)))
     return out
 
 
-def messages_of(body: Any) -> list[Message]:
+def messages_of(body: ConversationBody) -> list[Message]:
     """The turns of a Messages-shaped body (also used by count_tokens)."""
     messages: list[Message] = []
     if body.system:
@@ -149,33 +218,30 @@ def messages_of(body: Any) -> list[Message]:
     return place_system_messages(messages)
 
 
-def tools_of(body: Any) -> list[ToolSpec]:
+def tools_of(body: ConversationBody) -> list[ToolSpec]:
     return [
         ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
         for t in body.tools or []
     ]
 
 
-def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
+def tool_choice_of(body: ConversationBody) -> str | dict[str, Any] | None:
+    choice = body.tool_choice
     if choice is None:
         return None
-    kind = choice.get("type")
-    if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return {"auto": "auto", "any": "required", "none": "none"}.get(str(kind), "auto")
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
-    try:
-        body = MessagesBody.model_validate(raw)
-    except ValidationError as exc:
-        raise RequestInvalid.from_validation(exc) from exc
+    body = validated(MessagesBody, raw)
     metadata = dict(body.metadata or {})
     request = ChatRequest(
         model=body.model,
         messages=messages_of(body),
         tools=tools_of(body),
-        tool_choice=_tool_choice(body.tool_choice),
+        tool_choice=tool_choice_of(body),
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,

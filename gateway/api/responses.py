@@ -8,20 +8,100 @@ reasoning item with a summary (no content): the one place a client may see it be
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import sse
 from gateway.answer import Accumulator, clamp_tool_name, new_id
 from gateway.api.common import place_system_messages
-from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.errors import RequestInvalid, openai_error_body, validated
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
-from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
 
 _EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+
+
+class _Part(BaseModel):
+    """A content part; only the text kinds are read, the others are refused by their type."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str = ""
+
+
+_Content = str | list[_Part] | None
+
+
+class _MessageItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: _Content = None
+
+
+class _FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str | None = None  # JSON text, as the API carries it
+
+
+class _FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: _Content = ""
+
+
+class _ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["reasoning"]
+    content: list[_Part] | None = None
+    summary: list[_Part] | None = None
+
+
+# An item's schema depends on its type, so each item is validated by the model its type names:
+# errors then point at the item's own fields (``input.3.call_id``), not at every union member.
+_ITEMS: dict[str, type[BaseModel]] = {
+    "message": _MessageItem,
+    "function_call": _FunctionCallItem,
+    "function_call_output": _FunctionCallOutputItem,
+    "reasoning": _ReasoningItem,
+}
+
+
+class _ToolIn(BaseModel):
+    """A tool; only ``function`` tools are served, other types are refused after validation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    name: str
+
+
+class _Reasoning(BaseModel):
+    model_config = ConfigDict(extra="allow")  # summary, generate_summary
+
+    effort: str | None = None
 
 
 class ResponsesBody(BaseModel):
@@ -30,10 +110,11 @@ class ResponsesBody(BaseModel):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[_ToolIn] | None = None
+    # Hosted-tool and ``allowed_tools`` choices are refused: no such tools are served here.
+    tool_choice: Literal["none", "auto", "required"] | _FunctionChoice | None = None
+    reasoning: _Reasoning | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
@@ -43,52 +124,44 @@ class ResponsesBody(BaseModel):
     previous_response_id: str | None = None
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: _Content, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise RequestInvalid(f"{where}: expected a string or a list of content parts", where)
     out = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS:
             raise RequestInvalid(
-                f"{where}: content part type {kind!r} is not supported (text only)", where
+                f"{where}.{j}.type: content part type {part.type!r} is not supported (text only)",
+                f"{where}.{j}.type",
             )
-        out.append(str(part.get("text", "")))
+        out.append(part.text)
     return "".join(out)
 
 
 def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
     out: list[Message] = []
     pending_reasoning: str | None = None
-    for i, item in enumerate(items):
+    for i, raw in enumerate(items):
         where = f"input.{i}"
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise RequestInvalid(
-                    f"{where}.role: must be user, system, developer or assistant", f"{where}.role"
-                )
-            message = Message(
-                role="system" if role == "developer" else role,
-                content=_text(item.get("content"), f"{where}.content"),
+        kind = raw.get("type", "message" if "role" in raw else None)
+        model = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise RequestInvalid(
+                f"{where}.type: item type {kind!r} is not supported", f"{where}.type"
             )
-            if role == "assistant" and pending_reasoning is not None:
+        item = validated(model, raw, where)
+        if isinstance(item, _MessageItem):
+            message = Message(
+                role="system" if item.role == "developer" else item.role,
+                content=_text(item.content, f"{where}.content"),
+            )
+            if item.role == "assistant" and pending_reasoning is not None:
                 message.reasoning, pending_reasoning = pending_reasoning, None
             out.append(message)
-        elif kind == "function_call":
-            try:
-                call = ToolCall(
-                    id=item["call_id"], name=item["name"], arguments=item.get("arguments") or "{}"
-                )
-            except KeyError as exc:
-                raise RequestInvalid(
-                    f"{where}: function_call needs {exc.args[0]!r}", where
-                ) from exc
+        elif isinstance(item, _FunctionCallItem):
+            call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments or "{}")
             last = out[-1] if out else None
             if last is None or last.role != "assistant":
                 last = Message(role="assistant", content="")
@@ -96,27 +169,17 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
             if pending_reasoning is not None:
                 last.reasoning, pending_reasoning = pending_reasoning, None
             last.tool_calls.append(call)
-        elif kind == "function_call_output":
-            if "call_id" not in item:
-                raise RequestInvalid(f"{where}: function_call_output needs 'call_id'", where)
-            output = item.get("output", "")
-            text = output if isinstance(output, str) else _text(output, f"{where}.output")
-            out.append(Message(role="tool", content=text, tool_call_id=item["call_id"]))
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            pending_reasoning = _text(parts, f"{where}.content")
-        else:
-            raise RequestInvalid(
-                f"{where}.type: item type {kind!r} is not supported", f"{where}.type"
-            )
+        elif isinstance(item, _FunctionCallOutputItem):
+            text = _text(item.output, f"{where}.output")
+            out.append(Message(role="tool", content=text, tool_call_id=item.call_id))
+        elif isinstance(item, _ReasoningItem):
+            field = "content" if item.content else "summary"
+            pending_reasoning = _text(item.content or item.summary, f"{where}.{field}")
     return out
 
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
-    try:
-        body = ResponsesBody.model_validate(raw)
-    except ValidationError as exc:
-        raise RequestInvalid.from_validation(exc) from exc
+    body = validated(ResponsesBody, raw)
     if body.previous_response_id:
         raise RequestInvalid(
             "previous_response_id is not supported: send the whole conversation in input",
@@ -129,21 +192,24 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
         messages += _input_messages(body.input)
     tools = []
     for i, tool in enumerate(body.tools or []):
-        if tool.get("type") != "function" or not tool.get("name"):
+        if tool.type != "function" or not tool.name:
             raise RequestInvalid(
                 f"tools.{i}: only function tools with a name are supported", f"tools.{i}"
             )
         tools.append(
             ToolSpec(
-                name=tool["name"],
-                description=tool.get("description") or "",
-                parameters=tool.get("parameters") or {"type": "object", "properties": {}},
+                name=tool.name,
+                description=tool.description or "",
+                parameters=tool.parameters or {"type": "object", "properties": {}},
             )
         )
-    tool_choice = body.tool_choice
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
-    effort = (body.reasoning or {}).get("effort")
+    choice = body.tool_choice
+    tool_choice = (
+        {"type": "function", "function": {"name": choice.name}}
+        if isinstance(choice, _FunctionChoice)
+        else choice
+    )
+    effort = body.reasoning.effort if body.reasoning else None
     request = ChatRequest(
         model=body.model,
         messages=place_system_messages(messages),
@@ -153,7 +219,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
         top_p=body.top_p,
         max_tokens=body.max_output_tokens,
         reasoning=normalize_thinking(raw),
-        reasoning_effort=effort if isinstance(effort, str) else None,
+        reasoning_effort=effort,
         stream=body.stream,
         session_key=body.prompt_cache_key or body.user,
         metadata=dict(body.metadata or {}),
@@ -183,13 +249,10 @@ class _Shell:
     def __init__(self, request: ChatRequest, body: ResponsesBody) -> None:
         self.id = new_id("resp_")
         self.created_at = int(time.time())
-        choice = body.tool_choice
-        if not (
-            choice in ("none", "auto", "required")
-            or (isinstance(choice, dict) and choice.get("type") == "function")
-        ):
-            choice = "auto"
-        effort = (body.reasoning or {}).get("effort")
+        choice: Any = body.tool_choice or "auto"
+        if isinstance(choice, _FunctionChoice):
+            choice = {"type": "function", "name": choice.name}
+        effort = body.reasoning.effort if body.reasoning else None
         self.fields: dict[str, Any] = {
             "id": self.id,
             "object": "response",

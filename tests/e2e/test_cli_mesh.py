@@ -142,7 +142,7 @@ async def test_invite_endpoint_is_loopback_only_without_a_key(client, api_key, s
     app = create_app(StaticDirectory(), GatewayConfig(api_key=api_key), extra_routes=routes)
     transport = httpx.ASGITransport(app=app, client=(client, 1234))
     headers = {"authorization": "Bearer k"} if api_key else {}
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
         response = await http.post("/api/mesh/invite", json={}, headers=headers)
     assert response.status_code == status
     if status == 200:
