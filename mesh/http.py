@@ -17,13 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from mesh.membership.invite import DEFAULT_TTL_S
+from mesh.membership.invite import DEFAULT_TTL_S, MAX_TTL_S
 
 if TYPE_CHECKING:
     from mesh.service import MeshService
 
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
-MAX_TTL_S = 30 * 86400.0
 
 
 class InviteRequest(BaseModel):

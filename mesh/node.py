@@ -44,6 +44,7 @@ from worker.net import bind_socket
 log = logging.getLogger(__name__)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+MIN_KEY_LENGTH = 16  # off loopback: a key someone on the LAN cannot guess in an afternoon
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,16 @@ class NodeConfig:
 
     def check(self) -> None:
         """Refuse unsafe or impossible settings before anything starts."""
-        if self.host not in LOOPBACK and not self.gateway.api_key:
+        key = self.gateway.api_key
+        if key is not None and not key.strip():
+            raise NodeError("the API key is empty or only whitespace")
+        if self.host not in LOOPBACK and not key:
             raise NodeError(
                 f"binding {self.host} exposes the node beyond this machine: set an API key (--api-key)"
+            )
+        if self.host not in LOOPBACK and len(key.strip()) < MIN_KEY_LENGTH:  # type: ignore[union-attr]
+            raise NodeError(
+                f"binding {self.host} needs an API key of at least {MIN_KEY_LENGTH} characters"
             )
         if self.start_workers and not self.models:
             raise NodeError("no model to serve: pass --model NAME (or --no-worker)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import typer
@@ -36,6 +37,24 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     """Print one clear sentence and return an Exit to raise: no tracebacks for user errors."""
     err_console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code)
+
+
+def read_secret(value: str | None, what: str) -> str | None:
+    """A secret given as itself, as ``@FILE`` (read from that file) or ``-`` (read from stdin):
+    the last two keep it out of the process list. Surrounding whitespace is dropped."""
+    if value is None:
+        return None
+    if value == "-":
+        text = sys.stdin.readline()
+    elif value.startswith("@"):
+        path = Path(value[1:]).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise fail(f"cannot read the {what} from {path}: {exc.strerror}") from None
+    else:
+        text = value
+    return text.strip()
 
 
 def main() -> None:

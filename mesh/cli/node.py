@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from pathlib import Path
 
 import typer
 
-from mesh.cli.app import HomeOption, app, fail, resolve_home
+from mesh.cli.app import HomeOption, app, fail, read_secret, resolve_home
+
+
+def allowed_host_names(host: str, advertise: list[str], extra: list[str]) -> frozenset[str]:
+    """The names a browser may use for this gateway (the Host guard's list; IPs always pass)."""
+    from gateway.config import LOOPBACK_NAMES
+
+    machine = socket.gethostname().lower()
+    names = {machine, f"{machine}.local", *(name.lower() for name in extra)}
+    for address in [host, *(a.rpartition(":")[0] or a for a in advertise)]:
+        if address and not _is_ip(address.strip("[]")):
+            names.add(address.lower())
+    return LOOPBACK_NAMES | names
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @app.command("up")
@@ -23,7 +45,18 @@ def up_command(
         False, "--no-worker", help="Run the gateway only (no local model)."
     ),
     api_key: str | None = typer.Option(
-        None, "--api-key", envvar="MLX_MESH_API_KEY", help="Require this key (Bearer or x-api-key)."
+        None,
+        "--api-key",
+        envvar="MLX_MESH_API_KEY",
+        help="Require this key (Bearer or x-api-key); @FILE reads it from a file, - from stdin"
+        " (keeps it out of the process list). At least 16 characters off loopback.",
+    ),
+    allowed_host: list[str] = typer.Option(
+        [],
+        "--allowed-host",
+        help="Another name clients may call the gateway by (Host header); repeatable, * for any."
+        " Loopback, IP addresses, --host and --advertise names and this machine's name are"
+        " always allowed.",
     ),
     max_in_flight: int = typer.Option(
         64, "--max-in-flight", help="Concurrent requests before 429."
@@ -45,7 +78,10 @@ def up_command(
         help="model=mesh: tell Responses clients 'asking N models…' as a reasoning summary.",
     ),
     join: str | None = typer.Option(
-        None, "--join", help="Join the mesh of this invite token (from `mesh invite`)."
+        None,
+        "--join",
+        help="Join the mesh of this invite token (from `mesh invite`); @FILE reads it from a"
+        " file, - from stdin (keeps it out of the process list).",
     ),
     mesh_host: str = typer.Option(
         "0.0.0.0", "--mesh-host", help="Address for the mesh tunnel (QUIC, UDP)."
@@ -73,6 +109,8 @@ def up_command(
     from mesh.service import MeshConfig
 
     home_dir = resolve_home(home)
+    api_key = read_secret(api_key, "API key")
+    join = read_secret(join, "invite token")
     if moa_policy not in POLICIES:
         raise fail(f"unknown --moa-policy {moa_policy!r}; choose one of {', '.join(POLICIES)}")
     if moa_workers < 1:
@@ -88,6 +126,7 @@ def up_command(
             max_in_flight=max_in_flight,
             request_log=request_log or home_dir / "requests.jsonl",
             retry_backoff_ms=retry_backoff_ms,
+            allowed_hosts=allowed_host_names(host, advertise, allowed_host),
         ),
         moa=MoaConfig(policy=moa_policy, max_workers=moa_workers, progress=moa_progress),
     )

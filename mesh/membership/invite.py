@@ -12,6 +12,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import math
 import secrets
 
 import orjson
@@ -21,6 +22,7 @@ from mesh.errors import InviteError
 
 TOKEN_PREFIX = "mlxmesh1."
 DEFAULT_TTL_S = 3600.0
+MAX_TTL_S = 30 * 86400.0  # an invite is for joining soon, not a standing key
 
 
 class InviteToken(BaseModel):
@@ -96,6 +98,8 @@ def parse_ttl(text: str) -> float:
             value = float(text)
     except ValueError as exc:
         raise InviteError(f"bad ttl {text!r}: use e.g. 90s, 15m, 1h, 2d") from exc
-    if value <= 0:
-        raise InviteError("ttl must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise InviteError(f"bad ttl {text!r}: it must be a positive time, e.g. 1h")
+    if value > MAX_TTL_S:
+        raise InviteError(f"ttl {text!r} is too long: an invite lives at most 30d")
     return value

@@ -147,3 +147,31 @@ async def test_invite_endpoint_is_loopback_only_without_a_key(client, api_key, s
     assert response.status_code == status
     if status == 200:
         assert response.json()["token"] == TOKEN.encode()
+
+
+def test_up_reads_secrets_from_a_file_or_stdin_and_lists_allowed_hosts(tmp_path, monkeypatch):
+    """--api-key @FILE / --join - keep secrets out of the process list; Host names are derived."""
+    started: list = []
+    monkeypatch.setattr(
+        "mesh.node.run_mesh_node", lambda config, mesh: started.append((config, mesh))
+    )
+    key_file = tmp_path / "key"
+    key_file.write_text("a-long-enough-api-key\n")
+    result = runner.invoke(
+        app,
+        ["up", "--no-worker", "--home", str(tmp_path / "h"), "--api-key", f"@{key_file}",
+         "--join", "-", "--advertise", "mac-mini.lan:9338", "--allowed-host", "Gateway.Example"],
+        input="mlxmesh1.token-from-stdin\n",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    ((config, mesh),) = started
+    assert config.gateway.api_key == "a-long-enough-api-key"
+    assert mesh.join_token == "mlxmesh1.token-from-stdin"
+    hosts = config.gateway.allowed_hosts
+    assert {"localhost", "mac-mini.lan", "gateway.example"} <= hosts
+    assert not any(":" in h for h in hosts)
+
+
+def test_up_refuses_a_key_file_it_cannot_read(tmp_path):
+    result = runner.invoke(app, ["up", "--no-worker", "--api-key", f"@{tmp_path / 'missing'}"])
+    assert result.exit_code == 1 and "cannot read the API key" in result.output

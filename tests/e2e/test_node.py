@@ -45,8 +45,21 @@ def test_non_loopback_without_key_is_refused(tmp_path):
     with pytest.raises(NodeError, match="API key"):
         NodeConfig(home=tmp_path, models=("m",), host="0.0.0.0").check()
     NodeConfig(
-        home=tmp_path, models=("m",), host="0.0.0.0", gateway=GatewayConfig(api_key="k")
+        home=tmp_path,
+        models=("m",),
+        host="0.0.0.0",
+        gateway=GatewayConfig(api_key="a-long-enough-key"),
     ).check()
+
+
+@pytest.mark.parametrize(
+    ("host", "key"), [("0.0.0.0", "k"), ("0.0.0.0", " " * 20), ("127.0.0.1", "  ")]
+)
+def test_weak_or_blank_api_keys_are_refused(tmp_path, host, key):
+    with pytest.raises(NodeError, match="API key"):
+        NodeConfig(
+            home=tmp_path, models=("m",), host=host, gateway=GatewayConfig(api_key=key)
+        ).check()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="checks worker state through /proc")

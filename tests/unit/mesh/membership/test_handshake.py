@@ -149,7 +149,8 @@ def test_parse_ttl():
     assert parse_ttl("1h") == 3600
     assert parse_ttl("15m") == 900
     assert parse_ttl("90") == 90
-    for bad in ["", "0", "-1h", "soon"]:
+    assert parse_ttl("30d") == 30 * 86400
+    for bad in ["", "0", "-1h", "soon", "1e9d", "31d", "inf", "nan"]:
         with pytest.raises(InviteError):
             parse_ttl(bad)
 
