@@ -191,13 +191,17 @@ class WorkerClient(Upstream):
         name: str = "local",
         client: httpx.AsyncClient | None = None,
         connect_timeout_s: float = 5.0,
+        secret: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
         self.name = name
+        # The worker's per-start secret (mesh.workers): without it the worker answers 401.
+        headers = {"authorization": f"Bearer {secret}"} if secret else None
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0, pool=30.0),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
+            headers=headers,
         )
 
     async def aclose(self) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import signal
 import sys
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ from typing import Any
 
 from gateway.worker_client import WorkerClient
 from mesh.errors import NodeError
+from worker.net import SECRET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,9 @@ class WorkerProcess:
         self.options = options
         self.url: str | None = None
         self.client: WorkerClient | None = None  # made on the first start; the URL never changes
+        # Only this node knows it: another local process cannot use the worker's port to get
+        # past the gateway's API key. It travels in the environment, not the command line.
+        self.secret = secrets.token_urlsafe(32)
         self.port = 0  # 0 on the first start; the same port afterwards so routes stay valid
         self.restarts = 0
         self.process: asyncio.subprocess.Process | None = None
@@ -94,6 +100,7 @@ class WorkerProcess:
             *self._command(),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, SECRET_ENV: self.secret},
             start_new_session=True,  # Ctrl-C reaches the node, which stops the worker in order
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
@@ -107,7 +114,7 @@ class WorkerProcess:
                     self.port = int(url.rsplit(":", 1)[1])
                     self._output = asyncio.create_task(_forward(process.stdout, self.name))
                     if self.client is None:
-                        self.client = WorkerClient(url, self.name)
+                        self.client = WorkerClient(url, self.name, secret=self.secret)
                     if not await self.client.wait_ready(lambda: process.returncode is None):
                         raise NodeError(
                             f"worker at {url} exited ({process.returncode}) before it was healthy"

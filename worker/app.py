@@ -8,6 +8,7 @@ JSON body) went out; the engine makes the next request that needs it wait for it
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -19,9 +20,11 @@ import orjson
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.engine import Engine, Job
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
@@ -59,8 +62,12 @@ class BadRequest(Exception):
         self.code = code
 
 
-def create_app(engine: Engine) -> Starlette:
-    """The worker app over a started engine (the caller starts and closes the engine)."""
+def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
+    """The worker app over a started engine (the caller starts and closes the engine).
+
+    With a ``secret`` every route wants ``Authorization: Bearer <secret>``: the node gives each
+    worker it starts a random one, so no other local process can use the worker's port to get
+    past the gateway's API key."""
 
     async def chat_completions(request: Request) -> Response:
         try:
@@ -149,7 +156,7 @@ def create_app(engine: Engine) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
     app.state.engine = engine
     return app
 
@@ -372,8 +379,32 @@ def _completion_body(
     }
 
 
+class WorkerSecretGuard:
+    """Pure ASGI: a 401 for any request without the worker's secret (none set: open)."""
+
+    def __init__(self, app: ASGIApp, *, secret: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {secret}".encode() if secret else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is not None and scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(
+                    401, "this worker serves its node only", type_="authentication_error"
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def serve(
-    engine: Engine, host: str = "127.0.0.1", port: int = 9339, *, announce: bool = True
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 9339,
+    *,
+    announce: bool = True,
+    secret: str | None = None,
 ) -> None:
     """Serve ``engine`` until interrupted; prints ``worker listening on URL (model NAME)``."""
     import uvicorn
@@ -383,7 +414,7 @@ def serve(
     url = f"http://{host if ':' not in host else f'[{host}]'}:{actual_port}"
     # No lifespan handlers: "off" also keeps uvicorn from logging a traceback on Ctrl-C.
     config = uvicorn.Config(
-        create_app(engine), log_level="warning", access_log=False, lifespan="off"
+        create_app(engine, secret=secret), log_level="warning", access_log=False, lifespan="off"
     )
     server = uvicorn.Server(config)
     if announce:

@@ -1,8 +1,12 @@
-"""Listening sockets for our HTTP servers (worker, gateway, test servers)."""
+"""Listening sockets for our HTTP servers (worker, gateway, test servers), and how a node hands
+its worker the secret that guards the worker's port."""
 
 from __future__ import annotations
 
 import socket
+
+# The environment variable that carries a node-started worker's secret (see worker/app.py).
+SECRET_ENV = "MLX_MESH_WORKER_SECRET"
 
 
 def bind_socket(host: str, port: int, backlog: int = 512) -> socket.socket:

@@ -1,7 +1,9 @@
 """``python -m worker --model X [--host H] [--port N] [--home DIR] [--name NAME]``.
 
 The node supervisor starts the worker as a child process with this command line; it prints
-``worker listening on URL (model NAME)`` once the model is loaded and the port is bound.
+``worker listening on URL (model NAME)`` once the model is loaded and the port is bound. The node
+passes the worker's secret in ``$MLX_MESH_WORKER_SECRET`` (never on the command line, which
+every local user can read); then every request must carry it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import NoReturn
 
 from worker.engine import Engine, EngineError
 from worker.engine_types import EngineConfig
+from worker.net import SECRET_ENV
 
 
 def locate_model(model: str, home: Path | None) -> str:
@@ -53,6 +56,7 @@ def run(
     home: Path | None = None,
     name: str | None = None,
     prompt_cache_gb: float = 2.0,
+    secret: str | None = None,
 ) -> None:
     """Load the model and serve it until interrupted (raises EngineError if it cannot load)."""
     from worker.app import serve
@@ -63,7 +67,7 @@ def run(
     engine = Engine(path, name=served_name, config=config)
     engine.start()
     try:
-        serve(engine, host, port)
+        serve(engine, host, port, secret=secret)
     finally:
         engine.close()
 
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             home=args.home,
             name=args.name,
             prompt_cache_gb=args.prompt_cache_gb,
+            secret=os.environ.pop(SECRET_ENV, None) or None,
         )
     except (EngineError, OSError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -229,7 +229,7 @@ def make_tiny_model(
 
 @contextlib.contextmanager
 def run_worker_in_thread(
-    model_dir: str | Path, *, name: str | None = None, config: Any = None
+    model_dir: str | Path, *, name: str | None = None, config: Any = None, secret: str | None = None
 ) -> Iterator[tuple[str, Any]]:
     """Serve a model with the real worker app on 127.0.0.1 (free port) in a background thread.
 
@@ -246,7 +246,9 @@ def run_worker_in_thread(
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(create_app(engine), log_level="warning", access_log=False, lifespan="off")
+        uvicorn.Config(
+            create_app(engine, secret=secret), log_level="warning", access_log=False, lifespan="off"
+        )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

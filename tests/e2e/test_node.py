@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -89,6 +90,12 @@ def test_mesh_up_serves_restarts_and_stops_clean(tiny_model_dir, tmp_path):
             model="model", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
         assert completion.usage.completion_tokens == 3
+        # The worker's own port is no side door past the gateway: it wants the node's secret.
+        worker_url = info["workers"]["model"]["url"]
+        for path in ("/v1/models", "/health"):
+            refused = httpx.get(worker_url + path, timeout=5)
+            assert refused.status_code == 401, path
+        assert "url" not in orjson.dumps(httpx.get(info["url"] + "/health").json()).decode()
 
         worker_pid = info["workers"]["model"]["pid"]
         os.kill(worker_pid, signal.SIGKILL)

@@ -517,3 +517,20 @@ def test_non_stream_disconnect_cancels_generation(plain: tuple[str, Engine]) -> 
     wait_until(lambda: engine.stats.cancelled == before + 1 and engine.stats.in_flight == 0)
     last = [kind for kind, _ in engine.stats.events][-1]
     assert last == "cancelled"
+
+
+def test_a_worker_with_a_secret_serves_only_who_knows_it(tiny_model_dir) -> None:
+    import httpx
+
+    from worker.testing import run_worker_in_thread
+
+    with run_worker_in_thread(tiny_model_dir, name="tiny", secret="s3cret") as (url, _engine):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            refused = httpx.post(f"{url}/chat/completions", json=body, headers=headers)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["type"] == "authentication_error"
+        ok = httpx.post(
+            f"{url}/chat/completions", json=body, headers={"authorization": "Bearer s3cret"}
+        )
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
