@@ -58,11 +58,13 @@ class ConnectionRegistry(Protocol):
     @property
     def config(self) -> TunnelConfig: ...
 
-    def own_dial_to(self, incoming: PeerConnection) -> asyncio.Future[Any] | None:
-        """Our unfinished dial that ``incoming`` must wait for, if any."""
+    def hold_for(self, incoming: PeerConnection) -> asyncio.Future[Any] | None:
+        """What ``incoming`` must wait for before it may register (our own dial to the same
+        peer, or a liveness probe of the connection it would replace), if anything."""
 
-    def register(self, conn: PeerConnection) -> bool:
-        """Make ``conn`` THE connection to its peer; False if the existing one wins the tie."""
+    def register(self, conn: PeerConnection) -> ErrorCode | None:
+        """Make ``conn`` THE connection to its peer; else the code to close it with
+        (SUPERSEDED: the other connection wins the tie; DUPLICATE_NODE: a copied home dir)."""
 
     def announce(self, conn: PeerConnection) -> None:
         """``conn`` is ready: hand it to the application."""
@@ -238,6 +240,24 @@ class PeerConnection:
         """Handshake done, pins checked, control stream up. Raises the ConnectError subtype."""
         await asyncio.shield(self._ready)
 
+    def probe_alive(self, within_s: float) -> asyncio.Future[bool]:
+        """Ping now; True once anything is heard from the peer after this call, False when
+        ``within_s`` passes first (or the connection dies)."""
+        task = self._loop.create_task(self._probe(within_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _probe(self, within_s: float) -> bool:
+        start = self._loop.time()
+        self._quic.send_ping(next(self._ping_ids))  # its ack (or anything else) proves life
+        self._protocol.transmit()
+        while self._lost is None and self._loop.time() - start < within_s:
+            if self._protocol.last_heard > start:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
     def _auth_expired(self) -> None:
         self._auth_timer = None
         if self.authenticated.is_set() or self._lost is not None:
@@ -412,8 +432,8 @@ class PeerConnection:
             reason = event.reason_phrase or error_name(event.error_code)
             if event.error_code == ErrorCode.DUPLICATE_NODE and not self._ready.done():
                 exc = DuplicateNodeError(
-                    f"peer at {self.peer_address} refused us: it runs with our node id "
-                    f"{short_id(self._registry.node_id)} (a copied home dir?)"
+                    f"peer at {self.peer_address} refused us, node {short_id(self._registry.node_id)}"
+                    f": {event.reason_phrase or 'duplicate node id'} (a copied home dir?)"
                 )
                 log.error("%s", exc)
                 self._registry.report_duplicate(exc)
@@ -427,12 +447,21 @@ class PeerConnection:
     def _become_ready(self) -> None:
         if self._ready.done() or self._lost is not None:
             return
-        own_dial = self._registry.own_dial_to(self)
-        if own_dial is not None:
+        hold = self._registry.hold_for(self)
+        if hold is not None:
             self._set_state(ConnectionState.HELD)
-            own_dial.add_done_callback(lambda _dial: self._become_ready())  # decide after it
+            hold.add_done_callback(lambda _done: self._become_ready())  # decide after it
             return
-        if not self._registry.register(self):
+        refusal = self._registry.register(self)
+        if refusal == ErrorCode.DUPLICATE_NODE:
+            exc = DuplicateNodeError(
+                f"refused {short_id(self.peer_node_id)} from {self.peer_address}: a live node "
+                "with that id is already linked (a copied home dir?)"
+            )
+            log.error("%s", exc)
+            self._fail_handshake(exc, ErrorCode.DUPLICATE_NODE)
+            return
+        if refusal is not None:
             self._fail_handshake(
                 Superseded("simultaneous dial: kept the other connection"), ErrorCode.SUPERSEDED
             )

@@ -24,7 +24,7 @@ from mesh.tunnel.connection import PeerConnection
 from mesh.tunnel.frames import ErrorCode
 from mesh.tunnel.pins import Pin
 from mesh.tunnel.protocol import TunnelProtocol
-from mesh.tunnel.registry import Link, Verdict, decide, waits_for_own_dial
+from mesh.tunnel.registry import Link, Verdict, decide, needs_probe, waits_for_own_dial
 from mesh.tunnel.registry import stale_after as stale_after_for
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class TunnelEndpoint:
         self._dials: dict[Pin, asyncio.Future[PeerConnection]] = {}
         self._closing = False
         self.refusals: Counter[str] = Counter()  # strangers turned away, by reason
+        self._probes: dict[PeerConnection, asyncio.Future[bool]] = {}  # rival → probe of the old
 
     # ---- lifecycle ----
 
@@ -232,31 +233,55 @@ class TunnelEndpoint:
     def node_id(self) -> str:
         return self.identity.node_id
 
-    def register(self, conn: PeerConnection) -> bool:
-        """Make ``conn`` THE connection to its peer; False if an existing one wins the tie."""
+    def register(self, conn: PeerConnection) -> ErrorCode | None:
+        """Make ``conn`` THE connection to its peer; else the code to refuse it with."""
         assert conn.peer_node_id is not None
         self._all.add(conn)
         existing = self.connection_for(conn.peer_node_id)
         if existing is conn:
             existing = None
+        probe = self._probes.pop(conn, None)
+        answered = probe is not None and not probe.cancelled() and probe.result()
         decision = decide(
-            self._link(existing) if existing is not None else None,
+            self._link(existing, answered_probe=answered) if existing is not None else None,
             self._link(conn),
             stale_after=self.stale_after(),
         )
+        if decision.verdict is Verdict.DUPLICATE:
+            self.count_refusal("duplicate_node")
+            return ErrorCode.DUPLICATE_NODE
         if decision.verdict is Verdict.REFUSE:
-            return False
+            return ErrorCode.SUPERSEDED
         if existing is not None:
             log.info("replacing connection to %s: %s", short_id(conn.peer_node_id), decision.why)
             existing.close(ErrorCode.SUPERSEDED, f"replaced: {decision.why}")
         self._by_node[conn.peer_node_id] = conn
         self._notify_registered()
-        return True
+        return None
 
     def stale_after(self) -> float:
         return stale_after_for(self.config.ping_interval)
 
-    def own_dial_to(self, incoming: PeerConnection) -> asyncio.Future[PeerConnection] | None:
+    def hold_for(self, incoming: PeerConnection) -> asyncio.Future[object] | None:
+        return self._own_dial_to(incoming) or self._duplicate_probe(incoming)
+
+    def _duplicate_probe(self, incoming: PeerConnection) -> asyncio.Future[bool] | None:
+        """A probe of the connection ``incoming`` would replace, when only its answer can tell
+        a restarted peer from a copied home dir (``registry.needs_probe``); once per rival."""
+        if incoming in self._probes or incoming.peer_node_id is None:
+            return None
+        existing = self.connection_for(incoming.peer_node_id)
+        if existing is None or existing is incoming:
+            return None
+        if not needs_probe(
+            self._link(existing), self._link(incoming), stale_after=self.stale_after()
+        ):
+            return None
+        probe = existing.probe_alive(self.stale_after())
+        self._probes[incoming] = probe
+        return probe
+
+    def _own_dial_to(self, incoming: PeerConnection) -> asyncio.Future[PeerConnection] | None:
         """Our unfinished dial to the peer behind ``incoming``, if it must wait for it
         (``registry.waits_for_own_dial``). Dials are tracked from ``connect()`` on, before their
         socket exists."""
@@ -272,9 +297,15 @@ class TunnelEndpoint:
                 return dial
         return None
 
-    def _link(self, conn: PeerConnection) -> Link:
+    def _link(self, conn: PeerConnection, *, answered_probe: bool = False) -> Link:
         initiator = self.node_id if conn.is_client else (conn.peer_node_id or "")
-        return Link(initiator=initiator, silent_for=conn.silent_for)
+        address = conn.peer_address
+        return Link(
+            initiator=initiator,
+            silent_for=conn.silent_for,
+            address=f"{address[0]}:{address[1]}" if address else None,
+            answered_probe=answered_probe,
+        )
 
     def unregister(self, conn: PeerConnection) -> None:
         if conn.peer_node_id is not None and self._by_node.get(conn.peer_node_id) is conn:
@@ -329,6 +360,7 @@ class TunnelEndpoint:
     def forget(self, conn: PeerConnection) -> None:
         """aioquic finished closing ``conn``: drop the last reference."""
         self._all.discard(conn)
+        self._probes.pop(conn, None)
 
     # ---- aioquic plumbing ----
 

@@ -751,3 +751,48 @@ async def test_a_peer_that_sends_too_much_before_authenticating_is_closed(pair) 
     await asyncio.wait_for(conn.closed.wait(), 5)
     assert conn.close_code == ErrorCode.AUTH_FAILED
     assert b.refusals["preauth_bytes"] == 1
+
+
+# -- a copied home dir behind a hub ------------------------------------------------------------
+
+
+async def test_a_copied_home_dir_behind_a_hub_is_refused_and_the_original_kept() -> None:
+    hub = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0, config=FAST)
+    twin = NodeIdentity.generate()
+    original = TunnelEndpoint(twin, "127.0.0.1", 0, config=FAST)
+    copy = TunnelEndpoint(twin, "127.0.0.1", 0, config=FAST)  # the same key, another process
+    for endpoint in (hub, original, copy):
+        serve_with(endpoint, echo_handler)
+        await endpoint.start()
+    try:
+        kept = await original.connect("127.0.0.1", hub.port, expected_node_id=hub.node_id)
+        with pytest.raises(DuplicateNodeError, match="copied home dir"):
+            await copy.connect("127.0.0.1", hub.port, expected_node_id=hub.node_id)
+        assert hub.refusals["duplicate_node"] == 1
+        assert (await request(kept, "/still", b"here"))[-1] == End()  # the original link lives
+        assert hub.connection_for(twin.node_id) is not None and not kept.is_closed
+    finally:
+        for endpoint in (hub, original, copy):
+            await endpoint.close()
+
+
+async def test_a_peer_restarted_before_its_old_link_looks_stale_still_gets_in() -> None:
+    """The probe tells it from a copy: its old connection no longer answers."""
+    hub = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0, config=FAST)
+    me = NodeIdentity.generate()
+    before = TunnelEndpoint(me, "127.0.0.1", 0, config=FAST)
+    after = TunnelEndpoint(me, "127.0.0.1", 0, config=FAST)
+    for endpoint in (hub, before, after):
+        serve_with(endpoint, echo_handler)
+        await endpoint.start()
+    try:
+        await before.connect("127.0.0.1", hub.port, expected_node_id=hub.node_id)
+        await eventually(lambda: hub.connection_for(me.node_id) is not None)
+        for conn in before.connections:  # dies without a word: its sockets just go
+            conn._protocol._transport.close()
+        fresh = await after.connect("127.0.0.1", hub.port, expected_node_id=hub.node_id)
+        assert (await request(fresh, "/back", b"x"))[-1] == End()
+        assert hub.refusals["duplicate_node"] == 0
+    finally:
+        for endpoint in (hub, before, after):
+            await endpoint.close()

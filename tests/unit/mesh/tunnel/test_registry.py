@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.tunnel.registry import Link, Verdict, decide, stale_after, waits_for_own_dial
+from mesh.tunnel.registry import (
+    Link,
+    Verdict,
+    decide,
+    needs_probe,
+    stale_after,
+    waits_for_own_dial,
+)
 
 LOW, HIGH = "1" * 64, "f" * 64
 STALE = stale_after(1.0)
@@ -48,3 +55,24 @@ def test_only_an_incoming_dial_from_a_higher_id_waits_for_our_own_dial() -> None
     assert not waits_for_own_dial(HIGH, LOW, incoming=True)  # its dial wins anyway
     assert not waits_for_own_dial(LOW, HIGH, incoming=False)  # we dialed it ourselves
     assert not waits_for_own_dial(LOW, None, incoming=True)  # peer not identified yet
+
+
+def test_a_second_live_node_with_the_same_id_from_another_address_is_a_duplicate() -> None:
+    old = Link(initiator=HIGH, address="10.0.0.1:9338", answered_probe=True)
+    new = Link(initiator=HIGH, address="10.0.0.2:9338")
+    decision = decide(old, new, stale_after=STALE)
+    assert decision.verdict is Verdict.DUPLICATE
+    assert "10.0.0.1:9338" in decision.why and "10.0.0.2:9338" in decision.why
+
+
+def test_a_restart_is_told_from_a_duplicate_by_the_probe() -> None:
+    old = Link(initiator=HIGH, address="10.0.0.1:9338")
+    new = Link(initiator=HIGH, address="10.0.0.1:40001")  # a restart picks a new UDP port
+    assert needs_probe(old, new, stale_after=STALE)
+    assert decide(old, new, stale_after=STALE).verdict is Verdict.REPLACE  # it did not answer
+    same_place = Link(initiator=HIGH, address="10.0.0.1:9338")
+    assert not needs_probe(old, same_place, stale_after=STALE)
+    silent = Link(initiator=HIGH, address="10.0.0.1:9338", silent_for=STALE + 1)
+    assert not needs_probe(silent, new, stale_after=STALE)  # plainly dead: no need to ask
+    other_side = Link(initiator=LOW, address="10.0.0.3:9338")
+    assert not needs_probe(old, other_side, stale_after=STALE)
