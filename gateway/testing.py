@@ -222,13 +222,14 @@ class ServerThread:
     def __init__(self, app: Callable, host: str = "127.0.0.1") -> None:
         import uvicorn
 
-        from worker.net import bind_socket  # TCP_NODELAY-capable: no 40 ms delayed-ACK stalls
+        # TCP_NODELAY-capable sockets and the same read deadlines as the real servers.
+        from worker.net import bind_socket, server_limits
 
         self._sock = bind_socket(host, 0)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, **server_limits()
         )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -39,7 +39,7 @@ from mesh.identity import NodeIdentity
 from mesh.node_file import remove_node_file, write_node_file
 from mesh.service import MeshConfig, MeshService
 from mesh.workers import WorkerOptions, WorkerSupervisor
-from worker.net import bind_socket
+from worker.net import bind_socket, server_limits
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,11 @@ class Node:
         host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
         self.url = f"http://{host}:{port}"
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+            app,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            **server_limits(),
         )
         server = _NodeServer(config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.engine import Engine, Job
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
-from worker.net import bind_socket
+from worker.net import bind_socket, server_limits
 from worker.output import DeltaAssembler
 from worker.sampling import SamplingParams
 from worker.schemas import ChatCompletionRequest, describe_validation_error, openai_usage
@@ -414,7 +414,11 @@ def serve(
     url = f"http://{host if ':' not in host else f'[{host}]'}:{actual_port}"
     # No lifespan handlers: "off" also keeps uvicorn from logging a traceback on Ctrl-C.
     config = uvicorn.Config(
-        create_app(engine, secret=secret), log_level="warning", access_log=False, lifespan="off"
+        create_app(engine, secret=secret),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        **server_limits(),
     )
     server = uvicorn.Server(config)
     if announce:

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from worker.engine import Engine, EngineError
 from worker.engine_types import EngineConfig
-from worker.net import SECRET_ENV
+from worker.net import SECRET_ENV, configure_logging
 
 
 def locate_model(model: str, home: Path | None) -> str:
@@ -84,7 +84,7 @@ def exit_process(code: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         run(
             args.model,

@@ -239,7 +239,7 @@ def run_worker_in_thread(
 
     from worker.app import create_app
     from worker.engine import Engine
-    from worker.net import bind_socket
+    from worker.net import bind_socket, server_limits
 
     engine = Engine(str(model_dir), name=name, config=config)
     engine.start(timeout=120)
@@ -247,7 +247,11 @@ def run_worker_in_thread(
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(engine, secret=secret), log_level="warning", access_log=False, lifespan="off"
+            create_app(engine, secret=secret),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            **server_limits(),
         )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -107,7 +107,9 @@ def up_command(
     from mesh.errors import MeshError, NodeError
     from mesh.node import NodeConfig, run_mesh_node
     from mesh.service import MeshConfig
+    from worker.net import configure_logging
 
+    configure_logging()
     home_dir = resolve_home(home)
     api_key = read_secret(api_key, "API key")
     join = read_secret(join, "invite token")
