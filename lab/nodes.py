@@ -22,6 +22,7 @@ import httpx
 from lab.procs import ManagedProcess
 from lab.scenario import NodeSpec
 from mesh.membership.invite import decode_invite
+from mesh.node_file import NodeFileError, read_node_file
 
 # `python -c` rather than the console script: works from a checkout without an installed `mesh`.
 # Node logs (node-N.log) carry the mesh's INFO lines with times: links, dials, refusals.
@@ -184,10 +185,17 @@ async def healthy(client: httpx.AsyncClient, node: LabNode) -> bool:
 async def mint_invite(client: httpx.AsyncClient, node: LabNode) -> str:
     """An invite from ``node``: its HTTP API, else ``mesh invite --home`` (last stdout line)."""
     try:
-        response = await client.post(f"{node.url}/api/mesh/invite", json={"ttl_s": 600}, timeout=10)
+        # Admin POSTs carry the node's CSRF token, which it writes to its node.json.
+        csrf = str(read_node_file(node.home).get("csrf", ""))
+        response = await client.post(
+            f"{node.url}/api/mesh/invite",
+            json={"ttl_s": 600},
+            headers={"x-mesh-csrf": csrf},
+            timeout=10,
+        )
         if response.status_code == 200:
             return str(response.json()["token"])
-    except (httpx.HTTPError, ValueError, KeyError):
+    except (httpx.HTTPError, ValueError, KeyError, NodeFileError):
         pass  # fall back to the CLI below
     result = await asyncio.to_thread(
         subprocess.run,

@@ -63,6 +63,7 @@ class Leave(BaseModel):
 class Members(BaseModel):
     type: Literal["members"] = "members"
     members: list[Member]
+    removed: dict[str, float] = Field(default_factory=dict)  # node id → when it was removed
 
 
 GossipMessage = NodeState | Leave | Members

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -122,6 +123,7 @@ class Node:
             config.home, self.identity, self.local, mesh, load_probe=self.workers.load
         )
         self.url: str | None = None
+        self.csrf_token = secrets.token_urlsafe(24)  # for admin POSTs; in the 0600 node.json
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -137,7 +139,9 @@ class Node:
             directory,
             self.config.gateway,
             moa=MixtureOfAgents(directory, self.config.moa),
-            extra_routes=mesh_routes(self.mesh, api_key=self.config.gateway.api_key),
+            extra_routes=mesh_routes(
+                self.mesh, api_key=self.config.gateway.api_key, csrf_token=self.csrf_token
+            ),
             status=self.status,
         )
 
@@ -196,6 +200,7 @@ class Node:
             "port": port,
             "workers": self.workers.locations(),
             "models": list(self.workers.clients),
+            "csrf": self.csrf_token,
         }
         if self.config.gateway.api_key:
             info["api_key"] = self.config.gateway.api_key

@@ -246,6 +246,50 @@ class MeshService:
         save_members(self.home, self.members)
         return token
 
+    def member_rows(self) -> list[dict[str, Any]]:
+        """``mesh members list``: every member with its addresses and whether it is linked."""
+        rows = [
+            {
+                "node_id": m.node_id,
+                "addresses": m.addresses,
+                "self": m.node_id == self.node_id,
+                "connected": m.node_id in self.links,
+            }
+            for m in self.members.members.values()
+        ]
+        return sorted(rows, key=lambda row: (not row["self"], row["node_id"]))
+
+    def remove_member(self, node: str) -> str:
+        """Remove a member by node id (or a unique prefix of one): persisted, gossiped, its
+        link closed and its pin forgotten; it can come back only with a fresh invite. Returns
+        the full node id; raises ``MembershipError`` in words."""
+        wanted = node.strip().lower()
+        matches = [n for n in self.members.members if wanted and n.startswith(wanted)]
+        if not matches:
+            raise MembershipError(f"no member {node!r} in mesh {self.mesh_id}")
+        if len(matches) > 1:
+            raise MembershipError(f"{node!r} names {len(matches)} members; give more of the id")
+        (node_id,) = matches
+        if node_id == self.node_id:
+            raise MembershipError("a node cannot remove itself; remove it from another member")
+        self.members.remove(node_id, time.time())
+        save_members(self.home, self.members)
+        log.warning("removed member %s from mesh %s", short_id(node_id), self.mesh_id)
+        self._cut_off(node_id)
+        self._spawn(self._broadcast(_gossip(self._members_message())))
+        return node_id
+
+    def _cut_off(self, node_id: str) -> None:
+        """A node that is no longer a member: close its link, stop routing and dialing it."""
+        conn = self.links.get(node_id)
+        if conn is not None:
+            conn.close(ErrorCode.AUTH_FAILED, "removed from the mesh")
+        self._log_peer_events(self.peers.on_leave(node_id))
+        self.dialer.on_left(node_id)
+
+    def _members_message(self) -> Members:
+        return Members(members=list(self.members.members.values()), removed=self.members.removed)
+
     async def _join_mesh(self, token: InviteToken) -> None:
         self.admission.join = token
         problems: list[str] = []
@@ -319,8 +363,7 @@ class MeshService:
             return
         if not conn.is_client and peer_id not in self.links:
             # Tell the others about a (maybe new) member, so it can reach them too.
-            members = Members(members=list(self.members.members.values()))
-            self._spawn(self._broadcast(_gossip(members)))
+            self._spawn(self._broadcast(_gossip(self._members_message())))
         await self._run_link(conn, peer_id)
 
     async def _run_link(self, conn: PeerConnection, peer_id: str) -> None:
@@ -332,7 +375,7 @@ class MeshService:
         control = conn.control
         assert control is not None
         try:
-            await control.send(_gossip(Members(members=list(self.members.members.values()))))
+            await control.send(_gossip(self._members_message()))
             if self._last_state is not None:
                 await control.send(_gossip(self._last_state))
             while (frame := await control.recv()) is not None:
@@ -370,8 +413,15 @@ class MeshService:
                 self._log_peer_events(self.peers.on_leave(peer_id))
                 self.dialer.on_left(peer_id)
         elif isinstance(message, Members):
-            if self.members.merge([m for m in message.members if m.node_id != self.node_id]):
+            if self.node_id in message.removed and self.node_id not in self.members.removed:
+                log.error("this node was removed from mesh %s by a member", self.mesh_id)
+            others = [m for m in message.members if m.node_id != self.node_id]
+            removed = {k: v for k, v in message.removed.items() if k != self.node_id}
+            if self.members.merge(others, removed):
                 save_members(self.home, self.members)
+                for node_id in removed:
+                    if node_id not in self.members.members:
+                        self._cut_off(node_id)
 
     def _peer_upstream(self, node_id: str) -> PeerUpstream:
         async def connect() -> PeerConnection:
@@ -495,7 +545,7 @@ class MeshService:
             row["connected"] = conn is not None
             if conn is not None and conn.rtt is not None:
                 row["rtt_ms"] = round(conn.rtt * 1000, 2)
-        return {"node": me, "peers": peers}
+        return {"node": me, "peers": peers, "members": self.member_rows()}
 
 
 def _gossip(message: GossipMessage) -> Control:

@@ -6,7 +6,9 @@ import { normaliseStatus, renderNodeTable, renderTopology } from "./topology.js"
 
 const KEY_STORAGE = "mlx-mesh.api-key";
 const MODEL_STORAGE = "mlx-mesh.model";
-const INVITE_PATH = "/api/mesh/invite"; // mesh/mesh_api.py
+const INVITE_PATH = "/api/mesh/invite"; // mesh/http.py
+const REMOVE_PATH = "/api/mesh/members/remove";
+const CSRF_PATH = "/api/mesh/csrf";
 const $ = (selector) => document.querySelector(selector);
 
 // ---------------------------------------------------------------- API key and fetch
@@ -24,6 +26,21 @@ async function api(path, options = {}) {
     askForKey(key ? "That API key was refused. Enter the gateway's key." : "This gateway needs an API key.");
   }
   return response;
+}
+
+// Admin POSTs carry the node's CSRF token, read same-origin (a page on another site cannot).
+let csrfToken = null;
+
+async function adminPost(path, body) {
+  if (csrfToken === null) {
+    const response = await api(CSRF_PATH);
+    csrfToken = response.ok ? (await response.json()).token : "";
+  }
+  return api(path, {
+    method: "POST",
+    headers: { "content-type": "application/json", "x-mesh-csrf": csrfToken },
+    body: JSON.stringify(body),
+  });
 }
 
 async function errorText(response) {
@@ -313,6 +330,7 @@ function onFeedEvent({ event, data }) {
     }
     renderTopology($("#topology"), payload);
     renderNodeTable($("#nodes tbody"), payload);
+    renderMembers($("#members tbody"), payload.members || []);
     // A peer joining or leaving changes what can be chosen: refresh the model picker then.
     const { self, peers } = normaliseStatus(payload);
     const served = [self, ...peers.filter((p) => p.state === "up")].flatMap((n) => n.models);
@@ -378,11 +396,7 @@ async function createInvite() {
   box.className = "invite-result";
   box.textContent = "Creating an invite…";
   try {
-    const response = await api(INVITE_PATH, {
-      method: "POST",
-      headers: { "content-type": "application/json" },
-      body: "{}",
-    });
+    const response = await adminPost(INVITE_PATH, {});
     if (response.status === 404 || response.status === 405) {
       throw new Error(
         "This node has no invite endpoint: the mesh is not running here. Use `mesh invite` in a terminal.",
@@ -397,6 +411,37 @@ async function createInvite() {
       <code id="invite-command">${escapeHtml(command)}</code>
       <button type="button" class="ghost" id="invite-copy">Copy</button>`;
     $("#invite-copy").addEventListener("click", () => copyText($("#invite-command"), $("#invite-copy")));
+  } catch (err) {
+    box.className = "invite-result error";
+    box.textContent = err.message || String(err);
+  }
+}
+
+// ---------------------------------------------------------------- members
+
+function renderMembers(tbody, members) {
+  tbody.innerHTML = members
+    .map((m) => {
+      const link = m.self ? "this node" : m.connected ? "linked" : "–";
+      const button = m.self
+        ? ""
+        : `<button type="button" class="ghost" data-remove="${escapeHtml(m.node_id)}">Remove</button>`;
+      return `<tr><td title="${escapeHtml(m.node_id)}">${escapeHtml(m.node_id.slice(0, 16))}</td>
+        <td>${escapeHtml((m.addresses || []).join(", "))}</td><td>${link}</td><td>${button}</td></tr>`;
+    })
+    .join("");
+}
+
+async function removeMember(nodeId) {
+  const box = $("#members-result");
+  if (!confirm(`Remove ${nodeId.slice(0, 16)} from the mesh? It can come back only with a new invite.`)) return;
+  box.hidden = false;
+  box.className = "invite-result";
+  box.textContent = "Removing…";
+  try {
+    const response = await adminPost(REMOVE_PATH, { node: nodeId });
+    if (!response.ok) throw new Error(await errorText(response));
+    box.textContent = `Removed ${nodeId.slice(0, 16)}: every member drops it.`;
   } catch (err) {
     box.className = "invite-result error";
     box.textContent = err.message || String(err);
@@ -421,6 +466,10 @@ setupTabs();
 setupKeyDialog();
 setupChat();
 $("#invite-button").addEventListener("click", createInvite);
+$("#members").addEventListener("click", (event) => {
+  const nodeId = event.target?.dataset?.remove;
+  if (nodeId) removeMember(nodeId);
+});
 renderTopology($("#topology"), { node: { name: "this node" }, peers: [] });
 loadModels();
 loadRequests();

@@ -34,6 +34,7 @@ class ChatError(Exception):
 class NodeAddress:
     url: str
     api_key: str | None = None
+    csrf: str | None = None  # the node's token for admin POSTs (mesh invite, members remove)
 
 
 def find_node(home: Path) -> NodeAddress:
@@ -48,7 +49,9 @@ def find_node(home: Path) -> NodeAddress:
             f"the node recorded in {node_file_path(home)} (pid {pid}) is not running; "
             "start it with `mesh up`"
         )
-    return NodeAddress(url=info["url"].rstrip("/"), api_key=info.get("api_key"))
+    return NodeAddress(
+        url=info["url"].rstrip("/"), api_key=info.get("api_key"), csrf=info.get("csrf")
+    )
 
 
 def _base_url(url: str) -> str:

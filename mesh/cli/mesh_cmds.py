@@ -19,7 +19,8 @@ from rich.table import Table
 from mesh.cli.app import HomeOption, app, console, fail, resolve_home
 
 
-def _call(home: Path, method: str, path: str, body: dict | None = None) -> Any:
+def call_node(home: Path, method: str, path: str, body: dict | None = None) -> Any:
+    """Call the running node's HTTP API (found through node.json); one sentence on failure."""
     from mesh.cli.chat import ChatError, find_node
 
     try:
@@ -27,6 +28,8 @@ def _call(home: Path, method: str, path: str, body: dict | None = None) -> Any:
     except ChatError as exc:
         raise fail(str(exc)) from exc
     headers = {"authorization": f"Bearer {node.api_key}"} if node.api_key else {}
+    if node.csrf:
+        headers["x-mesh-csrf"] = node.csrf
     try:
         response = httpx.request(method, node.url + path, json=body, headers=headers, timeout=10.0)
     except httpx.HTTPError as exc:
@@ -71,7 +74,7 @@ def invite_command(
         ttl_s = parse_ttl(ttl)
     except InviteError as exc:
         raise fail(str(exc)) from exc
-    data = _call(resolve_home(home), "POST", "/api/mesh/invite", {"ttl_s": ttl_s})
+    data = call_node(resolve_home(home), "POST", "/api/mesh/invite", {"ttl_s": ttl_s})
     minutes = max(0.0, (data.get("expires_at", 0) - time.time()) / 60)
     console.print(
         f"one-use invite, valid {minutes:.0f} min; on the new node run: mesh up --join TOKEN",
@@ -86,7 +89,7 @@ def status_command(
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON status."),
 ) -> None:
     """Show this node and every peer: models, load, RTT, last seen, state."""
-    data = _call(resolve_home(home), "GET", "/api/status")
+    data = call_node(resolve_home(home), "GET", "/api/status")
     if as_json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return

@@ -47,13 +47,21 @@ class MeshCredentials(BaseModel):
 
 
 class MemberStore(BaseModel):
-    """Members and outstanding invites. :func:`save_members` writes it."""
+    """Members, removed members and outstanding invites. :func:`save_members` writes it.
+
+    A removed member leaves a tombstone (node id → Unix time of the removal) that travels in
+    gossip, so no member's stale copy brings it back. Only a newer first-hand entry – the node
+    joined again with a fresh invite – outranks the tombstone."""
 
     members: dict[str, Member] = Field(default_factory=dict)
     invites: dict[str, InviteRecord] = Field(default_factory=dict)  # secret digest → record
+    removed: dict[str, float] = Field(default_factory=dict)  # node id → when it was removed
 
     def add_member(self, member: Member) -> bool:
         """Add or refresh one member; True when something changed. A key never changes."""
+        if self.removed.get(member.node_id, float("-inf")) >= member.updated_at:
+            return False  # removed after this entry was made: stays out
+        self.removed.pop(member.node_id, None)
         known = self.members.get(member.node_id)
         if known is not None and known.public_key != member.public_key:
             return False
@@ -65,8 +73,22 @@ class MemberStore(BaseModel):
         self.members[member.node_id] = member
         return True
 
-    def merge(self, members: list[Member]) -> bool:
+    def remove(self, node_id: str, now: float) -> bool:
+        """Take ``node_id`` out of the mesh (and keep it out); True when it was a member."""
+        was_member = self.members.pop(node_id, None) is not None
+        self.removed[node_id] = max(now, self.removed.get(node_id, now))
+        return was_member
+
+    def merge(self, members: list[Member], removed: dict[str, float] | None = None) -> bool:
+        """Fold another member's view in: its tombstones first, then its members."""
         changed = False
+        for node_id, when in (removed or {}).items():
+            known = self.members.get(node_id)
+            if known is not None and known.updated_at > when:
+                continue  # it joined again after that removal
+            if known is not None or self.removed.get(node_id, float("-inf")) < when:
+                self.remove(node_id, when)
+                changed = True
         for member in members:
             if node_id_of(bytes.fromhex(member.public_key)) != member.node_id:
                 continue  # a member entry whose id is not its key's hash is garbage

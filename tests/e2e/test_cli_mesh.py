@@ -118,11 +118,46 @@ def test_id_creates_and_keeps_the_identity(tmp_path):
 
 
 class _StubService:
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
     def status(self) -> dict:
         return STATUS
 
     def create_invite(self, ttl_s: float):
         return TOKEN
+
+    def member_rows(self) -> list[dict]:
+        return [
+            {"node_id": "a" * 64, "addresses": ["10.0.0.1:9338"], "self": True},
+            {"node_id": "b" * 64, "addresses": ["10.0.0.2:9338"], "connected": True},
+        ]
+
+    def remove_member(self, node: str) -> str:
+        from mesh.errors import MembershipError
+
+        if not ("b" * 64).startswith(node):
+            raise MembershipError(f"no member {node!r} in mesh m1")
+        self.removed.append("b" * 64)
+        return "b" * 64
+
+
+def test_members_list_and_remove_through_the_running_node(tmp_path):
+    from mesh.http import mesh_routes
+
+    service = _StubService()
+    routes = mesh_routes(service, api_key=None, csrf_token="t0ken")
+    with ServerThread(create_app(StaticDirectory(), extra_routes=routes)) as server:
+        info = {"url": server.url, "pid": os.getpid(), "csrf": "t0ken"}
+        (tmp_path / "node.json").write_bytes(orjson.dumps(info))
+        listed = runner.invoke(app, ["members", "list", "--home", str(tmp_path)])
+        assert listed.exit_code == 0, listed.output
+        assert "this node" in listed.output and "linked" in listed.output
+        removed = runner.invoke(app, ["members", "remove", "bbbb", "--home", str(tmp_path)])
+        assert removed.exit_code == 0, removed.output
+        assert service.removed == ["b" * 64] and "removed" in removed.output
+        unknown = runner.invoke(app, ["members", "remove", "cccc", "--home", str(tmp_path)])
+        assert unknown.exit_code == 1 and "no member 'cccc'" in unknown.output
 
 
 @pytest.mark.parametrize(
@@ -138,15 +173,40 @@ async def test_invite_endpoint_is_loopback_only_without_a_key(client, api_key, s
 
     from mesh.http import mesh_routes
 
-    routes = mesh_routes(_StubService(), api_key=api_key)
+    routes = mesh_routes(_StubService(), api_key=api_key, csrf_token="t0ken")
     app = create_app(StaticDirectory(), GatewayConfig(api_key=api_key), extra_routes=routes)
     transport = httpx.ASGITransport(app=app, client=(client, 1234))
-    headers = {"authorization": "Bearer k"} if api_key else {}
+    headers = {"authorization": "Bearer k"} if api_key else {"x-mesh-csrf": "t0ken"}
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
         response = await http.post("/api/mesh/invite", json={}, headers=headers)
     assert response.status_code == status
     if status == 200:
         assert response.json()["token"] == TOKEN.encode()
+
+
+@pytest.mark.parametrize(
+    ("content_type", "csrf", "status"),
+    [
+        ("text/plain", "t0ken", 415),  # a cross-site form or fetch without preflight
+        ("application/json", None, 403),  # a page that cannot read the node's token
+        ("application/json", "wrong", 403),
+        ("application/json", "t0ken", 200),
+    ],
+)
+async def test_admin_posts_need_json_and_the_csrf_token_without_a_key(content_type, csrf, status):
+    import httpx
+
+    from mesh.http import mesh_routes
+
+    routes = mesh_routes(_StubService(), api_key=None, csrf_token="t0ken")
+    app = create_app(StaticDirectory(), GatewayConfig(), extra_routes=routes)
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 1234))
+    headers = {"content-type": content_type} | ({"x-mesh-csrf": csrf} if csrf else {})
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+        response = await http.post("/api/mesh/invite", content=b"{}", headers=headers)
+        assert response.status_code == status
+        token = (await http.get("/api/mesh/csrf")).json()["token"]
+    assert token == "t0ken"
 
 
 def test_up_reads_secrets_from_a_file_or_stdin_and_lists_allowed_hosts(tmp_path, monkeypatch):

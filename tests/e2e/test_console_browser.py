@@ -339,6 +339,18 @@ def test_two_node_mesh_topology_forwarded_chat_and_invite(browser, tmp_path: Pat
             footer = page.locator(".msg.assistant .footer").inner_text()
             assert "peer" in footer and a.service.node_id[:12] in footer
             assert worker.calls == 1
+
+            # The Mesh tab lists the members and removes one (through the CSRF-guarded POST).
+            page.click("[data-tab='mesh']")
+            members = page.locator("#members tbody")
+            page.wait_for_function("document.querySelectorAll('#members tbody tr').length === 2")
+            assert "this node" in members.inner_text()
+            page.on("dialog", lambda dialog: dialog.accept())
+            page.click(f"[data-remove='{a.service.node_id}']")
+            page.wait_for_function(
+                "document.querySelector('#members-result').textContent.startsWith('Removed')"
+            )
+            page.wait_for_function("document.querySelectorAll('#members tbody tr').length === 1")
     context.close()
 
 

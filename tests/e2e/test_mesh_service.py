@@ -331,7 +331,9 @@ async def test_status_and_invite_endpoints(mesh):
     from mesh.http import mesh_routes
 
     a, b, _ = await _pair(mesh)
-    app = create_app(b.directory, extra_routes=mesh_routes(b, api_key=None), status=b.status)
+    routes = mesh_routes(b, api_key=None, csrf_token="t0ken")
+    app = create_app(b.directory, extra_routes=routes, status=b.status)
+    admin = [("content-type", "application/json"), ("x-mesh-csrf", "t0ken")]
     status = await asgi_request(app, "GET", "/api/status")
     assert status.status == 200
     body = status.json()
@@ -339,11 +341,11 @@ async def test_status_and_invite_endpoints(mesh):
     assert [p["node_id"] for p in body["peers"]] == [a.node_id]
     models = await asgi_request(app, "GET", "/v1/models")
     assert [m["id"] for m in models.json()["data"]] == ["tiny"]
-    invite = await asgi_request(app, "POST", "/api/mesh/invite", {"ttl_s": 120})
+    invite = await asgi_request(app, "POST", "/api/mesh/invite", {"ttl_s": 120}, headers=admin)
     token = decode_invite(invite.json()["token"])
     assert token.inviter == b.node_id and token.mesh_id == a.mesh_id
     assert token.addresses == b.addresses
-    bad = await asgi_request(app, "POST", "/api/mesh/invite", {"ttl_s": -1})
+    bad = await asgi_request(app, "POST", "/api/mesh/invite", {"ttl_s": -1}, headers=admin)
     assert bad.status == 400
 
 
@@ -388,3 +390,24 @@ async def test_client_going_away_stops_the_peers_worker(mesh):
     await _until(lambda: worker.cancelled == 1)
     await _until(lambda: b.tunnel_server.active == 0)
     assert a.peers.peers[b.node_id].outstanding == 0
+
+
+async def test_a_removed_member_is_dropped_everywhere_and_cannot_come_back(mesh, tmp_path):
+    a, b, _ = await _pair(mesh)
+    c = await mesh("c", join_token=a.create_invite(60).encode())
+    await _until(lambda: c.node_id in b.links and c.node_id in a.links)
+    with pytest.raises(MembershipError, match="cannot remove itself"):
+        a.remove_member(a.node_id)
+    with pytest.raises(MembershipError, match="no member"):
+        a.remove_member("ffff")
+    assert a.remove_member(c.node_id[:10]) == c.node_id  # a prefix is enough
+    # Gossiped: B drops it too; both close its links and refuse it from now on.
+    await _until(lambda: c.node_id not in b.members.members and c.node_id in b.members.removed)
+    await _until(lambda: c.node_id not in a.links and c.node_id not in b.links)
+    assert c.node_id not in load_members(tmp_path / "a").members  # persisted
+    assert c.node_id in load_members(tmp_path / "b").removed
+    await asyncio.sleep(1.0)  # C keeps redialing with its old credentials: refused each time
+    assert c.node_id not in a.links and c.node_id not in b.links
+    rows = a.member_rows()
+    assert [r["node_id"] for r in rows] == [a.node_id, b.node_id] and rows[0]["self"]
+    assert a.status()["members"] == rows

@@ -442,3 +442,36 @@ def test_store_keeps_the_newest_addresses(store):
     newer = member.member(["10.0.0.3:9338"]).model_copy(update={"updated_at": 300.0})
     assert store.merge([newer])
     assert store.members[member.node_id].addresses == ["10.0.0.3:9338"]
+
+
+# --------------------------------------------------------------------------- removal
+
+
+def _member(key: KeySigner, at: float, address: str = "10.0.0.9:9338") -> Member:
+    member = key.member([address])
+    return member.model_copy(update={"updated_at": at})
+
+
+def test_a_removed_member_stays_out_of_every_merge_of_older_copies():
+    store, key = MemberStore(), KeySigner()
+    store.add_member(_member(key, at=100.0))
+    assert store.remove(key.node_id, now=200.0)
+    assert key.node_id not in store.members and store.removed == {key.node_id: 200.0}
+    assert not store.merge([_member(key, at=150.0)])  # a stale copy from a peer's gossip
+    assert not store.add_member(_member(key, at=200.0))
+    assert key.node_id not in store.members
+
+
+def test_a_tombstone_travels_but_a_later_rejoin_wins():
+    key = KeySigner()
+    here, there = MemberStore(), MemberStore()
+    here.add_member(_member(key, at=100.0))
+    there.add_member(_member(key, at=100.0))
+    here.remove(key.node_id, now=200.0)
+    assert there.merge(list(here.members.values()), here.removed)
+    assert key.node_id not in there.members and there.removed[key.node_id] == 200.0
+    assert not there.merge([], here.removed)  # the same news again changes nothing
+    rejoined = _member(key, at=300.0)  # a fresh invite, first-hand
+    assert here.add_member(rejoined) and key.node_id not in here.removed
+    assert there.merge([rejoined], {key.node_id: 200.0})
+    assert key.node_id in there.members
