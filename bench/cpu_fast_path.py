@@ -1,0 +1,279 @@
+"""Benchmark: the CPU fast path (OpenBLAS preload + float32 weights) against mlx-lm as shipped.
+
+Every configuration runs in its own child process (the preload is per process), one after the
+other, in one run; ratios are against the baseline measured in that same run. Greedy decoding
+of a plain-text continuation (no chat template), after one short warm-up generation.
+
+- baseline: ``mlx_lm.stream_generate`` (the generation path of ``mlx_lm.server``), no preload,
+  the model quantized as stored;
+- mlx-lm + OpenBLAS: the same with the preload only (shows what the quantized kernel gains);
+- mlx-lm + fast path: preload + quantized layers unpacked to float32 (``worker.cpu``);
+- worker engine: our ``Engine`` (BatchGenerator, what the worker serves) in a preloaded process.
+
+Metrics: prefill tok/s (prompt tokens / time to first token) of a ~1,000-token prompt, decode
+tok/s after the first token, and the time to first token of a ~3,000-token prompt. The slow
+configurations prefill a shorter prompt (``--slow-tokens``) and report tok/s; their 3,000-token
+TTFT is extrapolated from that rate (marked "est.", an underestimate: attention grows).
+
+    python bench/cpu_fast_path.py [--model DIR] [--decode-tokens 32]
+
+Writes ``bench/results/cpu.md``. Targets (issue 14): prefill >= 10x baseline, decode >= 1.5x,
+3,000-token TTFT <= 20 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results" / "cpu.md"
+DEFAULT_MODEL = Path.home() / ".mlx-mesh" / "models" / "smollm2-135m"
+FILLER = (
+    "The committee reviewed the quarterly report on regional water supply, noting that "
+    "reservoir levels, pipeline maintenance, and seasonal demand all shaped the outlook. "
+)
+TARGETS = {"prefill": 10.0, "decode": 1.5, "ttft_s": 20.0}
+
+
+@dataclass(frozen=True)
+class Config:
+    key: str
+    label: str
+    preload: bool
+    dequantize: bool
+    engine: bool
+    slow: bool  # prefill a shorter prompt, extrapolate the long TTFT
+
+
+CONFIGS = (
+    Config("baseline", "mlx-lm as shipped (baseline)", False, False, False, True),
+    Config("openblas", "mlx-lm + OpenBLAS, quantized", True, False, False, True),
+    Config("fast", "mlx-lm + OpenBLAS + float32", True, True, False, False),
+    Config("engine", "worker engine (fast path)", True, True, True, False),
+)
+
+
+# ---- child: one configuration ------------------------------------------------------------
+
+
+def prompt_tokens(tokenizer: Any, count: int, salt: str) -> list[int]:
+    """``count`` tokens of filler text; ``salt`` makes prompts share no prefix."""
+    text = f"{salt}. " + FILLER * (count // 20 + 4)
+    return list(tokenizer.encode(text, add_special_tokens=False))[:count]
+
+
+def run_stream(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+
+    start = time.perf_counter()
+    stamps = []
+    for _ in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
+        stamps.append(time.perf_counter())
+    return _timings(len(prompt), start, stamps)
+
+
+def run_engine(engine: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    from worker.engine_types import Failed, GenerationRequest, TokenChunk
+    from worker.sampling import SamplingParams
+
+    async def go() -> dict[str, Any]:
+        request = GenerationRequest(prompt, max_tokens, SamplingParams(temperature=0.0))
+        start = time.perf_counter()
+        job = engine.submit(request)
+        stamps: list[float] = []
+        seen = 0
+        async for event in job.events():
+            if isinstance(event, Failed):
+                raise RuntimeError(event.message)
+            if isinstance(event, TokenChunk):
+                now = time.perf_counter()
+                # A chunk can carry several tokens (detokenizer holds partial characters).
+                stamps += [now] * (event.completion_tokens - seen)
+                seen = event.completion_tokens
+        return _timings(len(prompt), start, stamps)
+
+    return asyncio.run(go())
+
+
+def _timings(prompt_len: int, start: float, stamps: list[float]) -> dict[str, Any]:
+    ttft = stamps[0] - start
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return {
+        "prompt_tokens": prompt_len,
+        "ttft_s": ttft,
+        "prefill_tps": prompt_len / ttft,
+        "decode_tps": decode,
+        "generated": len(stamps),
+    }
+
+
+def child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from worker import cpu
+
+    out: dict[str, Any] = {"probe": cpu.probe_blas().line()}
+    if config.engine:
+        from worker.engine import Engine
+
+        engine = Engine(args.model)
+        engine.start()
+        tokenizer = engine.tokenizer
+        fast = engine.cpu_fast_path
+        out["cpu_fast_path"] = fast.as_dict() if fast else None
+
+        def generate(prompt: list[int], n: int) -> dict[str, Any]:
+            return run_engine(engine, prompt, n)
+    else:
+        model, tokenizer = load(args.model)
+        if config.dequantize:
+            model.set_dtype(mx.float32)
+            out["dequantized"] = cpu.dequantize_for_cpu(model).dequantized
+
+        def generate(prompt: list[int], n: int) -> dict[str, Any]:
+            return run_stream(model, tokenizer, prompt, n)
+
+    generate(prompt_tokens(tokenizer, 16, "Warm-up"), 4)
+    short = args.slow_tokens if config.slow else args.prefill_tokens
+    out["prefill"] = generate(prompt_tokens(tokenizer, short, "Report one"), args.decode_tokens)
+    if not config.slow:
+        out["long"] = generate(prompt_tokens(tokenizer, args.ttft_tokens, "Report two"), 2)
+    return out
+
+
+# ---- parent: run them all, compare -------------------------------------------------------
+
+
+def child_env(preload: bool) -> dict[str, str]:
+    from worker import cpu
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", cpu.REEXEC_MARKER)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["HF_HUB_OFFLINE"] = "1"
+    return cpu.preload_env(env) if preload else env
+
+
+def run_child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", config.key, *_passthrough(args)]
+    started = time.perf_counter()
+    done = subprocess.run(
+        command, env=child_env(config.preload), capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{config.key} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    return [
+        "--model", args.model, "--decode-tokens", str(args.decode_tokens),
+        "--prefill-tokens", str(args.prefill_tokens), "--slow-tokens", str(args.slow_tokens),
+        "--ttft-tokens", str(args.ttft_tokens),
+    ]  # fmt: skip
+
+
+def long_ttft(result: dict[str, Any], tokens: int) -> tuple[float, bool]:
+    """The long prompt's TTFT, measured or (slow configurations) extrapolated."""
+    if "long" in result:
+        return result["long"]["ttft_s"], False
+    return tokens / result["prefill"]["prefill_tps"], True
+
+
+def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    base = results["baseline"]["prefill"]
+    lines = [
+        "# CPU fast path: OpenBLAS preload + float32 weights vs mlx-lm as shipped",
+        "",
+        f"Model `{Path(args.model).name}`; {platform.machine()}, {os.cpu_count()} cores, "
+        f"{platform.python_version()}; load average at start {args.load_at_start}. "
+        "One run, each configuration in its own process, greedy, after a warm-up.",
+        f"Fast configurations prefill {args.prefill_tokens} tokens, slow ones "
+        f"{args.slow_tokens}; TTFT column: a {args.ttft_tokens}-token prompt.",
+        "",
+        "| configuration | prefill tok/s | × | decode tok/s | × | "
+        f"TTFT {args.ttft_tokens} tok | BLAS probe |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for config in CONFIGS:
+        r = results[config.key]
+        p = r["prefill"]
+        ttft, estimated = long_ttft(r, args.ttft_tokens)
+        lines.append(
+            f"| {config.label} | {p['prefill_tps']:.1f} ({p['prompt_tokens']} tok) | "
+            f"{p['prefill_tps'] / base['prefill_tps']:.1f} | {p['decode_tps']:.2f} "
+            f"({p['generated']} tok) | {p['decode_tps'] / base['decode_tps']:.2f} | "
+            f"{ttft:.1f} s{' est.' if estimated else ''} | {r['probe']} |"
+        )
+    ours = results["engine"]
+    prefill_x = ours["prefill"]["prefill_tps"] / base["prefill_tps"]
+    decode_x = ours["prefill"]["decode_tps"] / base["decode_tps"]
+    ttft = ours["long"]["ttft_s"]
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**missed**"
+
+    lines += [
+        "",
+        "Targets (issue 14), for the worker engine:",
+        f"- prefill ≥ {TARGETS['prefill']:.0f}× baseline: {prefill_x:.1f}× "
+        f"{verdict(prefill_x >= TARGETS['prefill'])}",
+        f"- decode ≥ {TARGETS['decode']}× baseline: {decode_x:.2f}× "
+        f"{verdict(decode_x >= TARGETS['decode'])}",
+        f"- {args.ttft_tokens}-token TTFT ≤ {TARGETS['ttft_s']:.0f} s: {ttft:.1f} s "
+        f"{verdict(ttft <= TARGETS['ttft_s'])}",
+        "",
+        f"Worker's own report: `{json.dumps(ours.get('cpu_fast_path'))}`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=1000)
+    parser.add_argument("--slow-tokens", type=int, default=256)
+    parser.add_argument("--ttft-tokens", type=int, default=3000)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", choices=[c.key for c in CONFIGS])
+    args = parser.parse_args()
+    if args.child:
+        config = next(c for c in CONFIGS if c.key == args.child)
+        print(json.dumps(child(config, args)), flush=True)
+        return 0
+    if not Path(args.model).is_dir():
+        raise SystemExit(
+            f"no model at {args.model}: run `mesh models pull smollm2-135m` (or pass --model)"
+        )
+    args.load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results = {}
+    for config in CONFIGS:
+        print(f"{config.label} ...", flush=True)
+        results[config.key] = run_child(config, args)
+        r = results[config.key]
+        print(f"  {json.dumps(r['prefill'])} ({r['wall_s']:.0f} s)", flush=True)
+    report = render(results, args)
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
