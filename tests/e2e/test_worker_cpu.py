@@ -75,6 +75,33 @@ def test_worker_process_restarts_itself_once_with_the_preload() -> None:
     assert str(LIBRARY.path) in probe["preload"]
 
 
+def _worker_lines(model_dir: Path, *extra: str) -> tuple[list[str], dict]:
+    """Start ``python -m worker``, read its announcement and CPU lines and its /health."""
+    command = [sys.executable, "-m", "worker", "--model", str(model_dir), "--port", "0", *extra]
+    process = subprocess.Popen(
+        command, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(2)]
+        assert lines[0].startswith("worker listening on "), lines
+        health = httpx.get(f"{lines[0].split()[3]}/health", timeout=30).json()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    return lines, health
+
+
+@needs_openblas
+def test_python_m_worker_runs_on_openblas_unless_told_not_to(tiny_model_dir: Path) -> None:
+    lines, health = _worker_lines(tiny_model_dir)
+    assert lines[1].startswith("cpu blas: openblas"), lines
+    assert health["cpu_fast_path"]["blas"] == "openblas"
+    lines, health = _worker_lines(tiny_model_dir, "--no-fast-blas")
+    assert lines[1].startswith("cpu blas: reference") and "is not preloaded" in lines[1], lines
+    assert health["cpu_fast_path"]["blas"] == "reference"
+
+
 def test_no_restart_when_turned_off_or_already_tried() -> None:
     code = "from worker import cpu; cpu.reexec_with_fast_blas(); " + PROBE
     for extra in ({cpu.BLAS_ENV: "off"}, {cpu.REEXEC_MARKER: "1"}):
