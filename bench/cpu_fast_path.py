@@ -189,6 +189,37 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
+# Why the numbers are what they are: profiled separately on the same 2-core machine with the
+# fast path on (scripts not kept; each figure is a best or median of interleaved repeats).
+NOTES = """
+## Where the time goes (profiled separately, same machine, fast path on)
+
+- **Prefill** is matmul work, which OpenBLAS now does at 85-120 GFLOP/s (the reference BLAS:
+  2.4-5), once the weights are float32: MLX's CPU `quantized_matmul` stays at ~2 GFLOP/s with
+  any BLAS (the "OpenBLAS, quantized" row), so unpacking the weights is what lets BLAS work.
+- **Decode** reads every weight once per token: 538 MB as float32. A matmul-only pass over
+  them (211 one-row matmuls + the tied lm_head) takes 56-60 ms (9.2-9.6 GB/s; 94 ms with
+  `OPENBLAS_NUM_THREADS=1`) of an 84-100 ms step. All non-matmul ops together take ~4 ms
+  (measured by replacing every matmul with `mx.zeros`), and building the graph in Python ~5 ms,
+  which `async_eval` already overlaps with the previous step (mlx-lm and BatchGenerator both
+  pipeline). `mx.compile` fuses only element-wise ops, so it can win at most those ~4 %; a
+  compiled-MLP variant measured within noise (interleaved in one process: median 6.4 vs 5.6
+  tok/s, best 8.1 vs 8.4), so the engine does not compile. The baseline's 4-bit weights are
+  8x fewer bytes but its kernel computes at ~2 GFLOP/s; float32 decode ends 1.3-1.7x ahead
+  (decode over 32 tokens is the noisiest figure here: two full runs gave 1.36x and 1.68x).
+  What would move it: fewer bytes per token that a fast kernel can read (no such CPU kernel in
+  MLX 0.32), or more requests per step (the engine's continuous batching shares each read).
+- **Long prompts**: per 512-token chunk, prefill falls from 180 tok/s at offset 0 to 45 tok/s
+  at offset 2,560. `mx.fast.scaled_dot_product_attention` with 3,072 keys takes ~400 ms per
+  layer per chunk; its two BLAS matmuls ~55 ms of that, the softmax 240-300 ms: MLX's CPU `exp`
+  runs single-threaded at ~18 ns per element (numpy's: 2 ns), compiled or not; a softmax
+  through `mx.power(2, x)` was only 7 % faster overall. A 3,000-token prompt needs ~1.5 G
+  softmax elements (9 heads x 30 layers x sum of 512 x keys per chunk), ~27 s at that rate, plus
+  ~8 s of matmuls (270 MFLOP per token): the 20 s TTFT target is out of reach until attention's
+  element-wise work gets faster on the CPU, whatever the BLAS.
+"""
+
+
 def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The least-disturbed run of a configuration: other processes only ever slow one down, so
     on a shared machine the best of a few runs is the closest to its own speed."""
@@ -204,7 +235,7 @@ def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def render_runs(runs: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["## Every run (prefill tok/s, decode tok/s, long-prompt TTFT s)", ""]
+    lines = ["", "## Every run (prefill tok/s, decode tok/s, long-prompt TTFT s)", ""]
     for config in CONFIGS:
         cells = []
         for r in runs[config.key]:
@@ -306,7 +337,7 @@ def main() -> int:
             print(f"  {json.dumps(r['prefill'])} ({r['wall_s']:.0f} s)", flush=True)
     args.load_at_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
     report = render({key: best_of(rs) for key, rs in runs.items()}, args)
-    report += render_runs(runs)
+    report += render_runs(runs) + NOTES
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
