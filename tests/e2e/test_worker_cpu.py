@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from worker import cpu
+from worker.net import SECRET_ENV
 from worker.testing import make_tiny_model, quantize_tiny_model, run_worker_in_thread
 
 LIBRARY = cpu.find_openblas()
@@ -75,17 +76,25 @@ def test_worker_process_restarts_itself_once_with_the_preload() -> None:
     assert str(LIBRARY.path) in probe["preload"]
 
 
-def _worker_lines(model_dir: Path, *extra: str) -> tuple[list[str], dict]:
+def _worker_lines(
+    model_dir: Path, *extra: str, secret: str | None = None
+) -> tuple[list[str], dict]:
     """Start ``python -m worker``, read its announcement and CPU lines and its /health."""
     command = [sys.executable, "-m", "worker", "--model", str(model_dir), "--port", "0", *extra]
+    env = _clean_env() | ({SECRET_ENV: secret} if secret else {})
     process = subprocess.Popen(
-        command, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    headers = {"authorization": f"Bearer {secret}"} if secret else {}
     try:
         assert process.stdout is not None
         lines = [process.stdout.readline() for _ in range(2)]
         assert lines[0].startswith("worker listening on "), lines
-        health = httpx.get(f"{lines[0].split()[3]}/health", timeout=30).json()
+        url = f"{lines[0].split()[3]}/health"
+        if secret:
+            # The restart kept the node's secret: without it the port is closed.
+            assert httpx.get(url, timeout=30).status_code == 401
+        health = httpx.get(url, headers=headers, timeout=30).json()
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -97,6 +106,8 @@ def test_python_m_worker_runs_on_openblas_unless_told_not_to(tiny_model_dir: Pat
     lines, health = _worker_lines(tiny_model_dir)
     assert lines[1].startswith("cpu blas: openblas"), lines
     assert health["cpu_fast_path"]["blas"] == "openblas"
+    lines, health = _worker_lines(tiny_model_dir, secret="node-secret")
+    assert lines[1].startswith("cpu blas: openblas") and health["status"] == "ok", lines
     lines, health = _worker_lines(tiny_model_dir, "--no-fast-blas")
     assert lines[1].startswith("cpu blas: reference") and "is not preloaded" in lines[1], lines
     assert health["cpu_fast_path"]["blas"] == "reference"
