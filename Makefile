@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: run test unit setup lint browser bench clean
+.PHONY: run test unit setup lint browser blas bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,20 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) blas
+
+# MLX's Linux CPU wheel ships a reference BLAS (~2-5 GFLOP/s); workers preload Debian's OpenBLAS
+# in its place when it is installed (worker/cpu.py). Install it when missing and we are root,
+# otherwise workers (and the tests) run on the slow one and say so.
+blas:
+	@if [ "$$(uname -s)" != Linux ] || [ -n "$$(ldconfig -p 2>/dev/null | grep libopenblas)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libopenblas0-pthread) \
+		|| echo "note: could not install libopenblas0-pthread; the CPU worker will use MLX's slow reference BLAS"; \
+	else echo "note: no OpenBLAS and not root; the CPU worker will use MLX's slow reference BLAS"; fi
+
+# LD_PRELOAD for the test run: OpenBLAS first when found (Linux CPU), else what it was.
+PRELOAD = $(BIN)/python -c 'from worker.cpu import preload_env; print(preload_env().get("LD_PRELOAD", ""))'
 
 run: setup
 	$(BIN)/mesh models pull $(MODEL)
@@ -37,11 +50,11 @@ browser:
 	else echo "note: no /usr/bin/chromium and not root; the console browser tests will be skipped"; fi
 
 test: setup lint browser
-	$(BIN)/python -m pytest -q $(ARGS)
+	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q $(ARGS)
 
 # The fast loop: unit tests of the pure pieces only (no servers, processes or browser).
 unit: setup
-	$(BIN)/python -m pytest -q -m "not e2e" $(ARGS)
+	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q -m "not e2e" $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/worker_vs_mlx_lm.py

@@ -136,7 +136,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
             "context_length": info.context_length,
             "quantization": info.quantization,
         }
-        return json_response({"object": "list", "data": [entry]})
+        return json_response({"object": "list", "data": [entry | _how_it_runs(engine)]})
 
     async def health(_: Request) -> Response:
         stats = engine.stats
@@ -149,6 +149,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 "tokens_per_second": round(engine.tokens_per_second(), 3),
                 "uptime_s": round(engine.uptime_s, 3),
             }
+            | _how_it_runs(engine)
         )
 
     routes = [
@@ -159,6 +160,13 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
     app = Starlette(routes=routes, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
     app.state.engine = engine
     return app
+
+
+def _how_it_runs(engine: Engine) -> dict[str, Any]:
+    """``cpu_fast_path`` (BLAS, GFLOP/s, dequantized) on the CPU backend; nothing elsewhere."""
+    if engine.cpu_fast_path is None:
+        return {}
+    return {"cpu_fast_path": engine.cpu_fast_path.as_dict()}
 
 
 async def _start_job(
@@ -423,6 +431,9 @@ def serve(
     server = uvicorn.Server(config)
     if announce:
         print(f"worker listening on {url} (model {engine.name})", flush=True)
+        # After the announcement: whoever reads the first line for the URL still finds it there.
+        for line in engine.cpu_fast_path.lines() if engine.cpu_fast_path else ():
+            print(line, flush=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.cpu import CpuFastPath, prepare_cpu_model
 from worker.engine_types import (
     EngineConfig,
     EngineError,
@@ -84,6 +85,7 @@ class Engine:
         self.stats = EngineStats()
         self.info = ModelInfo()
         self.tokenizer: Any = None
+        self.cpu_fast_path: CpuFastPath | None = None  # set by the load on the CPU backend
         # Test hook: called on the owner thread right before a commit lands in the store.
         self.before_commit: Callable[[str], None] | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -224,9 +226,13 @@ class Engine:
         from worker.sequential import SequentialGenerator
 
         model, tokenizer, config = load(self.model_path, return_config=True)
-        if self.config.cpu_float32 and mx.default_device() == mx.cpu:
-            model.set_dtype(mx.float32)
-            mx.eval(model.parameters())
+        if mx.default_device() == mx.cpu:
+            if self.config.cpu_float32:
+                model.set_dtype(mx.float32)
+                mx.eval(model.parameters())
+            self.cpu_fast_path = prepare_cpu_model(
+                model, max_share=self.config.cpu_dequantize_share
+            )
         self.tokenizer = tokenizer
         self.info = ModelInfo.from_config(config, model)
         self.context_length = self.info.context_length

@@ -33,6 +33,10 @@ class EngineConfig:
     # On the CPU backend, run float16/bfloat16 weights as float32: x86 CPUs emulate half
     # precision, which made a 135M model ~30x slower per layer. Packed quantized weights stay.
     cpu_float32: bool = True
+    # On the CPU backend, unpack quantized weights to float32 when the float32 model takes at
+    # most this share of physical memory: MLX's CPU quantized_matmul runs at ~2 GFLOP/s, a
+    # float32 matmul on OpenBLAS at ~85 (see worker/cpu.py). 0 keeps them quantized.
+    cpu_dequantize_share: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ The node supervisor starts the worker as a child process with this command line;
 ``worker listening on URL (model NAME)`` once the model is loaded and the port is bound. The node
 passes the worker's secret in ``$MLX_MESH_WORKER_SECRET`` (never on the command line, which
 every local user can read); then every request must carry it.
+On Linux's CPU backend the process first restarts itself once with OpenBLAS preloaded when
+that is installed (worker/cpu.py; ``--no-fast-blas`` or ``MLX_MESH_BLAS=off`` to not).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from worker.cpu import DEFAULT_DEQUANTIZE_SHARE, reexec_with_fast_blas
 from worker.engine import Engine, EngineError
 from worker.engine_types import EngineConfig
 from worker.net import SECRET_ENV, configure_logging
@@ -45,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--home", type=Path, default=None, help="mlx-mesh home (model store)")
     parser.add_argument("--name", default=None, help="model name to serve as (default: --model)")
     parser.add_argument("--prompt-cache-gb", type=float, default=2.0)
+    parser.add_argument(
+        "--no-fast-blas",
+        dest="fast_blas",
+        action="store_false",
+        help="do not restart with OpenBLAS preloaded (Linux CPU backend)",
+    )
+    parser.add_argument(
+        "--cpu-dequantize-share",
+        type=float,
+        default=DEFAULT_DEQUANTIZE_SHARE,
+        help="on the CPU, run quantized weights as float32 when that takes at most this share "
+        "of physical memory (0: keep them quantized)",
+    )
     return parser
 
 
@@ -57,13 +73,24 @@ def run(
     name: str | None = None,
     prompt_cache_gb: float = 2.0,
     secret: str | None = None,
+    fast_blas: bool = True,
+    cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
 ) -> None:
-    """Load the model and serve it until interrupted (raises EngineError if it cannot load)."""
+    """Load the model and serve it until interrupted (raises EngineError if it cannot load).
+
+    This is a process entry point: with ``fast_blas`` it may first re-execute the process
+    (same pid and arguments) with OpenBLAS preloaded, see ``worker.cpu.reexec_with_fast_blas``.
+    """
     from worker.app import serve
 
+    if fast_blas:
+        reexec_with_fast_blas()
     path = locate_model(model, home)
     served_name = name or (Path(model).name if Path(model).expanduser().is_dir() else model)
-    config = EngineConfig(prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)))
+    config = EngineConfig(
+        prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
+        cpu_dequantize_share=cpu_dequantize_share,
+    )
     engine = Engine(path, name=served_name, config=config)
     engine.start()
     try:
@@ -84,6 +111,9 @@ def exit_process(code: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.fast_blas:
+        # Before the secret is popped from the environment: the restarted process needs it.
+        reexec_with_fast_blas()
     configure_logging()
     try:
         run(
@@ -94,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name,
             prompt_cache_gb=args.prompt_cache_gb,
             secret=os.environ.pop(SECRET_ENV, None) or None,
+            fast_blas=False,  # done above
+            cpu_dequantize_share=args.cpu_dequantize_share,
         )
     except (EngineError, OSError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

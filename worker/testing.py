@@ -227,6 +227,23 @@ def make_tiny_model(
     return path
 
 
+def quantize_tiny_model(path: str | Path, *, bits: int = 4, group_size: int = 32) -> Path:
+    """Rewrite a tiny model directory (``make_tiny_model``) with its linear and embedding
+    weights quantized the way ``mlx_lm.convert`` does, so ``mlx_lm.load`` builds
+    ``QuantizedLinear``/``QuantizedEmbedding`` layers from it. Returns the directory."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.utils import quantize_model
+
+    path = Path(path)
+    model, _, config = load(str(path), return_config=True)
+    model, config = quantize_model(model, config, group_size, bits)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 @contextlib.contextmanager
 def run_worker_in_thread(
     model_dir: str | Path, *, name: str | None = None, config: Any = None, secret: str | None = None
