@@ -70,9 +70,7 @@ GossipMessage = NodeState | Leave | Members
 
 
 _CODEC = MessageCodec(GossipMessage, GossipDecodeError, "gossip message")
-encode_gossip = _CODEC.encode
 gossip_from_dict = _CODEC.from_dict
-decode_gossip = _CODEC.decode
 
 
 @dataclass

@@ -1,13 +1,13 @@
-"""orjson + pydantic codec for a union of control messages (handshake, gossip).
+"""pydantic validation for a union of control messages (handshake, gossip).
 
-Both ride the tunnel's control stream, either as bytes or as a dict inside a Control frame.
+Both ride the tunnel's control stream as the dict inside a ``Control`` frame (the frame codec
+owns the JSON), so a message is parsed from that dict and nothing else.
 """
 
 from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-import orjson
 from pydantic import TypeAdapter, ValidationError
 
 M = TypeVar("M")
@@ -21,18 +21,9 @@ class MessageCodec(Generic[M]):
         self._error = error
         self._what = what
 
-    def encode(self, message: M) -> bytes:
-        return orjson.dumps(message.model_dump())  # type: ignore[attr-defined]
-
     def from_dict(self, data: dict) -> M:
         """Parse a message carried as a dict (the tunnel's Control frame body)."""
         try:
             return self._adapter.validate_python(data)
         except ValidationError as exc:
             raise self._error(f"bad {self._what}: {exc.error_count()} errors") from exc
-
-    def decode(self, data: bytes) -> M:
-        try:
-            return self._adapter.validate_python(orjson.loads(data))
-        except (orjson.JSONDecodeError, ValidationError) as exc:
-            raise self._error(f"bad {self._what}: {exc.__class__.__name__}") from exc

@@ -116,9 +116,7 @@ class Denied(_Msg):
 HandshakeMessage = Hello | Challenge | Proof | Welcome | Denied
 # Bad input raises HandshakeInputError only: anything that is not one of our messages.
 _CODEC = MessageCodec(HandshakeMessage, HandshakeInputError, "handshake message")
-encode_message = _CODEC.encode
 message_from_dict = _CODEC.from_dict
-decode_message = _CODEC.decode
 
 
 class AuthFailure(enum.StrEnum):
