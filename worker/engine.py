@@ -37,7 +37,7 @@ from worker.engine_types import (
     GenerationRequest,
     Job,
     JobEvent,
-    ModelInfo,
+    LoadedModel,
     TokenChunk,
 )
 from worker.prompt_cache import PromptCacheStore
@@ -83,7 +83,7 @@ class Engine:
         self.name = name or model_path.rstrip("/").split("/")[-1]
         self.config = config or EngineConfig()
         self.stats = EngineStats()
-        self.info = ModelInfo()
+        self.info = LoadedModel()
         self.tokenizer: Any = None
         self.cpu_fast_path: CpuFastPath | None = None  # set by the load on the CPU backend
         # Test hook: called on the owner thread right before a commit lands in the store.
@@ -234,7 +234,7 @@ class Engine:
                 model, max_share=self.config.cpu_dequantize_share
             )
         self.tokenizer = tokenizer
-        self.info = ModelInfo.from_config(config, model)
+        self.info = LoadedModel.from_config(config, model)
         self.context_length = self.info.context_length
         stream = mx.default_stream(mx.default_device())
         self.batchable = self.config.batching and all(

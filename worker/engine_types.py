@@ -134,7 +134,7 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelInfo:
+class LoadedModel:
     architecture: str = "unknown"
     parameters: int = 0
     context_length: int = DEFAULT_CONTEXT_LENGTH
@@ -142,7 +142,7 @@ class ModelInfo:
     loaded_at: float = field(default_factory=time.time)
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], model: Any) -> ModelInfo:
+    def from_config(cls, config: dict[str, Any], model: Any) -> LoadedModel:
         text = config.get("text_config") or {}
         context = None
         for key in ("max_position_embeddings", "max_seq_len", "n_ctx", "seq_length"):
