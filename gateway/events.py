@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.errors import GatewayError
+
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 
@@ -148,7 +150,7 @@ _EVENT_TYPES: dict[str, type] = {
 _TYPE_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
 
 
-class EventDecodeError(ValueError):
+class EventDecodeError(GatewayError):
     """A serialised event that is not one of ours (tunnel peers send these as JSON)."""
 
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from gateway.errors import GatewayError
 from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Usage
 from gateway.request import ChatRequest
 from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream
@@ -24,7 +25,7 @@ from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream
 log = logging.getLogger(__name__)
 
 
-class RouteError(Exception):
+class RouteError(GatewayError):
     """No route for the request: carries the ``Error`` to answer with (404 or 503)."""
 
     def __init__(self, error: Error) -> None:

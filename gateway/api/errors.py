@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from gateway.errors import GatewayError
 from gateway.events import Error
 
 _OPENAI_TYPES = {
@@ -40,7 +41,7 @@ _ANTHROPIC_TYPES = {
 }
 
 
-class RequestInvalid(Exception):
+class RequestInvalid(GatewayError):
     """The client's body is not a valid request for its API (400)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
