@@ -71,7 +71,11 @@ class Gateway:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        # Not the test run's LD_PRELOAD (OpenBLAS, for the MLX models): Chromium dies with it.
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=env
+        )
         yield browser
         browser.close()
 
