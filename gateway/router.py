@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.errors import GatewayError
 from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Usage
@@ -42,15 +42,21 @@ class CommitTracker:
     """The commit point of one attempt, fed its events in order. Pure.
 
     Before the commit a failure may be retried; after it, never: the client has part of an
-    answer. The first content event commits – a delta, or a terminal. ``Meta`` (route facts),
-    an early ``Usage`` (a prompt count) and a ``Progress`` note do not: they are not the answer.
+    answer. For a streamed answer the first content event commits – a delta, or a terminal.
+    ``Meta`` (route facts), an early ``Usage`` (a prompt count) and a ``Progress`` note do not:
+    they are not the answer. A client that did not ask for a stream sees nothing until the
+    answer is whole, so there only the terminal commits and a failure mid-answer may still be
+    retried (the partial answer is thrown away).
     """
 
+    streaming: bool = True
     committed: bool = False
 
     def feed(self, event: Event) -> bool:
         """Record ``event``; True when it is the one that commits."""
         if self.committed or isinstance(event, Meta | Usage | Progress):
+            return False
+        if not self.streaming and not isinstance(event, Done | Error):
             return False
         self.committed = True
         return True
@@ -131,6 +137,31 @@ class Router:
 
 
 @dataclass
+class _Held:
+    """What an attempt holds back until it commits: route facts, the latest prompt count and,
+    when the client waits for the whole answer, the answer so far."""
+
+    meta: dict[str, str] = field(default_factory=dict)
+    usage: Usage | None = None
+    deltas: list[Event] = field(default_factory=list)
+
+    def absorb(self, event: Event) -> bool:
+        """Keep a fact for later; False for anything else."""
+        if isinstance(event, Meta):
+            self.meta.update(event.headers)
+        elif isinstance(event, Usage):  # an early prompt count: a fact, not content
+            self.usage = event
+        else:
+            return False
+        return True
+
+    def release(self, meta: Meta, committing: Event) -> list[Event]:
+        """Everything in the order the client must see it, ending with the committing event."""
+        usage = [self.usage] if self.usage is not None else []
+        return [meta, *usage, *self.deltas, committing]
+
+
+@dataclass
 class _Attempt:
     """One try on one route. ``run`` passes the answer through once it commits; before that it
     holds route facts back and, on a failure that may be retried, stops with ``failure`` set
@@ -143,30 +174,26 @@ class _Attempt:
     failure: Error | None = None
 
     async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
-        pending_meta: dict[str, str] = {}
-        pending_usage: Usage | None = None
-        commit = CommitTracker()
+        commit = CommitTracker(streaming=request.stream)
+        held = _Held()
         source = self.route.upstream.stream(request)
         try:
             async for event in source:  # until the commit
-                if isinstance(event, Meta):
-                    pending_meta.update(event.headers)
-                elif isinstance(event, Usage):  # an early prompt count: a fact, not content
-                    pending_usage = event
-                elif isinstance(event, Progress):
+                if held.absorb(event):
+                    continue
+                if isinstance(event, Progress):
                     # A note, not content: it goes out (with the route facts known so far, so
                     # they can reach the headers) and a retry stays possible.
-                    yield Meta(self._headers() | pending_meta)
+                    yield Meta(self._headers() | held.meta)
                     yield event
                 elif isinstance(event, Error) and commit.may_retry(event) and not self.last:
                     self._fail(event.kind, event)
                     return
+                elif not commit.feed(event):
+                    held.deltas.append(event)
                 else:
-                    commit.feed(event)
-                    yield Meta(self._headers() | pending_meta)
-                    if pending_usage is not None:
-                        yield pending_usage
-                    yield event
+                    for ready in held.release(Meta(self._headers() | held.meta), event):
+                        yield ready
                     break
             else:
                 ended = "upstream ended before answering"

@@ -102,7 +102,7 @@ class PeerUpstream(Upstream):
         except (MeshError, OSError, TimeoutError) as exc:
             yield _unavailable(f"cannot reach peer {short_id(self.name)}: {exc}")
             return
-        commit = CommitTracker()
+        commit = CommitTracker(streaming=request.stream)
         complete = False
         terminal: Event | None = None
         try:

@@ -46,6 +46,26 @@ async def test_retryable_error_before_first_delta_is_retried_on_same_route():
     assert isinstance(events[-1], Done)
 
 
+async def test_a_whole_answer_lost_midway_is_retried_elsewhere_for_a_non_stream_client():
+    """Nothing reached a client that waits for the whole answer: a failure mid-answer is still
+    before the commit point, and only the answer that completed reaches it (found by the lab's
+    sigstop scenario: a 502 where a retry or a 503 was due)."""
+    dying = ScriptedUpstream.of(TextDelta("half an ans"), BUSY, name="peer-a")
+    healthy = ScriptedUpstream.of(*text_script("whole"), name="peer-b")
+    router = _router(dying, healthy)
+    request = REQUEST.model_copy(update={"stream": False})
+    events = [e async for e in router.stream(request, router.resolve(request))]
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "whole"
+    assert isinstance(events[-1], Done) and _meta(events).headers["x-peer"] == "peer-b"
+
+
+async def test_a_streamed_answer_lost_midway_is_not_retried():
+    dying = ScriptedUpstream.of(TextDelta("half"), BUSY, name="peer-a")
+    healthy = ScriptedUpstream.of(*text_script("whole"), name="peer-b")
+    events = await _run(_router(dying, healthy))
+    assert healthy.calls == 0 and events[-1] == BUSY
+
+
 async def test_early_usage_waits_for_the_commit_and_does_not_commit():
     early = Usage(9, 0)
     upstream = ScriptedUpstream(

@@ -166,6 +166,19 @@ async def test_tunnel_lost_after_first_delta_is_final():
     await connection.join()
 
 
+async def test_tunnel_lost_mid_answer_stays_retryable_for_a_client_that_waits_for_it_whole():
+    """A non-stream client has seen nothing yet: the router may still try elsewhere."""
+    _, _, connection, upstream = _setup(TextDelta("partial"), Stall())
+    seen = []
+    async for event in upstream.stream(_request().model_copy(update={"stream": False})):
+        seen.append(event)
+        if isinstance(event, TextDelta):
+            connection.lose()
+    assert isinstance(seen[-1], Error)
+    assert seen[-1].kind == "unavailable" and seen[-1].retryable
+    await connection.join()
+
+
 async def test_cancelling_the_consumer_cancels_the_peers_worker():
     worker, server, connection, upstream = _setup(TextDelta("one"), Stall())
     events = upstream.stream(_request())
