@@ -44,6 +44,7 @@ class _Exchange:
     route: str | None = None
     peer: str | None = None
     moa_winner: str | None = None
+    retry_after: str | None = None
     first_content: float | None = None
     last_content: float | None = None
 
@@ -52,6 +53,7 @@ class _Exchange:
         self.route = response.headers.get("x-route")
         self.peer = response.headers.get("x-peer")
         self.moa_winner = response.headers.get("x-moa-winner")
+        self.retry_after = response.headers.get("retry-after")
 
 
 def _row(
@@ -112,6 +114,7 @@ async def list_models(
             t,
             outcome=Outcome.HTTP_ERROR,
             status=response.status_code,
+            retry_after=ex.retry_after,
             duration_s=elapsed,
             error=_http_error(response.status_code, response.content),
         ), []
@@ -198,6 +201,7 @@ async def measure_request(  # noqa: C901 - to be split (complexity gate, issue 1
             route=ex.route,
             peer=ex.peer,
             moa_winner=ex.moa_winner,
+            retry_after=ex.retry_after,
             ttft_s=ttft,
             duration_s=time.perf_counter() - start,
             tokens=tokens,

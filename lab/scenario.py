@@ -15,6 +15,9 @@ probe starts (t=0 is when every initial node is up and sees the others)::
     action = "fault"
     link = "0->1"          # one way; "0<->1" both ways
     loss = 0.05
+    [expect]
+    min_success = 0.95     # the floor: this fraction of fault-phase requests succeed
+    max_time_to_error_s = 5
 
 Actions: ``fault`` (loss, delay_ms, jitter_ms, duplicate, blackhole, bandwidth_kbps on a link),
 ``clear`` (one link, or every link), ``partition`` (groups; blackholes every link between
@@ -22,6 +25,11 @@ groups), ``heal`` (clears every fault), ``kill`` (SIGKILL), ``stop`` (SIGSTOP), 
 (SIGCONT), ``restart`` (start a killed node again, same home), ``join`` (start a node declared
 ``start = false`` and join it with a fresh invite), ``slow`` (duty-cycle SIGSTOP/SIGCONT on a
 node's worker process: ``duty`` = running fraction, 1.0 ends it).
+
+A run fails on any hung or improperly failed request (timeout, cut-off body, refused
+connection, a 5xx other than a 503 with Retry-After), on an error slower than
+``max_time_to_error_s``, on fault-phase success below ``min_success``, and on no (or slow)
+recovery. ``probe.sentinel = true`` adds a non-stream request beside each stream.
 """
 
 from __future__ import annotations
@@ -183,8 +191,15 @@ class ProbeSpec(_Strict):
 
 
 class Expectations(_Strict):
+    """What a run must show to pass; improper failures (see ``lab.rows``) always fail it."""
+
     max_hung: int = Field(0, ge=0)
-    min_success_rate: float | None = Field(None, ge=0, le=1)
+    # The floor: the fraction of fault-phase requests that must succeed. Required of every
+    # scenario with steps, so no fault scenario passes on "nothing hung" alone.
+    min_success: float | None = Field(None, ge=0, le=1)
+    # Every failed request must have ended within this many seconds of its start: a proper
+    # error that takes 28 s is a client stuck for 28 s.
+    max_time_to_error_s: float = Field(5.0, gt=0)
     recover_within_s: float | None = Field(None, gt=0)
 
 
@@ -221,6 +236,13 @@ class Scenario(_Strict):
             raise ValueError(f"nodes {sorted(late - joined)} never start: add a join step")
         if list(self.steps) != sorted(self.steps, key=lambda s: s.at):
             raise ValueError("steps must be in time order")
+        if self.steps and self.expect.min_success is None:
+            raise ValueError("a scenario with steps must set expect.min_success (its floor)")
+        if self.expect.max_time_to_error_s >= self.probe.timeout_s:
+            raise ValueError(
+                "expect.max_time_to_error_s must be below probe.timeout_s: "
+                "otherwise a request that ran into the deadline is within bounds"
+            )
         return self
 
     @property
@@ -239,6 +261,15 @@ class Scenario(_Strict):
                 directions = partition_directions(step.groups)
             pairs |= {(min(a, b), max(a, b)) for a, b in directions}
         return pairs
+
+    @property
+    def fault_phase(self) -> tuple[float, float] | None:
+        """``[start, end)`` seconds after t=0 that the floor is judged on: from the first step
+        to the last, or to the end of the run when every step is at one moment."""
+        if not self.steps:
+            return None
+        first, last = self.steps[0].at, self.steps[-1].at
+        return (first, last if last > first else float("inf"))
 
     @property
     def recovery_from(self) -> float | None:

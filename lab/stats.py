@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel
 
-from lab.rows import PROPER_FAILURES, Outcome, ProbeRow
+from lab.rows import Outcome, ProbeRow
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -35,7 +35,7 @@ class GroupStats(BaseModel):
     success_rate: float
     outcomes: dict[str, int]
     proper_failures: int
-    improper_failures: int  # hung, timeout, truncated, transport errors
+    improper_failures: int  # hung, timeout, truncated, transport errors, improper 5xx
     hung: int
     sentinel_checked: int
     sentinel_passed: int
@@ -74,7 +74,7 @@ def group_stats(
 ) -> GroupStats:
     counts = Counter(row.outcome.value for row in rows)
     ok = counts.get(Outcome.OK.value, 0)
-    proper = sum(counts.get(o.value, 0) for o in PROPER_FAILURES)
+    proper = sum(1 for row in rows if row.failed_properly)
     streamed = [row for row in rows if row.kind == "stream" and row.ok]
     ttfts = [row.ttft_s for row in streamed if row.ttft_s is not None]
     rates = [row.tok_s for row in streamed if row.tok_s is not None]

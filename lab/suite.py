@@ -24,6 +24,18 @@ def _num(value: float | None, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def _floor_cell(verdict: Verdict) -> str:
+    if verdict.fault_requests is None:
+        return "n/a"
+    floor = "" if verdict.min_success is None else f" ≥ {verdict.min_success:.0%}"
+    return f"{verdict.fault_ok}/{verdict.fault_requests}{floor}"
+
+
+def _slowest_error_cell(verdict: Verdict) -> str:
+    bound = "" if verdict.max_time_to_error_s is None else f" ≤ {verdict.max_time_to_error_s:g}"
+    return f"{_num(verdict.slowest_error_s, '.1f')}{bound}"
+
+
 def verdict_row(verdict: Verdict) -> str:
     phases = {p.phase: p for p in verdict.phases}
     cells = []
@@ -43,15 +55,17 @@ def verdict_row(verdict: Verdict) -> str:
     status = "pass" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)
     return (
         f"| {verdict.scenario} | {verdict.sent} | {verdict.succeeded} | {verdict.failed_proper} "
-        f"| {verdict.failed_improper} | **{verdict.hung}** | {identical} | {recovery} "
+        f"| {verdict.failed_improper} | **{verdict.hung}** | {_floor_cell(verdict)} "
+        f"| {_slowest_error_cell(verdict)} | {identical} | {recovery} "
         f"| {' | '.join(cells)} | {status} |"
     )
 
 
 HEADER = (
-    "| scenario | sent | ok | proper errors | improper failures | hung | identical outputs "
+    "| scenario | sent | ok | proper errors | improper failures | hung "
+    "| fault phase: ok ≥ floor | slowest error ≤ bound, s | identical outputs "
     "| recovery | before: ok · TTFT p50 / p95 s | during | after | verdict |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"
 )
 
 

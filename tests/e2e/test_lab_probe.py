@@ -100,7 +100,9 @@ class DoubleGateway:
                 return JSONResponse({"error": {"message": f"no model {model}"}}, 404)
             if not body.get("stream"):
                 if model == "error":
-                    return JSONResponse({"error": {"message": "no capacity"}}, 503)
+                    return JSONResponse(
+                        {"error": {"message": "no capacity"}}, 503, headers={"retry-after": "2"}
+                    )
                 text = "Pineapple." if model in ("good", "mesh") else "banana"
                 return JSONResponse(_nonstream(api, text), headers=HEADERS)
             content, terminal, error = _frames(api, WORDS)
@@ -190,6 +192,9 @@ async def test_outcomes_per_api(gateway, api) -> None:
             503,
             None,
         )
+        # The Retry-After is kept: it is what makes a 503 a proper refusal, not a server bug.
+        assert unavailable.retry_after == "2" and unavailable.failed_properly
+        assert missing.failed_properly and not cut.failed_properly and not hung.failed_properly
     sent = [r for r in double.requests if r["api"] == api]
     assert all(r["temperature"] == 0 for r in sent)
 

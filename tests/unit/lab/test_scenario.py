@@ -40,6 +40,17 @@ def test_every_bundled_scenario_loads() -> None:
         scenario = load_scenario(name)
         assert scenario.name == name
         assert scenario.expect.max_hung == 0
+        # Every bundled scenario is a fault scenario: it sets a floor and a time-to-error bound.
+        assert scenario.steps and scenario.expect.min_success is not None, name
+        assert scenario.expect.max_time_to_error_s <= 5, name
+
+
+@pytest.mark.parametrize("name", ["kill-restart", "sigstop", "ci-loss-kill"])
+def test_kill_and_stop_scenarios_probe_every_api_streamed_and_not(name: str) -> None:
+    scenario = load_scenario(name)
+    assert any(isinstance(s, NodeStep) and s.action in ("kill", "stop") for s in scenario.steps)
+    assert scenario.probe.apis == ["chat", "responses", "messages"]
+    assert scenario.probe.sentinel  # the non-stream request beside each stream
 
 
 def test_asymmetric_loss_is_two_one_way_faults() -> None:
@@ -93,6 +104,10 @@ def test_parse_link_rejects(text: str) -> None:
         ('[[steps]]\nat = 1\naction = "kill"\nnode = 1\nsurprise = 1\n', "surprise"),
         ("[probe]\ntarget = 2\n", "probe.target"),
         ('[probe]\napis = ["smoke"]\n', "smoke"),
+        ('[[steps]]\nat = 1\naction = "heal"\n', "must set expect.min_success"),
+        ("[expect]\nmin_success = 1.5\n", "min_success"),
+        ("[expect]\nmax_time_to_error_s = 0\n", "max_time_to_error_s"),
+        ("[probe]\ntimeout_s = 5\n[expect]\nmax_time_to_error_s = 5\n", "below probe.timeout_s"),
     ],
 )
 def test_invalid_scenarios_say_what_is_wrong(extra: str, complaint: str) -> None:
@@ -117,6 +132,7 @@ def test_step_kinds_are_discriminated() -> None:
         MINIMAL
         + '[[steps]]\nat = 1\naction = "partition"\ngroups = [[0], [1]]\n'
         + '[[steps]]\nat = 2\naction = "stop"\nnode = 1\n'
+        + "[expect]\nmin_success = 0\n"
     )
     assert isinstance(scenario.steps[0], PartitionStep) and isinstance(scenario.steps[1], NodeStep)
 
@@ -141,7 +157,7 @@ def _row(t: float, outcome: str = "ok", text: str | None = "a b c", **kw) -> Pro
 SCENARIO = parse_scenario(
     MINIMAL
     + '[[steps]]\nat = 5\naction = "kill"\nnode = 1\n[[steps]]\nat = 10\naction = "restart"\nnode = 1\n'
-    + "[expect]\nrecover_within_s = 3\n"
+    + "[expect]\nmin_success = 0\nrecover_within_s = 3\n"
 )
 
 
@@ -152,11 +168,11 @@ def test_verdict_counts_compares_and_times_recovery() -> None:
         _row(1001.0),
         _row(1002.0, text="odd"),  # baseline: "a b c" wins
         ProbeRow(t=1001.0, url="u", kind="models", model="*", outcome="ok", duration_s=0.1),
-        _row(1006.0, "http_error", text=None, status=503),
+        _row(1006.0, "http_error", text=None, status=503, retry_after="1"),
         _row(1007.0, "error_event", text=None),
-        _row(1008.0, "timeout", text=None),
+        _row(1008.0, "http_error", text=None, status=404),
         _row(1009.0),  # ok during the outage (another route), but not yet "recovered"
-        _row(1010.5, "transport_error", text=None),
+        _row(1010.5, "error_event", text=None),
         _row(1012.0, text="different"),
         _row(1013.0),
     ]
@@ -167,10 +183,19 @@ def test_verdict_counts_compares_and_times_recovery() -> None:
         verdict.failed_proper,
         verdict.failed_improper,
         verdict.hung,
-    ) == (10, 6, 2, 2, 0)
+    ) == (10, 6, 4, 0, 0)
     assert (verdict.identical, verdict.compared) == (2, 3)
     assert verdict.recovery_s == pytest.approx(2.0) and verdict.recovered
+    assert (verdict.fault_requests, verdict.fault_ok) == (4, 1)  # [1005, 1010)
     assert verdict.passed and verdict.reasons == []
+    # The same run with one of those errors a timeout and one a refused connection: fails.
+    rows[6] = _row(1008.0, "timeout", text=None)
+    rows[8] = _row(1010.5, "transport_error", text=None)
+    broken = judge(SCENARIO, rows, started_at=start)
+    assert (broken.failed_proper, broken.failed_improper) == (2, 2) and not broken.passed
+    assert broken.reasons == [
+        "2 improper failures: 1 timed out, 1 transport error (refused, reset or malformed)"
+    ]
 
 
 def test_verdict_fails_on_hung_and_on_no_recovery() -> None:
@@ -180,9 +205,11 @@ def test_verdict_fails_on_hung_and_on_no_recovery() -> None:
     assert any("hung" in r for r in verdict.reasons) and any(
         "recover" in r for r in verdict.reasons
     )
-    slow = judge(SCENARIO, [_row(1001.0), _row(1011.0, "timeout", text=None), _row(1014.5)], 1000.0)
+    slow = judge(
+        SCENARIO, [_row(1001.0), _row(1006.0), _row(1011.0, "error_event"), _row(1014.5)], 1000.0
+    )
     assert slow.recovery_s == pytest.approx(4.5) and not slow.passed
-    assert "allowed 3s" in slow.reasons[0]
+    assert slow.reasons == ["recovered after 4.5s (allowed 3s)"]
     assert not judge(SCENARIO, [], 1000.0).passed
 
 
@@ -223,7 +250,9 @@ def test_verdict_phases_split_at_first_and_last_step() -> None:
 
 
 def test_one_step_scenarios_have_no_during_phase() -> None:
-    scenario = parse_scenario(MINIMAL + '[[steps]]\nat = 5\naction = "kill"\nnode = 1\n')
+    scenario = parse_scenario(
+        MINIMAL + '[[steps]]\nat = 5\naction = "kill"\nnode = 1\n[expect]\nmin_success = 0\n'
+    )
     phases = judge(scenario, [_row(1001.0), _row(1009.0)], 1000.0).phases
     assert [(p.phase, p.requests) for p in phases] == [("before faults", 1), ("after", 1)]
 
@@ -238,7 +267,8 @@ def test_suite_markdown_row() -> None:
     assert table.startswith(HEADER)
     row = table.splitlines()[-1]
     assert row.startswith(
-        "| x | 3 | 2 | 0 | 0 | **1** | 1/1 | 1.0 s | 1/1 · 0.10 / 0.10 | 0/1 · – / – |"
+        "| x | 3 | 2 | 0 | 0 | **1** | 0/1 ≥ 0% | 0.1 ≤ 5 | 1/1 | 1.0 s "
+        "| 1/1 · 0.10 / 0.10 | 0/1 · – / – |"
     )
     assert "FAIL: 1 hung requests" in row
 
