@@ -62,3 +62,13 @@ def test_only_retryable_errors_may_be_retried_before_the_commit() -> None:
     assert tracker.may_retry(BUSY)  # overloaded is retryable by kind
     assert tracker.may_retry(BROKEN)  # retryable by flag
     assert not tracker.may_retry(REFUSED)  # a client mistake is answered, not retried
+
+
+def test_a_whole_answer_commits_only_at_its_end() -> None:
+    """A client that did not ask for a stream sees nothing until the terminal: mid-answer
+    failures may still be retried."""
+    tracker = CommitTracker(streaming=False)
+    assert tracker.feed(TextDelta("Hel")) is False
+    assert tracker.feed(ToolCallDelta(index=0, id="c1", name="f", arguments="")) is False
+    assert tracker.may_retry(BUSY) and tracker.failure(BROKEN) is BROKEN
+    assert tracker.feed(Done("stop")) is True and tracker.committed

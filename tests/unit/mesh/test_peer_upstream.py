@@ -167,16 +167,23 @@ async def test_tunnel_lost_after_first_delta_is_final():
 
 
 async def test_tunnel_lost_mid_answer_stays_retryable_for_a_client_that_waits_for_it_whole():
-    """A non-stream client has seen nothing yet: the router may still try elsewhere."""
-    _, _, connection, upstream = _setup(TextDelta("partial"), Stall())
-    seen = []
-    async for event in upstream.stream(_request().model_copy(update={"stream": False})):
-        seen.append(event)
-        if isinstance(event, TextDelta):
-            connection.lose()
+    """A non-stream client has seen nothing yet: the router may still try elsewhere. (The
+    serving side holds a non-stream answer until it is whole, so nothing commits here.)"""
+    worker, _, connection, upstream = _setup(TextDelta("partial"), Stall())
+    events = upstream.stream(_request().model_copy(update={"stream": False}))
+    pending = asyncio.ensure_future(_drain_events(events))
+    await asyncio.wait_for(worker.started.wait(), 5)
+    await asyncio.sleep(0.05)  # the worker has produced "partial" by now
+    connection.lose()
+    seen = await asyncio.wait_for(pending, 5)
+    assert not any(isinstance(e, TextDelta) for e in seen)
     assert isinstance(seen[-1], Error)
     assert seen[-1].kind == "unavailable" and seen[-1].retryable
     await connection.join()
+
+
+async def _drain_events(events) -> list:
+    return [event async for event in events]
 
 
 async def test_cancelling_the_consumer_cancels_the_peers_worker():
