@@ -23,6 +23,10 @@ from worker.engine_types import EngineConfig
 from worker.net import SECRET_ENV, configure_logging
 
 
+def store_root(home: Path | None) -> Path:
+    return home if home is not None else Path.home() / ".mlx-mesh"
+
+
 def locate_model(model: str, home: Path | None) -> str:
     """A store name → its directory; a local directory → itself; else a hub id, unchanged.
 
@@ -33,8 +37,7 @@ def locate_model(model: str, home: Path | None) -> str:
     candidate = Path(model).expanduser()
     if model.startswith(("/", ".", "~")) and not candidate.is_dir():
         raise LookupError(f"no model directory at {candidate}")
-    root = home if home is not None else Path.home() / ".mlx-mesh"
-    resolved = store.resolve_model(root, model)
+    resolved = store.resolve_model(store_root(home), model)
     if resolved == model and model in store.REGISTRY:
         raise LookupError(f"model {model!r} is not pulled yet: run `mesh models pull {model}`")
     return resolved
@@ -81,6 +84,7 @@ def run(
     This is a process entry point: with ``fast_blas`` it may first re-execute the process
     (same pid and arguments) with OpenBLAS preloaded, see ``worker.cpu.reexec_with_fast_blas``.
     """
+    from worker import store
     from worker.app import serve
 
     if fast_blas:
@@ -91,7 +95,12 @@ def run(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
         cpu_dequantize_share=cpu_dequantize_share,
     )
-    engine = Engine(path, name=served_name, config=config)
+    engine = Engine(
+        path,
+        name=served_name,
+        config=config,
+        generation_config_fallback=store.registry_generation_config(store_root(home), model),
+    )
     engine.start()
     try:
         serve(engine, host, port, secret=secret)
