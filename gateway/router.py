@@ -1,7 +1,7 @@
 """Pick routes for a model and run one request across them, retrying before the commit point.
 
-The commit point is the first content delta (or terminal); an early ``Usage`` waits for it, and
-a ``Progress`` note passes through without committing (it is not part of the answer). A
+The commit point is the first content delta (or terminal); an early ``Usage`` or ``Sampling``
+waits for it, and a ``Progress`` note passes through without committing (it is not part of the answer). A
 failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable, an
 exception, or a stream that ends early – is retried once on the same route after
 ``retry_backoff_s``, then on the next route (the MoA route is not retried: its arbiter already
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError
-from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Usage
+from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Sampling, Usage
 from gateway.request import ChatRequest
 from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream
 
@@ -43,14 +43,15 @@ class CommitTracker:
 
     Before the commit a failure may be retried; after it, never: the client has part of an
     answer. The first content event commits – a delta, or a terminal. ``Meta`` (route facts),
-    an early ``Usage`` (a prompt count) and a ``Progress`` note do not: they are not the answer.
+    an early ``Usage`` (a prompt count), ``Sampling`` and a ``Progress`` note do not: they are
+    not the answer.
     """
 
     committed: bool = False
 
     def feed(self, event: Event) -> bool:
         """Record ``event``; True when it is the one that commits."""
-        if self.committed or isinstance(event, Meta | Usage | Progress):
+        if self.committed or isinstance(event, Meta | Usage | Sampling | Progress):
             return False
         self.committed = True
         return True
@@ -144,15 +145,15 @@ class _Attempt:
 
     async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
         pending_meta: dict[str, str] = {}
-        pending_usage: Usage | None = None
+        pending_facts: list[Usage | Sampling] = []
         commit = CommitTracker()
         source = self.route.upstream.stream(request)
         try:
             async for event in source:  # until the commit
                 if isinstance(event, Meta):
                     pending_meta.update(event.headers)
-                elif isinstance(event, Usage):  # an early prompt count: a fact, not content
-                    pending_usage = event
+                elif isinstance(event, Usage | Sampling):  # facts about the answer, not content
+                    pending_facts.append(event)
                 elif isinstance(event, Progress):
                     # A note, not content: it goes out (with the route facts known so far, so
                     # they can reach the headers) and a retry stays possible.
@@ -164,8 +165,8 @@ class _Attempt:
                 else:
                     commit.feed(event)
                     yield Meta(self._headers() | pending_meta)
-                    if pending_usage is not None:
-                        yield pending_usage
+                    for fact in pending_facts:
+                        yield fact
                     yield event
                     break
             else:
