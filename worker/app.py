@@ -154,6 +154,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 "in_flight": stats.in_flight,
                 "tokens_per_second": round(engine.tokens_per_second(), 3),
                 "uptime_s": round(engine.uptime_s, 3),
+                "warm_up_s": _rounded(stats.warm_up_s),
             }
             | _how_it_runs(engine)
         )
@@ -166,6 +167,10 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
     app = Starlette(routes=routes, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
     app.state.engine = engine
     return app
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _how_it_runs(engine: Engine) -> dict[str, Any]:
@@ -454,6 +459,9 @@ def serve(
         # After the announcement: whoever reads the first line for the URL still finds it there.
         for line in engine.cpu_fast_path.lines() if engine.cpu_fast_path else ():
             print(line, flush=True)
+        if engine.stats.warm_up_s is not None:
+            tokens, seconds = engine.stats.warm_up_tokens, engine.stats.warm_up_s
+            print(f"warm-up: {tokens} tokens in {seconds:.2f}s", flush=True)
         defaults = engine.sampling_defaults
         print(
             f"sampling defaults ({defaults.source}): temperature {defaults.temperature}, "

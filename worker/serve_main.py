@@ -1,9 +1,11 @@
 """``python -m worker --model X [--host H] [--port N] [--home DIR] [--name NAME]``.
 
 The node supervisor starts the worker as a child process with this command line; it prints
-``worker listening on URL (model NAME)`` once the model is loaded and the port is bound. The node
-passes the worker's secret in ``$MLX_MESH_WORKER_SECRET`` (never on the command line, which
-every local user can read); then every request must carry it.
+``worker listening on URL (model NAME)`` once the model is loaded, warmed up (one short
+generation, so that the first request does not wait for MLX to compile its kernels;
+``--no-warm-up`` skips it) and the port is bound. The node passes the worker's secret in
+``$MLX_MESH_WORKER_SECRET`` (never on the command line, which every local user can read); then
+every request must carry it.
 On Linux's CPU backend the process first restarts itself once with OpenBLAS preloaded when
 that is installed (worker/cpu.py; ``--no-fast-blas`` or ``MLX_MESH_BLAS=off`` to not).
 """
@@ -64,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="on the CPU, run quantized weights as float32 when that takes at most this share "
         "of physical memory (0: keep them quantized)",
     )
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="announce the worker without a warm-up generation (the first request is slower)",
+    )
     return parser
 
 
@@ -78,8 +86,10 @@ def run(
     secret: str | None = None,
     fast_blas: bool = True,
     cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
+    warm_up: bool = True,
 ) -> None:
-    """Load the model and serve it until interrupted (raises EngineError if it cannot load).
+    """Load the model, warm it up and serve it until interrupted (raises EngineError if it
+    cannot load).
 
     This is a process entry point: with ``fast_blas`` it may first re-execute the process
     (same pid and arguments) with OpenBLAS preloaded, see ``worker.cpu.reexec_with_fast_blas``.
@@ -103,6 +113,8 @@ def run(
     )
     engine.start()
     try:
+        if warm_up:
+            engine.warm_up()
         serve(engine, host, port, secret=secret)
     finally:
         engine.close()
@@ -135,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             secret=os.environ.pop(SECRET_ENV, None) or None,
             fast_blas=False,  # done above
             cpu_dequantize_share=args.cpu_dequantize_share,
+            warm_up=args.warm_up,
         )
     except (EngineError, OSError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
