@@ -438,37 +438,44 @@ def serve(
     *,
     announce: bool = True,
     secret: str | None = None,
+    warm_up: bool = False,
 ) -> None:
-    """Serve ``engine`` until interrupted; prints ``worker listening on URL (model NAME)``."""
+    """Serve ``engine`` until interrupted; prints ``worker listening on URL (model NAME)``,
+    with ``warm_up`` only after the warm-up requests (worker/warm_up.py) ran."""
     import uvicorn
+
+    from worker.warm_up import warm_up as run_warm_up
 
     sock = bind_socket(host, port)
     actual_port = sock.getsockname()[1]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{actual_port}"
-    # No lifespan handlers: "off" also keeps uvicorn from logging a traceback on Ctrl-C.
-    config = uvicorn.Config(
-        create_app(engine, secret=secret),
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        **server_limits(),
-    )
-    server = uvicorn.Server(config)
-    if announce:
-        print(f"worker listening on {url} (model {engine.name})", flush=True)
-        # After the announcement: whoever reads the first line for the URL still finds it there.
-        for line in engine.cpu_fast_path.lines() if engine.cpu_fast_path else ():
-            print(line, flush=True)
-        if engine.stats.warm_up_s is not None:
-            tokens, seconds = engine.stats.warm_up_tokens, engine.stats.warm_up_s
-            print(f"warm-up: {tokens} tokens in {seconds:.2f}s", flush=True)
-        defaults = engine.sampling_defaults
-        print(
-            f"sampling defaults ({defaults.source}): temperature {defaults.temperature}, "
-            f"top_p {defaults.top_p}, top_k {defaults.top_k}, min_p {defaults.min_p}",
-            flush=True,
-        )
     try:
+        app = create_app(engine, secret=secret)
+        if warm_up:
+            asyncio.run(run_warm_up(app, secret=secret))
+        # No lifespan handlers: "off" also keeps uvicorn from logging a traceback on Ctrl-C.
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", **server_limits()
+        )
+        server = uvicorn.Server(config)
+        if announce:
+            _announce(engine, url)
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def _announce(engine: Engine, url: str) -> None:
+    print(f"worker listening on {url} (model {engine.name})", flush=True)
+    # After the announcement: whoever reads the first line for the URL still finds it there.
+    for line in engine.cpu_fast_path.lines() if engine.cpu_fast_path else ():
+        print(line, flush=True)
+    if engine.stats.warm_up_s is not None:
+        tokens, seconds = engine.stats.warm_up_tokens, engine.stats.warm_up_s
+        print(f"warm-up: {tokens} tokens in {seconds:.2f}s", flush=True)
+    defaults = engine.sampling_defaults
+    print(
+        f"sampling defaults ({defaults.source}): temperature {defaults.temperature}, "
+        f"top_p {defaults.top_p}, top_k {defaults.top_k}, min_p {defaults.min_p}",
+        flush=True,
+    )

@@ -8,10 +8,6 @@ Concurrent jobs share the model through mlx-lm's ``BatchGenerator`` (continuous 
 model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Commands are
 drained between decode steps, so a cancel stops its job within one step.
 
-``warm_up`` runs a short generation through that same path before the worker says it is ready:
-MLX builds compiled kernels (and Metal shaders) on first use, which the first user request
-would otherwise pay for.
-
 Prompt cache commit happens *after* the response: a finished job's KV cache is held as a pending
 commit until the HTTP layer calls ``commit`` (after writing the terminal frame). A new job whose
 prompt would reuse a pending commit waits for it (at most ``commit_wait_s``), so it never reads a
@@ -46,12 +42,7 @@ from worker.engine_types import (
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.prompt_cache import PromptCacheStore
-from worker.sampling import (
-    SamplingParams,
-    StopMatcher,
-    make_request_processors,
-    make_request_sampler,
-)
+from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +72,6 @@ class _Pending:
     tokens: list[int]
     cache: list[Any]
     created: float = field(default_factory=time.monotonic)
-
-
-# Warm-up samplings besides the model's defaults: every filter on, so that a request with its
-# own values finds their kernels built too (greedy decoding compiles nothing).
-_WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, min_p=0.05)
 
 
 class Engine:
@@ -144,44 +130,11 @@ class Engine:
             self._inbox.put(("stop", None))
             self._thread.join(timeout=30)
 
-    def warm_up(self, max_tokens: int = 4, timeout_s: float = 600.0) -> None:
-        """Run a short generation through the path every request takes – chat template,
-        sampler, batch generator, detokenizer – and wait for it. Call it after ``start`` and
-        before announcing the worker: MLX compiles kernels lazily (on the CPU backend C++ it
-        builds and caches under ``$TMPDIR/mlx``, ~1 s each), so a cold first request paid
-        seconds. One sequence samples with the model's defaults, one with every filter on.
-        Their KV caches are dropped, so no user request reports them as cached tokens, and
-        their tokens are not counted in the throughput /health reports."""
-        started = time.monotonic()
-        prompt, _ = self.render_prompt([{"role": "user", "content": "Hi"}], None, {})
-        defaults = self.sampling_defaults
-        samplings = [
-            SamplingParams(defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p),
-            _WARM_UP_SAMPLING,
-        ]
-
-        async def run() -> list[JobEvent]:
-            jobs = [
-                self.submit(GenerationRequest(prompt, max_tokens, s, request_id=f"warm-up-{i}"))
-                for i, s in enumerate(samplings)
-            ]
-            async with asyncio.timeout(timeout_s):
-                return [[event async for event in job.events()][-1] for job in jobs]
-
-        try:
-            results = asyncio.run(run())
-        except TimeoutError:
-            raise EngineError(f"the warm-up did not finish in {timeout_s:.0f}s") from None
-        self._inbox.put(("forget", [f"warm-up-{i}" for i in range(len(samplings))]))
-        failed = [r.message for r in results if isinstance(r, Failed)]
-        if failed:
-            raise EngineError(f"the warm-up generation failed: {failed[0]}")
-        with self._lock:
-            self._rate.clear()
-        self.stats.warm_up_tokens = sum(
-            r.completion_tokens for r in results if isinstance(r, Finished)
-        )
-        self.stats.warm_up_s = time.monotonic() - started
+    def discard_prompt_cache(self) -> None:
+        """Drop every cached and pending prompt and the throughput window, in order after the
+        commands before it. For the start-up warm-up (worker/warm_up.py): its prompts must not
+        show up as a user's cached tokens, nor its tokens as load."""
+        self._inbox.put(("discard", None))
 
     @property
     def uptime_s(self) -> float:
@@ -259,7 +212,7 @@ class Engine:
             "submit": self._on_submit,
             "cancel": self._on_cancel,
             "commit": self._on_commit,
-            "forget": self._on_forget,
+            "discard": self._on_discard,
         }
         while True:
             commands = self._drain(wait_s=self._idle_wait())
@@ -439,11 +392,12 @@ class Engine:
         self.stats.commits += 1
         self.stats.log("committed", job_id)
 
-    def _on_forget(self, job_ids: list[str]) -> None:
-        """Drop finished jobs' caches instead of storing them (the warm-up's)."""
-        for job_id in job_ids:
-            if self._pending.pop(job_id, None) is not None:
-                self.stats.log("forgotten", job_id)
+    def _on_discard(self, _: None) -> None:
+        self._store.clear()
+        self._pending.clear()
+        with self._lock:
+            self._rate.clear()
+        self.stats.log("discarded", "")
 
     def _expire_pending(self) -> None:
         if not self._pending:

@@ -113,9 +113,7 @@ def run(
     )
     engine.start()
     try:
-        if warm_up:
-            engine.warm_up()
-        serve(engine, host, port, secret=secret)
+        serve(engine, host, port, secret=secret, warm_up=warm_up)
     finally:
         engine.close()
 

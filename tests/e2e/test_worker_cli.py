@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.engine import Engine
 from worker.serve_main import locate_model
 
 
@@ -109,14 +108,13 @@ def test_locate_model_uses_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
 def test_the_worker_warms_up_before_it_announces(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, warm_up: bool
 ) -> None:
-    """``serve`` prints the announcement the node waits for; by then the warm-up has run."""
+    """The announcement is what the node waits for: by then the warm-up has run."""
+    import uvicorn
+
     from worker import app, serve_main
 
     seen: list[float | None] = []
-
-    def announce(engine: Engine, *args: object, **kwargs: object) -> None:
-        seen.append(engine.stats.warm_up_s)
-
-    monkeypatch.setattr(app, "serve", announce)
+    monkeypatch.setattr(app, "_announce", lambda engine, url: seen.append(engine.stats.warm_up_s))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: None)
     serve_main.run(str(tiny_model_dir), port=0, fast_blas=False, warm_up=warm_up)
     assert len(seen) == 1 and (seen[0] is not None) == warm_up

@@ -1,5 +1,5 @@
 """Engine on the tiny real models: batching, seeds, stops, cancel, prompt cache and its commit,
-the start-up warm-up and the model's sampling defaults."""
+the model's sampling defaults."""
 
 from __future__ import annotations
 
@@ -357,25 +357,6 @@ async def test_reused_cache_gives_the_same_tokens_as_a_cold_run(
     finally:
         engine.close()
         cold_engine.close()
-
-
-def test_warm_up_generates_and_leaves_nothing_behind(tiny_model_dir: Path) -> None:
-    engine = Engine(str(tiny_model_dir), name="tiny")
-    engine.start(timeout=60)
-    try:
-        assert engine.stats.warm_up_s is None
-        engine.warm_up()
-        assert engine.stats.warm_up_s is not None and engine.stats.warm_up_tokens > 0
-        assert engine.tokens_per_second() == 0.0  # not reported as load
-        # The first user request has exactly the warm-up's prompt: yet nothing of it is cached
-        # (cached_tokens would report the warm-up as the user's) and it waits for no commit.
-        prompt = prompt_of(engine, "Hi")
-        _, _, done = asyncio.run(run(engine, GenerationRequest(prompt, 3, GREEDY)))
-        assert done.cached_tokens == 0 and engine.stats.commit_waits == 0
-        assert "forgotten" in engine.stats.events_for("warm-up-0")
-        assert engine.stats.queue_depth == engine.stats.in_flight == 0
-    finally:
-        engine.close()
 
 
 def test_sampling_defaults_come_from_generation_config(
