@@ -15,6 +15,7 @@ from gateway.events import (
     Event,
     Progress,
     ReasoningDelta,
+    Sampling,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -53,6 +54,7 @@ class Accumulator:
     progress_parts: list[str] = field(default_factory=list)
     tool_calls: dict[int, ToolCallState] = field(default_factory=dict)
     usage: Usage | None = None
+    sampling: Sampling | None = None  # the values the upstream generated with, if it said
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended a "stop" answer
     error: Error | None = None
@@ -78,6 +80,8 @@ class Accumulator:
             call.arguments += event.arguments
         elif isinstance(event, Usage):
             self.usage = event
+        elif isinstance(event, Sampling):
+            self.sampling = event
         elif isinstance(event, Done):
             self.finish_reason = event.finish_reason
             # A tool call is a tool call even when the model (or parser) said "stop".

@@ -3,7 +3,9 @@
 An upstream stream is any number of deltas, ``Progress`` notes and ``Usage`` events, closed by
 exactly one terminal event: ``Done`` or ``Error``. Encoders rely on that terminal event to end
 their stream. The last ``Usage`` counts; an earlier one, right before the first delta, tells the
-prompt's size early (Anthropic's ``message_start``).
+prompt's size early (Anthropic's ``message_start``). A worker also says, once, before its
+``Done``, the ``Sampling`` values it generated with (the model's defaults for what the request
+left out); like ``Usage`` it is a fact about the answer, not content.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampling values the answer was generated with (Responses reports them)."""
+
+    temperature: float
+    top_p: float
+    top_k: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +146,9 @@ class Error:
 
 Delta = ReasoningDelta | TextDelta | ToolCallDelta
 Terminal = Done | Error
-Event = ReasoningDelta | TextDelta | ToolCallDelta | Progress | Usage | Meta | Done | Error
+Event = (
+    ReasoningDelta | TextDelta | ToolCallDelta | Progress | Usage | Sampling | Meta | Done | Error
+)
 
 _EVENT_TYPES: dict[str, type] = {
     "reasoning": ReasoningDelta,
@@ -143,6 +156,7 @@ _EVENT_TYPES: dict[str, type] = {
     "tool_call": ToolCallDelta,
     "progress": Progress,
     "usage": Usage,
+    "sampling": Sampling,
     "meta": Meta,
     "done": Done,
     "error": Error,

@@ -1,7 +1,7 @@
 """Pick routes for a model and run one request across them, retrying before the commit point.
 
-The commit point is the first content delta (or terminal); an early ``Usage`` waits for it, and
-a ``Progress`` note passes through without committing (it is not part of the answer). A
+The commit point is the first content delta (or terminal); an early ``Usage`` or ``Sampling``
+waits for it, and a ``Progress`` note passes through without committing (it is not part of the answer). A
 failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable, an
 exception, or a stream that ends early – is retried once on the same route after
 ``retry_backoff_s``, then on the next route (the MoA route is not retried: its arbiter already
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.errors import GatewayError
-from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Usage
+from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Sampling, Usage
 from gateway.request import ChatRequest
 from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream
 
@@ -43,10 +43,10 @@ class CommitTracker:
 
     Before the commit a failure may be retried; after it, never: the client has part of an
     answer. For a streamed answer the first content event commits – a delta, or a terminal.
-    ``Meta`` (route facts), an early ``Usage`` (a prompt count) and a ``Progress`` note do not:
-    they are not the answer. A client that did not ask for a stream sees nothing until the
-    answer is whole, so there only the terminal commits and a failure mid-answer may still be
-    retried (the partial answer is thrown away).
+    ``Meta`` (route facts), an early ``Usage`` (a prompt count), ``Sampling`` and a ``Progress``
+    note do not: they are not the answer. A client that did not ask for a stream sees nothing
+    until the answer is whole, so there only the terminal commits and a failure mid-answer may
+    still be retried (the partial answer is thrown away).
     """
 
     streaming: bool = True
@@ -54,7 +54,7 @@ class CommitTracker:
 
     def feed(self, event: Event) -> bool:
         """Record ``event``; True when it is the one that commits."""
-        if self.committed or isinstance(event, Meta | Usage | Progress):
+        if self.committed or isinstance(event, Meta | Usage | Sampling | Progress):
             return False
         if not self.streaming and not isinstance(event, Done | Error):
             return False
@@ -142,23 +142,22 @@ class _Held:
     when the client waits for the whole answer, the answer so far."""
 
     meta: dict[str, str] = field(default_factory=dict)
-    usage: Usage | None = None
+    facts: list[Usage | Sampling] = field(default_factory=list)
     deltas: list[Event] = field(default_factory=list)
 
     def absorb(self, event: Event) -> bool:
         """Keep a fact for later; False for anything else."""
         if isinstance(event, Meta):
             self.meta.update(event.headers)
-        elif isinstance(event, Usage):  # an early prompt count: a fact, not content
-            self.usage = event
+        elif isinstance(event, Usage | Sampling):  # facts about the answer, not content
+            self.facts.append(event)
         else:
             return False
         return True
 
     def release(self, meta: Meta, committing: Event) -> list[Event]:
         """Everything in the order the client must see it, ending with the committing event."""
-        usage = [self.usage] if self.usage is not None else []
-        return [meta, *usage, *self.deltas, committing]
+        return [meta, *self.facts, *self.deltas, committing]
 
 
 @dataclass

@@ -24,6 +24,7 @@ from gateway.events import (
     Error,
     Event,
     ReasoningDelta,
+    Sampling,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -108,13 +109,15 @@ class ChunkDecoder:
 
     Usage goes out once at the end; when the worker also counts in its chunks
     (``continuous_usage_stats``), an early ``Usage`` precedes the first delta too, so encoders
-    can tell the prompt's size before the answer (the final one supersedes it).
+    can tell the prompt's size before the answer (the final one supersedes it). The worker's
+    ``sampling`` extension (the values it used) becomes a ``Sampling`` right before ``Done``.
     """
 
     def __init__(self) -> None:
         self.finish_reason = "stop"
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
+        self.sampling: Sampling | None = None
         self._started = False  # a delta or the early usage went out
 
     def decode(self, payload: dict[str, Any]) -> list[Event]:
@@ -132,6 +135,8 @@ class ChunkDecoder:
                 )
             ]
         events: list[Event] = []
+        if isinstance(used := payload.get("sampling"), dict):
+            self.sampling = _sampling(used)
         usage = payload.get("usage")
         if usage:
             details = usage.get("prompt_tokens_details") or {}
@@ -167,9 +172,16 @@ class ChunkDecoder:
         return events
 
     def finish(self) -> list[Event]:
-        tail: list[Event] = [self.usage] if self.usage is not None else []
+        tail: list[Event] = [e for e in (self.usage, self.sampling) if e is not None]
         done = Done(self.finish_reason, self.stop_sequence)  # type: ignore[arg-type]
         return [*tail, done]
+
+
+def _sampling(used: dict[str, Any]) -> Sampling | None:
+    try:
+        return Sampling(float(used["temperature"]), float(used["top_p"]), int(used.get("top_k", 0)))
+    except (KeyError, TypeError, ValueError):
+        return None  # not what our worker sends: say nothing rather than something wrong
 
 
 def _mean_logprob(logprobs: Any) -> float | None:

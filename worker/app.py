@@ -3,6 +3,10 @@
 ``create_app(engine)`` builds the Starlette app over a started ``Engine``; ``serve`` runs it with
 uvicorn. The prompt-cache commit is requested only after the terminal frame (``[DONE]`` or the
 JSON body) went out; the engine makes the next request that needs it wait for it.
+
+Sampling fields a request omits get the model's recommended values (``engine.sampling_defaults``,
+listed in /v1/models); every answer says what it used in an extension object ``sampling``
+(temperature, top_p, top_k, min_p): top-level in the JSON body, in the stream's finishing chunk.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
         if isinstance(result, Failed):
             return error_response(500, result.message, type_="server_error")
         body = _completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
+        body["sampling"] = _sampling_used(job)
         # The commit runs as a background task: after the body went out.
         return json_response(body, background=BackgroundTask(engine.commit, job))
 
@@ -135,6 +140,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
             "parameters": info.parameters,
             "context_length": info.context_length,
             "quantization": info.quantization,
+            "sampling_defaults": engine.sampling_defaults.as_dict(),
         }
         return json_response({"object": "list", "data": [entry | _how_it_runs(engine)]})
 
@@ -148,6 +154,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 "in_flight": stats.in_flight,
                 "tokens_per_second": round(engine.tokens_per_second(), 3),
                 "uptime_s": round(engine.uptime_s, 3),
+                "warm_up_s": _rounded(stats.warm_up_s),
             }
             | _how_it_runs(engine)
         )
@@ -160,6 +167,10 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
     app = Starlette(routes=routes, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
     app.state.engine = engine
     return app
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _how_it_runs(engine: Engine) -> dict[str, Any]:
@@ -201,11 +212,12 @@ async def _start_job(
     if logit_bias and any(not 0 <= t < vocab for t in logit_bias):
         raise BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
     limit = chat.max_completion_tokens or chat.max_tokens or DEFAULT_MAX_TOKENS
+    defaults = engine.sampling_defaults  # for the fields the request leaves out
     sampling = SamplingParams(
-        temperature=1.0 if chat.temperature is None else chat.temperature,
-        top_p=chat.top_p or 1.0,
-        top_k=chat.top_k or 0,
-        min_p=chat.min_p or 0.0,
+        temperature=defaults.temperature if chat.temperature is None else chat.temperature,
+        top_p=defaults.top_p if chat.top_p is None else chat.top_p,
+        top_k=defaults.top_k if chat.top_k is None else chat.top_k,
+        min_p=defaults.min_p if chat.min_p is None else chat.min_p,
         seed=chat.seed,
         repetition_penalty=chat.repetition_penalty,
         presence_penalty=chat.presence_penalty,
@@ -237,6 +249,17 @@ async def _start_job(
     return job, DeltaAssembler(
         think_tags=think_tags, in_reasoning=in_reasoning, tool_splitter=splitter
     )
+
+
+def _sampling_used(job: Job) -> dict[str, Any]:
+    """The ``sampling`` extension: the values this answer was generated with."""
+    params = job.request.sampling
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+    }
 
 
 def _usage(done: Finished) -> dict[str, Any]:
@@ -284,6 +307,8 @@ async def _sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
             choice["logprobs"] = {"content": _logprob_entries(pending_logprobs)}
             pending_logprobs.clear()
         chunk = {**base, "choices": [choice]}
+        if done is not None:
+            chunk["sampling"] = _sampling_used(job)
         if continuous_usage:
             chunk["usage"] = {
                 "prompt_tokens": prompt_tokens,
@@ -413,28 +438,44 @@ def serve(
     *,
     announce: bool = True,
     secret: str | None = None,
+    warm_up: bool = False,
 ) -> None:
-    """Serve ``engine`` until interrupted; prints ``worker listening on URL (model NAME)``."""
+    """Serve ``engine`` until interrupted; prints ``worker listening on URL (model NAME)``,
+    with ``warm_up`` only after the warm-up requests (worker/warm_up.py) ran."""
     import uvicorn
+
+    from worker.warm_up import warm_up as run_warm_up
 
     sock = bind_socket(host, port)
     actual_port = sock.getsockname()[1]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{actual_port}"
-    # No lifespan handlers: "off" also keeps uvicorn from logging a traceback on Ctrl-C.
-    config = uvicorn.Config(
-        create_app(engine, secret=secret),
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        **server_limits(),
-    )
-    server = uvicorn.Server(config)
-    if announce:
-        print(f"worker listening on {url} (model {engine.name})", flush=True)
-        # After the announcement: whoever reads the first line for the URL still finds it there.
-        for line in engine.cpu_fast_path.lines() if engine.cpu_fast_path else ():
-            print(line, flush=True)
     try:
+        app = create_app(engine, secret=secret)
+        if warm_up:
+            asyncio.run(run_warm_up(app, secret=secret))
+        # No lifespan handlers: "off" also keeps uvicorn from logging a traceback on Ctrl-C.
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", **server_limits()
+        )
+        server = uvicorn.Server(config)
+        if announce:
+            _announce(engine, url)
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def _announce(engine: Engine, url: str) -> None:
+    print(f"worker listening on {url} (model {engine.name})", flush=True)
+    # After the announcement: whoever reads the first line for the URL still finds it there.
+    for line in engine.cpu_fast_path.lines() if engine.cpu_fast_path else ():
+        print(line, flush=True)
+    if engine.stats.warm_up_s is not None:
+        tokens, seconds = engine.stats.warm_up_tokens, engine.stats.warm_up_s
+        print(f"warm-up: {tokens} tokens in {seconds:.2f}s", flush=True)
+    defaults = engine.sampling_defaults
+    print(
+        f"sampling defaults ({defaults.source}): temperature {defaults.temperature}, "
+        f"top_p {defaults.top_p}, top_k {defaults.top_k}, min_p {defaults.min_p}",
+        flush=True,
+    )

@@ -40,6 +40,7 @@ from worker.engine_types import (
     LoadedModel,
     TokenChunk,
 )
+from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.prompt_cache import PromptCacheStore
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
 
@@ -74,16 +75,27 @@ class _Pending:
 
 
 class Engine:
-    """Loads a model and serves generation jobs from one owner thread."""
+    """Loads a model and serves generation jobs from one owner thread.
+
+    ``generation_config_fallback``: the sampling to recommend when the model directory has no
+    ``generation_config.json`` that names any (the store passes its registry entry's)."""
 
     def __init__(
-        self, model_path: str, *, name: str | None = None, config: EngineConfig | None = None
+        self,
+        model_path: str,
+        *,
+        name: str | None = None,
+        config: EngineConfig | None = None,
+        generation_config_fallback: dict[str, Any] | None = None,
     ) -> None:
         self.model_path = model_path
         self.name = name or model_path.rstrip("/").split("/")[-1]
         self.config = config or EngineConfig()
         self.stats = EngineStats()
         self.info = LoadedModel()
+        # What a request that omits temperature/top_p/top_k/min_p gets; resolved at load.
+        self.sampling_defaults = MLX_LM_DEFAULTS
+        self._generation_config_fallback = generation_config_fallback
         self.tokenizer: Any = None
         self.cpu_fast_path: CpuFastPath | None = None  # set by the load on the CPU backend
         # Test hook: called on the owner thread right before a commit lands in the store.
@@ -117,6 +129,12 @@ class Engine:
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(("stop", None))
             self._thread.join(timeout=30)
+
+    def discard_prompt_cache(self) -> None:
+        """Drop every cached and pending prompt and the throughput window, in order after the
+        commands before it. For the start-up warm-up (worker/warm_up.py): its prompts must not
+        show up as a user's cached tokens, nor its tokens as load."""
+        self._inbox.put(("discard", None))
 
     @property
     def uptime_s(self) -> float:
@@ -194,6 +212,7 @@ class Engine:
             "submit": self._on_submit,
             "cancel": self._on_cancel,
             "commit": self._on_commit,
+            "discard": self._on_discard,
         }
         while True:
             commands = self._drain(wait_s=self._idle_wait())
@@ -235,6 +254,9 @@ class Engine:
             )
         self.tokenizer = tokenizer
         self.info = LoadedModel.from_config(config, model)
+        self.sampling_defaults = resolve_sampling_defaults(
+            self.model_path, self._generation_config_fallback
+        )
         self.context_length = self.info.context_length
         stream = mx.default_stream(mx.default_device())
         self.batchable = self.config.batching and all(
@@ -369,6 +391,13 @@ class Engine:
         self._store.insert(pending.tokens, pending.cache)
         self.stats.commits += 1
         self.stats.log("committed", job_id)
+
+    def _on_discard(self, _: None) -> None:
+        self._store.clear()
+        self._pending.clear()
+        with self._lock:
+            self._rate.clear()
+        self.stats.log("discarded", "")
 
     def _expire_pending(self) -> None:
         if not self._pending:

@@ -121,6 +121,9 @@ class EngineStats:
     commits: int = 0
     commit_waits: int = 0
     commit_wait_timeouts: int = 0
+    # The start-up warm-up (Engine.warm_up): how long it took and the tokens it generated.
+    warm_up_s: float | None = None
+    warm_up_tokens: int = 0
     events: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=1000))
     _events_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

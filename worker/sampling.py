@@ -6,16 +6,12 @@ never share random state: the same seed gives the same tokens whatever else is r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -38,15 +34,27 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+@mx.compile
+def _apply_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+    """mlx-lm's ``apply_min_p`` (one token kept at least), the threshold an input array."""
+    top = mx.max(logprobs, axis=-1, keepdims=True)
+    return mx.where(logprobs < top + log_min_p.astype(logprobs.dtype), -mx.inf, logprobs)
+
+
 def make_request_sampler(params: SamplingParams) -> Sampler:
     """A sampler for one request; seeded samplers draw from their own key chain."""
     if params.temperature <= 0:
         return greedy
     filters: list[Callable[[mx.array], mx.array]] = []
+    # Thresholds go in as arrays: mx.compile bakes a float argument into the kernel it builds,
+    # so each new top_p or min_p value cost the request that first used it a kernel compile
+    # (~1 s on the CPU backend); as inputs, one kernel serves every value (the warm-up builds it).
     if 0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
+        top_p = mx.array(params.top_p, dtype=mx.float32)
+        filters.append(lambda x: apply_top_p(x, top_p))
     if params.min_p > 0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
+        log_min_p = mx.array(math.log(params.min_p), dtype=mx.float32)
+        filters.append(lambda x: _apply_min_p(x, log_min_p))
     if params.top_k > 0:
         filters.append(lambda x: apply_top_k(x, params.top_k))
     inverse_temperature = 1.0 / params.temperature

@@ -1,9 +1,11 @@
 """``python -m worker --model X [--host H] [--port N] [--home DIR] [--name NAME]``.
 
 The node supervisor starts the worker as a child process with this command line; it prints
-``worker listening on URL (model NAME)`` once the model is loaded and the port is bound. The node
-passes the worker's secret in ``$MLX_MESH_WORKER_SECRET`` (never on the command line, which
-every local user can read); then every request must carry it.
+``worker listening on URL (model NAME)`` once the model is loaded, warmed up (one short
+generation, so that the first request does not wait for MLX to compile its kernels;
+``--no-warm-up`` skips it) and the port is bound. The node passes the worker's secret in
+``$MLX_MESH_WORKER_SECRET`` (never on the command line, which every local user can read); then
+every request must carry it.
 On Linux's CPU backend the process first restarts itself once with OpenBLAS preloaded when
 that is installed (worker/cpu.py; ``--no-fast-blas`` or ``MLX_MESH_BLAS=off`` to not).
 """
@@ -23,6 +25,10 @@ from worker.engine_types import EngineConfig
 from worker.net import SECRET_ENV, configure_logging
 
 
+def store_root(home: Path | None) -> Path:
+    return home if home is not None else Path.home() / ".mlx-mesh"
+
+
 def locate_model(model: str, home: Path | None) -> str:
     """A store name → its directory; a local directory → itself; else a hub id, unchanged.
 
@@ -33,8 +39,7 @@ def locate_model(model: str, home: Path | None) -> str:
     candidate = Path(model).expanduser()
     if model.startswith(("/", ".", "~")) and not candidate.is_dir():
         raise LookupError(f"no model directory at {candidate}")
-    root = home if home is not None else Path.home() / ".mlx-mesh"
-    resolved = store.resolve_model(root, model)
+    resolved = store.resolve_model(store_root(home), model)
     if resolved == model and model in store.REGISTRY:
         raise LookupError(f"model {model!r} is not pulled yet: run `mesh models pull {model}`")
     return resolved
@@ -61,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="on the CPU, run quantized weights as float32 when that takes at most this share "
         "of physical memory (0: keep them quantized)",
     )
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="announce the worker without a warm-up generation (the first request is slower)",
+    )
     return parser
 
 
@@ -75,12 +86,15 @@ def run(
     secret: str | None = None,
     fast_blas: bool = True,
     cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
+    warm_up: bool = True,
 ) -> None:
-    """Load the model and serve it until interrupted (raises EngineError if it cannot load).
+    """Load the model, warm it up and serve it until interrupted (raises EngineError if it
+    cannot load).
 
     This is a process entry point: with ``fast_blas`` it may first re-execute the process
     (same pid and arguments) with OpenBLAS preloaded, see ``worker.cpu.reexec_with_fast_blas``.
     """
+    from worker import store
     from worker.app import serve
 
     if fast_blas:
@@ -91,10 +105,15 @@ def run(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
         cpu_dequantize_share=cpu_dequantize_share,
     )
-    engine = Engine(path, name=served_name, config=config)
+    engine = Engine(
+        path,
+        name=served_name,
+        config=config,
+        generation_config_fallback=store.registry_generation_config(store_root(home), model),
+    )
     engine.start()
     try:
-        serve(engine, host, port, secret=secret)
+        serve(engine, host, port, secret=secret, warm_up=warm_up)
     finally:
         engine.close()
 
@@ -126,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             secret=os.environ.pop(SECRET_ENV, None) or None,
             fast_blas=False,  # done above
             cpu_dequantize_share=args.cpu_dequantize_share,
+            warm_up=args.warm_up,
         )
     except (EngineError, OSError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

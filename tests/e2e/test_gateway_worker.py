@@ -1,5 +1,6 @@
 """The gateway over the real worker (tiny MLX models, real HTTP on loopback): the three SDKs,
-thinking, tool calls, usage with cached tokens, cancellation and an unreachable worker."""
+thinking, tool calls, usage with cached tokens, the sampling used, cancellation and an
+unreachable worker."""
 
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ def gateway(tiny_model_dir, tiny_think_model_dir, tiny_tool_model_dir):
     engines, servers = [], []
     directory = StaticDirectory()
     try:
-        for name, path in (
-            ("plain", tiny_model_dir),
-            ("think", tiny_think_model_dir),
-            ("tool", tiny_tool_model_dir),
+        for name, path, recommended in (
+            ("plain", tiny_model_dir, None),
+            ("think", tiny_think_model_dir, None),
+            ("tool", tiny_tool_model_dir, None),
+            ("sampled", tiny_model_dir, {"do_sample": True, "temperature": 0.7, "top_p": 0.8}),
         ):
-            engine = Engine(str(path), name=name)
+            engine = Engine(str(path), name=name, generation_config_fallback=recommended)
             engine.start()
             engines.append(engine)
             server = ServerThread(create_worker_app(engine)).__enter__()
@@ -122,6 +124,21 @@ def test_responses_thinking_and_tools(oai):
         final = stream.get_final_response()
     assert [i.type for i in final.output] == ["function_call"]
     assert final.output[0].name == "get_weather"
+
+
+def test_responses_report_the_sampling_used(oai):
+    """``temperature``/``top_p`` are the numbers the worker used: the model's recommendation
+    for what the request left out, the request's own values where it gave them."""
+    default = oai.responses.create(model="sampled", input="hi", max_output_tokens=2)
+    assert (default.temperature, default.top_p) == (0.7, 0.8)
+    events = list(
+        oai.responses.create(
+            model="sampled", input="hi", max_output_tokens=2, temperature=0, stream=True
+        )
+    )
+    final = events[-1].response  # response.incomplete: the junk model runs to the limit
+    assert events[-1].type == "response.incomplete"
+    assert (final.temperature, final.top_p) == (0.0, 0.8)
 
 
 def test_messages_thinking_and_tools(claude):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -467,6 +468,49 @@ def test_health_and_models(plain: tuple[str, Engine]) -> None:
     assert entry["id"] == "tiny" and entry["owned_by"] == "mlx-mesh"
     assert entry["architecture"] == "llama" and entry["context_length"] == 4096
     assert entry["parameters"] > 0 and entry["quantization"]
+
+
+@pytest.fixture(scope="module")
+def recommending(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with a generation_config.json that recommends sampling."""
+    model = tmp_path_factory.mktemp("recommending") / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    )
+    with run_worker_in_thread(model, name="tiny-rec") as served:
+        yield served
+
+
+def test_omitted_sampling_fields_get_the_models_recommendation(recommending) -> None:
+    url, _ = recommending
+    body = {"model": "tiny-rec", "messages": HI, "max_tokens": 2}
+    reply = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+    assert reply["sampling"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+    (entry,) = httpx.get(f"{url}/models").json()["data"]
+    assert entry["sampling_defaults"]["source"] == "generation_config.json"
+    assert entry["sampling_defaults"]["temperature"] == 0.6
+
+
+def test_a_request_value_wins_over_the_recommendation(recommending) -> None:
+    url, _ = recommending
+    body = {
+        "model": "tiny-rec",
+        "messages": HI,
+        "max_tokens": 2,
+        "temperature": 0,
+        "top_k": 0,  # explicit "off" is a value too
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as response:
+        chunks = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
+        ]
+    finishing = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["sampling"] for c in finishing] == [
+        {"temperature": 0.0, "top_p": 0.95, "top_k": 0, "min_p": 0.0}
+    ]
+    assert all("sampling" not in c for c in chunks if c not in finishing)
 
 
 def test_penalties_change_greedy_output(plain: tuple[str, Engine]) -> None:

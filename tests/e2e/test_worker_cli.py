@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from worker.serve_main import locate_model
 
@@ -30,12 +31,15 @@ def test_python_m_worker_serves_and_announces_its_url(tiny_model_dir: Path) -> N
         assert line.rstrip().endswith("(model tiny)")
         health = httpx.get(f"{url}/health", timeout=30).json()
         assert health["status"] == "ok" and health["model"] == "tiny"
+        assert health["warm_up_s"] is not None  # warmed up before it said it was listening
         reply = httpx.post(
             f"{url}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
             timeout=60,
         ).json()
         assert reply["usage"]["completion_tokens"] == 3
+        # The warm-up's prompt shares the template's opening with this one: none of it cached.
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         process.terminate()
         assert process.wait(timeout=30) is not None
@@ -90,8 +94,6 @@ def test_locate_model_prefers_directories(tiny_model_dir: Path) -> None:
 def test_locate_model_uses_the_store(tmp_path: Path, tiny_model_dir: Path) -> None:
     import shutil
 
-    import pytest
-
     from worker import store
 
     home = tmp_path / "home"
@@ -100,3 +102,19 @@ def test_locate_model_uses_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
     with pytest.raises(LookupError, match="mesh models pull"):
         locate_model(store.DEFAULT_MODEL, home)
     assert locate_model("mlx-community/some-model", home) == "mlx-community/some-model"
+
+
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_the_worker_warms_up_before_it_announces(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, warm_up: bool
+) -> None:
+    """The announcement is what the node waits for: by then the warm-up has run."""
+    import uvicorn
+
+    from worker import app, serve_main
+
+    seen: list[float | None] = []
+    monkeypatch.setattr(app, "_announce", lambda engine, url: seen.append(engine.stats.warm_up_s))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: None)
+    serve_main.run(str(tiny_model_dir), port=0, fast_blas=False, warm_up=warm_up)
+    assert len(seen) == 1 and (seen[0] is not None) == warm_up

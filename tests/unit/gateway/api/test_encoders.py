@@ -13,7 +13,16 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
 from gateway.api import chat, messages, responses
-from gateway.events import Done, Error, Progress, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import (
+    Done,
+    Error,
+    Progress,
+    ReasoningDelta,
+    Sampling,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
 
 piece = st.text(min_size=1, max_size=4)
 content = st.lists(
@@ -35,7 +44,8 @@ def _events(deltas, calls, ending) -> list:
             ToolCallDelta(index, id=f"call_{index}", name=f"tool{index}", arguments=fragments[0])
         )
         events += [ToolCallDelta(index, arguments=f) for f in fragments[1:]]
-    return [*events, Usage(4, len(events), 1), ending]
+    # What a worker sends at its end: the usage, the sampling it used, the terminal.
+    return [*events, Usage(4, len(events), 1), Sampling(0.2, 0.9), ending]
 
 
 def _frames(raw: bytes) -> list[tuple[str | None, str]]:
@@ -139,6 +149,8 @@ def test_responses_events_validate_and_add_up(deltas, calls, ending):
         "response.incomplete" if ending.finish_reason == "length" else "response.completed"
     )
     assert final.response.output_text == _expected_text(events, TextDelta)
+    # The request left them out: the response states the values the worker used.
+    assert (final.response.temperature, final.response.top_p) == (0.2, 0.9)
     streamed = "".join(p.delta for p in parsed if p.type == "response.output_text.delta")
     assert streamed == final.response.output_text
     # Progress notes become reasoning summaries, never reasoning content.
