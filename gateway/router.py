@@ -13,8 +13,9 @@ and ``x-attempts``, merged with the upstream's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Usage
@@ -120,8 +121,11 @@ class Router:
             if number > 1 and route is plan[number - 2]:
                 await asyncio.sleep(self.retry_backoff_s)
             attempt = _Attempt(route, number, reasons, last=number == len(plan))
-            async for event in attempt.run(request):
-                yield event
+            # aclosing: when this stream is closed at a yield, the attempt (and its upstream
+            # call) is closed then and there, not whenever the garbage collector gets to it.
+            async with contextlib.aclosing(attempt.run(request)) as events:
+                async for event in events:
+                    yield event
             if attempt.failure is None:
                 return  # answered (or failed after the commit, which is an answer too)
             last_error = attempt.failure
@@ -141,7 +145,7 @@ class _Attempt:
     last: bool
     failure: Error | None = None
 
-    async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
+    async def run(self, request: ChatRequest) -> AsyncGenerator[Event, None]:
         pending_meta: dict[str, str] = {}
         pending_usage: Usage | None = None
         commit = CommitTracker()

@@ -7,7 +7,7 @@ from gateway.config import GatewayConfig
 from gateway.events import Done, Error, Meta, Progress, TextDelta, Usage
 from gateway.request import ChatRequest, Message
 from gateway.router import RouteError, Router
-from gateway.testing import Raise, ScriptedUpstream, asgi_request, text_script
+from gateway.testing import Raise, ScriptedUpstream, Stall, asgi_request, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
 
 REQUEST = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
@@ -171,3 +171,16 @@ async def test_slow_first_event_still_gets_route_headers():
     result = await asgi_request(app, "POST", "/v1/chat/completions", body)
     assert result.headers["x-route"] == "local" and result.headers["x-attempts"] == "1"
     assert b"late"[:3] in result.body and result.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_closing_the_stream_closes_the_upstream_call_at_once():
+    """Closed at a yield (a pump whose send failed), the router closes the attempt and its
+    upstream call before ``aclose`` returns, not when the garbage collector gets to them."""
+    upstream = ScriptedUpstream.of(TextDelta("one"), Stall(), name="local")
+    router = _router(upstream)
+    events = router.stream(REQUEST, router.resolve(REQUEST))
+    async for event in events:
+        if isinstance(event, TextDelta):
+            break
+    await events.aclose()
+    assert upstream.cancelled == 1 and upstream.active == 0

@@ -173,6 +173,9 @@ async def test_cancelling_the_consumer_cancels_the_peers_worker():
         if isinstance(event, TextDelta):
             break
     await events.aclose()  # the client went away
+    # The reset goes out before aclose returns (not when the garbage collector gets to it).
+    (requester,) = connection.requesters
+    assert requester.done
     await connection.join()
     assert worker.cancelled == 1 and server.active == 0
 
