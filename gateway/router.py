@@ -92,7 +92,7 @@ class Router:
         if routes:
             return routes
         known = self.model_ids()
-        if request.model in known:
+        if request.model in known or self.directory.recently_served(request.model):
             raise RouteError(
                 Error(
                     kind="unavailable",
