@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -87,6 +88,7 @@ class PeerTable:
     peers: dict[str, PeerRecord] = field(default_factory=dict)
     # model -> when the last peer that served it was dropped (left, or silent too long)
     gone_models: dict[str, float] = field(default_factory=dict)
+    _turn: int = field(default=0, repr=False)  # round robin among tied peers (no session key)
 
     # ----------------------------------------------------------------- inputs
 
@@ -164,15 +166,27 @@ class PeerTable:
         return [r for r in self.peers.values() if r.status is PeerStatus.UP]
 
     def candidates(self, model: str, session_key: str | None = None) -> list[str]:
-        """Node ids of UP peers serving ``model``: least load, then RTT bucket, then affinity."""
-        key = session_key or ""
+        """Node ids of UP peers serving ``model``: least load, then RTT bucket; peers still tied
+        go by session affinity for a session key, else round robin (one turn per call), so
+        idle peers share the requests that carry no session."""
 
-        def rank(record: PeerRecord) -> tuple[int, int, int]:
+        def tier(record: PeerRecord) -> tuple[int, int]:
             rtt = record.rtt_s if record.rtt_s is not None else 0.0
-            return (record.load, int(rtt / self.rtt_bucket_s), -affinity(key, record.node_id))
+            return (record.load, int(rtt / self.rtt_bucket_s))
 
         serving = [r for r in self.up() if r.serves(model)]
-        return [r.node_id for r in sorted(serving, key=rank)]
+        if session_key:
+            ranked = sorted(serving, key=lambda r: (*tier(r), -affinity(session_key, r.node_id)))
+            return [r.node_id for r in ranked]
+        turn, self._turn = self._turn, self._turn + 1
+        out: list[str] = []
+        for _, tied in itertools.groupby(
+            sorted(serving, key=lambda r: (*tier(r), r.node_id)), tier
+        ):
+            ids = [r.node_id for r in tied]
+            shift = turn % len(ids)
+            out += ids[shift:] + ids[:shift]
+        return out
 
     def recently_served(self, model: str, now: float) -> bool:
         """Whether a peer served ``model`` lately: one that is down now (not dropped yet), or one

@@ -171,3 +171,18 @@ def test_a_model_whose_only_server_is_gone_is_remembered_for_a_while():
     assert table.recently_served("m", now=90) and not table.recently_served("m", now=91)
     table.on_leave("b", now=100)  # a clean leave is remembered the same way
     assert table.recently_served("x", now=159) and not table.recently_served("x", now=160)
+
+
+def test_idle_peers_share_requests_without_a_session_key():
+    table = PeerTable(self_id="me")
+    for name in "abc":
+        table.on_state(_state(name, "m"), now=0)
+    firsts = [table.candidates("m")[0] for _ in range(12)]
+    assert {n: firsts.count(n) for n in "abc"} == {"a": 4, "b": 4, "c": 4}
+    assert sorted(table.candidates("m")) == ["a", "b", "c"]  # every peer is still a fallback
+    # Load still comes first: a busy peer is never the first choice while others are idle.
+    table.begin_request("a")
+    assert all(table.candidates("m")[0] != "a" for _ in range(6))
+    assert all(table.candidates("m")[-1] == "a" for _ in range(6))
+    # A session key keeps its one peer.
+    assert len({table.candidates("m", "session-1")[0] for _ in range(6)}) == 1
