@@ -46,6 +46,8 @@ from gateway.stream import ProducerStream
 log = logging.getLogger(__name__)
 
 _DELTAS = (TextDelta, ReasoningDelta, ToolCallDelta)
+# The router's facts about where a request went (gateway.router.route_headers).
+_ROUTE_FACTS = ("x-route", "x-peer", "x-attempts", "x-retry-reasons")
 
 
 class Encoder(Protocol):
@@ -150,6 +152,7 @@ class EventResponse:
         self.record = record
         self.acc = Accumulator()
         self.route_headers: dict[str, str] = {}
+        self._sent_headers: dict[str, str] = {}  # the route facts the client has (headers, notes)
         self._t0 = time.perf_counter()
         self._waiting = False  # counted in state.waiting until the first content delta
 
@@ -231,8 +234,9 @@ class EventResponse:
             response = error_response(self.spec.error_body, error, self.route_headers)
             await response({"type": "http"}, _never_receive, send)
             return
-        if not self.route_headers and self.routes:  # slow first event: say where it is going
-            self.route_headers = router.route_headers(self.routes[0], 1, [])
+        if not self.route_headers:  # a slow first event: only what is settled already
+            self.route_headers = router.settled_headers(self.routes)
+        self._sent_headers = dict(self.route_headers)
         headers = [
             (k.encode(), v.encode()) for k, v in (sse.SSE_HEADERS | self.route_headers).items()
         ]
@@ -260,6 +264,8 @@ class EventResponse:
             frames = b""
             for queued in (event, *producer.ready()):
                 self._fold(queued, None)
+                if isinstance(queued, Meta):
+                    frames += self._late_route_note()
                 frame, terminal = _encode_safely(encoder, queued)
                 frames += frame
                 if terminal:
@@ -267,6 +273,19 @@ class EventResponse:
             if frames:
                 await send({"type": "http.response.body", "body": frames, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _late_route_note(self) -> bytes:
+        """An SSE comment (every SDK skips it) with the route facts decided after the response
+        started, e.g. the peer a retry went to; the request log has them too."""
+        late = {
+            k: v
+            for k, v in self.route_headers.items()
+            if k in _ROUTE_FACTS and self._sent_headers.get(k) != v
+        }
+        if not late:
+            return b""
+        self._sent_headers |= late
+        return b": route " + " ".join(f"{k}={v}" for k, v in late.items()).encode() + b"\n\n"
 
     async def _hold_start(self, producer: ProducerStream, deadline: float) -> list[Event]:
         """The events read before the response starts (Metas folded into the headers).

@@ -13,8 +13,9 @@ and ``x-attempts``, merged with the upstream's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.errors import GatewayError
@@ -98,7 +99,7 @@ class Router:
         if routes:
             return routes
         known = self.model_ids()
-        if request.model in known:
+        if request.model in known or self.directory.recently_served(request.model):
             raise RouteError(
                 Error(
                     kind="unavailable",
@@ -117,23 +118,44 @@ class Router:
 
     async def stream(self, request: ChatRequest, routes: list[Route]) -> AsyncIterator[Event]:
         """Run ``request`` over ``routes`` with retry-before-commit; always ends with a terminal."""
-        # The first route twice, then the rest once. Not an upstream that says no (the MoA: its
-        # arbiter already outlives failing workers; a second fan-out doubles a dead mesh's load).
-        retry_first = bool(routes) and routes[0].upstream.retryable
-        plan = [routes[0], *routes] if retry_first else list(routes)
+        plan = _plan(routes)
         reasons: list[str] = []
         last_error: Error | None = None
         for number, route in enumerate(plan, start=1):
             if number > 1 and route is plan[number - 2]:
                 await asyncio.sleep(self.retry_backoff_s)
             attempt = _Attempt(route, number, reasons, last=number == len(plan))
-            async for event in attempt.run(request):
-                yield event
+            # aclosing: when this stream is closed at a yield, the attempt (and its upstream
+            # call) is closed then and there, not whenever the garbage collector gets to it.
+            async with contextlib.aclosing(attempt.run(request)) as events:
+                async for event in events:
+                    yield event
             if attempt.failure is None:
                 return  # answered (or failed after the commit, which is an answer too)
             last_error = attempt.failure
         yield Meta(route_headers(plan[-1], len(plan), reasons) if plan else {})
         yield last_error or Error(kind="unavailable", message="no route", retryable=True)
+
+
+def _plan(routes: list[Route]) -> list[Route]:
+    """The attempts ``Router.stream`` makes, in order: the first route twice, then the rest
+    once. Not twice for an upstream that says no (the MoA: its arbiter already outlives
+    failing workers; a second fan-out doubles a dead mesh's load)."""
+    if routes and routes[0].upstream.retryable:
+        return [routes[0], *routes]
+    return list(routes)
+
+
+def settled_headers(routes: list[Route]) -> dict[str, str]:
+    """The route headers that every way ``Router.stream`` can end over ``routes`` has in
+    common: what is known before the first event. A response that has to start before its
+    route is decided sends these, never the first route's as a guess (a retry may serve it
+    elsewhere, after more attempts)."""
+    plan = _plan(routes)
+    outcomes = [route_headers(route, number, []) for number, route in enumerate(plan, start=1)]
+    if not outcomes:
+        return {}
+    return {k: v for k, v in outcomes[0].items() if all(o.get(k) == v for o in outcomes)}
 
 
 @dataclass
@@ -172,7 +194,7 @@ class _Attempt:
     last: bool
     failure: Error | None = None
 
-    async def run(self, request: ChatRequest) -> AsyncIterator[Event]:
+    async def run(self, request: ChatRequest) -> AsyncGenerator[Event, None]:
         commit = CommitTracker(streaming=request.stream)
         held = _Held()
         source = self.route.upstream.stream(request)

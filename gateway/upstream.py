@@ -84,6 +84,11 @@ class ModelDirectory(Protocol):
         """Candidate routes for ``model``, best first; empty when nobody serves it."""
         ...
 
+    def recently_served(self, model: str) -> bool:
+        """``model`` has no route now but had one lately (its only server is down): a request
+        for it is worth retrying (503), unlike one for a model nobody knows (404)."""
+        ...
+
 
 @dataclass
 class StaticDirectory:
@@ -103,3 +108,6 @@ class StaticDirectory:
     def routes(self, model: str, session_key: str | None = None) -> list[Route]:
         entry = self.entries.get(model)
         return list(entry[1]) if entry else []
+
+    def recently_served(self, model: str) -> bool:
+        return False  # its models never go away

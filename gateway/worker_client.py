@@ -192,6 +192,21 @@ def _mean_logprob(logprobs: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+class _Call:
+    """One streamed call's hand-over from its exchange task to the consumer."""
+
+    def __init__(self) -> None:
+        # Unbounded, like the engine's own job queue: the answer is bounded by max_tokens.
+        self.events: asyncio.Queue[Event | None] = asyncio.Queue()
+        self.reading = True  # the exchange may be waiting for the worker: cancelling stops it
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a failed exchange's exception as seen (its consumer re-raises it, if still there)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("worker exchange failed: %r", task.exception())
+
+
 class WorkerClient(Upstream):
     """One worker's API; ``name`` goes into route headers ("local")."""
 
@@ -220,6 +235,33 @@ class WorkerClient(Upstream):
         await self._client.aclose()
 
     async def stream(self, request: ChatRequest) -> AsyncGenerator[Event, None]:
+        """The worker's answer as events. The HTTP exchange runs in a task of its own that only
+        this generator cancels, and at most once: httpx leaves the connection open when the task
+        closing a response is cancelled again meanwhile (encode/httpcore#1115), and the worker
+        would then generate to ``max_tokens`` for nobody. A consumer cancelled twice (a tunnel
+        lost while the peer cancels, a MoA loser cancelled and then closed) no longer can."""
+        call = _Call()
+        exchange = asyncio.create_task(self._exchange(request, call), name="worker-exchange")
+        exchange.add_done_callback(_retrieve)
+        try:
+            while (event := await call.events.get()) is not None:
+                yield event
+        finally:
+            if call.reading:
+                exchange.cancel()  # the consumer left mid-answer: closing the HTTP response stops it
+            await asyncio.wait([exchange])  # a cancel of ours does not cut its close short
+        if not exchange.cancelled() and (exc := exchange.exception()) is not None:
+            raise exc  # a bug in the exchange surfaces where it would have inline
+
+    async def _exchange(self, request: ChatRequest, call: _Call) -> None:
+        try:
+            async for event in self._events(request, call):
+                call.events.put_nowait(event)
+        finally:
+            call.reading = False
+            call.events.put_nowait(None)
+
+    async def _events(self, request: ChatRequest, call: _Call) -> AsyncGenerator[Event, None]:
         body = orjson.dumps(worker_body(request, self.model_name))
         url = f"{self.base_url}/v1/chat/completions"
         decoder = ChunkDecoder()
@@ -228,22 +270,26 @@ class WorkerClient(Upstream):
             async with self._client.stream(
                 "POST", url, content=body, headers={"content-type": "application/json"}
             ) as response:
-                if response.status_code != 200:
-                    yield await _status_error(response)
-                    return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        for event in decoder.finish():
-                            yield event
+                try:
+                    if response.status_code != 200:
+                        yield await _status_error(response)
                         return
-                    for event in decoder.decode(orjson.loads(data)):
-                        produced = True
-                        yield event
-                        if isinstance(event, Error):
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            for event in decoder.finish():
+                                yield event
                             return
+                        for event in decoder.decode(orjson.loads(data)):
+                            produced = True
+                            yield event
+                            if isinstance(event, Error):
+                                return
+                finally:
+                    # From here on the response only closes: a cancel now would cut that short.
+                    call.reading = False
             yield Error(
                 kind="upstream",
                 message="the worker closed the stream before [DONE]",

@@ -3,7 +3,8 @@
 A model served locally goes to the local routes first; peers that serve it follow (best first,
 from the :class:`~mesh.peers.PeerTable`), so a failing local worker still has somewhere to go
 before the commit point. A model only peers serve goes to the best peers. ``/v1/models`` lists
-every model reachable in the mesh, each once.
+every model reachable in the mesh, each once; a model whose only server went down lately is
+not listed but still "recently served" (a 503 to retry, not a 404).
 
 The serving side of the tunnel never uses this directory: a forwarded request runs against
 the local directory only (``mesh.tunnel_server``), so a request is forwarded at most once.
@@ -11,6 +12,7 @@ the local directory only (``mesh.tunnel_server``), so a request is forwarded at 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ class MeshDirectory:
     peers: PeerTable
     upstream_for: Callable[[str], Upstream]
     max_peer_routes: int = MAX_PEER_ROUTES
+    clock: Callable[[], float] = time.monotonic  # the peer table's clock
 
     def models(self) -> list[ModelInfo]:
         out = {info.id: info for info in self.local.models()}
@@ -49,3 +52,6 @@ class MeshDirectory:
         for node_id in self.peers.candidates(model, session_key)[: self.max_peer_routes]:
             routes.append(Route(upstream=self.upstream_for(node_id), kind="peer", peer=node_id))
         return routes
+
+    def recently_served(self, model: str) -> bool:
+        return self.peers.recently_served(model, self.clock())

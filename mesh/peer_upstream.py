@@ -89,8 +89,10 @@ class PeerUpstream(Upstream):
         if self.on_begin is not None:
             self.on_begin(self.name)
         try:
-            async for event in self._stream(request, attempt):
-                yield event
+            # aclosing: closed at a yield, the tunnel stream is reset at once (not by the GC).
+            async with contextlib.aclosing(self._stream(request, attempt)) as events:
+                async for event in events:
+                    yield event
         finally:
             if self.on_end is not None:
                 self.on_end(self.name)

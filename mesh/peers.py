@@ -6,12 +6,15 @@ explicitly so tests drive time without sleeping.
 
 Peer lifecycle: UP (heard from within ``down_after_s``) → DOWN (missed heartbeats or the tunnel
 dropped: not routed to) → dropped (silent for ``drop_after_s``) . A ``Leave`` drops at once.
+The models of a dropped peer are remembered for ``forget_models_after_s``: until then a request
+for one is "no server right now" (503, retry later), not "no such model" (404, never again).
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -81,7 +84,11 @@ class PeerTable:
     down_after_s: float = 6.0
     drop_after_s: float = 30.0
     rtt_bucket_s: float = 0.02
+    forget_models_after_s: float = 300.0
     peers: dict[str, PeerRecord] = field(default_factory=dict)
+    # model -> when the last peer that served it was dropped (left, or silent too long)
+    gone_models: dict[str, float] = field(default_factory=dict)
+    _turn: int = field(default=0, repr=False)  # round robin among tied peers (no session key)
 
     # ----------------------------------------------------------------- inputs
 
@@ -108,9 +115,11 @@ class PeerTable:
             # Smooth like TCP's SRTT so one slow sample does not reshuffle routing.
             record.rtt_s = rtt_s if record.rtt_s is None else 0.875 * record.rtt_s + 0.125 * rtt_s
 
-    def on_leave(self, node_id: str) -> list[PeerEvent]:
-        if self.peers.pop(node_id, None) is None:
+    def on_leave(self, node_id: str, now: float) -> list[PeerEvent]:
+        record = self.peers.pop(node_id, None)
+        if record is None:
             return []
+        self._remember_models(record, now)
         return [PeerDropped(node_id, "left")]
 
     def on_disconnected(self, node_id: str) -> list[PeerEvent]:
@@ -129,11 +138,19 @@ class PeerTable:
             silent = now - record.last_seen
             if silent >= self.drop_after_s:
                 del self.peers[node_id]
+                self._remember_models(record, now)
                 events.append(PeerDropped(node_id, "silent"))
             elif silent >= self.down_after_s and record.status is PeerStatus.UP:
                 record._set_status(PeerStatus.DOWN)
                 events.append(PeerWentDown(node_id, "missed heartbeats"))
         return events
+
+    def _remember_models(self, record: PeerRecord, now: float) -> None:
+        for ad in record.state.models:
+            self.gone_models[ad.name] = now
+        for model, since in list(self.gone_models.items()):
+            if now - since >= self.forget_models_after_s:
+                del self.gone_models[model]
 
     def begin_request(self, node_id: str) -> None:
         if (record := self.peers.get(node_id)) is not None:
@@ -149,15 +166,35 @@ class PeerTable:
         return [r for r in self.peers.values() if r.status is PeerStatus.UP]
 
     def candidates(self, model: str, session_key: str | None = None) -> list[str]:
-        """Node ids of UP peers serving ``model``: least load, then RTT bucket, then affinity."""
-        key = session_key or ""
+        """Node ids of UP peers serving ``model``: least load, then RTT bucket; peers still tied
+        go by session affinity for a session key, else round robin (one turn per call), so
+        idle peers share the requests that carry no session."""
 
-        def rank(record: PeerRecord) -> tuple[int, int, int]:
+        def tier(record: PeerRecord) -> tuple[int, int]:
             rtt = record.rtt_s if record.rtt_s is not None else 0.0
-            return (record.load, int(rtt / self.rtt_bucket_s), -affinity(key, record.node_id))
+            return (record.load, int(rtt / self.rtt_bucket_s))
 
         serving = [r for r in self.up() if r.serves(model)]
-        return [r.node_id for r in sorted(serving, key=rank)]
+        if session_key:
+            ranked = sorted(serving, key=lambda r: (*tier(r), -affinity(session_key, r.node_id)))
+            return [r.node_id for r in ranked]
+        turn, self._turn = self._turn, self._turn + 1
+        out: list[str] = []
+        for _, tied in itertools.groupby(
+            sorted(serving, key=lambda r: (*tier(r), r.node_id)), tier
+        ):
+            ids = [r.node_id for r in tied]
+            shift = turn % len(ids)
+            out += ids[shift:] + ids[:shift]
+        return out
+
+    def recently_served(self, model: str, now: float) -> bool:
+        """Whether a peer served ``model`` lately: one that is down now (not dropped yet), or one
+        dropped less than ``forget_models_after_s`` ago."""
+        if any(record.serves(model) for record in self.peers.values()):
+            return True
+        since = self.gone_models.get(model)
+        return since is not None and now - since < self.forget_models_after_s
 
     def models(self) -> dict[str, tuple[ModelAd, str]]:
         """Every model served by an UP peer → (its ad, the first peer seen serving it)."""

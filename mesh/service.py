@@ -410,7 +410,7 @@ class MeshService:
                 self._log_peer_events(self.peers.on_state(message, now))
         elif isinstance(message, Leave):
             if message.node_id == peer_id:
-                self._log_peer_events(self.peers.on_leave(peer_id))
+                self._log_peer_events(self.peers.on_leave(peer_id, now))
                 self.dialer.on_left(peer_id)
         elif isinstance(message, Members):
             if self.node_id in message.removed and self.node_id not in self.members.removed:

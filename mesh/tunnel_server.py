@@ -15,6 +15,7 @@ cancelled at once, so the worker stops generating.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -100,27 +101,31 @@ class TunnelServer:
         pump = asyncio.ensure_future(self._pump(stream, request, routes, deadline))
         watch = asyncio.ensure_future(stream.wait_broken())  # the requester reset or left
         try:
-            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if pump in done:
-                pump.result()
-                await stream.send(End())
-                return
-            log.info("requester reset the stream: cancelling the local upstream")
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (pump, watch):
-                task.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
+            watch.cancel()
+            if not pump.done():
+                log.info("requester reset the stream: cancelling the local upstream")
+                pump.cancel()
+            # Cancelled once, the pump closes its upstream (the worker's HTTP response). Wait
+            # with asyncio.wait, which never cancels what it waits for: if this handler is
+            # cancelled too (its connection lost meanwhile), a gather would cancel the pump a
+            # second time and cut that close short, and the worker would run to max_tokens.
+            await asyncio.wait([pump])
+        if pump.cancelled():
+            return  # the requester left: nobody to send End to
+        pump.result()  # a send that failed because the requester stopped reading raises here
+        await stream.send(End())
 
     async def _pump(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
-        events = self._router.stream(request, routes)
-        try:
-            async with asyncio.timeout(deadline):
-                async for event in events:
-                    await stream.send(Data(_encode(event)))
-        except TimeoutError:
-            await stream.send(Data(_encode(Error(kind="timeout", message="deadline passed"))))
-        finally:
-            await events.aclose()
+        # aclosing: however the pump ends, the upstream is closed before it returns.
+        async with contextlib.aclosing(self._router.stream(request, routes)) as events:
+            try:
+                async with asyncio.timeout(deadline):
+                    async for event in events:
+                        await stream.send(Data(_encode(event)))
+            except TimeoutError:
+                await stream.send(Data(_encode(Error(kind="timeout", message="deadline passed"))))
 
 
 def _encode(event: Event) -> bytes:

@@ -411,3 +411,25 @@ async def test_a_removed_member_is_dropped_everywhere_and_cannot_come_back(mesh,
     rows = a.member_rows()
     assert [r["node_id"] for r in rows] == [a.node_id, b.node_id] and rows[0]["self"]
     assert a.status()["members"] == rows
+
+
+async def test_known_model_whose_only_server_left_is_503_then_404(mesh):
+    """SDKs retry a 503 (with Retry-After), never a 404: while the model's only server is
+    gone for a short while (a restart, a sleeping Mac) the model is not "not found"."""
+    from gateway.app import create_app
+    from gateway.testing import asgi_request
+
+    a, b, _ = await _pair(mesh)
+    app = create_app(b.directory)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    await a.stop()  # a clean leave: B drops A at once
+    await _until(lambda: a.node_id not in b.peers.peers)
+    gone = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert gone.status == 503, gone.body
+    assert gone.headers["retry-after"] and gone.json()["error"]["code"] != "model_not_found"
+    assert "tiny" not in [
+        m["id"] for m in (await asgi_request(app, "GET", "/v1/models")).json()["data"]
+    ]
+    b.peers.forget_models_after_s = 0.0  # "gone for a while": now it is an unknown model
+    forgotten = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert forgotten.status == 404 and forgotten.json()["error"]["code"] == "model_not_found"

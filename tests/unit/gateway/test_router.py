@@ -7,7 +7,7 @@ from gateway.config import GatewayConfig
 from gateway.events import Done, Error, Meta, Progress, TextDelta, Usage
 from gateway.request import ChatRequest, Message
 from gateway.router import RouteError, Router
-from gateway.testing import Raise, ScriptedUpstream, asgi_request, text_script
+from gateway.testing import Raise, ScriptedUpstream, Stall, asgi_request, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
 
 REQUEST = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
@@ -189,5 +189,45 @@ async def test_slow_first_event_still_gets_route_headers():
     app = create_app(directory, GatewayConfig(header_wait_s=0.01))
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
     result = await asgi_request(app, "POST", "/v1/chat/completions", body)
-    assert result.headers["x-route"] == "local" and result.headers["x-attempts"] == "1"
+    # One route: where it goes is settled; how many attempts it takes is not (a retry may come).
+    assert result.headers["x-route"] == "local" and result.headers["x-peer"] == "local"
+    assert "x-attempts" not in result.headers
+    assert b": route x-attempts=1\n\n" in result.body
     assert b"late"[:3] in result.body and result.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_retry_after_the_start_hold_never_names_the_dead_route_in_headers():
+    """The first event comes after the start hold, from a retry on another peer: the headers
+    carry only what was settled at the start, the final route follows in an SSE comment and
+    in the request log."""
+    from gateway.testing import Sleep
+
+    dead = ScriptedUpstream.of(Sleep(0.05), BUSY, name="peer-dead")
+    good = ScriptedUpstream.of(*text_script("from good"), name="peer-good")
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), dead, kind="peer")
+    directory.add(ModelInfo(id="m"), good, kind="peer")
+    app = create_app(directory, GatewayConfig(header_wait_s=0.01, retry_backoff_ms=1))
+    records: list = []
+    app.state.gateway.metrics.listeners.append(records.append)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    result = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert result.status == 200 and dead.calls == 2 and good.calls == 1
+    assert result.headers["x-route"] == "peer"
+    assert "x-peer" not in result.headers and "x-attempts" not in result.headers
+    assert b": route x-peer=peer-good x-attempts=3 x-retry-reasons=" in result.body
+    (record,) = records
+    assert record.route["x-peer"] == "peer-good" and record.route["x-attempts"] == "3"
+
+
+async def test_closing_the_stream_closes_the_upstream_call_at_once():
+    """Closed at a yield (a pump whose send failed), the router closes the attempt and its
+    upstream call before ``aclose`` returns, not when the garbage collector gets to them."""
+    upstream = ScriptedUpstream.of(TextDelta("one"), Stall(), name="local")
+    router = _router(upstream)
+    events = router.stream(REQUEST, router.resolve(REQUEST))
+    async for event in events:
+        if isinstance(event, TextDelta):
+            break
+    await events.aclose()
+    assert upstream.cancelled == 1 and upstream.active == 0

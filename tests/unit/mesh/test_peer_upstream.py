@@ -193,6 +193,9 @@ async def test_cancelling_the_consumer_cancels_the_peers_worker():
         if isinstance(event, TextDelta):
             break
     await events.aclose()  # the client went away
+    # The reset goes out before aclose returns (not when the garbage collector gets to it).
+    (requester,) = connection.requesters
+    assert requester.done
     await connection.join()
     assert worker.cancelled == 1 and server.active == 0
 
@@ -239,3 +242,52 @@ async def test_whole_answer_whose_end_frame_is_lost_still_counts():
     upstream = PeerUpstream(name="b" * 64, connect=connect)
     assert await _collect(upstream) == [TextDelta("all"), Done("stop")]
     await connection.join()
+
+
+class _SlowToClose:
+    """A local upstream whose close takes a few loop turns, like httpx closing a response."""
+
+    name = "local"
+    retryable = True
+    start_hold = None
+
+    def __init__(self) -> None:
+        self.closing = asyncio.Event()
+        self.closed = 0
+
+    async def stream(self, request: ChatRequest):
+        try:
+            yield TextDelta("one")
+            await asyncio.Event().wait()
+        finally:
+            self.closing.set()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            self.closed += 1
+
+
+async def test_link_lost_while_cancelling_does_not_cut_the_upstreams_close_short():
+    """The requester left (reset), then its connection died while the serving side was still
+    closing its local upstream: the second cancellation must not interrupt that close (a worker
+    connection left open generates to max_tokens)."""
+    worker = _SlowToClose()
+    local = StaticDirectory()
+    local.add(ModelInfo(id="m"), worker)  # type: ignore[arg-type]
+    connection = PipeConnection(TunnelServer(local, retry_backoff_s=0.01))
+
+    async def connect():
+        return connection
+
+    upstream = PeerUpstream(name="b" * 64, connect=connect)
+    events = upstream.stream(_request())
+    async for event in events:
+        if isinstance(event, TextDelta):
+            break
+    await events.aclose()  # the client went away: the stream is reset
+    await worker.closing.wait()
+    (handler,) = connection.tasks
+    handler.cancel()  # the connection is lost meanwhile
+    await asyncio.wait([handler])
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert worker.closed == 1

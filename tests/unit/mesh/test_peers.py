@@ -44,8 +44,8 @@ def test_stale_state_ignored_new_epoch_accepted():
 def test_leave_drops_at_once():
     table = PeerTable(self_id="me")
     table.on_state(_state("a", "m"), now=0)
-    assert table.on_leave("a") == [PeerDropped("a", "left")]
-    assert table.on_leave("a") == []
+    assert table.on_leave("a", 1.0) == [PeerDropped("a", "left")]
+    assert table.on_leave("a", 1.0) == []
     assert table.candidates("m") == []
 
 
@@ -98,7 +98,7 @@ def test_session_affinity_is_stable_and_spreads():
     key = "session-7"
     chosen = table.candidates("m", key)[0]
     other = next(n for n in "abcd" if n != chosen)
-    table.on_leave(other)
+    table.on_leave(other, 1.0)
     assert table.candidates("m", key)[0] == chosen
 
 
@@ -156,3 +156,33 @@ def test_directory_peer_only_model_and_down_peer():
     table.on_disconnected("b")
     assert [r.peer for r in directory.routes("theirs")] == ["a"]
     assert directory.routes("nobody") == []
+
+
+def test_a_model_whose_only_server_is_gone_is_remembered_for_a_while():
+    table = PeerTable(self_id="me", down_after_s=6, drop_after_s=30, forget_models_after_s=60)
+    table.on_state(_state("a", "m"), now=0)
+    table.on_state(_state("b", "x"), now=0)
+    assert table.recently_served("m", now=0) and not table.recently_served("nope", now=0)
+    table.on_disconnected("a")  # down: no route, but known
+    assert table.candidates("m") == [] and table.recently_served("m", now=1)
+    table.on_state(_state("b", "x", seq=2), now=30)  # b keeps beating
+    table.tick(now=31)  # dropped after 30 s of silence: still remembered
+    assert "a" not in table.peers and table.recently_served("m", now=31)
+    assert table.recently_served("m", now=90) and not table.recently_served("m", now=91)
+    table.on_leave("b", now=100)  # a clean leave is remembered the same way
+    assert table.recently_served("x", now=159) and not table.recently_served("x", now=160)
+
+
+def test_idle_peers_share_requests_without_a_session_key():
+    table = PeerTable(self_id="me")
+    for name in "abc":
+        table.on_state(_state(name, "m"), now=0)
+    firsts = [table.candidates("m")[0] for _ in range(12)]
+    assert {n: firsts.count(n) for n in "abc"} == {"a": 4, "b": 4, "c": 4}
+    assert sorted(table.candidates("m")) == ["a", "b", "c"]  # every peer is still a fallback
+    # Load still comes first: a busy peer is never the first choice while others are idle.
+    table.begin_request("a")
+    assert all(table.candidates("m")[0] != "a" for _ in range(6))
+    assert all(table.candidates("m")[-1] == "a" for _ in range(6))
+    # A session key keeps its one peer.
+    assert len({table.candidates("m", "session-1")[0] for _ in range(6)}) == 1
