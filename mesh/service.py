@@ -284,7 +284,7 @@ class MeshService:
         conn = self.links.get(node_id)
         if conn is not None:
             conn.close(ErrorCode.AUTH_FAILED, "removed from the mesh")
-        self._log_peer_events(self.peers.on_leave(node_id))
+        self._log_peer_events(self.peers.on_leave(node_id, time.monotonic()))
         self.dialer.on_left(node_id)
 
     def _members_message(self) -> Members:
