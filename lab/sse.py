@@ -31,6 +31,9 @@ class SSEDecoder:
         self._data: list[str] = []
         self._id: str | None = None
         self.comments = 0
+        # The gateway's trailing ``: route x-peer=… x-attempts=…`` comment: the route facts that
+        # were not settled when the response started (so not in its headers).
+        self.route_facts: dict[str, str] = {}
 
     def feed(self, chunk: bytes) -> list[SSEFrame]:
         if not chunk:  # an empty read must not forget a CR that may pair with the next LF
@@ -72,6 +75,12 @@ class SSEDecoder:
     def _line(self, line: str) -> SSEFrame | None:
         if not line:
             return self._dispatch()
+        if line.startswith(": route "):
+            for pair in line[len(": route ") :].split():
+                key, sep, value = pair.partition("=")
+                if sep:
+                    self.route_facts[key] = value
+            return None  # a fact about the answer, not a keep-alive
         if line.startswith(":"):
             self.comments += 1
             return None

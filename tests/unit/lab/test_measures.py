@@ -271,3 +271,10 @@ def test_row_schema_round_trips_through_jsonl_and_rejects_unknown_fields(tmp_pat
     with pytest.raises(ValidationError):
         _row(outcome="fine")
     assert _row(outcome="hung").outcome is Outcome.HUNG
+
+
+def test_the_gateways_trailing_route_comment_is_a_fact_not_a_keep_alive() -> None:
+    decoder = SSEDecoder()
+    frames = decoder.feed(b": keep-alive\n\n: route x-peer=abc123 x-attempts=3\n\ndata: {}\n\n")
+    assert len(frames) == 1 and decoder.comments == 1
+    assert decoder.route_facts == {"x-peer": "abc123", "x-attempts": "3"}
