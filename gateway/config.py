@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,16 @@ from gateway import __version__
 # Names that always mean this machine. Any IP address literal is accepted as a Host too: a DNS
 # rebinding attack needs a name of the attacker's, so only names have to be listed.
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
+
+
+def is_ip_literal(name: str) -> bool:
+    """An IP address rather than a name (the Host guard lets any address through: rebinding
+    needs a name the attacker controls)."""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

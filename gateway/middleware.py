@@ -15,6 +15,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.errors import anthropic_error_body, openai_error_body
+from gateway.config import is_ip_literal
 from gateway.events import Error
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class HostGuard:
         await self.app(scope, receive, send)
 
     def _allowed(self, name: str) -> bool:
-        return _is_ip_literal(name) or name in self.names
+        return is_ip_literal(name) or name in self.names
 
     def _origin_allowed(self, origin: str, host: str | None) -> bool:
         try:
@@ -146,14 +147,6 @@ def _host_name(host: str) -> str:
     if host.count(":") == 1:
         host = host.split(":", 1)[0]
     return host.rstrip(".")
-
-
-def _is_ip_literal(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
 
 
 def _is_loopback(name: str) -> bool:

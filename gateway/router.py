@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from gateway.errors import GatewayError
 from gateway.events import RETRYABLE_KINDS, Done, Error, Event, Meta, Progress, Sampling, Usage
 from gateway.request import ChatRequest
-from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream
+from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream, close_stream
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class _Attempt:
             if answer is not None:
                 yield answer
         finally:
-            await _close(source)
+            await close_stream(source)
 
     def _broke(self, exc: Exception, *, committed: bool) -> Error | None:
         """The upstream raised: after the commit that is the answer's end; before, a retry."""
@@ -251,12 +251,6 @@ class _Attempt:
     def _fail(self, reason: str, error: Error) -> None:
         self.reasons.append(f"{_route_label(self.route)}:{reason}")
         self.failure = error
-
-
-async def _close(source: AsyncIterator[Event]) -> None:
-    closer = getattr(source, "aclose", None)  # async generators have it; plain iterators not
-    if closer is not None:
-        await closer()
 
 
 def _route_label(route: Route) -> str:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from gateway.events import Done, Error, Event
+from gateway.upstream import close_stream
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ class ProducerStream:
         self._task.add_done_callback(self._on_producer_done)
 
     async def _pump(self, source: AsyncIterator[Event]) -> None:
-        closer = getattr(source, "aclose", None)
         try:
             async for event in source:
                 self._queue.put_nowait(event)
@@ -43,8 +43,7 @@ class ProducerStream:
                     self._terminal_queued = True
                     return
         finally:
-            if closer is not None:
-                await closer()
+            await close_stream(source)
 
     def _on_producer_done(self, task: asyncio.Task[None]) -> None:
         if self._terminal_queued:

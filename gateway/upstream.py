@@ -25,6 +25,14 @@ from gateway.request import ChatRequest
 MESH_MODEL = "mesh"  # the mixture-of-agents model name
 
 
+async def close_stream(source: AsyncIterator[Event]) -> None:
+    """Close an upstream's event stream now (not when the GC finds it): an async generator has
+    ``aclose``; a plain async iterator has nothing to close."""
+    closer = getattr(source, "aclose", None)
+    if closer is not None:
+        await closer()
+
+
 @dataclass(frozen=True, slots=True)
 class StartHold:
     """An upstream that decides late: the gateway holds the response start until ``header``

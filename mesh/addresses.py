@@ -7,6 +7,8 @@ import socket
 
 from mesh.errors import AddressError
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})  # this machine only
+
 
 def split_address(address: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` → (host, port); ``AddressError`` for anything else."""

@@ -23,13 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from mesh.addresses import LOOPBACK_HOSTS
 from mesh.errors import MembershipError
 from mesh.membership.invite import DEFAULT_TTL_S, MAX_TTL_S
 
 if TYPE_CHECKING:
     from mesh.service import MeshService
-
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class InviteRequest(BaseModel):
@@ -74,7 +73,7 @@ class AdminGuard:
 
     def _refusal(self, request: Request, what: str) -> Response | None:
         client = request.client.host if request.client else ""
-        if client not in _LOOPBACK and not self.api_key:
+        if client not in LOOPBACK_HOSTS and not self.api_key:
             return _error(403, f"{what} from loopback only", "permission_error")
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             return _error(415, f"{what} takes a JSON body", "invalid_request_error")

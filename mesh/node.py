@@ -33,6 +33,7 @@ from gateway.console import close_event_streams
 from gateway.moa.config import MoaConfig
 from gateway.moa.upstream import MixtureOfAgents
 from gateway.upstream import StaticDirectory
+from mesh.addresses import LOOPBACK_HOSTS
 from mesh.errors import NodeError
 from mesh.files import make_home
 from mesh.http import mesh_routes
@@ -44,7 +45,6 @@ from worker.net import bind_socket, server_limits
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MIN_KEY_LENGTH = 16  # off loopback: a key someone on the LAN cannot guess in an afternoon
 
 
@@ -76,11 +76,11 @@ class NodeConfig:
         key = self.gateway.api_key
         if key is not None and not key.strip():
             raise NodeError("the API key is empty or only whitespace")
-        if self.host not in LOOPBACK and not key:
+        if self.host not in LOOPBACK_HOSTS and not key:
             raise NodeError(
                 f"binding {self.host} exposes the node beyond this machine: set an API key (--api-key)"
             )
-        if self.host not in LOOPBACK and len(key.strip()) < MIN_KEY_LENGTH:  # type: ignore[union-attr]
+        if self.host not in LOOPBACK_HOSTS and len(key.strip()) < MIN_KEY_LENGTH:  # type: ignore[union-attr]
             raise NodeError(
                 f"binding {self.host} needs an API key of at least {MIN_KEY_LENGTH} characters"
             )

@@ -50,7 +50,7 @@ from gateway.moa.events import (
 )
 from gateway.moa.scoring import WinRecord
 from gateway.request import ChatRequest
-from gateway.upstream import MESH_MODEL, ModelDirectory, StartHold, Upstream
+from gateway.upstream import MESH_MODEL, ModelDirectory, StartHold, Upstream, close_stream
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +105,10 @@ async def _pump(
         log.warning("moa worker %s raised %r", worker, exc)
         queue.put_nowait((worker, _StreamBroke(f"worker raised {exc!r}")))
     finally:
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            try:
-                await aclose()
-            except RuntimeError as exc:  # e.g. closing a generator that is still running
-                log.warning("moa worker %s did not close cleanly: %r", worker, exc)
+        try:
+            await close_stream(iterator)
+        except RuntimeError as exc:  # e.g. closing a generator that is still running
+            log.warning("moa worker %s did not close cleanly: %r", worker, exc)
 
 
 def _self_mixture(candidates: list[Candidate]) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from pathlib import Path
 
@@ -13,22 +12,14 @@ from mesh.cli.app import HomeOption, app, fail, read_secret, resolve_home
 
 def allowed_host_names(host: str, advertise: list[str], extra: list[str]) -> frozenset[str]:
     """The names a browser may use for this gateway (the Host guard's list; IPs always pass)."""
-    from gateway.config import LOOPBACK_NAMES
+    from gateway.config import LOOPBACK_NAMES, is_ip_literal
 
     machine = socket.gethostname().lower()
     names = {machine, f"{machine}.local", *(name.lower() for name in extra)}
     for address in [host, *(a.rpartition(":")[0] or a for a in advertise)]:
-        if address and not _is_ip(address.strip("[]")):
+        if address and not is_ip_literal(address.strip("[]")):
             names.add(address.lower())
     return LOOPBACK_NAMES | names
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 @app.command("up")
