@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway import info_api
-from gateway.api import chat, count_tokens, messages, responses
+from gateway.api import chat, count_tokens, messages, responses, stored_responses
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
@@ -21,6 +21,8 @@ from gateway.events import Error
 from gateway.exchange import ApiEndpoint, ApiSpec, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard, HostGuard, ServerErrorGuard
+from gateway.response_state import LocalResponses, ResponseStates
+from gateway.response_store import ResponseStore
 from gateway.router import Router
 from gateway.status import StatusSource
 from gateway.upstream import ModelDirectory, Upstream
@@ -33,6 +35,7 @@ class GatewayState:
     config: GatewayConfig
     router: Router
     metrics: GatewayMetrics
+    responses: ResponseStates
     status: StatusSource | None = None
     in_flight: int = 0  # responses running an upstream
     in_flight_guarded: int = 0  # admitted by the in-flight limit (includes parsing/routing)
@@ -55,6 +58,8 @@ RESPONSES = ApiSpec(
     responses.response_body,
     responses.error_body,
     shows_progress=True,
+    parse_with_state=stored_responses.parse,
+    finish=stored_responses.finish,
 )
 MESSAGES = ApiSpec(
     "messages",
@@ -85,15 +90,27 @@ def create_app(
     moa: Upstream | None = None,
     extra_routes: Sequence[BaseRoute] = (),
     status: StatusSource | None = None,
+    responses: ResponseStates | None = None,
 ) -> Starlette:
     """The gateway app. ``moa`` serves ``model="mesh"``; ``extra_routes`` lets ``mesh`` add
     endpoints; ``status`` is the node's status picture (:mod:`gateway.status`): it feeds
-    ``/health``, ``/api/status`` and the console."""
+    ``/health``, ``/api/status`` and the console. ``responses`` holds stored Responses (a node
+    injects its mesh-wide view); without it they go to ``config.response_store`` (a file), or
+    to memory when that is unset too."""
     config = config or GatewayConfig()
+    if responses is None:
+        responses = LocalResponses(
+            ResponseStore(
+                config.response_store,
+                max_responses=config.response_store_max,
+                max_bytes=config.response_store_max_bytes,
+            )
+        )
     state = GatewayState(
         config=config,
         router=Router(directory, moa=moa, retry_backoff_s=config.retry_backoff_ms / 1000),
         metrics=GatewayMetrics(config.request_log),
+        responses=responses,
         status=status,
     )
 
@@ -103,6 +120,13 @@ def create_app(
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", ApiEndpoint(CHAT), methods=["POST"]),
         Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", stored_responses.delete, methods=["DELETE"]),
+        Route(
+            "/v1/responses/{response_id}/input_items",
+            stored_responses.list_input_items,
+            methods=["GET"],
+        ),
         Route("/v1/messages", ApiEndpoint(MESSAGES), methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens.count_tokens, methods=["POST"]),
         Route("/v1/models", info_api.list_models, methods=["GET"]),

@@ -40,3 +40,8 @@ class GatewayConfig:
     # name). A name outside it is refused (421, DNS rebinding), and so is a state-changing
     # request from a browser page of another origin (403). "*" accepts any name.
     allowed_hosts: frozenset[str] = LOOPBACK_NAMES
+    # Stored Responses (``store: true``): a SQLite file (the node's is ``<home>/responses.sqlite3``);
+    # None keeps them in memory. Oldest dropped first beyond either bound.
+    response_store: Path | None = None
+    response_store_max: int = 10_000
+    response_store_max_bytes: int = 256 << 20

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,6 +40,7 @@ from gateway.events import (
 )
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
+from gateway.response_state import ResponseStateError
 from gateway.router import RouteError
 from gateway.stream import ProducerStream
 
@@ -70,6 +71,13 @@ class ApiSpec:
     # The API renders MoA ``Progress`` notes (Responses: a reasoning summary). Then a note starts
     # the response: showing it while the models work is its whole point.
     shows_progress: bool = False
+    # Parsing that needs the gateway's state (Responses: the stored ``previous_response_id``);
+    # replaces ``parse`` when set. It may raise ``ResponseStateError`` (404, 503).
+    parse_with_state: Callable[[Any, dict[str, Any]], Awaitable[tuple[ChatRequest, Any]]] | None = (
+        None
+    )
+    # Called with the final response object once there is one (Responses: store it).
+    finish: Callable[[Any, ChatRequest, Any, dict[str, Any]], None] | None = None
 
 
 def json_response(
@@ -110,13 +118,17 @@ async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
         raw = orjson.loads(await request.body())
         if not isinstance(raw, dict):
             raise RequestInvalid("the request body must be a JSON object")
-        chat_request, body = spec.parse(raw)
-    except (orjson.JSONDecodeError, RequestInvalid) as exc:
-        error = (
-            exc.to_error()
-            if isinstance(exc, RequestInvalid)
-            else Error(kind="invalid_request", message=f"malformed JSON: {exc}")
-        )
+        if spec.parse_with_state is not None:
+            chat_request, body = await spec.parse_with_state(state, raw)
+        else:
+            chat_request, body = spec.parse(raw)
+    except (orjson.JSONDecodeError, RequestInvalid, ResponseStateError) as exc:
+        if isinstance(exc, RequestInvalid):
+            error = exc.to_error()
+        elif isinstance(exc, ResponseStateError):
+            error = exc.error
+        else:
+            error = Error(kind="invalid_request", message=f"malformed JSON: {exc}")
         # Counted, but under one model label: a malformed body's model string means nothing.
         rejected = RequestRecord(api=spec.name, model="(unknown)", stream=False)
         rejected.outcome, rejected.status = error.kind, error.status
@@ -218,10 +230,17 @@ class EventResponse:
             self.record.status = error.status
             response = error_response(self.spec.error_body, error, self.route_headers)
         else:
-            response = json_response(
-                self.spec.make_body(self.request, self.body, self.acc), headers=self.route_headers
-            )
+            body = self.spec.make_body(self.request, self.body, self.acc)
+            self._finish(body)
+            response = json_response(body, headers=self.route_headers)
         await response({"type": "http"}, _never_receive, send)
+
+    def _finish(self, final: dict[str, Any] | None) -> None:
+        if final is not None and self.spec.finish is not None:
+            try:
+                self.spec.finish(self.state, self.request, self.body, final)
+            except Exception:  # storing is a service on top: never fail the answer for it
+                log.exception("%s: could not finish the response", self.spec.name)
 
     async def _stream(self, producer: ProducerStream, send: Send) -> None:
         config = self.state.config
@@ -244,12 +263,8 @@ class EventResponse:
         encoder = self.spec.make_encoder(self.request, self.body)
         self.acc = encoder.acc
         chunk = encoder.start()
-        terminal = False
-        for event in held:
-            frame, terminal = _encode_safely(encoder, event)
-            chunk += frame
-            if terminal:
-                break
+        frames, terminal = self._encode(encoder, held)
+        chunk += frames
         if chunk:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         keepalive_s = config.keepalive_s
@@ -261,18 +276,28 @@ class EventResponse:
                 )
                 continue
             # Events already queued go out in the same write (whole frames only).
-            frames = b""
-            for queued in (event, *producer.ready()):
-                self._fold(queued, None)
-                if isinstance(queued, Meta):
-                    frames += self._late_route_note()
-                frame, terminal = _encode_safely(encoder, queued)
-                frames += frame
-                if terminal:
-                    break
+            frames, terminal = self._encode(encoder, [event, *producer.ready()], fold=True)
             if frames:
                 await send({"type": "http.response.body", "body": frames, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _encode(
+        self, encoder: Encoder, events: list[Event], fold: bool = False
+    ) -> tuple[bytes, bool]:
+        """Frames for ``events`` up to a terminal one, and whether it came. At the terminal
+        event the response is finished (stored) before the client can see its end."""
+        frames = b""
+        for event in events:
+            if fold:
+                self._fold(event, None)
+                if isinstance(event, Meta):
+                    frames += self._late_route_note()
+            frame, terminal = _encode_safely(encoder, event)
+            frames += frame
+            if terminal:
+                self._finish(getattr(encoder, "final", None))  # only some encoders keep one
+                return frames, True
+        return frames, False
 
     def _late_route_note(self) -> bytes:
         """An SSE comment (every SDK skips it) with the route facts decided after the response

@@ -32,6 +32,8 @@ from gateway.config import GatewayConfig
 from gateway.console import close_event_streams
 from gateway.moa.config import MoaConfig
 from gateway.moa.upstream import MixtureOfAgents
+from gateway.response_state import LocalResponses
+from gateway.response_store import ResponseStore
 from gateway.upstream import StaticDirectory
 from mesh.addresses import LOOPBACK_HOSTS
 from mesh.errors import NodeError
@@ -39,6 +41,7 @@ from mesh.files import make_home
 from mesh.http import mesh_routes
 from mesh.identity import NodeIdentity
 from mesh.node_file import remove_node_file, write_node_file
+from mesh.response_relay import MeshResponses, node_tag
 from mesh.service import MeshConfig, MeshService
 from mesh.workers import WorkerOptions, WorkerSupervisor
 from worker.net import bind_socket, server_limits
@@ -119,8 +122,25 @@ class Node:
         models = config.models if config.start_workers else ()
         self.workers = WorkerSupervisor(config.worker_options(), models)
         self.local = StaticDirectory()  # filled once the workers are up
+        gateway = config.gateway
+        store = ResponseStore(
+            gateway.response_store or config.home / "responses.sqlite3",
+            max_responses=gateway.response_store_max,
+            max_bytes=gateway.response_store_max_bytes,
+        )
+        self.stored_responses = LocalResponses(store, node_tag(self.identity.node_id))
         self.mesh = MeshService(
-            config.home, self.identity, self.local, mesh, load_probe=self.workers.load
+            config.home,
+            self.identity,
+            self.local,
+            mesh,
+            load_probe=self.workers.load,
+            responses=self.stored_responses,
+        )
+        self.responses = MeshResponses(
+            self.stored_responses,
+            links=lambda: self.mesh.links,
+            members=lambda: set(self.mesh.members.members),
         )
         self.url: str | None = None
         self.csrf_token = secrets.token_urlsafe(24)  # for admin POSTs; in the 0600 node.json
@@ -143,6 +163,7 @@ class Node:
                 self.mesh, api_key=self.config.gateway.api_key, csrf_token=self.csrf_token
             ),
             status=self.status,
+            responses=self.responses,
         )
 
     async def run(self) -> None:
@@ -159,6 +180,7 @@ class Node:
             await self.workers.stop()
             remove_node_file(self.config.home)
             await self.mesh.stop()
+            self.stored_responses.store.close()
 
     async def _serve(self, app: Starlette) -> None:
         sock = _bind(self.config.host, self.config.port)

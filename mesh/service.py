@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.response_state import LocalResponses
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
 from mesh.admission import Admission
@@ -97,6 +98,7 @@ class MeshService:
         config: MeshConfig | None = None,
         *,
         load_probe: LoadProbe | None = None,
+        responses: LocalResponses | None = None,
     ) -> None:
         self.home = Path(home)
         self.identity = identity
@@ -110,7 +112,9 @@ class MeshService:
             drop_after_s=self.config.drop_after_s,
         )
         self.directory = MeshDirectory(local, self.peers, self._peer_upstream)
-        self.tunnel_server = TunnelServer(local, retry_backoff_s=self.config.retry_backoff_s)
+        self.tunnel_server = TunnelServer(
+            local, responses, retry_backoff_s=self.config.retry_backoff_s
+        )
         self.endpoint = TunnelEndpoint(
             identity, self.config.host, self.config.port, config=self.config.tunnel
         )

@@ -24,8 +24,10 @@ from pydantic import ValidationError
 
 from gateway.events import Error, Event, event_to_dict
 from gateway.request import ChatRequest
+from gateway.response_state import LocalResponses
 from gateway.router import Router
 from gateway.upstream import ModelDirectory
+from mesh import response_relay
 from mesh.errors import MeshError
 from mesh.identity import short_id
 from mesh.peer_upstream import CHAT_PATH
@@ -41,6 +43,7 @@ class TunnelServer:
     """Answers request streams from authenticated peers with the local directory's routes."""
 
     local: ModelDirectory
+    responses: LocalResponses | None = None  # this node's stored Responses, for peers to fetch
     retry_backoff_s: float = 0.75
     max_concurrent: int = 64
     active: int = field(default=0, init=False)
@@ -72,6 +75,9 @@ class TunnelServer:
                     return
             elif isinstance(frame, BodyEnd) or frame is None:
                 break
+        if head.path == response_relay.RESPONSES_PATH and self.responses is not None:
+            await response_relay.serve(stream, bytes(body), self.responses)
+            return
         if head.path != CHAT_PATH:
             await _refuse(stream, 404, f"unknown path {head.path}")
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from gateway import sse
 from gateway.answer import Accumulator, clamp_tool_name, new_id
@@ -122,6 +122,13 @@ class ResponsesBody(BaseModel):
     user: str | None = None
     prompt_cache_key: str | None = None
     previous_response_id: str | None = None
+    store: bool = True
+
+    # Set by ``stored_responses.parse``: the id (it names the storing node), this turn's input
+    # items and the stored context a ``previous_response_id`` continues.
+    _response_id: str = PrivateAttr(default_factory=lambda: new_id("resp_"))
+    _turn_input: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _prior_context: list[dict[str, Any]] = PrivateAttr(default_factory=list)
 
 
 def _text(content: _Content, where: str) -> str:
@@ -180,11 +187,6 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
     body = validated(ResponsesBody, raw)
-    if body.previous_response_id:
-        raise RequestInvalid(
-            "previous_response_id is not supported: send the whole conversation in input",
-            "previous_response_id",
-        )
     messages = [Message(role="system", content=body.instructions)] if body.instructions else []
     if isinstance(body.input, str):
         messages.append(Message(role="user", content=body.input))
@@ -248,7 +250,7 @@ class _Shell:
     ``top_p`` become the values used once the upstream said them (``Sampling``)."""
 
     def __init__(self, request: ChatRequest, body: ResponsesBody) -> None:
-        self.id = new_id("resp_")
+        self.id = body._response_id
         self.created_at = int(time.time())
         choice: Any = body.tool_choice or "auto"
         if isinstance(choice, _FunctionChoice):
@@ -320,6 +322,7 @@ class ResponsesStreamEncoder:
         self.item_parts: list[str] = []
         self.item_index = -1
         self.tool_index: int | None = None
+        self.final: dict[str, Any] | None = None  # the response object, once terminal
 
     def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **payload}
@@ -492,15 +495,14 @@ class ResponsesStreamEncoder:
             out = self._close("incomplete" if incomplete else "completed")
             status = "incomplete" if incomplete else "completed"
             final = self.shell.response(status, self.output, self.acc)
+            self.final = final
             return out + self._event(f"response.{status}", {"response": final})
         if isinstance(event, Error):
             out = self._close("incomplete")
             code = "rate_limit_exceeded" if event.kind == "overloaded" else "server_error"
             out += self._event("error", {"code": code, "message": event.message, "param": None})
-            return out + self._event(
-                "response.failed",
-                {"response": self.shell.response("failed", self.output, self.acc)},
-            )
+            self.final = self.shell.response("failed", self.output, self.acc)
+            return out + self._event("response.failed", {"response": self.final})
         return b""
 
 

@@ -190,6 +190,8 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         assert mixed.json()["choices"][0]["message"]["content"]
         assert mixed.headers["x-moa-policy"] == "consensus"  # --moa-policy reached the arbiter
 
+        _stored_responses_are_served_by_any_node(a.url, b.url)
+
         # Every request leaves a row in the node's request log (default: HOME/requests.jsonl),
         # written after the response ended – so wait for it rather than read at once.
         def logged_models() -> set[str]:
@@ -226,6 +228,27 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
             proxy.close()
 
 
+def _stored_responses_are_served_by_any_node(a_url: str, b_url: str) -> None:
+    """A response belongs to the node that made it; any node retrieves, continues and deletes
+    it (fetched from the owner over the tunnel)."""
+    with (
+        openai.OpenAI(base_url=a_url + "/v1", api_key="k", max_retries=0) as on_a,
+        openai.OpenAI(base_url=b_url + "/v1", api_key="k", max_retries=0) as on_b,
+    ):
+        made = on_a.responses.create(model="model", input="x", max_output_tokens=2)
+        assert on_b.responses.retrieve(made.id).output_text == made.output_text
+        assert on_b.responses.input_items.list(made.id).data[0].content[0].text == "x"
+        follow = on_b.responses.create(
+            model="model", input="y", previous_response_id=made.id, max_output_tokens=2
+        )
+        assert on_a.responses.retrieve(follow.id).id == follow.id  # stored on B, read from A
+        on_b.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError):
+            on_a.responses.retrieve(made.id)
+        with pytest.raises(openai.NotFoundError):
+            on_b.responses.create(model="model", input="z", previous_response_id=made.id)
+
+
 KILL_TO_ERROR_S = 5.0  # the issue's bound; default pings detect a dead peer within 4.4 s
 
 
@@ -247,6 +270,8 @@ def test_killed_mid_stream_ends_the_client_stream_with_an_error(tiny_model_dir, 
         token = invite.stdout.strip().splitlines()[-1]
         b = Running(tmp_path / "b", "--no-worker", "--join", token)
         _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
+        with openai.OpenAI(base_url=a.url + "/v1", api_key="k", max_retries=0) as on_a:
+            made = on_a.responses.create(model="model", input="x", max_output_tokens=2)
 
         body = {
             "model": "model",
@@ -274,6 +299,13 @@ def test_killed_mid_stream_ends_the_client_stream_with_an_error(tiny_model_dir, 
         assert lines[-1] == "data: [DONE]", lines[-5:]
         assert lines[-2].startswith('data: {"error"'), lines[-5:]
         assert error_at - killed_at < KILL_TO_ERROR_S, error_at - killed_at
+        # A's stored responses are A's: with A gone they are unavailable (503), not unknown.
+        on_b = openai.OpenAI(base_url=b.url + "/v1", api_key="k", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            on_b.responses.retrieve(made.id)
+        assert caught.value.status_code == 503
+        with pytest.raises(openai.InternalServerError):
+            on_b.responses.create(model="model", input="z", previous_response_id=made.id)
     finally:
         if b is not None:
             print("---- node B ----\n" + b.stop())

@@ -141,7 +141,7 @@ def test_anthropic_blocks_become_turns_in_order():
         ),
         (
             responses,
-            {"model": "m", "input": "x", "previous_response_id": "r"},
+            {"model": "m", "input": "x", "previous_response_id": 7},
             "previous_response_id",
         ),
         (responses, {"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),

@@ -1,0 +1,186 @@
+"""Responses state: ``store``, ``previous_response_id``, retrieval, input items and deletion.
+
+A continuation is served as the full-history resend it stands for: the stored context of the
+previous response (every input and output item of its chain) goes before the new input, then the
+request is parsed as if the client had sent it all. So the rendered prompt is the resend's, token
+for token, and the worker's prompt cache hits exactly as it does for a client that resends.
+``instructions`` are not carried over (the spec: each request's own instructions apply).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.answer import new_id
+from gateway.api import responses
+from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.events import Error
+from gateway.exchange import error_response, json_response
+from gateway.request import ChatRequest
+from gateway.response_state import ResponseStateError, ResponseStates, not_found
+from gateway.response_store import StoredResponse
+
+DEFAULT_PAGE = 20
+MAX_PAGE = 100
+
+
+def input_items(raw_input: Any) -> list[dict[str, Any]]:
+    """The request's ``input`` as a list of items, each with an id (for ``input_items``)."""
+    if isinstance(raw_input, str):
+        items: list[dict[str, Any]] = [
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": raw_input}],
+            }
+        ]
+    elif isinstance(raw_input, list):
+        items = [dict(item) for item in raw_input if isinstance(item, dict)]
+    else:
+        return []  # not a valid input: parsing the body says so
+    for item in items:
+        _complete_item(item)
+    return items
+
+
+_ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+
+
+def _complete_item(item: dict[str, Any]) -> None:
+    """Fill what a listed input item carries (id, status, content parts) but a request may leave
+    out; the model reads the same text either way."""
+    kind = item.setdefault("type", "message")
+    item.setdefault("id", new_id(_ID_PREFIXES.get(kind, "item_")))
+    if kind in _ID_PREFIXES:
+        item.setdefault("status", "completed")
+    if kind == "message" and isinstance(item.get("content"), str):
+        if item.get("role") == "assistant":
+            part = {"type": "output_text", "text": item["content"], "annotations": []}
+        else:
+            part = {"type": "input_text", "text": item["content"]}
+        item["content"] = [part]
+
+
+async def parse(state: Any, raw: dict[str, Any]) -> tuple[ChatRequest, responses.ResponsesBody]:
+    """``responses.parse`` with the stored context of ``previous_response_id`` put first."""
+    states: ResponseStates = state.responses
+    previous = raw.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise RequestInvalid("previous_response_id: must be a string", "previous_response_id")
+    request, body = responses.parse(raw)  # the body as sent must be valid on its own
+    this_turn = input_items(raw["input"])
+    prior: list[dict[str, Any]] = []
+    if previous:
+        stored = await states.get(previous)
+        if stored is None:
+            raise not_found(previous, "previous_response_id")
+        prior = stored.context
+    if prior:
+        request, body = responses.parse({**raw, "input": prior + this_turn})
+    body._response_id = states.new_id()
+    body._turn_input = this_turn
+    body._prior_context = prior
+    return request, body
+
+
+def finish(
+    state: Any, request: ChatRequest, body: responses.ResponsesBody, response: dict[str, Any]
+) -> None:
+    """Store a finished (or failed) response unless the request said ``store: false``."""
+    if body.store is False:
+        return
+    output = [item for item in response.get("output", []) if isinstance(item, dict)]
+    state.responses.put(
+        StoredResponse(
+            id=response["id"],
+            response=response,
+            input_items=body._turn_input,
+            context=[*body._prior_context, *body._turn_input, *output],
+            created_at=float(response.get("created_at", 0)) or 0.0,
+        )
+    )
+
+
+def _error(error: Error) -> Response:
+    return error_response(openai_error_body, error)
+
+
+async def _stored(request: Request) -> StoredResponse | Response:
+    response_id = request.path_params["response_id"]
+    try:
+        stored = await request.app.state.gateway.responses.get(response_id)
+    except ResponseStateError as exc:
+        return _error(exc.error)
+    if stored is None:
+        return _error(not_found(response_id).error)
+    return stored
+
+
+async def retrieve(request: Request) -> Response:
+    """``GET /v1/responses/{id}``: the stored response object."""
+    stored = await _stored(request)
+    if isinstance(stored, Response):
+        return stored
+    return json_response(stored.response)
+
+
+async def delete(request: Request) -> Response:
+    """``DELETE /v1/responses/{id}``: gone for good; a continuation of it is then a 404."""
+    response_id = request.path_params["response_id"]
+    try:
+        deleted = await request.app.state.gateway.responses.delete(response_id)
+    except ResponseStateError as exc:
+        return _error(exc.error)
+    if not deleted:
+        return _error(not_found(response_id).error)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+def _page_params(request: Request) -> tuple[int, str, str | None]:
+    query = request.query_params
+    try:
+        limit = int(query.get("limit", DEFAULT_PAGE))
+    except ValueError:
+        raise RequestInvalid("limit: must be an integer from 1 to 100", "limit") from None
+    if not 1 <= limit <= MAX_PAGE:
+        raise RequestInvalid("limit: must be an integer from 1 to 100", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestInvalid("order: must be 'asc' or 'desc'", "order")
+    return limit, order, query.get("after")
+
+
+async def list_input_items(request: Request) -> Response:
+    """``GET /v1/responses/{id}/input_items``: the turn's input items, paginated by item id."""
+    try:
+        limit, order, after = _page_params(request)
+    except RequestInvalid as exc:
+        return _error(exc.to_error())
+    stored = await _stored(request)
+    if isinstance(stored, Response):
+        return stored
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            return _error(
+                Error(
+                    kind="invalid_request",
+                    message=f"after: no input item {after!r} in response {stored.id}",
+                    details={"param": "after"},
+                )
+            )
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )

@@ -1,0 +1,152 @@
+"""Stored Responses through the official SDK: ``store``, ``previous_response_id`` chains,
+retrieve, input items, delete; a continuation's request equals the full-history resend."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.testing import ScriptedUpstream, ServerThread, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    return {
+        "plain": ScriptedUpstream.of(*text_script("Paris is the capital.")),
+        "tools": ScriptedUpstream.of(
+            *text_script("", tool_calls=[("get_weather", '{"city": "Paris"}')])
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(upstreams, tmp_path_factory):
+    directory = StaticDirectory()
+    for name, upstream in upstreams.items():
+        directory.add(ModelInfo(id=name), upstream)
+    store = tmp_path_factory.mktemp("home") / "responses.sqlite3"
+    app = create_app(directory, GatewayConfig(retry_backoff_ms=1, response_store=store))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def oai(server):
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0
+    ) as client:
+        yield client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stored_response_can_be_retrieved_listed_and_deleted(oai, stream):
+    if stream:
+        with oai.responses.stream(model="plain", input="Capital of France?") as events:
+            created = events.get_final_response()
+    else:
+        created = oai.responses.create(model="plain", input="Capital of France?")
+    got = oai.responses.retrieve(created.id)
+    assert got.id == created.id and got.output_text == "Paris is the capital."
+    items = oai.responses.input_items.list(created.id)
+    assert [item.type for item in items.data] == ["message"]
+    assert items.data[0].content[0].text == "Capital of France?"
+    oai.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        oai.responses.create(model="plain", input="more", previous_response_id=created.id)
+    assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_store_false_is_not_kept(oai):
+    created = oai.responses.create(model="plain", input="hi", store=False)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="plain", input="more", previous_response_id=created.id)
+
+
+def test_a_chain_is_sent_as_the_full_history(oai, upstreams):
+    """Three turns by previous_response_id reach the model exactly as a client's resend of the
+    whole conversation would: same messages, in the same order (so the prompt cache hits)."""
+    plain = upstreams["plain"]
+    first = oai.responses.create(
+        model="plain", input="Capital of France?", instructions="Be brief."
+    )
+    second = oai.responses.create(
+        model="plain",
+        input="And of Spain?",
+        previous_response_id=first.id,
+        instructions="Be brief.",
+    )
+    oai.responses.create(
+        model="plain", input="Thanks.", previous_response_id=second.id, instructions="Be brief."
+    )
+    chained = plain.requests[-1].messages
+    resend = oai.responses.create(
+        model="plain",
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris is the capital."},
+            {"role": "user", "content": "And of Spain?"},
+            {"role": "assistant", "content": "Paris is the capital."},
+            {"role": "user", "content": "Thanks."},
+        ],
+    )
+    assert resend.id != second.id
+    assert chained == plain.requests[-1].messages
+    assert [m.role for m in chained] == ["system", "user", "assistant", "user", "assistant", "user"]
+
+
+def test_a_tool_call_round_trip_by_previous_response_id(oai, upstreams):
+    call = oai.responses.create(model="tools", input="Weather in Paris?", tools=[_WEATHER])
+    function_call = call.output[-1]
+    assert function_call.type == "function_call"
+    oai.responses.create(
+        model="plain",
+        previous_response_id=call.id,
+        input=[{"type": "function_call_output", "call_id": function_call.call_id, "output": "22C"}],
+    )
+    messages = upstreams["plain"].requests[-1].messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1].tool_calls[0].name == "get_weather"
+    assert messages[2].tool_call_id == function_call.call_id and messages[2].content == "22C"
+
+
+def test_input_items_paginate(oai):
+    created = oai.responses.create(
+        model="plain", input=[{"role": "user", "content": f"line {i}"} for i in range(5)]
+    )
+    first = oai.responses.input_items.list(created.id, limit=2, order="asc")
+    assert [i.content[0].text for i in first.data] == ["line 0", "line 1"] and first.has_more
+    rest = oai.responses.input_items.list(created.id, limit=10, order="asc", after=first.last_id)
+    assert [i.content[0].text for i in rest.data] == ["line 2", "line 3", "line 4"]
+    assert not rest.has_more
+    newest = oai.responses.input_items.list(created.id, limit=1)  # default order: desc
+    assert newest.data[0].content[0].text == "line 4"
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.input_items.list(created.id, limit=0)
+
+
+def test_unknown_ids_are_404_in_the_openai_shape(oai):
+    with pytest.raises(openai.NotFoundError) as caught:
+        oai.responses.retrieve("resp_nope")
+    assert caught.value.body["type"] == "not_found_error"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.delete("resp_nope")
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.input_items.list("resp_nope")
+
+
+_WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
