@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway import info_api
-from gateway.api import chat, count_tokens, messages, responses, stored_responses
+from gateway.api import chat, compaction, count_tokens, messages, responses, stored_responses
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
@@ -120,6 +120,7 @@ def create_app(
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", ApiEndpoint(CHAT), methods=["POST"]),
         Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
+        Route("/v1/responses/compact", compaction.compact, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", stored_responses.delete, methods=["DELETE"]),
         Route(

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from gateway import sse
 from gateway.answer import Accumulator, clamp_tool_name, new_id
 from gateway.api.common import place_system_messages
+from gateway.api.compacted import summary_message
 from gateway.api.errors import RequestInvalid, openai_error_body, validated
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
@@ -69,6 +70,13 @@ class _ReasoningItem(BaseModel):
     summary: list[_Part] | None = None
 
 
+class _CompactionItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["compaction"]
+    encrypted_content: str = Field(max_length=10 << 20)
+
+
 # An item's schema depends on its type, so each item is validated by the model its type names:
 # errors then point at the item's own fields (``input.3.call_id``), not at every union member.
 _ITEMS: dict[str, type[BaseModel]] = {
@@ -76,6 +84,7 @@ _ITEMS: dict[str, type[BaseModel]] = {
     "function_call": _FunctionCallItem,
     "function_call_output": _FunctionCallOutputItem,
     "reasoning": _ReasoningItem,
+    "compaction": _CompactionItem,
 }
 
 
@@ -179,6 +188,8 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
         elif isinstance(item, _FunctionCallOutputItem):
             text = _text(item.output, f"{where}.output")
             out.append(Message(role="tool", content=text, tool_call_id=item.call_id))
+        elif isinstance(item, _CompactionItem):
+            out.append(summary_message(item.encrypted_content, where))
         elif isinstance(item, _ReasoningItem):
             field = "content" if item.content else "summary"
             pending_reasoning = _text(item.content or item.summary, f"{where}.{field}")

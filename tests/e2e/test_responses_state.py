@@ -150,3 +150,54 @@ _WEATHER = {
     "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
+
+
+@pytest.fixture
+def loose_oai(server):
+    """The SDK's types allow no user message among output items, which compaction output has
+    (the spec's and OpenAI's own example: every user message, then the compaction item)."""
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0) as client:
+        yield client
+
+
+def test_compaction_summarises_with_the_model_and_round_trips(oai, loose_oai, upstreams):
+    """compact: the model writes the summary (thinking off); the compacted output as the next
+    input is shorter than the history, and continues by previous_response_id too."""
+    plain = upstreams["plain"]
+    first = oai.responses.create(model="plain", input="Capital of France?")
+    second = oai.responses.create(model="plain", input="And Spain?", previous_response_id=first.id)
+    compacted = loose_oai.responses.compact(model="plain", previous_response_id=second.id)
+    ask = plain.requests[-1]
+    assert ask.reasoning is False and not ask.stream
+    assert [m.role for m in ask.messages] == ["user", "assistant", "user", "assistant", "user"]
+    assert compacted.object == "response.compaction"
+    kinds = [(item.type, getattr(item, "role", None)) for item in compacted.output]
+    assert kinds == [("message", "user"), ("message", "user"), ("compaction", None)]
+    assert compacted.usage.output_tokens == 5
+
+    raw_output = loose_oai.responses.with_raw_response.compact(
+        model="plain", previous_response_id=second.id
+    ).http_response.json()["output"]
+    oai.responses.create(
+        model="plain", input=[*raw_output, {"role": "user", "content": "And Italy?"}]
+    )
+    after = plain.requests[-1].messages
+    assert [m.role for m in after] == ["user", "user", "user", "user"]
+    assert after[2].content == "Summary of the conversation so far:\nParis is the capital."
+    oai.responses.create(model="plain", input="And Italy?", previous_response_id=compacted.id)
+    assert plain.requests[-1].messages == after
+
+
+def test_compaction_refuses_what_it_cannot_do(oai, server):
+    import httpx
+
+    no_model = httpx.post(server.url + "/v1/responses/compact", json={"input": "x"})
+    assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(
+            model="plain", input=[{"type": "compaction", "encrypted_content": "not ours"}]
+        )
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.compact(model="plain", previous_response_id="resp_gone")
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.compact(model="nobody", input="x")

@@ -1,0 +1,146 @@
+"""``POST /v1/responses/compact``: a long history becomes the user's own messages plus one
+``compaction`` item whose content the model itself wrote (a real generation, thinking off).
+
+The compacted output is what a client sends as the next turn's input (or continues with
+``previous_response_id``: the compaction is stored like a response). Read back, the item is one
+message to the model carrying the summary, so the next prompt is shorter by everything the
+summary replaced: assistant turns, tool calls and their results, reasoning.
+(``encrypted_content``: see :mod:`gateway.api.compacted`.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.answer import Accumulator, new_id
+from gateway.api import responses
+from gateway.api.compacted import encode_summary
+from gateway.api.errors import RequestInvalid, openai_error_body, validated
+from gateway.api.stored_responses import input_items
+from gateway.events import Error
+from gateway.exchange import error_response, json_response
+from gateway.request import ChatRequest, Message
+from gateway.response_state import ResponseStateError, not_found
+from gateway.response_store import StoredResponse
+from gateway.router import RouteError
+
+SUMMARY_MAX_TOKENS = 512
+_ASK = (
+    "Write a checkpoint summary of the conversation above for your own later use: the user's"
+    " goals, what was done and decided, results of tool calls that still matter, open"
+    " questions and the next steps. Be concise and concrete; keep names, numbers, file paths"
+    " and identifiers exactly. Reply with the summary only."
+)
+
+
+class CompactBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    previous_response_id: str | None = None
+    instructions: str | None = None
+    prompt_cache_key: str | None = None
+
+
+def _kept(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What survives compaction verbatim: the user's own messages (the spec's example), not a
+    previous compaction item (the new summary covers it)."""
+    return [
+        item
+        for item in history
+        if item.get("type", "message") == "message" and item.get("role") == "user"
+    ]
+
+
+async def _summarise(state: Any, request: ChatRequest) -> Accumulator:
+    acc = Accumulator()
+    routes = state.router.resolve(request)
+    async with contextlib.aclosing(state.router.stream(request, routes)) as events:
+        async for event in events:
+            acc.add(event)
+    return acc
+
+
+async def _history(state: Any, body: CompactBody) -> list[dict[str, Any]]:
+    prior: list[dict[str, Any]] = []
+    if body.previous_response_id:
+        stored = await state.responses.get(body.previous_response_id)
+        if stored is None:
+            raise not_found(body.previous_response_id, "previous_response_id")
+        prior = stored.context
+    return [*prior, *input_items(body.input if body.input is not None else [])]
+
+
+async def compact(request: Request) -> Response:
+    state = request.app.state.gateway
+    try:
+        raw = orjson.loads(await request.body())
+        if not isinstance(raw, dict):
+            raise RequestInvalid("the request body must be a JSON object")
+        body = validated(CompactBody, raw)
+        history = await _history(state, body)
+        if not history:
+            raise RequestInvalid("input: nothing to compact", "input")
+        chat, _ = responses.parse(
+            {"model": body.model, "input": history, "instructions": body.instructions}
+        )
+        ask = chat.model_copy(
+            update={
+                "messages": [*chat.messages, Message(role="user", content=_ASK)],
+                "reasoning": False,  # a summary, not a puzzle: thinking off
+                "stream": False,
+                "max_tokens": SUMMARY_MAX_TOKENS,
+                "tools": [],
+                "tool_choice": "none",
+                "session_key": body.prompt_cache_key,
+            }
+        )
+        acc = await _summarise(state, ask)
+    except orjson.JSONDecodeError as exc:
+        return _error(Error(kind="invalid_request", message=f"malformed JSON: {exc}"))
+    except RequestInvalid as exc:
+        return _error(exc.to_error())
+    except (ResponseStateError, RouteError) as exc:
+        return _error(exc.error)
+    if acc.error is not None:
+        return _error(acc.error)
+    item = {
+        "id": new_id("cmp_"),
+        "type": "compaction",
+        "encrypted_content": encode_summary(acc.text),
+    }
+    compacted = {
+        "id": state.responses.new_id(),
+        "object": "response.compaction",
+        "created_at": int(time.time()),
+        "output": [*_kept(history), item],
+        "usage": _usage(acc),
+    }
+    state.responses.put(  # continuable by previous_response_id, like any response
+        StoredResponse(
+            id=compacted["id"], response=compacted, input_items=history, context=compacted["output"]
+        )
+    )
+    return json_response(compacted)
+
+
+def _usage(acc: Accumulator) -> dict[str, Any]:
+    return {
+        "input_tokens": acc.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": acc.cached_tokens},
+        "output_tokens": acc.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": acc.prompt_tokens + acc.completion_tokens,
+    }
+
+
+def _error(error: Error) -> Response:
+    return error_response(openai_error_body, error)
