@@ -5,9 +5,9 @@ into a ChatRequest. The response side is :mod:`gateway.api.responses`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, validated
@@ -92,29 +92,75 @@ class FunctionChoice(BaseModel):
 
 
 class _Reasoning(BaseModel):
-    model_config = ConfigDict(extra="allow")  # summary, generate_summary
+    model_config = ConfigDict(extra="allow")  # generate_summary (deprecated for summary)
 
     effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class _TextFormat(BaseModel):
+    """``text.format``: the spec's three kinds. Only ``text`` is served (nothing here can hold a
+    model to JSON, let alone to a schema), so the others are refused after validation."""
+
+    model_config = ConfigDict(extra="allow")  # name, schema, strict, description
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _Text(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format: _TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_obfuscation: bool | None = None  # nothing is obfuscated here: there is nothing to pad
+
+
+_Key = Annotated[str, StringConstraints(max_length=64)]
+# The spec's MetadataParam: at most 16 pairs, keys up to 64 characters, values up to 512.
+_Metadata = Annotated[
+    dict[_Key, Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)
+]
 
 
 class ResponsesBody(BaseModel):
+    """The spec's ``CreateResponseBody``. Fields that only shape the response object (``store``,
+    ``service_tier``, ``max_tool_calls``, ``include`` …) are accepted and echoed there."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
+    previous_response_id: str | None = None
     tools: list[_ToolIn] | None = None
     # Hosted-tool and ``allowed_tools`` choices are refused: no such tools are served here.
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1, le=INT64_MAX)
     reasoning: _Reasoning | None = None
+    text: _Text | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
     stream: bool = False
-    metadata: dict[str, str] | None = None
+    stream_options: _StreamOptions | None = None
+    store: bool | None = None
+    background: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    metadata: _Metadata | None = None
     user: str | None = None
-    prompt_cache_key: str | None = None
-    previous_response_id: str | None = None
+    safety_identifier: _Key | None = None
+    prompt_cache_key: _Key | None = None
 
 
 def _text(content: _Content, where: str) -> str:
@@ -171,18 +217,7 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
     return out
 
 
-def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
-    body = validated(ResponsesBody, raw)
-    if body.previous_response_id:
-        raise RequestInvalid(
-            "previous_response_id is not supported: send the whole conversation in input",
-            "previous_response_id",
-        )
-    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
-    if isinstance(body.input, str):
-        messages.append(Message(role="user", content=body.input))
-    else:
-        messages += _input_messages(body.input)
+def _tool_specs(body: ResponsesBody) -> list[ToolSpec]:
     tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.type != "function" or not tool.name:
@@ -196,6 +231,28 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
                 parameters=tool.parameters or {"type": "object", "properties": {}},
             )
         )
+    return tools
+
+
+def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
+    body = validated(ResponsesBody, raw)
+    if body.previous_response_id:
+        raise RequestInvalid(
+            "previous_response_id is not supported: send the whole conversation in input",
+            "previous_response_id",
+        )
+    text_format = body.text.format if body.text else None
+    if text_format is not None and text_format.type != "text":
+        raise RequestInvalid(
+            f"text.format.type: {text_format.type!r} is not supported: output cannot be held "
+            "to JSON here, only 'text' is served",
+            "text.format.type",
+        )
+    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
+    if isinstance(body.input, str):
+        messages.append(Message(role="user", content=body.input))
+    else:
+        messages += _input_messages(body.input)
     choice = body.tool_choice
     tool_choice = (
         {"type": "function", "function": {"name": choice.name}}
@@ -206,10 +263,12 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
     request = ChatRequest(
         model=body.model,
         messages=place_system_messages(messages),
-        tools=tools,
+        tools=_tool_specs(body),
         tool_choice=tool_choice,
         temperature=body.temperature,
         top_p=body.top_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
         max_tokens=body.max_output_tokens,
         reasoning=normalize_thinking(raw),
         reasoning_effort=effort,
