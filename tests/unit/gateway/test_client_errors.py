@@ -118,6 +118,10 @@ def assert_still_serving(http: httpx.Client, bad: httpx.Response) -> None:
         ({"input": ["just a string"]}, "input.0"),
         ({"tool_choice": {"type": "function", "name": 7}}, "tool_choice"),
         ({"reasoning": {"effort": {"level": "high"}}}, "reasoning.effort"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"store": 3}, "store"),
+        ({"service_tier": "turbo"}, "service_tier"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format.type"),
     ],
 )
 def test_responses_wrong_types_are_400(

@@ -54,6 +54,72 @@ def test_max_tokens_always_reach_the_model():
     assert messages.parse({"model": "m", "messages": USER, "max_tokens": 13})[0].max_tokens == 13
 
 
+def test_responses_penalties_reach_the_model():
+    body = {"model": "m", "input": "x", "presence_penalty": 0.5, "frequency_penalty": -1}
+    request, _ = responses.parse(body)
+    assert (request.presence_penalty, request.frequency_penalty) == (0.5, -1.0)
+    request, _ = responses.parse({"model": "m", "input": "x"})
+    assert (request.presence_penalty, request.frequency_penalty) == (None, None)
+
+
+def test_responses_accepts_the_specs_response_shaping_fields():
+    """Fields that only shape the response object are accepted (and echoed there)."""
+    body = {
+        "model": "m",
+        "input": "x",
+        "store": False,
+        "background": False,
+        "service_tier": "priority",
+        "safety_identifier": "u1",
+        "prompt_cache_key": "s1",
+        "max_tool_calls": 2,
+        "top_logprobs": 20,
+        "parallel_tool_calls": False,
+        "truncation": "auto",
+        "text": {"format": {"type": "text"}, "verbosity": "high"},
+        "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+        "stream_options": {"include_obfuscation": True},
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "metadata": {f"k{i}": "v" * 512 for i in range(16)},
+    }
+    request, parsed = responses.parse(body)
+    assert parsed.store is False and parsed.max_tool_calls == 2
+    assert request.session_key == "s1" and len(request.metadata) == 16
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}},
+            "text.format.type",
+        ),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"text": {"verbosity": "loud"}}, "text.verbosity"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"max_tool_calls": 0}, "max_tool_calls"),
+        ({"service_tier": "turbo"}, "service_tier"),
+        ({"truncation": "sometimes"}, "truncation"),
+        ({"store": 3}, "store"),
+        ({"background": "maybe"}, "background"),
+        ({"parallel_tool_calls": []}, "parallel_tool_calls"),
+        ({"safety_identifier": "x" * 65}, "safety_identifier"),
+        ({"prompt_cache_key": "x" * 65}, "prompt_cache_key"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+        ({"include": "reasoning.encrypted_content"}, "include"),
+        ({"stream_options": {"include_obfuscation": "x"}}, "stream_options.include_obfuscation"),
+        ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"presence_penalty": "a"}, "presence_penalty"),
+    ],
+)
+def test_responses_bad_fields_are_400_naming_them(extra, param):
+    with pytest.raises(RequestInvalid) as info:
+        responses.parse({"model": "m", "input": "x", **extra})
+    assert info.value.param == param and info.value.message.startswith(param + ": ")
+
+
 def test_chat_tools_and_tool_turns():
     body = {
         "model": "m",

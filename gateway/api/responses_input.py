@@ -1,0 +1,292 @@
+"""OpenAI Responses requests, as the Open Responses specification's ``CreateResponseBody`` has
+them: the body validated (a 400 naming the field where it is wrong) and its ``input`` items turned
+into a ChatRequest. The response side is :mod:`gateway.api.responses`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
+
+from gateway.answer import new_id
+from gateway.api.common import place_system_messages
+from gateway.api.compacted import summary_message
+from gateway.api.errors import RequestInvalid, validated
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
+from worker.thinking import normalize_thinking
+
+_TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+
+
+class _Part(BaseModel):
+    """A content part; only the text kinds are read, the others are refused by their type."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str = ""
+
+
+_Content = str | list[_Part] | None
+
+
+class _MessageItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: _Content = None
+
+
+class _FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str | None = None  # JSON text, as the API carries it
+
+
+class _FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: _Content = ""
+
+
+class _ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["reasoning"]
+    content: list[_Part] | None = None
+    summary: list[_Part] | None = None
+
+
+class _CompactionItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["compaction"]
+    encrypted_content: str = Field(max_length=10 << 20)
+
+
+# An item's schema depends on its type, so each item is validated by the model its type names:
+# errors then point at the item's own fields (``input.3.call_id``), not at every union member.
+_ITEMS: dict[str, type[BaseModel]] = {
+    "message": _MessageItem,
+    "function_call": _FunctionCallItem,
+    "function_call_output": _FunctionCallOutputItem,
+    "reasoning": _ReasoningItem,
+    "compaction": _CompactionItem,
+}
+
+
+class _ToolIn(BaseModel):
+    """A tool; only ``function`` tools are served, other types are refused after validation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    name: str
+
+
+class _Reasoning(BaseModel):
+    model_config = ConfigDict(extra="allow")  # generate_summary (deprecated for summary)
+
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class _TextFormat(BaseModel):
+    """``text.format``: the spec's three kinds. Only ``text`` is served (nothing here can hold a
+    model to JSON, let alone to a schema), so the others are refused after validation."""
+
+    model_config = ConfigDict(extra="allow")  # name, schema, strict, description
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _Text(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format: _TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_obfuscation: bool | None = None  # nothing is obfuscated here: there is nothing to pad
+
+
+_Key = Annotated[str, StringConstraints(max_length=64)]
+# The spec's MetadataParam: at most 16 pairs, keys up to 64 characters, values up to 512.
+_Metadata = Annotated[
+    dict[_Key, Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)
+]
+
+
+class ResponsesBody(BaseModel):
+    """The spec's ``CreateResponseBody``. Fields that only shape the response object (``store``,
+    ``service_tier``, ``max_tool_calls``, ``include`` …) are accepted and echoed there."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[_ToolIn] | None = None
+    # Hosted-tool and ``allowed_tools`` choices are refused: no such tools are served here.
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    reasoning: _Reasoning | None = None
+    text: _Text | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    store: bool | None = None
+    background: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    metadata: _Metadata | None = None
+    user: str | None = None
+    safety_identifier: _Key | None = None
+    prompt_cache_key: _Key | None = None
+
+    # Set by ``stored_responses.parse``: the id (it names the storing node), this turn's input
+    # items and the stored context a ``previous_response_id`` continues.
+    _response_id: str = PrivateAttr(default_factory=lambda: new_id("resp_"))
+    _turn_input: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _prior_context: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+
+
+def _text(content: _Content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS:
+            raise RequestInvalid(
+                f"{where}.{j}.type: content part type {part.type!r} is not supported (text only)",
+                f"{where}.{j}.type",
+            )
+        out.append(part.text)
+    return "".join(out)
+
+
+def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
+    out: list[Message] = []
+    pending_reasoning: str | None = None
+    for i, raw in enumerate(items):
+        where = f"input.{i}"
+        kind = raw.get("type", "message" if "role" in raw else None)
+        model = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise RequestInvalid(
+                f"{where}.type: item type {kind!r} is not supported", f"{where}.type"
+            )
+        item = validated(model, raw, where)
+        if isinstance(item, _MessageItem):
+            message = Message(
+                role="system" if item.role == "developer" else item.role,
+                content=_text(item.content, f"{where}.content"),
+            )
+            if item.role == "assistant" and pending_reasoning is not None:
+                message.reasoning, pending_reasoning = pending_reasoning, None
+            out.append(message)
+        elif isinstance(item, _FunctionCallItem):
+            call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments or "{}")
+            last = out[-1] if out else None
+            if last is None or last.role != "assistant":
+                last = Message(role="assistant", content="")
+                out.append(last)
+            if pending_reasoning is not None:
+                last.reasoning, pending_reasoning = pending_reasoning, None
+            last.tool_calls.append(call)
+        elif isinstance(item, _FunctionCallOutputItem):
+            text = _text(item.output, f"{where}.output")
+            out.append(Message(role="tool", content=text, tool_call_id=item.call_id))
+        elif isinstance(item, _CompactionItem):
+            out.append(summary_message(item.encrypted_content, where))
+        elif isinstance(item, _ReasoningItem):
+            field = "content" if item.content else "summary"
+            pending_reasoning = _text(item.content or item.summary, f"{where}.{field}")
+    return out
+
+
+def _tool_specs(body: ResponsesBody) -> list[ToolSpec]:
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function" or not tool.name:
+            raise RequestInvalid(
+                f"tools.{i}: only function tools with a name are supported", f"tools.{i}"
+            )
+        tools.append(
+            ToolSpec(
+                name=tool.name,
+                description=tool.description or "",
+                parameters=tool.parameters or {"type": "object", "properties": {}},
+            )
+        )
+    return tools
+
+
+def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
+    body = validated(ResponsesBody, raw)
+    text_format = body.text.format if body.text else None
+    if text_format is not None and text_format.type != "text":
+        raise RequestInvalid(
+            f"text.format.type: {text_format.type!r} is not supported: output cannot be held "
+            "to JSON here, only 'text' is served",
+            "text.format.type",
+        )
+    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
+    if isinstance(body.input, str):
+        messages.append(Message(role="user", content=body.input))
+    else:
+        messages += _input_messages(body.input)
+    choice = body.tool_choice
+    tool_choice = (
+        {"type": "function", "function": {"name": choice.name}}
+        if isinstance(choice, FunctionChoice)
+        else choice
+    )
+    effort = body.reasoning.effort if body.reasoning else None
+    request = ChatRequest(
+        model=body.model,
+        messages=place_system_messages(messages),
+        tools=_tool_specs(body),
+        tool_choice=tool_choice,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        max_tokens=body.max_output_tokens,
+        reasoning=normalize_thinking(raw),
+        reasoning_effort=effort,
+        stream=body.stream,
+        session_key=body.prompt_cache_key or body.user,
+        metadata=dict(body.metadata or {}),
+    )
+    return request, body
