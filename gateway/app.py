@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from gateway import info_api
-from gateway.api import chat, compaction, count_tokens, messages, responses, stored_responses
+from gateway.api import (
+    background,
+    chat,
+    compaction,
+    count_tokens,
+    messages,
+    responses,
+    responses_ws,
+    stored_responses,
+)
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
@@ -36,6 +46,7 @@ class GatewayState:
     router: Router
     metrics: GatewayMetrics
     responses: ResponseStates
+    background: background.BackgroundRuns
     status: StatusSource | None = None
     in_flight: int = 0  # responses running an upstream
     in_flight_guarded: int = 0  # admitted by the in-flight limit (includes parsing/routing)
@@ -60,6 +71,7 @@ RESPONSES = ApiSpec(
     shows_progress=True,
     parse_with_state=stored_responses.parse,
     finish=stored_responses.finish,
+    detach=background.start,
 )
 MESSAGES = ApiSpec(
     "messages",
@@ -111,6 +123,7 @@ def create_app(
         router=Router(directory, moa=moa, retry_backoff_s=config.retry_backoff_ms / 1000),
         metrics=GatewayMetrics(config.request_log),
         responses=responses,
+        background=background.BackgroundRuns(limit=config.max_in_flight),
         status=status,
     )
 
@@ -120,9 +133,11 @@ def create_app(
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", ApiEndpoint(CHAT), methods=["POST"]),
         Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
+        WebSocketRoute("/v1/responses", responses_ws.endpoint),
         Route("/v1/responses/compact", compaction.compact, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", stored_responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", background.cancel, methods=["POST"]),
         Route(
             "/v1/responses/{response_id}/input_items",
             stored_responses.list_input_items,
@@ -137,8 +152,15 @@ def create_app(
         *extra_routes,
         *console_routes(status, directory=directory, requests=recent_requests),
     ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await state.background.aclose()  # runs end (stored as cancelled) before the loop does
+
     app = Starlette(
         routes=routes,
+        lifespan=lifespan,
         middleware=[
             Middleware(ServerErrorGuard),
             Middleware(HostGuard, allowed_hosts=config.allowed_hosts),

@@ -78,6 +78,9 @@ class ApiSpec:
     )
     # Called with the final response object once there is one (Responses: store it).
     finish: Callable[[Any, ChatRequest, Any, dict[str, Any]], None] | None = None
+    # Takes a routed request over when it runs detached from its HTTP request (Responses'
+    # ``background: true``): returns the response to send at once, or None for a normal one.
+    detach: Callable[[Any, ChatRequest, Any, list, RequestRecord], Response | None] | None = None
 
 
 def json_response(
@@ -141,6 +144,10 @@ async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
         record.outcome, record.status = exc.error.kind, exc.error.status
         state.metrics.observe(record)
         return error_response(spec.error_body, exc.error)
+    if spec.detach is not None:
+        detached = spec.detach(state, chat_request, body, routes, record)
+        if detached is not None:
+            return detached
     return EventResponse(state, spec, chat_request, body, routes, record)
 
 

@@ -36,8 +36,17 @@ async def _send_error(
         (b"content-length", str(len(body)).encode()),
     ]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": body})
+    # A WebSocket upgrade is refused before it is accepted: with an HTTP answer where the server
+    # can send one (the websocket.http.response extension), else a close (HTTP 403).
+    prefix = "http"
+    if scope["type"] == "websocket":
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
+            return
+        prefix = "websocket.http"
+    start = {"type": f"{prefix}.response.start", "status": error.status, "headers": raw_headers}
+    await send(start)
+    await send({"type": f"{prefix}.response.body", "body": body})
 
 
 class ServerErrorGuard:
@@ -100,7 +109,7 @@ class HostGuard:
         self.names = frozenset(name.lower().rstrip(".") for name in allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.any_host:
+        if scope["type"] not in ("http", "websocket") or self.any_host:
             await self.app(scope, receive, send)
             return
         host = origin = None
@@ -113,11 +122,10 @@ class HostGuard:
             message = f"this gateway is not served as {host!r} (see allowed_hosts)"
             await _send_error(scope, send, Error(kind="misdirected", message=message))
             return
-        if (
-            origin is not None
-            and scope["method"] in self._STATE_CHANGING
-            and not self._origin_allowed(origin, host)
-        ):
+        # Any page may open a WebSocket to any address (no CORS): an upgrade is as state
+        # changing as a POST.
+        changing = scope["type"] == "websocket" or scope["method"] in self._STATE_CHANGING
+        if origin is not None and changing and not self._origin_allowed(origin, host):
             message = f"requests from pages of origin {origin!r} are refused"
             await _send_error(scope, send, Error(kind="forbidden", message=message))
             return
@@ -164,7 +172,7 @@ class GatewayGuard:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         config = self.state.config
@@ -177,6 +185,9 @@ class GatewayGuard:
             await _send_error(
                 scope, send, Error(kind="authentication", message="invalid or missing API key")
             )
+            return
+        if scope["type"] == "websocket":  # its turns are counted in flight as they run
+            await self.app(scope, receive, send)
             return
         if scope["method"] in ("POST", "PUT"):
             body = await _read_body(scope, receive, config.max_body_bytes)

@@ -156,6 +156,22 @@ class ResponseStore:
             ).fetchone()
         return {"responses": count, "bytes": total}
 
+    def fail_unfinished(self, message: str) -> int:
+        """Mark every queued or running response failed (a background run does not outlive the
+        process that ran it: call this when a node starts). Returns how many."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM responses WHERE status IN ('queued', 'in_progress')"
+            ).fetchall()
+        for (response_id,) in rows:
+            item = self.get(response_id)
+            if item is None:
+                continue
+            error = {"code": "server_error", "message": message}
+            item.response = item.response | {"status": "failed", "error": error}
+            self.put(item)
+        return len(rows)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

@@ -128,6 +128,7 @@ class Node:
             max_responses=gateway.response_store_max,
             max_bytes=gateway.response_store_max_bytes,
         )
+        store.fail_unfinished("the node restarted while this background response ran")
         self.stored_responses = LocalResponses(store, node_tag(self.identity.node_id))
         self.mesh = MeshService(
             config.home,

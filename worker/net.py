@@ -155,4 +155,9 @@ def server_limits() -> dict[str, Any]:
         "http": DeadlineH11Protocol,
         "timeout_keep_alive": KEEP_ALIVE_S,
         "limit_concurrency": raise_open_files_limit(),
+        # WebSockets (the gateway's Responses WebSocket mode): a message is at most a request
+        # body's size, and a peer that stops answering pings is closed within 40 s.
+        "ws_max_size": 8 * 1024 * 1024,
+        "ws_ping_interval": 20.0,
+        "ws_ping_timeout": 20.0,
     }

@@ -221,11 +221,18 @@ class ResponsesStreamEncoder:
     # -- events as dicts --------------------------------------------------------------------------
 
     def start_events(self) -> list[_Payload]:
-        empty = self.shell.response("in_progress", [])
-        return [
-            self._event("response.created", response=empty),
-            self._event("response.in_progress", response=empty),
-        ]
+        return [self.status_event("created", "in_progress"), self.status_event("in_progress")]
+
+    def status_event(self, kind: str, status: str | None = None) -> _Payload:
+        """``response.<kind>`` with the response as it stands (a background run starts
+        ``created``/``queued`` with status ``queued``, then goes ``in_progress``)."""
+        response = self.shell.response(status or kind, list(self._output))
+        return self._event(f"response.{kind}", response=response)
+
+    @property
+    def output(self) -> list[_Payload]:
+        """The finished output items so far."""
+        return list(self._output)
 
     def events(self, event: Event) -> list[_Payload]:
         """The stream events for one internal event (none for ``Usage``, ``Sampling``, ``Meta``:

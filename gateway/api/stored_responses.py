@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.answer import new_id
-from gateway.api import responses
+from gateway.api import background, responses
 from gateway.api.errors import RequestInvalid, openai_error_body
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
@@ -70,17 +70,24 @@ async def parse(state: Any, raw: dict[str, Any]) -> tuple[ChatRequest, responses
     previous = raw.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise RequestInvalid("previous_response_id: must be a string", "previous_response_id")
-    request, body = responses.parse(raw)  # the body as sent must be valid on its own
-    this_turn = input_items(raw["input"])
     prior: list[dict[str, Any]] = []
     if previous:
         stored = await states.get(previous)
         if stored is None:
             raise not_found(previous, "previous_response_id")
         prior = stored.context
+    return parse_with_prior(state, raw, prior)
+
+
+def parse_with_prior(
+    state: Any, raw: dict[str, Any], prior: list[dict[str, Any]]
+) -> tuple[ChatRequest, responses.ResponsesBody]:
+    """The request with ``prior`` (a previous response's context) before its own input."""
+    request, body = responses.parse(raw)  # the body as sent must be valid on its own
+    this_turn = input_items(raw["input"])
     if prior:
         request, body = responses.parse({**raw, "input": prior + this_turn})
-    body._response_id = states.new_id()
+    body._response_id = state.responses.new_id()
     body._turn_input = this_turn
     body._prior_context = prior
     return request, body
@@ -120,7 +127,11 @@ async def _stored(request: Request) -> StoredResponse | Response:
 
 
 async def retrieve(request: Request) -> Response:
-    """``GET /v1/responses/{id}``: the stored response object."""
+    """``GET /v1/responses/{id}``: a background run's object (or its stream), else the
+    stored response object."""
+    live = background.retrieve(request)
+    if live is not None:
+        return live
     stored = await _stored(request)
     if isinstance(stored, Response):
         return stored

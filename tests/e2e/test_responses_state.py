@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from openresponses import check_response, validator
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -52,6 +53,7 @@ def test_a_stored_response_can_be_retrieved_listed_and_deleted(oai, stream):
         created = oai.responses.create(model="plain", input="Capital of France?")
     got = oai.responses.retrieve(created.id)
     assert got.id == created.id and got.output_text == "Paris is the capital."
+    check_response(oai.responses.with_raw_response.retrieve(created.id).http_response.json())
     items = oai.responses.input_items.list(created.id)
     assert [item.type for item in items.data] == ["message"]
     assert items.data[0].content[0].text == "Capital of France?"
@@ -171,6 +173,11 @@ def test_compaction_summarises_with_the_model_and_round_trips(oai, loose_oai, up
     assert ask.reasoning is False and not ask.stream
     assert [m.role for m in ask.messages] == ["user", "assistant", "user", "assistant", "user"]
     assert compacted.object == "response.compaction"
+    raw = loose_oai.responses.with_raw_response.compact(
+        model="plain", previous_response_id=second.id
+    )
+    compact_schema = validator("/components/schemas/CompactResource")
+    assert not list(compact_schema.iter_errors(raw.http_response.json()))
     kinds = [(item.type, getattr(item, "role", None)) for item in compacted.output]
     assert kinds == [("message", "user"), ("message", "user"), ("compaction", None)]
     assert compacted.usage.output_tokens == 5

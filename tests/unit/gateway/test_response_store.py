@@ -80,3 +80,16 @@ def test_ids_name_their_node():
     assert owner_tag(new_response_id()) == "" and owner_tag("resp_abc") == ""
     local = LocalResponses(ResponseStore(None), node_tag="ab12cd34ef56")
     assert local.owns(local.new_id()) and local.owns("resp_old") and not local.owns("resp_ff_1")
+
+
+def test_unfinished_responses_fail_at_the_next_start(tmp_path):
+    store = ResponseStore(tmp_path / "r.sqlite3")
+    running = _item(1)
+    running.response["status"] = "in_progress"
+    store.put(running)
+    store.put(_item(2))
+    assert store.fail_unfinished("restarted") == 1
+    failed = store.get("resp_1")
+    assert failed is not None and failed.status == "failed"
+    assert failed.response["error"]["message"] == "restarted"
+    assert store.get("resp_2").status == "completed"  # type: ignore[union-attr]

@@ -1,0 +1,206 @@
+"""Responses WebSocket mode: ``GET /v1/responses`` upgraded, ``response.create`` messages in,
+the SSE stream's events out (one JSON text message per event).
+
+Turns run one at a time per socket, in the order they were sent. The socket keeps its last
+response in memory, so a turn that continues it by ``previous_response_id`` sends only its new
+input and needs no store lookup – that works with ``store: false`` too, which is the mode's
+point. An older id is looked up like over HTTP (the store, or its owner in the mesh). The API key
+and the Host/Origin checks apply to the upgrade (gateway.middleware).
+
+Errors that stop a turn before it starts (bad JSON, an unknown model, a missing previous
+response, ``stream``/``background`` sent) are one ``error`` message with an HTTP-like
+``status`` (the spec's WebSocketErrorEvent), and the socket stays open. A binary frame closes
+it with 1003, an oversized one (uvicorn's ``ws_max_size``) with 1009. A socket that sends
+nothing for ``IDLE_S`` is closed (1000), and so is one older than ``MAX_AGE_S`` at its next
+turn (``websocket_connection_limit_reached``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import orjson
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from gateway.api import responses, stored_responses
+from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.events import Done, Error, Meta, TextDelta
+from gateway.metrics import RequestRecord
+from gateway.request import ChatRequest
+from gateway.response_state import ResponseStateError
+from gateway.response_store import StoredResponse
+from gateway.router import RouteError
+from gateway.stream import ProducerStream
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 15 * 60.0
+MAX_AGE_S = 60 * 60.0
+_TRANSPORT_FIELDS = ("stream", "stream_options", "background")
+
+
+def error_message(error: Error) -> dict[str, Any]:
+    """The spec's WebSocketErrorEvent: an HTTP-like status and the OpenAI error object."""
+    return {"type": "error", "status": error.status, **openai_error_body(error)}
+
+
+class _Socket:
+    """One WebSocket connection's state: its last response, kept for a cheap continuation."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.ws = websocket
+        self.state = websocket.app.state.gateway
+        self.opened = time.monotonic()
+        self.last: StoredResponse | None = None
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.current: asyncio.Task[None] | None = None  # the turn running
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        await self.ws.send_text(orjson.dumps(payload).decode())
+
+    async def read(self) -> None:
+        """Every message into the inbox (a turn in progress must see a disconnect at once)."""
+        try:
+            while True:
+                message = await self.ws.receive()
+                self.inbox.put_nowait(message)
+                if message["type"] == "websocket.disconnect":
+                    return
+        finally:
+            if self.current is not None:  # the client went away: stop its generation
+                self.current.cancel()
+
+    async def serve(self) -> None:
+        while True:
+            try:
+                message = await asyncio.wait_for(self.inbox.get(), IDLE_S)
+            except TimeoutError:
+                await self.ws.close(code=1000, reason="idle")
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("bytes") is not None:
+                await self.ws.close(code=1003, reason="text frames only")
+                return
+            if time.monotonic() - self.opened > MAX_AGE_S:
+                limit = Error(
+                    kind="invalid_request",
+                    message="this connection is older than 60 minutes: open a new one",
+                    code="websocket_connection_limit_reached",
+                )
+                await self.send(error_message(limit))
+                await self.ws.close(code=1000, reason="connection limit reached")
+                return
+            self.current = asyncio.create_task(self.turn(message.get("text") or ""))
+            await asyncio.wait([self.current])  # cancelled by ``read`` if the client leaves
+            if self.current.cancelled():
+                return
+            if (exc := self.current.exception()) is not None:  # a bug: say so, keep serving
+                log.error("responses websocket turn failed", exc_info=exc)
+                failure = Error(kind="internal", message=f"internal error ({type(exc).__name__})")
+                await self.send(error_message(failure))
+            self.current = None
+
+    async def turn(self, text: str) -> None:
+        try:
+            request, body = await self._parse(text)
+            routes = self.state.router.resolve(request)
+        except RequestInvalid as exc:
+            await self.send(error_message(exc.to_error()))
+            return
+        except (ResponseStateError, RouteError) as exc:
+            await self.send(error_message(exc.error))
+            return
+        state = self.state
+        if state.in_flight_guarded >= state.config.max_in_flight:
+            limit = state.config.max_in_flight
+            busy = Error(kind="overloaded", message=f"too many requests in flight (limit {limit})")
+            await self.send(error_message(busy))
+            return
+        state.in_flight_guarded += 1
+        try:
+            await self._run(request, body, routes)
+        finally:
+            state.in_flight_guarded -= 1
+
+    async def _parse(self, text: str) -> tuple[ChatRequest, responses.ResponsesBody]:
+        try:
+            raw = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise RequestInvalid(f"malformed JSON: {exc}") from exc
+        if not isinstance(raw, dict) or raw.get("type") != "response.create":
+            raise RequestInvalid("type: every message must be a response.create", "type")
+        for name in _TRANSPORT_FIELDS:
+            if name in raw:
+                raise RequestInvalid(f"{name}: not used in WebSocket mode (always streamed)", name)
+        raw = {k: v for k, v in raw.items() if k != "type"} | {"stream": True}
+        last = self.last
+        if last is not None and raw.get("previous_response_id") == last.id:
+            return stored_responses.parse_with_prior(self.state, raw, last.context)
+        return await stored_responses.parse(self.state, raw)
+
+    async def _run(self, request: ChatRequest, body: responses.ResponsesBody, routes) -> None:
+        state = self.state
+        record = RequestRecord(api="responses.ws", model=request.model, stream=True)
+        encoder = responses.ResponsesStreamEncoder(request, body, body._response_id)
+        producer = ProducerStream(state.router.stream(request, routes))
+        t0 = time.perf_counter()
+        state.in_flight += 1
+        try:
+            for payload in encoder.start_events():
+                await self.send(payload)
+            while True:
+                event = await producer.get()
+                if isinstance(event, Meta):
+                    record.route.update(event.headers)
+                    continue
+                if record.ttft_s is None and isinstance(event, TextDelta):
+                    record.ttft_s = time.perf_counter() - t0
+                for payload in encoder.events(event):
+                    await self.send(payload)
+                if isinstance(event, Done | Error):
+                    break
+        finally:
+            await producer.aclose()
+            state.in_flight -= 1
+            self._finish(request, body, encoder, record, time.perf_counter() - t0)
+
+    def _finish(self, request, body, encoder, record: RequestRecord, duration_s: float) -> None:
+        final = encoder.final
+        if final is not None:
+            stored_responses.finish(self.state, request, body, final)
+            output = [item for item in final.get("output", []) if isinstance(item, dict)]
+            self.last = StoredResponse(
+                id=final["id"],
+                response=final,
+                input_items=body._turn_input,
+                context=[*body._prior_context, *body._turn_input, *output],
+            )
+        acc = encoder.acc
+        record.duration_s = duration_s
+        if acc.usage is not None:
+            record.prompt_tokens, record.completion_tokens = (
+                acc.prompt_tokens,
+                acc.completion_tokens,
+            )
+            record.cached_tokens = acc.cached_tokens
+        record.outcome = (
+            acc.error.kind if acc.error else ("ok" if acc.finish_reason else "cancelled")
+        )
+        self.state.metrics.observe(record)
+
+
+async def endpoint(websocket: WebSocket) -> None:
+    await websocket.accept()
+    socket = _Socket(websocket)
+    reader = asyncio.create_task(socket.read(), name="responses-ws-reader")
+    try:
+        with contextlib.suppress(WebSocketDisconnect):
+            await socket.serve()
+    finally:
+        reader.cancel()
+        await asyncio.wait([reader])

@@ -1,0 +1,157 @@
+"""Responses WebSocket mode through the official SDK (``client.responses.connect()``) and a raw
+client: turns back to back on one socket, continuation without resending history (also with
+``store: false``), errors as messages, close codes, the API key and Origin on the upgrade."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import orjson
+import pytest
+import websockets
+from openresponses import check_event, validator
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.testing import ScriptedUpstream, ServerThread, Stall, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+
+pytestmark = pytest.mark.e2e
+KEY = "k" * 20
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    return {
+        "plain": ScriptedUpstream.of(*text_script("Paris is the capital.")),
+        "stall": ScriptedUpstream.of(Stall()),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(upstreams):
+    directory = StaticDirectory()
+    for name, upstream in upstreams.items():
+        directory.add(ModelInfo(id=name), upstream)
+    app = create_app(directory, GatewayConfig(api_key=KEY, retry_backoff_ms=1))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+def _ws_url(server) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/responses"
+
+
+def _turn(connection) -> list:
+    events = []
+    for event in connection:
+        events.append(event)
+        if event.type in ("response.completed", "response.failed", "error"):
+            return events
+    raise AssertionError("the socket closed mid-turn")
+
+
+def test_turns_on_one_socket_continue_without_resending(server, upstreams):
+    plain = upstreams["plain"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with client.responses.connect() as connection:
+        connection.response.create(model="plain", input="Capital of France?", store=False)
+        first = _turn(connection)
+        assert [e.sequence_number for e in first] == list(range(len(first)))
+        assert first[0].type == "response.created" and first[-1].type == "response.completed"
+        text = "".join(e.delta for e in first if e.type == "response.output_text.delta")
+        assert text == "Paris is the capital."
+        first_id = first[-1].response.id
+
+        connection.response.create(
+            model="plain", input="And Spain?", previous_response_id=first_id, store=False
+        )
+        second = _turn(connection)
+        assert second[-1].type == "response.completed"
+    roles = [m.role for m in plain.requests[-1].messages]
+    assert roles == ["user", "assistant", "user"]  # the history came from the socket's memory
+    assert plain.requests[-1].messages[1].content == "Paris is the capital."
+    # store: false: nothing was kept beyond the socket
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first_id)
+
+
+def test_errors_are_messages_and_the_socket_stays_usable(server):
+    async def run():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(_ws_url(server), additional_headers=headers) as ws:
+            await ws.send("not json")
+            error = orjson.loads(await ws.recv())
+            assert error["type"] == "error" and error["status"] == 400
+            ws_error = validator("/components/schemas/WebSocketErrorEvent")
+            assert not list(ws_error.iter_errors(error)), error
+            await ws.send(
+                orjson.dumps({"type": "response.create", "model": "nobody", "input": "x"}).decode()
+            )
+            error = orjson.loads(await ws.recv())
+            assert error["status"] == 404 and error["error"]["code"] == "model_not_found"
+            body = {"type": "response.create", "model": "plain", "input": "x", "stream": True}
+            await ws.send(orjson.dumps(body).decode())
+            error = orjson.loads(await ws.recv())
+            assert error["status"] == 400 and error["error"]["param"] == "stream"
+            body = {
+                "type": "response.create",
+                "model": "plain",
+                "input": "x",
+                "previous_response_id": "resp_gone",
+            }
+            await ws.send(orjson.dumps(body).decode())
+            error = orjson.loads(await ws.recv())
+            assert (
+                error["status"] == 404 and error["error"]["code"] == "previous_response_not_found"
+            )
+            await ws.send(
+                orjson.dumps({"type": "response.create", "model": "plain", "input": "x"}).decode()
+            )
+            events = []
+            while not events or events[-1]["type"] != "response.completed":
+                events.append(orjson.loads(await ws.recv()))
+            assert events[0]["type"] == "response.created"
+            for event in events:  # the SSE stream's events, to the spec
+                check_event(event)
+            await ws.send(b"\x00binary")
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd.code == 1003
+
+    asyncio.run(run())
+
+
+def test_the_upgrade_needs_the_key_and_a_same_site_origin(server):
+    async def run():
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(_ws_url(server)):
+                pass
+        assert refused.value.response.status_code == 401
+        headers = {"Authorization": f"Bearer {KEY}", "Origin": "http://evil.example"}
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(_ws_url(server), additional_headers=headers):
+                pass
+        assert refused.value.response.status_code == 403
+
+    asyncio.run(run())
+
+
+def test_a_client_that_leaves_mid_turn_stops_the_generation(server, upstreams):
+    stall = upstreams["stall"]
+
+    async def run():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(_ws_url(server), additional_headers=headers) as ws:
+            await ws.send(
+                orjson.dumps({"type": "response.create", "model": "stall", "input": "x"}).decode()
+            )
+            assert orjson.loads(await ws.recv())["type"] == "response.created"
+        for _ in range(100):
+            if stall.cancelled:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the stalled generation was not cancelled")
+
+    asyncio.run(run())
