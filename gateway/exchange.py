@@ -117,6 +117,7 @@ class ApiEndpoint:
 async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
     """The endpoint body for every generating API."""
     state = request.app.state.gateway
+    raw: Any = None
     try:
         raw = orjson.loads(await request.body())
         if not isinstance(raw, dict):
@@ -132,11 +133,17 @@ async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
             error = exc.error
         else:
             error = Error(kind="invalid_request", message=f"malformed JSON: {exc}")
-        # Counted, but under one model label: a malformed body's model string means nothing.
+        # The log row keeps what the body said (metrics pool rejected models under one label).
         rejected = RequestRecord(api=spec.name, model="(unknown)", stream=False)
+        if isinstance(raw, dict):
+            model, stream = raw.get("model"), raw.get("stream")
+            rejected.model = model[:200] if isinstance(model, str) and model else "(unknown)"
+            rejected.stream = stream is True
         rejected.outcome, rejected.status = error.kind, error.status
         state.metrics.observe(rejected)
         return error_response(spec.error_body, error)
+    if chat_request.session_key is None:
+        chat_request.session_key = _session_header(request)
     record = RequestRecord(api=spec.name, model=chat_request.model, stream=chat_request.stream)
     try:
         routes = state.router.resolve(chat_request)
@@ -354,6 +361,19 @@ class EventResponse:
             answering = answering or not isinstance(event, Progress)
             if isinstance(event, Done | Error):
                 return held
+
+
+# Headers agent harnesses send to keep a session on one worker (OpenCode: both), for requests
+# whose body names no session (``prompt_cache_key``, ``user``, Anthropic ``metadata.user_id``).
+_SESSION_HEADERS = ("x-session-affinity", "x-session-id")
+
+
+def _session_header(request: Request) -> str | None:
+    for name in _SESSION_HEADERS:
+        value = request.headers.get(name, "").strip()
+        if value:
+            return value[:200]
+    return None
 
 
 def _encode_safely(encoder: Encoder, event: Event) -> tuple[bytes, bool]:

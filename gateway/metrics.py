@@ -75,7 +75,8 @@ class GatewayMetrics:
             except Exception:  # a display's bug must not break the request's bookkeeping
                 log.exception("request listener %r failed", listener)
         # Clients choose model strings: unknown ones share one label (bounded cardinality).
-        model = "(unknown)" if record.outcome == "not_found" else record.model
+        rejected = record.outcome in ("not_found", "invalid_request", "too_large")
+        model = "(unknown)" if rejected else record.model
         self.requests.labels(record.api, model, record.outcome).inc()
         if record.ttft_s is not None:
             self.ttft.labels(record.api).observe(record.ttft_s)

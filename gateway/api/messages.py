@@ -208,11 +208,27 @@ def _convert_message(m: MessageIn, where: str) -> list[Message]:  # noqa: C901 -
     return out
 
 
+# System blocks that are client metadata, not instructions: Claude Code's first block is
+# ``x-anthropic-billing-header: cc_version=…; cc_entrypoint=…;``, different every session. At the
+# very start of the prompt it would make every new session miss the shared prefix in the cache.
+_CLIENT_METADATA = ("x-anthropic-billing-header:",)
+
+
+def system_text(system: str | list[dict[str, Any]]) -> str:
+    """The system prompt: its blocks joined by a blank line, client metadata left out."""
+    if isinstance(system, str):
+        return system
+    blocks = _blocks(system, _TEXT_ONLY, "system")
+    kept = [b.text for b in blocks if not b.text.lstrip().startswith(_CLIENT_METADATA)]
+    return "\n\n".join(kept)
+
+
 def messages_of(body: ConversationBody) -> list[Message]:
     """The turns of a Messages-shaped body (also used by count_tokens)."""
     messages: list[Message] = []
-    if body.system:
-        messages.append(Message(role="system", content=_blocks_text(body.system, "system")))
+    system = system_text(body.system) if body.system else ""
+    if system:
+        messages.append(Message(role="system", content=system))
     for i, m in enumerate(body.messages):
         messages += _convert_message(m, f"messages.{i}")
     return place_system_messages(messages)

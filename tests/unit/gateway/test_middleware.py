@@ -185,3 +185,25 @@ async def test_concurrent_streams_never_mix():
         assert text == f"<{i:03d}>" * 5
     health = (await asgi_request(app, "GET", "/health")).json()
     assert health["in_flight"] == 0 and health["queue_depth"] == 0
+
+
+async def test_a_rejected_request_is_logged_with_its_model_and_stream_flag(tmp_path):
+    log_path = tmp_path / "requests.jsonl"
+    app = _app(request_log=log_path)
+    bad = dict(MESSAGES, max_tokens=0, stream=True, model="claude-x")
+    assert (await asgi_request(app, "POST", "/v1/messages", bad)).status == 400
+    row = orjson.loads(log_path.read_bytes().splitlines()[-1])
+    assert (row["model"], row["stream"], row["outcome"]) == ("claude-x", True, "invalid_request")
+    metrics = (await asgi_request(app, "GET", "/metrics")).body.decode()
+    assert 'model="claude-x"' not in metrics  # client strings never become metric labels
+
+
+async def test_session_headers_keep_a_session_on_one_route():
+    upstream = ScriptedUpstream.of(*text_script("ok"))
+    app = _app(upstream)
+    headers = [("x-session-affinity", "ses_123")]
+    await asgi_request(app, "POST", "/v1/chat/completions", CHAT, headers=headers)
+    assert upstream.requests[-1].session_key == "ses_123"
+    body = dict(CHAT, user="u1")  # the body's own session key wins
+    await asgi_request(app, "POST", "/v1/chat/completions", body, headers=headers)
+    assert upstream.requests[-1].session_key == "u1"

@@ -275,3 +275,27 @@ def test_system_placement_is_prefix_stable_and_loses_nothing():
             position = joined.index(m.content, position)
 
     check()
+
+
+def test_anthropic_system_blocks_join_by_a_blank_line_without_client_metadata():
+    """Claude Code's billing header changes every session: kept out of the prompt, a new
+    session's prompt starts with the same tokens as the last one's (the prompt cache hits)."""
+
+    def system_of(header: str) -> str:
+        body = {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": USER,
+            "system": [
+                {"type": "text", "text": header},
+                {"type": "text", "text": "You are Claude Code."},
+                {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}},
+            ],
+        }
+        request, _ = messages.parse(body)
+        assert request.messages[0].role == "system"
+        return request.messages[0].content
+
+    one = system_of("x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli;")
+    two = system_of("x-anthropic-billing-header: cc_version=2.1.3.f9e; cc_entrypoint=sdk-cli;")
+    assert one == two == "You are Claude Code.\n\nBe brief."
