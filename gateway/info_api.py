@@ -30,6 +30,8 @@ async def list_models(request: Request) -> Response:
             entry["parameters"] = info.parameters
         if info.context_length is not None:
             entry["context_length"] = info.context_length
+        if info.capabilities:
+            entry["capabilities"] = info.capabilities
         data.append(entry)
     if state.router.moa is not None and all(e["id"] != MESH_MODEL for e in data):
         data.append(

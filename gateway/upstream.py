@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gateway.events import Event
 from gateway.request import ChatRequest
@@ -72,6 +72,9 @@ class ModelInfo:
     parameters: int | None = None
     context_length: int | None = None
     owned_by: str = "local"  # node id of the server, or "local"
+    # What the worker says it can do: tools ("native" or "generic": the gateway-side tool
+    # prompt), thinking, context_length. Empty when unknown.
+    capabilities: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

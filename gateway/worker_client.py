@@ -347,6 +347,7 @@ class WorkerClient(Upstream):
             architecture=str(data.get("architecture") or "unknown"),
             parameters=data.get("parameters"),
             context_length=data.get("context_length"),
+            capabilities=dict(data.get("capabilities") or {}),
         )
 
 

@@ -43,6 +43,7 @@ class MeshDirectory:
                     parameters=ad.parameters,
                     context_length=ad.context_length,
                     owned_by=node_id,
+                    capabilities=dict(ad.capabilities),
                 ),
             )
         return list(out.values())

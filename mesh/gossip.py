@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +31,7 @@ class ModelAd(BaseModel):
     architecture: str = "unknown"
     parameters: int | None = None
     context_length: int | None = None
+    capabilities: dict[str, Any] = Field(default_factory=dict)
 
 
 class NodeState(BaseModel):

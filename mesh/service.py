@@ -499,6 +499,7 @@ class MeshService:
                     architecture=info.architecture,
                     parameters=info.parameters,
                     context_length=info.context_length,
+                    capabilities=info.capabilities,
                 )
                 for info in self.local.models()
             ],

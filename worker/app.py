@@ -141,6 +141,11 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
             "context_length": info.context_length,
             "quantization": info.quantization,
             "sampling_defaults": engine.sampling_defaults.as_dict(),
+            "capabilities": {
+                "tools": engine.tool_calling,  # native, or the generic tool prompt
+                "thinking": bool(engine.tokenizer.has_thinking),
+                "context_length": info.context_length,
+            },
         }
         return json_response({"object": "list", "data": [entry | _how_it_runs(engine)]})
 

@@ -18,6 +18,7 @@ cancelled after its first token stores its cache at once (nobody is left to wait
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -43,6 +44,7 @@ from worker.engine_types import (
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.prompt_cache import PromptCacheStore
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
+from worker.tool_prompt import generic_messages, renders_tools
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,21 @@ class Engine:
             span = max(now - self._rate[0][0], 1e-3)
         return tokens / span
 
+    @functools.cached_property
+    def tool_calling(self) -> str:
+        """ "native" when the chat template shows the model tools and past calls, else
+        "generic" (worker.tool_prompt writes them into the prompt as text)."""
+        tok = self.tokenizer
+        if not tok.has_chat_template:
+            return "generic"
+
+        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+            return tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+
+        return "native" if renders_tools(render) else "generic"
+
     def render_prompt(
         self,
         messages: list[dict[str, Any]],
@@ -180,6 +197,8 @@ class Engine:
         """Prompt tokens through the chat template, and whether generation starts in a think
         block (the template opened ``<think>``). Raises jinja errors for bad conversations."""
         tok = self.tokenizer
+        if self.tool_calling == "generic" and (tools or _has_tool_turns(messages)):
+            messages, tools = generic_messages(messages, tools), None
         if tok.has_chat_template:
             text = tok.apply_chat_template(
                 messages,
@@ -534,3 +553,7 @@ class Engine:
         self._generator.close()
         self._store.clear()
         self._pending.clear()
+
+
+def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)

@@ -31,3 +31,16 @@ def test_default_model_says_paris(tmp_path: Path) -> None:
     )
     answer = generate(model, tokenizer, prompt, max_tokens=24, sampler=make_sampler(temp=0.0))
     assert "Paris" in answer, answer
+
+    # SmolLM2's template drops tools and tool calls: the worker uses the generic tool prompt.
+    from worker.tool_prompt import generic_messages, renders_tools
+
+    def render(messages, tools):
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+
+    assert not renders_tools(render)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    text = render(generic_messages([{"role": "user", "content": "Weather?"}], [tool]), None)
+    assert '"name": "get_weather"' in text

@@ -578,3 +578,56 @@ def test_a_worker_with_a_secret_serves_only_who_knows_it(tiny_model_dir) -> None
             f"{url}/chat/completions", json=body, headers={"authorization": "Bearer s3cret"}
         )
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+_TOOLLESS_TEMPLATE = (  # like SmolLM2's: drops tools and tool calls without a word
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def toolless(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with a chat template that cannot render tools."""
+    model = tmp_path_factory.mktemp("toolless") / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = _TOOLLESS_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    with run_worker_in_thread(model, name="tiny-toolless") as served:
+        yield served
+
+
+def test_a_template_without_tools_gets_the_generic_tool_prompt(toolless, plain) -> None:
+    url, engine = toolless
+    (entry,) = httpx.get(f"{url}/models").json()["data"]
+    capabilities = entry["capabilities"]
+    assert (capabilities["tools"], capabilities["context_length"]) == ("generic", 4096)
+    (native,) = httpx.get(f"{plain[0]}/models").json()["data"]
+    assert native["capabilities"]["tools"] == "native"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    tokens, _ = engine.render_prompt(messages, [tool], {})
+    text = engine.tokenizer.decode(tokens)
+    assert "# Tools" in text and '"name": "get_weather"' in text
+    assert "<tool_call>" in text and "<tool_response>\nsunny\n</tool_response>" in text
+    body = {"model": "tiny-toolless", "messages": messages[:1], "tools": [tool], "max_tokens": 2}
+    with_tools = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+    body.pop("tools")
+    without = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+    assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 50
