@@ -177,7 +177,7 @@ class EventResponse:
         self.routes = routes
         self.record = record
         self.acc = Accumulator()
-        self.route_headers: dict[str, str] = {}
+        self.route_headers: dict[str, str] = dict(request.notes)
         self._sent_headers: dict[str, str] = {}  # the route facts the client has (headers, notes)
         self._t0 = time.perf_counter()
         self._waiting = False  # counted in state.waiting until the first content delta
@@ -267,8 +267,9 @@ class EventResponse:
             response = error_response(self.spec.error_body, error, self.route_headers)
             await response({"type": "http"}, _never_receive, send)
             return
-        if not self.route_headers:  # a slow first event: only what is settled already
-            self.route_headers = router.settled_headers(self.routes)
+        if not any(k in self.route_headers for k in _ROUTE_FACTS):
+            # a slow first event: only what is settled already
+            self.route_headers = router.settled_headers(self.routes) | self.route_headers
         self._sent_headers = dict(self.route_headers)
         headers = [
             (k.encode(), v.encode()) for k, v in (sse.SSE_HEADERS | self.route_headers).items()

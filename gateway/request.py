@@ -67,3 +67,6 @@ class ChatRequest(BaseModel):
     stream: bool = True
     session_key: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Response headers saying what the gateway changed in the request on its way to the model
+    # (e.g. ``x-content-replaced``), so a client can tell; never sent to the model.
+    notes: dict[str, str] = Field(default_factory=dict)

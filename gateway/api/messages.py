@@ -161,13 +161,40 @@ def _blocks(content: list[dict[str, Any]], allowed: tuple[str, ...], where: str)
     return out
 
 
+# What a text-only model reads instead of an image a tool returned (Claude Code's Read on a
+# PNG): refusing it would poison the session for good, the image staying in its history.
+IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
+_REPLACEABLE = ("image", "document")
+
+
+def _tool_result_text(
+    content: str | list[dict[str, Any]], where: str, notes: dict[str, int]
+) -> str:
+    """A tool result's text, its image blocks replaced by a placeholder (counted in notes)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, block in enumerate(content):
+        if block.get("type") in _REPLACEABLE:
+            notes["tool_result_image"] = notes.get("tool_result_image", 0) + 1
+            parts.append(IMAGE_PLACEHOLDER)
+        elif block.get("type") == "text":
+            parts.append(validated(_TextBlock, block, f"{where}.{j}").text)
+        else:
+            raise RequestInvalid(
+                f"{where}.{j}.type: {block.get('type')!r} is not supported here (text, image)",
+                f"{where}.{j}.type",
+            )
+    return "\n".join(parts)
+
+
 def _blocks_text(content: str | list[dict[str, Any]], where: str) -> str:
     if isinstance(content, str):
         return content
     return "".join(block.text for block in _blocks(content, _TEXT_ONLY, where))
 
 
-def _convert_message(m: MessageIn, where: str) -> list[Message]:  # noqa: C901 - to be split (complexity gate, issue 10)
+def _convert_message(m: MessageIn, where: str, notes: dict[str, int]) -> list[Message]:  # noqa: C901 - to be split (complexity gate, issue 10)
     """One Anthropic message → our turns (a user turn with tool_result blocks → tool turns)."""
     if isinstance(m.content, str):
         return [Message(role=m.role, content=m.content)]
@@ -199,7 +226,7 @@ def _convert_message(m: MessageIn, where: str) -> list[Message]:  # noqa: C901 -
         if text:
             out.append(Message(role="user", content="".join(text)))
             text = []
-        result = _blocks_text(block.content, f"{where}.content.{j}.content")
+        result = _tool_result_text(block.content, f"{where}.content.{j}.content", notes)
         if block.is_error:
             result = f"Error: {result}"
         out.append(Message(role="tool", content=result, tool_call_id=block.tool_use_id))
@@ -223,14 +250,16 @@ def system_text(system: str | list[dict[str, Any]]) -> str:
     return "\n\n".join(kept)
 
 
-def messages_of(body: ConversationBody) -> list[Message]:
-    """The turns of a Messages-shaped body (also used by count_tokens)."""
+def messages_of(body: ConversationBody, notes: dict[str, int] | None = None) -> list[Message]:
+    """The turns of a Messages-shaped body (also used by count_tokens); ``notes`` counts what
+    was replaced on the way (image blocks in tool results)."""
+    notes = {} if notes is None else notes
     messages: list[Message] = []
     system = system_text(body.system) if body.system else ""
     if system:
         messages.append(Message(role="system", content=system))
     for i, m in enumerate(body.messages):
-        messages += _convert_message(m, f"messages.{i}")
+        messages += _convert_message(m, f"messages.{i}", notes)
     return place_system_messages(messages)
 
 
@@ -253,9 +282,10 @@ def tool_choice_of(body: ConversationBody) -> str | dict[str, Any] | None:
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
     body = validated(MessagesBody, raw)
     metadata = dict(body.metadata or {})
+    replaced: dict[str, int] = {}
     request = ChatRequest(
         model=body.model,
-        messages=messages_of(body),
+        messages=messages_of(body, replaced),
         tools=tools_of(body),
         tool_choice=tool_choice_of(body),
         temperature=body.temperature,
@@ -268,6 +298,9 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
         session_key=str(metadata["user_id"]) if metadata.get("user_id") else None,
         metadata=metadata,
     )
+    if replaced:
+        images = replaced["tool_result_image"]
+        request.notes["x-content-replaced"] = f"{images} tool_result image(s): text-only model"
     return request, body
 
 

@@ -15,6 +15,7 @@ import pytest
 from starlette.requests import Request
 from starlette.routing import Route
 
+from gateway.api import messages as messages_api
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.request import ChatRequest
@@ -173,6 +174,26 @@ def test_messages_wrong_block_types_are_400(
 def test_tool_result_with_text_blocks_is_accepted(http: httpx.Client) -> None:
     body = {**MESSAGES, "messages": [_tool_result([{"type": "text", "text": "sunny"}])]}
     assert _post(http, "/v1/messages", body).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_image_in_a_tool_result_becomes_a_placeholder_not_a_400(
+    http: httpx.Client, stream: bool
+) -> None:
+    """Claude Code's Read on a PNG: a 400 would stay in the session's history for good."""
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"},
+    }
+    content = [{"type": "text", "text": "the file:"}, image]
+    body = {**MESSAGES, "messages": [_tool_result(content)], "stream": stream}
+    ok = _post(http, "/v1/messages", body)
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["x-content-replaced"] == "1 tool_result image(s): text-only model"
+    request, _ = messages_api.parse(body)
+    assert request.messages[-1].content == "the file:\n" + messages_api.IMAGE_PLACEHOLDER
+    in_user_turn = {**MESSAGES, "messages": [{"role": "user", "content": [image]}]}
+    assert _post(http, "/v1/messages", in_user_turn).status_code == 400  # the user's own: refused
     assert _post(http, "/v1/messages/count_tokens", {**COUNT, **body}).status_code == 200
 
 
