@@ -14,16 +14,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from gateway import info_api
-from gateway.api import (
-    background,
-    chat,
-    compaction,
-    count_tokens,
-    messages,
-    responses,
-    responses_ws,
-    stored_responses,
-)
+from gateway.api import chat, count_tokens, messages, responses
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
@@ -31,8 +22,9 @@ from gateway.events import Error
 from gateway.exchange import ApiEndpoint, ApiSpec, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard, HostGuard, ServerErrorGuard
-from gateway.response_state import LocalResponses, ResponseStates
-from gateway.response_store import ResponseStore
+from gateway.responses import background, compact, stored, websocket
+from gateway.responses.state import LocalResponses, ResponseStates
+from gateway.responses.store import ResponseStore
 from gateway.router import Router
 from gateway.status import StatusSource
 from gateway.upstream import ModelDirectory, Upstream
@@ -69,8 +61,8 @@ RESPONSES = ApiSpec(
     responses.response_body,
     responses.error_body,
     shows_progress=True,
-    parse_with_state=stored_responses.parse,
-    finish=stored_responses.finish,
+    parse_with_state=stored.parse,
+    finish=stored.finish,
     detach=background.start,
 )
 MESSAGES = ApiSpec(
@@ -133,14 +125,14 @@ def create_app(
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", ApiEndpoint(CHAT), methods=["POST"]),
         Route("/v1/responses", ApiEndpoint(RESPONSES), methods=["POST"]),
-        WebSocketRoute("/v1/responses", responses_ws.endpoint),
-        Route("/v1/responses/compact", compaction.compact, methods=["POST"]),
-        Route("/v1/responses/{response_id}", stored_responses.retrieve, methods=["GET"]),
-        Route("/v1/responses/{response_id}", stored_responses.delete, methods=["DELETE"]),
+        WebSocketRoute("/v1/responses", websocket.endpoint),
+        Route("/v1/responses/compact", compact.compact, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", stored.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", background.cancel, methods=["POST"]),
         Route(
             "/v1/responses/{response_id}/input_items",
-            stored_responses.list_input_items,
+            stored.list_input_items,
             methods=["GET"],
         ),
         Route("/v1/messages", ApiEndpoint(MESSAGES), methods=["POST"]),

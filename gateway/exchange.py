@@ -40,7 +40,7 @@ from gateway.events import (
 )
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
-from gateway.response_state import ResponseStateError
+from gateway.responses.state import ResponseStateError
 from gateway.router import RouteError
 from gateway.stream import ProducerStream
 

@@ -32,8 +32,8 @@ from gateway.config import GatewayConfig
 from gateway.console import close_event_streams
 from gateway.moa.config import MoaConfig
 from gateway.moa.upstream import MixtureOfAgents
-from gateway.response_state import LocalResponses
-from gateway.response_store import ResponseStore
+from gateway.responses.state import LocalResponses
+from gateway.responses.store import ResponseStore
 from gateway.upstream import StaticDirectory
 from mesh.addresses import LOOPBACK_HOSTS
 from mesh.errors import NodeError

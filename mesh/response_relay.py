@@ -24,8 +24,8 @@ from typing import Any
 
 import orjson
 
-from gateway.response_state import LocalResponses, owner_tag, owner_unavailable
-from gateway.response_store import StoredResponse
+from gateway.responses.state import LocalResponses, owner_tag, owner_unavailable
+from gateway.responses.store import StoredResponse
 from mesh.errors import MeshError
 from mesh.tunnel.frames import MAX_PAYLOAD, Body, BodyEnd, Data, End, RequestHead, ResponseHead
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.response_state import LocalResponses
+from gateway.responses.state import LocalResponses
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
 from mesh.admission import Admission

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from gateway.events import Error, Event, event_to_dict
 from gateway.request import ChatRequest
-from gateway.response_state import LocalResponses
+from gateway.responses.state import LocalResponses
 from gateway.router import Router
 from gateway.upstream import ModelDirectory
 from mesh import response_relay

@@ -11,9 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 
 from gateway.answer import new_id
 from gateway.api.common import place_system_messages
-from gateway.api.compacted import summary_message
 from gateway.api.errors import RequestInvalid, validated
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
+from gateway.responses.compacted import summary_message
 from worker.thinking import normalize_thinking
 
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
@@ -172,7 +172,7 @@ class ResponsesBody(BaseModel):
     safety_identifier: _Key | None = None
     prompt_cache_key: _Key | None = None
 
-    # Set by ``stored_responses.parse``: the id (it names the storing node), this turn's input
+    # Set by ``gateway.responses.stored.parse``: the id (it names the storing node), this turn's input
     # items and the stored context a ``previous_response_id`` continues.
     _response_id: str = PrivateAttr(default_factory=lambda: new_id("resp_"))
     _turn_input: list[dict[str, Any]] = PrivateAttr(default_factory=list)

@@ -26,13 +26,14 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.api import responses, stored_responses
+from gateway.api import responses
 from gateway.api.errors import RequestInvalid, openai_error_body
 from gateway.events import Done, Error, Meta, TextDelta
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
-from gateway.response_state import ResponseStateError
-from gateway.response_store import StoredResponse
+from gateway.responses import stored
+from gateway.responses.state import ResponseStateError
+from gateway.responses.store import StoredResponse
 from gateway.router import RouteError
 from gateway.stream import ProducerStream
 
@@ -140,8 +141,8 @@ class _Socket:
         raw = {k: v for k, v in raw.items() if k != "type"} | {"stream": True}
         last = self.last
         if last is not None and raw.get("previous_response_id") == last.id:
-            return stored_responses.parse_with_prior(self.state, raw, last.context)
-        return await stored_responses.parse(self.state, raw)
+            return stored.parse_with_prior(self.state, raw, last.context)
+        return await stored.parse(self.state, raw)
 
     async def _run(self, request: ChatRequest, body: responses.ResponsesBody, routes) -> None:
         state = self.state
@@ -172,7 +173,7 @@ class _Socket:
     def _finish(self, request, body, encoder, record: RequestRecord, duration_s: float) -> None:
         final = encoder.final
         if final is not None:
-            stored_responses.finish(self.state, request, body, final)
+            stored.finish(self.state, request, body, final)
             output = [item for item in final.get("output", []) if isinstance(item, dict)]
             self.last = StoredResponse(
                 id=final["id"],

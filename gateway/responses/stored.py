@@ -15,13 +15,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.answer import new_id
-from gateway.api import background, responses
+from gateway.api import responses
 from gateway.api.errors import RequestInvalid, openai_error_body
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest
-from gateway.response_state import ResponseStateError, ResponseStates, not_found
-from gateway.response_store import StoredResponse
+from gateway.responses import background
+from gateway.responses.state import ResponseStateError, ResponseStates, not_found
+from gateway.responses.store import StoredResponse
 
 DEFAULT_PAGE = 20
 MAX_PAGE = 100

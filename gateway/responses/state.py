@@ -13,7 +13,7 @@ from typing import Protocol
 
 from gateway.errors import GatewayError
 from gateway.events import Error
-from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses.store import ResponseStore, StoredResponse
 
 _PREFIX = "resp_"
 

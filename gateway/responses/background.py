@@ -33,7 +33,7 @@ from gateway.events import Done, Error, Meta
 from gateway.exchange import error_response, json_response
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
-from gateway.response_store import StoredResponse
+from gateway.responses.store import StoredResponse
 
 log = logging.getLogger(__name__)
 

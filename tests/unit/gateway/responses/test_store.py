@@ -7,8 +7,8 @@ import sqlite3
 
 import pytest
 
-from gateway.response_state import LocalResponses, new_response_id, owner_tag
-from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses.state import LocalResponses, new_response_id, owner_tag
+from gateway.responses.store import ResponseStore, StoredResponse
 
 
 def _item(n: int, text: str = "x") -> StoredResponse:

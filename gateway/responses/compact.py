@@ -5,7 +5,7 @@ The compacted output is what a client sends as the next turn's input (or continu
 ``previous_response_id``: the compaction is stored like a response). Read back, the item is one
 message to the model carrying the summary, so the next prompt is shorter by everything the
 summary replaced: assistant turns, tool calls and their results, reasoning.
-(``encrypted_content``: see :mod:`gateway.api.compacted`.)
+(``encrypted_content``: see :mod:`gateway.responses.compacted`.)
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from starlette.responses import Response
 
 from gateway.answer import Accumulator, new_id
 from gateway.api import responses
-from gateway.api.compacted import encode_summary
 from gateway.api.errors import RequestInvalid, openai_error_body, validated
-from gateway.api.stored_responses import input_items
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest, Message
-from gateway.response_state import ResponseStateError, not_found
-from gateway.response_store import StoredResponse
+from gateway.responses.compacted import encode_summary
+from gateway.responses.state import ResponseStateError, not_found
+from gateway.responses.store import StoredResponse
+from gateway.responses.stored import input_items
 from gateway.router import RouteError
 
 SUMMARY_MAX_TOKENS = 512
