@@ -298,6 +298,7 @@ async def _sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
     pending_logprobs: list[tuple[str, float]] = []
     prompt_tokens = len(job.request.prompt)
     completion_tokens = 0
+    cached_tokens = 0
 
     def frame(delta: dict[str, Any], done: Finished | None = None) -> bytes:
         nonlocal first
@@ -319,6 +320,7 @@ async def _sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens},
             }
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
@@ -329,6 +331,7 @@ async def _sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
                 if event.logprobs:
                     pending_logprobs.extend(event.logprobs)
                 completion_tokens = event.completion_tokens
+                cached_tokens = event.cached_tokens
                 out.extend(frame(delta) for delta in assembler.feed(event.text))
             elif isinstance(event, Finished):
                 completion_tokens = event.completion_tokens

@@ -466,7 +466,7 @@ class Engine:
             logprob = r.logprobs[r.token].item()
             logprobs = [(self.tokenizer.decode([r.token]), logprob)]
         if (text or logprobs) and not self._send(
-            active, TokenChunk(text, logprobs, active.completion_tokens)
+            active, TokenChunk(text, logprobs, active.completion_tokens, active.cached_tokens)
         ):
             return
         if finish is None:

@@ -56,6 +56,7 @@ class TokenChunk:
     text: str
     logprobs: list[tuple[str, float]] | None = None
     completion_tokens: int = 0  # generated so far, this chunk's tokens included
+    cached_tokens: int = 0  # of the prompt, read from the prompt cache (known from the start)
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,14 +175,21 @@ def test_messages_stop_sequence_from_the_worker(claude, stream):
     assert message.content[0].text == "The "
 
 
-def test_message_start_carries_the_prompt_size(claude):
-    events = list(claude.messages.create(model="plain", max_tokens=4, messages=USER, stream=True))
+def test_message_start_carries_the_prompt_size_and_its_cached_part(claude):
+    """message_start has the real split (Claude Code reads it there): the second identical
+    request's start already says how much of its prompt came from the cache."""
+    messages = [{"role": "user", "content": "A prompt to see again: " + "words " * 20}]
+    for _ in range(2):
+        events = list(
+            claude.messages.create(model="plain", max_tokens=4, messages=messages, stream=True)
+        )
     start, end = events[0], events[-2]
     assert start.type == "message_start" and end.type == "message_delta"
     prompt = end.usage.input_tokens + (end.usage.cache_read_input_tokens or 0)
-    assert prompt > 0
-    # The start knows the whole prompt (the cache hit is only counted at the end).
-    assert start.message.usage.input_tokens == prompt
+    assert prompt > 0 and end.usage.cache_read_input_tokens > 0
+    started = start.message.usage
+    assert started.input_tokens + (started.cache_read_input_tokens or 0) == prompt
+    assert started.cache_read_input_tokens == end.usage.cache_read_input_tokens
 
 
 def test_count_tokens_uses_worker_tokenizer(gateway):
