@@ -701,10 +701,6 @@ def _connect_stranger(port: int):
     return connect("127.0.0.1", port, configuration=_stranger_config(), create_protocol=_Silent)
 
 
-def _connect_stranger(port: int):
-    return connect("127.0.0.1", port, configuration=_stranger_config(), create_protocol=_Silent)
-
-
 class _Silent(QuicConnectionProtocol):
     """Completes TLS, then says nothing; records how the server closed it."""
 
