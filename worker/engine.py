@@ -5,8 +5,10 @@ the owner thread. Callers talk to it through a command queue (submit, cancel, co
 back through each job's asyncio queue via ``loop.call_soon_threadsafe``.
 
 Concurrent jobs share the model through mlx-lm's ``BatchGenerator`` (continuous batching) when the
-model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Commands are
-drained between decode steps, so a cancel stops its job within one step.
+model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Both advance
+one step per call: a decoded token, or a prefill chunk of ``prefill_step_size`` prompt tokens.
+Commands are drained between steps, so a cancel stops its job within one step, also a long
+prompt's prefill within one chunk.
 
 Prompt cache commit happens *after* the response: a finished job's KV cache is held as a pending
 commit until the HTTP layer calls ``commit`` (after writing the terminal frame). A new job whose
@@ -273,7 +275,10 @@ class Engine:
             )
         else:
             self._generator = SequentialGenerator(
-                model, eos_token_ids=set(tokenizer.eos_token_ids), stream=stream
+                model,
+                eos_token_ids=set(tokenizer.eos_token_ids),
+                stream=stream,
+                prefill_step_size=cfg.prefill_step_size,
             )
         self._eos_stops = make_stop_sequences(tokenizer)
         self._model = model
