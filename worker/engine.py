@@ -5,14 +5,18 @@ the owner thread. Callers talk to it through a command queue (submit, cancel, co
 back through each job's asyncio queue via ``loop.call_soon_threadsafe``.
 
 Concurrent jobs share the model through mlx-lm's ``BatchGenerator`` (continuous batching) when the
-model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Commands are
-drained between decode steps, so a cancel stops its job within one step.
+model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Both advance
+one step per call: a decoded token, or a prefill chunk of ``prefill_step_size`` prompt tokens.
+Commands are drained between steps, so a cancel stops its job within one step, also a long
+prompt's prefill within one chunk.
 
 Prompt cache commit happens *after* the response: a finished job's KV cache is held as a pending
 commit until the HTTP layer calls ``commit`` (after writing the terminal frame). A new job whose
 prompt would reuse a pending commit waits for it (at most ``commit_wait_s``), so it never reads a
-half-committed cache and the client of the first job never waits for the bookkeeping. A job
-cancelled after its first token stores its cache at once (nobody is left to wait for).
+half-committed cache and the client of the first job never waits for the bookkeeping. A
+cancelled job stores its cache at once (nobody is left to wait for): after its first token the
+prompt and what it generated, during its prefill the prompt prefix of the chunks done, so a
+client's retry of the same prompt resumes the prefill there.
 """
 
 from __future__ import annotations
@@ -292,7 +296,10 @@ class Engine:
             )
         else:
             self._generator = SequentialGenerator(
-                model, eos_token_ids=set(tokenizer.eos_token_ids), stream=stream
+                model,
+                eos_token_ids=set(tokenizer.eos_token_ids),
+                stream=stream,
+                prefill_step_size=cfg.prefill_step_size,
             )
         self._eos_stops = make_stop_sequences(tokenizer)
         self._model = model
@@ -500,15 +507,18 @@ class Engine:
         return False
 
     def _stop(self, active: _Active) -> None:
-        """Stop a job before its end. Once it has produced a token its prompt is in the KV
-        cache, which goes to the store: a client that interrupts and sends the conversation
-        again (agent harnesses do) and MoA's cancelled losers then skip that prefill. Before
-        that the generator's cache need not match its token list, so it is dropped."""
-        keep = active.first_token
-        caches = self._generator.remove([active.uid], return_prompt_caches=keep)
+        """Stop a job before its end; what its KV cache holds goes to the store. After the
+        first token that is the prompt and the tokens so far: a client that interrupts and
+        sends the conversation again (agent harnesses do) and MoA's cancelled losers then skip
+        that prefill. During the prefill it is the prompt prefix of the chunks already done
+        (both generators keep the token list equal to the cache after every chunk): a client
+        that timed out on a long cold prefill retries from there, not from zero."""
+        caches = self._generator.remove([active.uid], return_prompt_caches=True)
         self._drop(active.uid)
         cache, tokens = caches.get(active.uid, (None, None))
-        if cache is not None and tokens:
+        # Not yet prefilling (queued in the generator): the cache is the fetched copy of an
+        # entry that is still in the store; nothing new to keep.
+        if cache is not None and tokens and len(tokens) > active.cached_tokens:
             self._store.insert(list(tokens), cache)
             self.stats.log("cache_kept", active.job.id)
 

@@ -1,8 +1,11 @@
 """A one-at-a-time generator with the slice of ``BatchGenerator``'s interface the engine uses.
 
 For models whose KV cache cannot be merged into a batch (``merge`` missing): requests are served
-in arrival order, one decode step per ``next()`` call, so the engine stays responsive (cancel,
-new submissions) between tokens exactly as with batching.
+in arrival order, one step per ``next()`` call, so the engine stays responsive (cancel, new
+submissions) between steps exactly as with batching. A step is one decoded token or, before the
+first token, one prefill chunk of ``prefill_step_size`` prompt tokens (as ``BatchGenerator``
+does): a long prompt whose client is gone stops within one chunk, and ``remove`` hands back the
+KV of the chunks already done.
 """
 
 from __future__ import annotations
@@ -30,22 +33,31 @@ class SequentialResponse:
 @dataclass
 class _Sequence:
     uid: int
-    prompt: list[int]
+    prompt: list[int]  # the prompt tokens not in the cache when inserted
     max_tokens: int
     cache: list[Any]
-    tokens: list[int]  # what the cache holds (once running)
+    tokens: list[int]  # exactly what the cache holds, at every step
     sampler: Any
     processors: list[Any]
     eos: set[int]
+    fed: int = 0  # prompt tokens prefilled into the cache so far
     steps: Iterator[tuple[int, mx.array]] | None = None
     produced: int = 0
 
 
 class SequentialGenerator:
-    def __init__(self, model: Any, *, eos_token_ids: set[int], stream: Any = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_token_ids: set[int],
+        stream: Any = None,
+        prefill_step_size: int = 512,
+    ) -> None:
         self._model = model
         self._eos = set(eos_token_ids)
-        self._stream = stream
+        self._stream = stream if stream is not None else mx.default_stream(mx.default_device())
+        self._prefill_step_size = prefill_step_size
         self._queue: deque[_Sequence] = deque()
         self._current: _Sequence | None = None
         self._uid = 0
@@ -76,20 +88,15 @@ class SequentialGenerator:
         if self._current is None:
             if not self._queue:
                 return [], []
-            seq = self._queue.popleft()
-            kwargs = {"stream": self._stream} if self._stream is not None else {}
-            seq.steps = generate_step(
-                mx.array(seq.prompt),
-                self._model,
-                max_tokens=seq.max_tokens,
-                sampler=seq.sampler,
-                logits_processors=seq.processors or None,
-                prompt_cache=seq.cache,
-                **kwargs,
-            )
-            seq.tokens.extend(seq.prompt)
-            self._current = seq
+            self._current = self._queue.popleft()
         seq = self._current
+        if seq.steps is None:
+            # Like generate_step: every prompt token but the last goes in by chunks; the last
+            # one starts decoding.
+            if len(seq.prompt) - seq.fed > 1:
+                self._prefill_chunk(seq)
+                return [], []
+            self._start_decoding(seq)
         assert seq.steps is not None
         token, logprobs = next(seq.steps)
         # generate_step runs one step ahead: the cache already holds this token.
@@ -105,7 +112,32 @@ class SequentialGenerator:
         self._current = None
         return [], [SequentialResponse(seq.uid, token, logprobs, finish, seq.cache, seq.tokens)]
 
+    def _prefill_chunk(self, seq: _Sequence) -> None:
+        n = min(self._prefill_step_size, len(seq.prompt) - seq.fed - 1)
+        chunk = seq.prompt[seq.fed : seq.fed + n]
+        with mx.stream(self._stream):
+            self._model(mx.array(chunk)[None], cache=seq.cache)
+            mx.eval([c.state for c in seq.cache])
+        mx.clear_cache()
+        seq.fed += n
+        seq.tokens.extend(chunk)
+
+    def _start_decoding(self, seq: _Sequence) -> None:
+        rest = seq.prompt[seq.fed :]
+        seq.steps = generate_step(
+            mx.array(rest),
+            self._model,
+            max_tokens=seq.max_tokens,
+            sampler=seq.sampler,
+            logits_processors=_with_context(seq.processors, seq.tokens),
+            prompt_cache=seq.cache,
+            stream=self._stream,
+        )
+        seq.tokens.extend(rest)
+
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
+        """Drop sequences; with ``return_prompt_caches`` the running one's (cache, tokens), the
+        tokens being exactly what the cache holds (a prefix of the prompt while prefilling)."""
         found: dict[int, Any] = {}
         wanted = set(uids)
         if self._current is not None and self._current.uid in wanted:
@@ -117,3 +149,18 @@ class SequentialGenerator:
     def close(self) -> None:
         self._queue.clear()
         self._current = None
+
+
+def _with_context(processors: list[Any], held: list[int]) -> list[Any] | None:
+    """The processors, seeing the tokens already in the cache before the ones generate_step
+    tracks (it only knows the prompt tokens it was given), as ``BatchGenerator``'s do."""
+    if not processors:
+        return None
+    if not held:
+        return processors
+    head = mx.array(held)
+
+    def wrap(processor: Any) -> Any:
+        return lambda tokens, logits: processor(mx.concatenate([head, tokens]), logits)
+
+    return [wrap(p) for p in processors]

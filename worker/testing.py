@@ -17,7 +17,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,12 +134,15 @@ def make_tiny_model(
     seed: int = 0,
     script: Sequence[str] | None = None,
     max_position_embeddings: int = 4096,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a tiny llama MLX model directory at ``path`` and return it.
 
     ``think`` selects the chat template that opens ``<think>`` in the generation prompt (unless
     ``enable_thinking`` is false, then it renders an empty closed block). ``script`` makes the
     model emit those text pieces (each becomes one token) after the generation prompt.
+    ``sliding_window`` makes the first layer attend to that many tokens only (its KV cache is a
+    ``RotatingKVCache``, as in gemma3's local layers); the second stays global.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -167,6 +170,9 @@ def make_tiny_model(
         "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
         "bos_token_id": None,
     }
+    if sliding_window is not None:
+        config["layer_types"] = ["sliding_attention", "full_attention"]
+        config["sliding_window"] = sliding_window
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
@@ -285,3 +291,54 @@ def run_worker_in_thread(
         thread.join(timeout=30)
         sock.close()
         engine.close()
+
+
+class PrefillSpy:
+    """Watches the prefill of an engine's model: each forward pass over more than one token (a
+    prefill chunk) is counted in ``chunks`` (its length) and, if set, ``on_chunk(n)`` is called
+    with its number as the n-th one starts, on the engine's owner thread (so a test can cancel
+    at an exact chunk: MLX builds the chunk's graph before it runs it).
+
+    Install with ``PrefillSpy.install(engine)`` on a started engine; it wraps the model's first
+    layer, so it sees every generator and cache type alike."""
+
+    def __init__(self) -> None:
+        self.chunks: list[int] = []
+        self.on_chunk: Callable[[int], None] | None = None
+
+    @classmethod
+    def install(cls, engine: Any) -> PrefillSpy:
+        import mlx.nn as nn
+
+        spy = cls()
+
+        class SpiedLayer(nn.Module):
+            def __init__(self, inner: Any) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def __getattr__(self, key: str) -> Any:
+                try:
+                    return super().__getattr__(key)
+                except AttributeError:  # what the model reads off its layers (use_sliding)
+                    if key == "inner":
+                        raise
+                    return getattr(self["inner"], key)
+
+            def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+                if x.shape[1] > 1:
+                    spy._saw(x.shape[1])
+                return self.inner(x, *args, **kwargs)
+
+        layers = engine._model.layers
+        layers[0] = SpiedLayer(layers[0])
+        return spy
+
+    def reset(self) -> None:
+        self.chunks.clear()
+        self.on_chunk = None
+
+    def _saw(self, tokens: int) -> None:
+        self.chunks.append(tokens)
+        if self.on_chunk is not None:
+            self.on_chunk(len(self.chunks))

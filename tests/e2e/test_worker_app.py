@@ -17,7 +17,8 @@ import pytest
 
 from worker.app import create_app
 from worker.engine import Engine
-from worker.testing import make_tiny_model, run_worker_in_thread
+from worker.engine_types import EngineConfig
+from worker.testing import PrefillSpy, make_tiny_model, run_worker_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -631,3 +632,44 @@ def test_a_template_without_tools_gets_the_generic_tool_prompt(toolless, plain) 
     body.pop("tools")
     without = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
     assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 50
+
+
+def test_a_client_that_leaves_during_a_long_prefill_stops_it_and_its_retry_resumes(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13: an agent that times out on a long cold prefill and retries. The disconnect
+    stops the prefill after the chunk under way, and the retry starts from the chunks done."""
+    step = 16
+    config = EngineConfig(prefill_step_size=step)
+    text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 3, "temperature": 0}
+    with run_worker_in_thread(tiny_model_dir, name="tiny", config=config) as (url, engine):
+        spy = PrefillSpy.install(engine)
+        leave, cancelled = threading.Event(), threading.Event()
+        real_cancel = engine.cancel
+
+        def cancel(job: Any) -> None:
+            real_cancel(job)
+            cancelled.set()
+
+        def on_chunk(n: int) -> None:
+            if n == 3:
+                leave.set()
+                # The engine goes on only once the disconnect reached it: what it does next is
+                # what it does between chunks, however slowly the disconnect travelled.
+                assert cancelled.wait(30)
+
+        monkeypatch.setattr(engine, "cancel", cancel)
+        spy.on_chunk = on_chunk
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{url}/chat/completions", json=body | {"stream": True}) as r,
+        ):
+            assert r.status_code == 200
+            assert leave.wait(30)  # no content yet: the client gives up (Claude Code's 300 s)
+        wait_until(lambda: engine.stats.cancelled == 1 and engine.stats.queue_depth == 0)
+        assert spy.chunks == [step] * 3
+        spy.reset()
+        retry = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+        assert retry["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * step
+        assert sum(spy.chunks) == retry["usage"]["prompt_tokens"] - 1 - 3 * step
