@@ -216,7 +216,10 @@ class ResponsesStreamEncoder:
         return _frames(self.events(event))
 
     def keepalive(self) -> bytes:
-        return sse.KEEPALIVE
+        """A ``response.in_progress`` event with the response as it stands: no content, but an
+        event. Codex CLI's idle timeout (300 s) counts only events, never SSE comments, so a
+        comment could not keep its turn alive through a long prefill."""
+        return _frames([self.status_event("in_progress")])
 
     # -- events as dicts --------------------------------------------------------------------------
 

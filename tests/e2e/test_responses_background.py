@@ -116,3 +116,17 @@ def test_what_cannot_be_done_in_the_background(oai, server):
         oai.responses.cancel("resp_gone")
     stream = httpx.get(f"{server.url}/v1/responses/{foreground.id}?stream=true")
     assert stream.status_code == 400
+
+
+def test_keep_alives_are_in_progress_events_the_sdk_takes_in_stride(oai, server):
+    """While the model prefills, the stream sends response.in_progress (an event: Codex counts
+    nothing else as activity), and the SDK's stream helper still builds the whole answer."""
+    body = {"model": "slow", "input": "count", "stream": True}
+    events = sse_events(httpx.post(server.url + "/v1/responses", json=body, timeout=10).content)
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.in_progress"]
+    for event in events:
+        check_event(event)
+    with oai.responses.stream(model="slow", input="count") as stream:
+        final = stream.get_final_response()
+    assert final.output_text == "one two three"
