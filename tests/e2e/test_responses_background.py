@@ -35,7 +35,7 @@ def server(upstreams):
     directory = StaticDirectory()
     for name, upstream in upstreams.items():
         directory.add(ModelInfo(id=name), upstream)
-    app = create_app(directory, GatewayConfig(retry_backoff_ms=1, keepalive_s=0.2))
+    app = create_app(directory, GatewayConfig(retry_backoff_ms=1, keepalive_s=0.1, header_wait_s=0.05))
     with ServerThread(app) as srv:
         yield srv
 
