@@ -201,6 +201,9 @@ class BackgroundRuns:
     def get(self, response_id: str) -> BackgroundRun | None:
         return self.runs.get(response_id)
 
+    def forget(self, response_id: str) -> None:
+        self.runs.pop(response_id, None)
+
     async def aclose(self) -> None:
         for run in self.runs.values():
             run.cancel()

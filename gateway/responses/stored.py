@@ -9,6 +9,7 @@ for token, and the worker's prompt cache hits exactly as it does for a client th
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -142,8 +143,13 @@ async def retrieve(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     """``DELETE /v1/responses/{id}``: gone for good; a continuation of it is then a 404."""
     response_id = request.path_params["response_id"]
+    state = request.app.state.gateway
+    if (run := state.background.get(response_id)) is not None:
+        run.cancel()  # a deleted response stops generating (and stores its end first)
+        await asyncio.wait([run.task])
+        state.background.forget(response_id)
     try:
-        deleted = await request.app.state.gateway.responses.delete(response_id)
+        deleted = await state.responses.delete(response_id)
     except ResponseStateError as exc:
         return _error(exc.error)
     if not deleted:

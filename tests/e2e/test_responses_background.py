@@ -35,7 +35,9 @@ def server(upstreams):
     directory = StaticDirectory()
     for name, upstream in upstreams.items():
         directory.add(ModelInfo(id=name), upstream)
-    app = create_app(directory, GatewayConfig(retry_backoff_ms=1, keepalive_s=0.1, header_wait_s=0.05))
+    app = create_app(
+        directory, GatewayConfig(retry_backoff_ms=1, keepalive_s=0.1, header_wait_s=0.05)
+    )
     with ServerThread(app) as srv:
         yield srv
 
@@ -130,3 +132,14 @@ def test_keep_alives_are_in_progress_events_the_sdk_takes_in_stride(oai, server)
     with oai.responses.stream(model="slow", input="count") as stream:
         final = stream.get_final_response()
     assert final.output_text == "one two three"
+
+
+def test_deleting_a_running_background_response_stops_it(oai, upstreams):
+    stall = upstreams["stall"]
+    cancelled = stall.cancelled
+    created = oai.responses.create(model="stall", input="go", background=True)
+    _poll(oai, created.id, {"in_progress"})
+    oai.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(created.id)
+    assert stall.cancelled == cancelled + 1
