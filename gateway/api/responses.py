@@ -10,6 +10,12 @@ The response object and every stream event match the vendored spec
 streams as ``response.reasoning.delta``/``.done``, and the ``error`` event nests its payload. The
 encoder makes event dicts first and frames them second, so SSE and a WebSocket (one JSON message
 per event) share it.
+
+Tool calls go back under the client's names for its tools (gateway.api.responses_tools): a
+namespaced tool's call carries OpenAI's ``namespace`` field, a custom tool's is OpenAI's
+``custom_tool_call`` item – both beyond the spec, and only for clients that declared such tools.
+With ``include: ["reasoning.encrypted_content"]`` reasoning items carry ``encrypted_content``
+(encoded, not encrypted: gateway.responses.compacted).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from gateway import sse
 from gateway.answer import Accumulator, ToolCallState, new_id
 from gateway.api.errors import openai_error_body
 from gateway.api.responses_input import FunctionChoice, ResponsesBody, parse
+from gateway.api.responses_tools import ServedTool, custom_input
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest
+from gateway.responses.compacted import encode_reasoning
 
 __all__ = ["ResponsesBody", "ResponsesStreamEncoder", "error_body", "parse", "response_body"]
 
@@ -100,16 +108,7 @@ class _Shell:
             "instructions": body.instructions,
             "output": [],
             "error": None,
-            "tools": [
-                {
-                    "type": "function",
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.parameters,
-                    "strict": tool.strict,
-                }
-                for tool in body.tools or []
-            ],
+            "tools": body._tools.echo,  # as the model saw them (gateway.api.responses_tools)
             "tool_choice": _tool_choice(body),
             "truncation": body.truncation or "disabled",
             "parallel_tool_calls": _or(body.parallel_tool_calls, True),
@@ -163,6 +162,45 @@ def _summary_part(text: str) -> dict[str, Any]:
     return {"type": "summary_text", "text": text}
 
 
+def _reasoning_item(text: str, encrypted: bool) -> dict[str, Any]:
+    """The model's reasoning as an output item; with ``encrypted``, also encoded for a client
+    that keeps nothing to hand back (``include: ["reasoning.encrypted_content"]``)."""
+    item = {"type": "reasoning", "id": new_id("rs_"), "summary": [], "content": []}
+    return _finish_reasoning(item, text, encrypted)
+
+
+def _finish_reasoning(item: dict[str, Any], text: str, encrypted: bool) -> dict[str, Any]:
+    done = dict(item, content=[_reasoning_part(text)])
+    if encrypted:
+        done["encrypted_content"] = encode_reasoning(text)
+    return done
+
+
+_CALL_KINDS = ("function_call", "custom_tool_call")
+
+
+def _call_item(call: ToolCallState, served: dict[str, ServedTool]) -> dict[str, Any]:
+    """A tool call's output item as it opens: the client's name for the tool (and its namespace,
+    OpenAI's field), and OpenAI's ``custom_tool_call`` for a custom tool, plain-text ``input``."""
+    tool = served.get(call.name)
+    name = tool.name if tool is not None else call.name
+    if tool is not None and tool.custom:
+        item = {"type": "custom_tool_call", "id": new_id("ctc_"), "call_id": call.id, "name": name}
+    else:
+        item = {"type": "function_call", "id": new_id("fc_"), "call_id": call.id, "name": name}
+    if tool is not None and tool.namespace is not None:
+        item["namespace"] = tool.namespace
+    if item["type"] == "custom_tool_call":
+        return dict(item, input="")
+    return dict(item, arguments="", status="in_progress")
+
+
+def _finish_call(item: dict[str, Any], arguments: str, status: str) -> dict[str, Any]:
+    if item["type"] == "custom_tool_call":
+        return dict(item, input=custom_input(arguments))
+    return dict(item, arguments=arguments, status=status)
+
+
 # -- the stream ------------------------------------------------------------------------------------
 
 _Payload = dict[str, Any]
@@ -186,10 +224,12 @@ class ResponsesStreamEncoder:
         self._seq = 0
         self._output: list[_Payload] = []  # finished items
         self._item: _Payload | None = None  # the open item
-        self._kind = ""  # its kind: message, reasoning, summary or function_call
+        self._kind = ""  # its kind: message, reasoning, summary, function_call, custom_tool_call
         self._parts: list[str] = []  # the open message/reasoning/summary item's text so far
         self._index = -1  # its output_index
-        self._tool_index: int | None = None  # the tool call the open function_call item is
+        self._tool_index: int | None = None  # the tool call the open call item is
+        self._served = body._tools.served
+        self._encrypted = body.encrypted_reasoning
         self._opened: ToolCallState | None = None  # the call the event being encoded opened
         self._handlers: dict[type, Callable[[Any], list[_Payload]]] = {
             TextDelta: self._text,
@@ -205,6 +245,7 @@ class ResponsesStreamEncoder:
             "reasoning": self._close_reasoning,
             "summary": self._close_summary,
             "function_call": self._close_call,
+            "custom_tool_call": self._close_custom,
         }
 
     # -- the Encoder protocol: SSE frames ---------------------------------------------------------
@@ -304,7 +345,8 @@ class ResponsesStreamEncoder:
             self._event("response.reasoning.done", **where, text=text),
             self._event("response.content_part.done", **where, part=part),
         ]
-        return out, dict(item, content=[part])  # the spec's reasoning item has no status
+        # the spec's reasoning item has no status
+        return out, _finish_reasoning(item, text, self._encrypted)
 
     def _close_summary(self, item: _Payload, text: str, status: str) -> tuple[list, _Payload]:
         where, part = self._summary_where(), _summary_part(text)
@@ -320,6 +362,11 @@ class ResponsesStreamEncoder:
             "response.function_call_arguments.done", **where, arguments=item["arguments"]
         )
         return [done], dict(item, status=status)
+
+    def _close_custom(self, item: _Payload, text: str, status: str) -> tuple[list, _Payload]:
+        # OpenAI streams the input as custom_tool_call_input deltas; the spec has no such
+        # events, and the input is only plain text once the JSON around it is complete.
+        return [], _finish_call(item, text, status)
 
     def _text(self, event: TextDelta) -> list[_Payload]:
         out = self._ensure(
@@ -363,22 +410,18 @@ class ResponsesStreamEncoder:
         if (
             opened is not None
             or self._item is None
-            or self._kind != "function_call"
+            or self._kind not in _CALL_KINDS
             or self._tool_index != event.index
         ):
             call = opened or self.acc.tool_calls[event.index]
             self._tool_index = event.index
-            opening: _Payload = {
-                "type": "function_call",
-                "id": new_id("fc_"),
-                "call_id": call.id,
-                "name": call.name,
-                "arguments": "",
-                "status": "in_progress",
-            }
-            out = self._open("function_call", opening)
+            opening = _call_item(call, self._served)
+            out = self._open(opening["type"], opening)
         item = self._item
         if not event.arguments or item is None:
+            return out
+        if self._kind == "custom_tool_call":  # plain text only at the end (_close_custom)
+            self._parts.append(event.arguments)
             return out
         item["arguments"] += event.arguments
         where = {"item_id": item["id"], "output_index": self._index}
@@ -417,14 +460,7 @@ def response_body(
             {"type": "reasoning", "id": new_id("rs_"), "summary": [_summary_part(acc.progress)]}
         )
     if acc.reasoning:
-        output.append(
-            {
-                "type": "reasoning",
-                "id": new_id("rs_"),
-                "summary": [],
-                "content": [_reasoning_part(acc.reasoning)],
-            }
-        )
+        output.append(_reasoning_item(acc.reasoning, body.encrypted_reasoning))
     if acc.text or not acc.tool_calls:
         output.append(
             {
@@ -436,14 +472,5 @@ def response_body(
             }
         )
     for call in acc.tool_calls.values():
-        output.append(
-            {
-                "type": "function_call",
-                "id": new_id("fc_"),
-                "call_id": call.id,
-                "name": call.name,
-                "arguments": call.arguments,
-                "status": status,
-            }
-        )
+        output.append(_finish_call(_call_item(call, body._tools.served), call.arguments, status))
     return _Shell(request, body, response_id).response(status, output, acc)

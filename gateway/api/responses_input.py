@@ -12,8 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 from gateway.answer import new_id
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, validated
-from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
-from gateway.responses.compacted import summary_message
+from gateway.api.responses_tools import (
+    Tools,
+    custom_arguments,
+    flat_name,
+    ignored_header,
+    parse_tools,
+)
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall
+from gateway.responses.compacted import decode_reasoning, summary_message
 from worker.thinking import normalize_thinking
 
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
@@ -45,15 +52,28 @@ class _FunctionCallItem(BaseModel):
     type: Literal["function_call"]
     call_id: str
     name: str
+    namespace: str | None = None  # OpenAI's: the call is to a tool of a namespace tool
     arguments: str | None = None  # JSON text, as the API carries it
 
 
 class _FunctionCallOutputItem(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: _Content = ""
+
+
+class _CustomToolCallItem(BaseModel):
+    """OpenAI's call of a custom (freeform) tool: plain-text ``input``, no JSON."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    namespace: str | None = None
+    input: str = ""
 
 
 class _ReasoningItem(BaseModel):
@@ -62,6 +82,7 @@ class _ReasoningItem(BaseModel):
     type: Literal["reasoning"]
     content: list[_Part] | None = None
     summary: list[_Part] | None = None
+    encrypted_content: str | None = Field(default=None, max_length=10 << 20)
 
 
 class _CompactionItem(BaseModel):
@@ -77,21 +98,11 @@ _ITEMS: dict[str, type[BaseModel]] = {
     "message": _MessageItem,
     "function_call": _FunctionCallItem,
     "function_call_output": _FunctionCallOutputItem,
+    "custom_tool_call": _CustomToolCallItem,
+    "custom_tool_call_output": _FunctionCallOutputItem,
     "reasoning": _ReasoningItem,
     "compaction": _CompactionItem,
 }
-
-
-class _ToolIn(BaseModel):
-    """A tool; only ``function`` tools are served, other types are refused after validation."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionChoice(BaseModel):
@@ -147,7 +158,7 @@ class ResponsesBody(BaseModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[_ToolIn] | None = None
+    tools: list[Any] | None = None  # each validated by its type (gateway.api.responses_tools)
     # Hosted-tool and ``allowed_tools`` choices are refused: no such tools are served here.
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -161,7 +172,11 @@ class ResponsesBody(BaseModel):
     frequency_penalty: float | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
+    # What the response includes beyond the default: the spec's IncludeEnum. Encoded reasoning
+    # is served; logprobs are accepted but stay [] (the worker does not report them).
+    include: list[Literal["reasoning.encrypted_content", "message.output_text.logprobs"]] | None = (
+        None
+    )
     stream: bool = False
     stream_options: _StreamOptions | None = None
     store: bool | None = None
@@ -177,6 +192,13 @@ class ResponsesBody(BaseModel):
     _response_id: str = PrivateAttr(default_factory=lambda: new_id("resp_"))
     _turn_input: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _prior_context: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    # Set by ``parse``: the tools as the model sees them and how its calls go back.
+    _tools: Tools = PrivateAttr(default_factory=Tools)
+
+    @property
+    def encrypted_reasoning(self) -> bool:
+        """Reasoning items carry ``encrypted_content`` (encoded, see gateway.responses.compacted)."""
+        return "reasoning.encrypted_content" in (self.include or ())
 
 
 def _text(content: _Content, where: str) -> str:
@@ -195,9 +217,71 @@ def _text(content: _Content, where: str) -> str:
     return "".join(out)
 
 
+class _History:
+    """Input items → chat messages. A function or custom tool call joins the assistant turn
+    before it (or opens one); reasoning waits for the assistant turn it belongs to."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.pending_reasoning: str | None = None
+        self._handlers: dict[type[BaseModel], Any] = {
+            _MessageItem: self._message,
+            _FunctionCallItem: self._call,
+            _CustomToolCallItem: self._call,
+            _FunctionCallOutputItem: self._output,
+            _ReasoningItem: self._reasoning,
+            _CompactionItem: self._compaction,
+        }
+
+    def add(self, item: BaseModel, where: str) -> None:
+        self._handlers[type(item)](item, where)
+
+    def _message(self, item: _MessageItem, where: str) -> None:
+        message = Message(
+            role="system" if item.role == "developer" else item.role,
+            content=_text(item.content, f"{where}.content"),
+        )
+        if item.role == "assistant":
+            message.reasoning, self.pending_reasoning = self.pending_reasoning, None
+        self.messages.append(message)
+
+    def _call(self, item: _FunctionCallItem | _CustomToolCallItem, where: str) -> None:
+        if isinstance(item, _CustomToolCallItem):
+            arguments = custom_arguments(item.input)
+        else:
+            arguments = item.arguments or "{}"
+        name = flat_name(item.namespace, item.name)
+        call = ToolCall(id=item.call_id, name=name, arguments=arguments)
+        last = self.messages[-1] if self.messages else None
+        if last is None or last.role != "assistant":
+            last = Message(role="assistant", content="")
+            self.messages.append(last)
+        if self.pending_reasoning is not None:
+            last.reasoning, self.pending_reasoning = self.pending_reasoning, None
+        last.tool_calls.append(call)
+
+    def _output(self, item: _FunctionCallOutputItem, where: str) -> None:
+        text = _text(item.output, f"{where}.output")
+        self.messages.append(Message(role="tool", content=text, tool_call_id=item.call_id))
+
+    def _compaction(self, item: _CompactionItem, where: str) -> None:
+        self.messages.append(summary_message(item.encrypted_content, where))
+
+    def _reasoning(self, item: _ReasoningItem, where: str) -> None:
+        """Readable content first, else our encoded reasoning, else the summary. Encrypted
+        content from another server cannot be read here: then only the summary is left."""
+        if item.content:
+            self.pending_reasoning = _text(item.content, f"{where}.content")
+            return
+        decoded = decode_reasoning(item.encrypted_content) if item.encrypted_content else None
+        if decoded is not None:
+            self.pending_reasoning = decoded
+        elif item.summary:
+            self.pending_reasoning = _text(item.summary, f"{where}.summary")
+
+
 def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
-    out: list[Message] = []
-    pending_reasoning: str | None = None
+    history = _History()
     for i, raw in enumerate(items):
         where = f"input.{i}"
         kind = raw.get("type", "message" if "role" in raw else None)
@@ -206,54 +290,13 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
             raise RequestInvalid(
                 f"{where}.type: item type {kind!r} is not supported", f"{where}.type"
             )
-        item = validated(model, raw, where)
-        if isinstance(item, _MessageItem):
-            message = Message(
-                role="system" if item.role == "developer" else item.role,
-                content=_text(item.content, f"{where}.content"),
-            )
-            if item.role == "assistant" and pending_reasoning is not None:
-                message.reasoning, pending_reasoning = pending_reasoning, None
-            out.append(message)
-        elif isinstance(item, _FunctionCallItem):
-            call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments or "{}")
-            last = out[-1] if out else None
-            if last is None or last.role != "assistant":
-                last = Message(role="assistant", content="")
-                out.append(last)
-            if pending_reasoning is not None:
-                last.reasoning, pending_reasoning = pending_reasoning, None
-            last.tool_calls.append(call)
-        elif isinstance(item, _FunctionCallOutputItem):
-            text = _text(item.output, f"{where}.output")
-            out.append(Message(role="tool", content=text, tool_call_id=item.call_id))
-        elif isinstance(item, _CompactionItem):
-            out.append(summary_message(item.encrypted_content, where))
-        elif isinstance(item, _ReasoningItem):
-            field = "content" if item.content else "summary"
-            pending_reasoning = _text(item.content or item.summary, f"{where}.{field}")
-    return out
-
-
-def _tool_specs(body: ResponsesBody) -> list[ToolSpec]:
-    tools = []
-    for i, tool in enumerate(body.tools or []):
-        if tool.type != "function" or not tool.name:
-            raise RequestInvalid(
-                f"tools.{i}: only function tools with a name are supported", f"tools.{i}"
-            )
-        tools.append(
-            ToolSpec(
-                name=tool.name,
-                description=tool.description or "",
-                parameters=tool.parameters or {"type": "object", "properties": {}},
-            )
-        )
-    return tools
+        history.add(validated(model, raw, where), where)
+    return history.messages
 
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
     body = validated(ResponsesBody, raw)
+    body._tools = parse_tools(body.tools)
     text_format = body.text.format if body.text else None
     if text_format is not None and text_format.type != "text":
         raise RequestInvalid(
@@ -276,7 +319,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
     request = ChatRequest(
         model=body.model,
         messages=place_system_messages(messages),
-        tools=_tool_specs(body),
+        tools=body._tools.specs,
         tool_choice=tool_choice,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -289,4 +332,5 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
         session_key=body.prompt_cache_key or body.user,
         metadata=dict(body.metadata or {}),
     )
+    request.notes.update(ignored_header(body._tools))  # x-tools-ignored
     return request, body

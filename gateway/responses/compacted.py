@@ -1,8 +1,12 @@
-"""The ``compaction`` item's content, and how the model reads it back.
+"""Text a client carries for the mesh in an ``encrypted_content`` field, and how it is read back:
+the ``compaction`` item's summary, and a reasoning item's reasoning
+(``include: ["reasoning.encrypted_content"]``, so a client that stores nothing, ``store: false``,
+still hands the model its reasoning back on the next turn).
 
-``encrypted_content`` is *encoded*, not encrypted (``mlxmesh-compaction-v1.`` + base64 of the
-zlib'd summary): every node can read it back, and so could the client; it holds nothing the
-client did not send or receive. Read back, the item is one user turn carrying the summary.
+``encrypted_content`` is *encoded*, not encrypted (a versioned prefix, ``mlxmesh-compaction-v1.``
+or ``mlxmesh-reasoning-v1.``, + base64 of the zlib'd text): every node can read it back, and so
+could the client; it holds nothing the client did not send or receive. Read back, a compaction
+item is one user turn carrying the summary.
 """
 
 from __future__ import annotations
@@ -15,20 +19,39 @@ from gateway.api.errors import RequestInvalid
 from gateway.request import Message
 
 PREFIX = "mlxmesh-compaction-v1."
+REASONING_PREFIX = "mlxmesh-reasoning-v1."
 SUMMARY_HEADER = "Summary of the conversation so far:"
 
 
+def _encode(prefix: str, text: str) -> str:
+    return prefix + base64.urlsafe_b64encode(zlib.compress(text.encode())).decode()
+
+
+def _decode(prefix: str, content: str) -> str | None:
+    if not content.startswith(prefix):
+        return None
+    with contextlib.suppress(ValueError, zlib.error):
+        return zlib.decompress(base64.urlsafe_b64decode(content[len(prefix) :])).decode()
+    return None
+
+
 def encode_summary(text: str) -> str:
-    return PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode())).decode()
+    return _encode(PREFIX, text)
 
 
 def decode_summary(content: str) -> str | None:
     """The summary inside a compaction item, or None when it is not one of ours."""
-    if not content.startswith(PREFIX):
-        return None
-    with contextlib.suppress(ValueError, zlib.error):
-        return zlib.decompress(base64.urlsafe_b64decode(content[len(PREFIX) :])).decode()
-    return None
+    return _decode(PREFIX, content)
+
+
+def encode_reasoning(text: str) -> str:
+    return _encode(REASONING_PREFIX, text)
+
+
+def decode_reasoning(content: str) -> str | None:
+    """The reasoning inside a reasoning item's ``encrypted_content``, or None when it is not
+    one of ours (another server's really is encrypted: there is nothing here to read)."""
+    return _decode(REASONING_PREFIX, content)
 
 
 def summary_message(content: str, where: str) -> Message:

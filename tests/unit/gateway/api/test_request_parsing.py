@@ -210,7 +210,7 @@ def test_anthropic_blocks_become_turns_in_order():
             {"model": "m", "input": "x", "previous_response_id": 7},
             "previous_response_id",
         ),
-        (responses, {"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+        (responses, {"model": "m", "input": "x", "tools": [{"type": "teleport"}]}, "tools.0.type"),
         (messages, {"model": "m", "max_tokens": 0, "messages": USER}, "max_tokens"),
         (
             messages,

@@ -10,9 +10,12 @@ own verdict, the objects must carry no field the spec does not define (its schem
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall
 from openresponses import (
     DELIBERATE_EXTRAS,
     RESPONSE,
@@ -21,6 +24,7 @@ from openresponses import (
     event_schemas,
     sse_events,
     undeclared_fields,
+    validator,
 )
 
 from gateway.answer import Accumulator
@@ -227,7 +231,7 @@ def test_items_have_exactly_the_spec_fields():
         "get_weather",
         '{"city": "Paris"}',
     )
-    assert not any("encrypted_content" in item for item in output)  # none is ever made here
+    assert not any("encrypted_content" in item for item in output)  # none unless asked for
     types = [e["type"] for e in events]
     assert "response.reasoning.delta" in types and "response.reasoning.done" in types
 
@@ -344,6 +348,73 @@ def test_sse_frames_are_the_event_dicts():
     assert keepalive["type"] == "response.in_progress"
     assert keepalive["sequence_number"] == dicts[-1]["sequence_number"] + 1
     check_event(keepalive)
+
+
+# -- Codex CLI's tools: namespaced, custom and hosted ----------------------------------------------
+
+CODEX = json.loads((Path(__file__).parents[3] / "fixtures" / "codex_requests.json").read_text())
+_PATCH = "*** Begin Patch\n*** Add File: a.txt\n+a\n*** End Patch\n"
+
+
+@pytest.mark.parametrize("turn", ["first", "tool_output", "gpt-5.5"])
+def test_codex_requests_get_spec_valid_responses(turn):
+    """Codex's tools echoed as the functions the model saw; reasoning encoded (it asks for
+    ``reasoning.encrypted_content``); a plain function call as the spec has it."""
+    answer = [*SCENARIOS["everything"][:4], *_call(0, "exec_command", '{"cmd": "ls"}'), Done()]
+    events, _ = _stream(CODEX[turn], answer)
+    _check_stream(events)
+    final = events[-1]["response"]
+    assert "web_search" not in [tool["type"] for tool in final["tools"]]
+    assert {tool["type"] for tool in final["tools"]} == {"function"}
+    thought = next(i for i in final["output"] if i["type"] == "reasoning" and "content" in i)
+    assert thought["encrypted_content"].startswith("mlxmesh-reasoning-v1.")
+
+
+def test_a_namespaced_call_carries_openais_namespace_field():
+    events, _ = _stream(
+        CODEX["first"], [*_call(0, "multi_agent_v1__close_agent", '{"target": "a"}'), Done()]
+    )
+    final = events[-1]["response"]
+    item = final["output"][0]
+    assert (item["name"], item["namespace"]) == ("close_agent", "multi_agent_v1")
+    ResponseFunctionToolCall.model_validate(item)  # OpenAI's shape, which has the field
+    # The spec's FunctionCall has no namespace (its objects stay open, so it is valid there):
+    # the one field beyond it, and only for a client that declared a namespace tool.
+    assert validator(RESPONSE).is_valid(final)
+    assert undeclared_fields(final, RESPONSE) == ["output.namespace"]
+    check_response({**final, "output": [{k: v for k, v in item.items() if k != "namespace"}]})
+
+
+def test_a_custom_tool_call_is_openais_custom_tool_call_item():
+    """A departure from the spec (it has no such item): only for a client that declared a custom
+    tool, which only OpenAI's API knows. No input deltas: the input is plain text at the end."""
+    arguments = json.dumps({"input": _PATCH})
+    events, encoder = _stream(
+        CODEX["gpt-5.5"], [*_call(0, "apply_patch", arguments[:9], arguments[9:]), Done()]
+    )
+    added, done = (e for e in events if e["type"].startswith("response.output_item."))
+    assert added["item"]["input"] == "" and done["item"]["input"] == _PATCH
+    item = ResponseCustomToolCall.model_validate(done["item"])
+    assert (item.type, item.name, item.call_id) == ("custom_tool_call", "apply_patch", "call_0")
+    assert not any("function_call_arguments" in e["type"] for e in events)
+    assert encoder.final is not None and encoder.final["output"] == [done["item"]]
+    request, parsed = responses.parse(CODEX["gpt-5.5"])
+    acc = Accumulator()
+    for event in _call(0, "apply_patch", arguments):
+        acc.add(event)
+    acc.add(Done())
+    assert responses.response_body(request, parsed, acc)["output"][0]["input"] == _PATCH
+
+
+def test_hosted_tools_are_named_in_a_header():
+    body = {**CODEX["gpt-5.5"], "model": "full", "stream": False}
+    result = asyncio.run(asgi_request(_app(), "POST", "/v1/responses", body))
+    assert result.status == 200, result.body
+    assert result.headers["x-tools-ignored"] == "tool_search,web_search"
+    streamed = asyncio.run(asgi_request(_app(), "POST", "/v1/responses", {**body, "stream": True}))
+    assert streamed.headers["x-tools-ignored"] == "tool_search,web_search"
+    plain = asyncio.run(asgi_request(_app(), "POST", "/v1/responses", {**FULL, "model": "full"}))
+    assert "x-tools-ignored" not in plain.headers
 
 
 # -- the validator is as strict as the spec ---------------------------------------------------------
