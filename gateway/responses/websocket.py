@@ -7,12 +7,15 @@ input and needs no store lookup – that works with ``store: false`` too, which 
 point. An older id is looked up like over HTTP (the store, or its owner in the mesh). The API key
 and the Host/Origin checks apply to the upgrade (gateway.middleware).
 
+``generate: false`` warms up (Codex sends one as a socket opens): no model output, a completed
+response with none, whose id the next turn chains from.
+
 Errors that stop a turn before it starts (bad JSON, an unknown model, a missing previous
-response, ``stream``/``background`` sent) are one ``error`` message with an HTTP-like
-``status`` (the spec's WebSocketErrorEvent), and the socket stays open. A binary frame closes
-it with 1003, an oversized one (uvicorn's ``ws_max_size``) with 1009. A socket that sends
-nothing for ``IDLE_S`` is closed (1000), and so is one older than ``MAX_AGE_S`` at its next
-turn (``websocket_connection_limit_reached``).
+response, ``stream: false``, ``background: true``, ``stream_options``) are one ``error``
+message with an HTTP-like ``status`` (the spec's WebSocketErrorEvent), and the socket stays
+open. A binary frame closes it with 1003, an oversized one (uvicorn's ``ws_max_size``) with
+1009. A socket that sends nothing for ``IDLE_S`` is closed (1000), and so is one older than
+``MAX_AGE_S`` at its next turn (``websocket_connection_limit_reached``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,13 @@ log = logging.getLogger(__name__)
 
 IDLE_S = 15 * 60.0
 MAX_AGE_S = 60 * 60.0
-_TRANSPORT_FIELDS = ("stream", "stream_options", "background")
+# Transport fields, and the one value each may have here: what the socket does anyway (Codex
+# sends ``stream: true``); ``stream_options`` means nothing on a socket (null at most).
+_TRANSPORT_FIELDS: dict[str, bool | None] = {
+    "stream": True,
+    "background": False,
+    "stream_options": None,
+}
 
 
 def error_message(error: Error) -> dict[str, Any]:
@@ -108,13 +117,16 @@ class _Socket:
 
     async def turn(self, text: str) -> None:
         try:
-            request, body = await self._parse(text)
+            request, body, generate = await self._parse(text)
             routes = self.state.router.resolve(request)
         except RequestInvalid as exc:
             await self.send(error_message(exc.to_error()))
             return
         except (ResponseStateError, RouteError) as exc:
             await self.send(error_message(exc.error))
+            return
+        if not generate:
+            await self._warm(request, body)
             return
         state = self.state
         if state.in_flight_guarded >= state.config.max_in_flight:
@@ -128,21 +140,46 @@ class _Socket:
         finally:
             state.in_flight_guarded -= 1
 
-    async def _parse(self, text: str) -> tuple[ChatRequest, responses.ResponsesBody]:
+    async def _parse(self, text: str) -> tuple[ChatRequest, responses.ResponsesBody, bool]:
+        """The turn's request and body, and whether to generate (``generate: false`` only
+        warms up: see :meth:`_warm`)."""
         try:
             raw = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
             raise RequestInvalid(f"malformed JSON: {exc}") from exc
         if not isinstance(raw, dict) or raw.get("type") != "response.create":
             raise RequestInvalid("type: every message must be a response.create", "type")
-        for name in _TRANSPORT_FIELDS:
-            if name in raw:
+        for name, allowed in _TRANSPORT_FIELDS.items():
+            if name in raw and raw[name] is not allowed:
                 raise RequestInvalid(f"{name}: not used in WebSocket mode (always streamed)", name)
-        raw = {k: v for k, v in raw.items() if k != "type"} | {"stream": True}
+        generate = raw.get("generate", True)
+        if not isinstance(generate, bool):
+            raise RequestInvalid("generate: must be a boolean", "generate")
+        raw = {k: v for k, v in raw.items() if k not in ("type", "generate")} | {"stream": True}
         last = self.last
         if last is not None and raw.get("previous_response_id") == last.id:
-            return stored.parse_with_prior(self.state, raw, last.context)
-        return await stored.parse(self.state, raw)
+            return (*stored.parse_with_prior(self.state, raw, last.context), generate)
+        return (*await stored.parse(self.state, raw), generate)
+
+    async def _warm(self, request: ChatRequest, body: responses.ResponsesBody) -> None:
+        """``generate: false``: no model output, a completed response with none, whose state
+        (the context so far) the socket keeps, so the next turn can chain from its id."""
+        encoder = responses.ResponsesStreamEncoder(request, body, body._response_id)
+        for payload in [*encoder.start_events(), *encoder.events(Done())]:
+            await self.send(payload)
+        if encoder.final is not None:
+            self._keep(request, body, encoder.final)
+
+    def _keep(self, request: ChatRequest, body: responses.ResponsesBody, final: dict) -> None:
+        """The finished response: stored (unless ``store: false``) and kept on the socket."""
+        stored.finish(self.state, request, body, final)
+        output = [item for item in final.get("output", []) if isinstance(item, dict)]
+        self.last = StoredResponse(
+            id=final["id"],
+            response=final,
+            input_items=body._turn_input,
+            context=[*body._prior_context, *body._turn_input, *output],
+        )
 
     async def _run(self, request: ChatRequest, body: responses.ResponsesBody, routes) -> None:
         state = self.state
@@ -171,16 +208,8 @@ class _Socket:
             self._finish(request, body, encoder, record, time.perf_counter() - t0)
 
     def _finish(self, request, body, encoder, record: RequestRecord, duration_s: float) -> None:
-        final = encoder.final
-        if final is not None:
-            stored.finish(self.state, request, body, final)
-            output = [item for item in final.get("output", []) if isinstance(item, dict)]
-            self.last = StoredResponse(
-                id=final["id"],
-                response=final,
-                input_items=body._turn_input,
-                context=[*body._prior_context, *body._turn_input, *output],
-            )
+        if encoder.final is not None:
+            self._keep(request, body, encoder.final)
         acc = encoder.acc
         record.duration_s = duration_s
         if acc.usage is not None:

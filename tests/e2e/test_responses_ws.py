@@ -77,6 +77,41 @@ def test_turns_on_one_socket_continue_without_resending(server, upstreams):
         client.responses.retrieve(first_id)
 
 
+def test_a_warmup_generates_nothing_and_the_next_turn_chains_from_it(server, upstreams):
+    """Codex opens a socket with ``generate: false`` (and sends ``stream: true`` every turn)."""
+    plain = upstreams["plain"]
+
+    async def run():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(_ws_url(server), additional_headers=headers) as ws:
+            calls = plain.calls
+            warm = {"type": "response.create", "model": "plain", "input": "Capital of France?"}
+            await ws.send(orjson.dumps({**warm, "generate": False, "store": False}).decode())
+            events = [orjson.loads(await ws.recv()) for _ in range(3)]
+            assert [e["type"] for e in events] == [
+                "response.created",
+                "response.in_progress",
+                "response.completed",
+            ]
+            for event in events:
+                check_event(event)
+            assert events[-1]["response"]["output"] == [] and plain.calls == calls
+            turn = {
+                "type": "response.create",
+                "model": "plain",
+                "input": "Answer it.",
+                "previous_response_id": events[-1]["response"]["id"],
+                "stream": True,
+                "store": False,
+            }
+            await ws.send(orjson.dumps(turn).decode())
+            while (event := orjson.loads(await ws.recv()))["type"] != "response.completed":
+                assert event["type"] != "error", event
+        return [m.content for m in plain.requests[-1].messages]
+
+    assert asyncio.run(run()) == ["Capital of France?", "Answer it."]
+
+
 def test_errors_are_messages_and_the_socket_stays_usable(server):
     async def run():
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -91,7 +126,7 @@ def test_errors_are_messages_and_the_socket_stays_usable(server):
             )
             error = orjson.loads(await ws.recv())
             assert error["status"] == 404 and error["error"]["code"] == "model_not_found"
-            body = {"type": "response.create", "model": "plain", "input": "x", "stream": True}
+            body = {"type": "response.create", "model": "plain", "input": "x", "stream": False}
             await ws.send(orjson.dumps(body).decode())
             error = orjson.loads(await ws.recv())
             assert error["status"] == 400 and error["error"]["param"] == "stream"
