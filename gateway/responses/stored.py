@@ -48,7 +48,13 @@ def input_items(raw_input: Any) -> list[dict[str, Any]]:
     return items
 
 
-_ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+_ID_PREFIXES = {
+    "message": "msg_",
+    "function_call": "fc_",
+    "function_call_output": "fco_",
+    "custom_tool_call": "ctc_",
+    "custom_tool_call_output": "ctco_",
+}
 
 
 def _complete_item(item: dict[str, Any]) -> None:
