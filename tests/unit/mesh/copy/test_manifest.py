@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -109,7 +110,7 @@ def test_chunks_cover_each_file_exactly(size, step):
     chunks = list(iter_chunks(manifest))
     assert sum(c.length for c in chunks) == size
     assert all(0 < c.length <= step for c in chunks)
-    assert all(b.offset == a.offset + a.length for a, b in zip(chunks, chunks[1:], strict=False))
+    assert all(b.offset == a.offset + a.length for a, b in itertools.pairwise(chunks))
 
 
 def test_model_files_skips_symlinks(tmp_path):
