@@ -25,14 +25,22 @@ import hashlib
 import logging
 import os
 import shutil
+import socket
 import ssl
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mesh.copy.manifest import Chunk, ModelManifest, iter_chunks, manifest_from_json, verify_chunk
+from mesh.copy.manifest import (
+    Chunk,
+    ModelManifest,
+    iter_chunks,
+    manifest_from_json,
+    verify_chunk,
+)
 from mesh.copy.protocol import (
     PREFIX_SIZE,
     ChunkRequest,
@@ -99,40 +107,75 @@ def partial_dir(home: Path, name: str) -> Path:
 
 
 class _Connection:
-    """One TLS connection to one source; requests one at a time."""
+    """One TLS connection to one source; requests one at a time.
 
-    def __init__(self, source: CopySource, timeout_s: float) -> None:
+    A blocking ``SSLSocket`` driven from a worker thread, not an asyncio stream: asyncio's SSL
+    transport decrypts through a MemoryBIO and copies every record into the stream buffer
+    (measured here: ~115 MiB/s), while ``SSLSocket.recv_into`` decrypts straight into the chunk
+    buffer with the GIL released (~330 MiB/s on the same machine)."""
+
+    def __init__(self, source: CopySource, timeout_s: float, threads: ThreadPoolExecutor) -> None:
         self.source = source
         self.timeout_s = timeout_s
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._threads = threads  # one thread per connection: blocking reads never starve others
+        self._sock: ssl.SSLSocket | None = None
 
     async def open(self, identity: NodeIdentity) -> None:
         ctx = make_context(identity, [self.source.cert_der], server=False)
-        async with asyncio.timeout(self.timeout_s):
-            self._reader, self._writer = await asyncio.open_connection(
-                self.source.host, self.source.port, ssl=ctx
-            )
-        if peer_node_id(self._writer.get_extra_info("ssl_object")) != self.source.node_id:
+        loop = asyncio.get_running_loop()
+        self._sock = await loop.run_in_executor(self._threads, self._connect, ctx)
+        if peer_node_id(self._sock) != self.source.node_id:
             raise AuthFailed(f"the copy server is not {short_id(self.source.node_id)}")
 
+    def _connect(self, ctx: ssl.SSLContext) -> ssl.SSLSocket:
+        raw = socket.create_connection((self.source.host, self.source.port), self.timeout_s)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return ctx.wrap_socket(raw)
+        except BaseException:
+            raw.close()
+            raise
+
     async def request(self, message: ManifestRequest | ChunkRequest) -> bytes:
-        assert self._reader is not None and self._writer is not None
-        async with asyncio.timeout(self.timeout_s):
-            self._writer.write(pack(message))
-            await self._writer.drain()
-            prefix = await self._reader.readexactly(PREFIX_SIZE)
-            reply = parse_reply(await self._reader.readexactly(header_length(prefix)))
-            if not reply.ok:
-                raise CopyRefused(reply.message or reply.kind, reply.kind)
-            return await self._reader.readexactly(reply.length)
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._threads, self._request, pack(message))
+        except asyncio.CancelledError:
+            self._abort()  # the thread's blocking read fails at once
+            raise
+
+    def _request(self, frame: bytes) -> bytes:
+        sock = self._sock
+        assert sock is not None
+        sock.sendall(frame)
+        prefix = _recv_exactly(sock, PREFIX_SIZE)
+        reply = parse_reply(_recv_exactly(sock, header_length(prefix)))
+        if not reply.ok:
+            raise CopyRefused(reply.message or reply.kind, reply.kind)
+        return _recv_exactly(sock, reply.length)
+
+    def _abort(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(OSError, ssl.SSLError, TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self._writer.wait_closed()
+        if self._sock is not None:
+            self._abort()
+            self._sock.close()
+            self._sock = None
+
+
+def _recv_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        got += k
+    return bytes(buf) if n < 65536 else buf  # type: ignore[return-value]
 
 
 # Everything a source can do wrong on the wire, as the copy sees it: drop the source.
@@ -187,6 +230,9 @@ class _Copy:
         self.in_flight = 0
         self.changed = asyncio.Condition()
         self.fatal: CopyError | None = None
+        self.threads = ThreadPoolExecutor(
+            len(sources) * options.connections_per_source, thread_name_prefix="copy"
+        )
 
     # -- the partial directory
 
@@ -249,6 +295,7 @@ class _Copy:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            self.threads.shutdown(wait=False)
         if self.fatal is not None:
             raise self.fatal
         if self.pending:
@@ -290,7 +337,7 @@ class _Copy:
             self.sink(self.progress)
 
     async def _worker(self, source: CopySource) -> None:
-        conn = _Connection(source, self.options.timeout_s)
+        conn = _Connection(source, self.options.timeout_s, self.threads)
         chunk: Chunk | None = None
         try:
             await conn.open(self.identity)
@@ -354,7 +401,7 @@ async def fetch_manifest(
     sources, node id → why each other source was left out). ``CopyError`` when none has it."""
 
     async def ask(source: CopySource) -> ModelManifest:
-        conn = _Connection(source, timeout_s)
+        conn = _Connection(source, timeout_s, threads)
         try:
             await conn.open(identity)
             return manifest_from_json(await conn.request(ManifestRequest(name=name)), name)
@@ -364,7 +411,11 @@ async def fetch_manifest(
     sources = list(sources)
     if not sources:
         raise PeerLost(f"no member holds {name}")
-    answers = await asyncio.gather(*(ask(s) for s in sources), return_exceptions=True)
+    threads = ThreadPoolExecutor(len(sources), thread_name_prefix="copy-manifest")
+    try:
+        answers = await asyncio.gather(*(ask(s) for s in sources), return_exceptions=True)
+    finally:
+        threads.shutdown(wait=False)
     left_out: dict[str, str] = {}
     good: list[tuple[CopySource, ModelManifest]] = []
     errors: list[BaseException] = []
