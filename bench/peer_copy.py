@@ -39,6 +39,7 @@ from mesh.copy.client import CopyOptions, CopySource, fetch_model  # noqa: E402
 from mesh.copy.manifest import model_files  # noqa: E402
 from mesh.copy.server import CopyConfig, CopyServer  # noqa: E402
 from mesh.copy.tls import cert_der  # noqa: E402
+from mesh.errors import MeshError  # noqa: E402
 from mesh.identity import NodeIdentity  # noqa: E402
 from worker.store import model_path  # noqa: E402
 
@@ -125,7 +126,11 @@ def _quic_mib_s(mb: int) -> float | None:
         return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    raw = asyncio.run(module.bench_raw(1, mb * MiB))
+    try:
+        raw = asyncio.run(module.bench_raw(1, mb * MiB))
+    except MeshError as exc:  # the tunnel bench's bulk stream predates the pre-auth byte cap
+        print(f"QUIC tunnel not measured: {exc}", file=sys.stderr)
+        return None
     return mb / raw["quic_bulk"][0]
 
 
@@ -210,7 +215,11 @@ def write_report(
             f"| peer copy, TLS 1.3, {conns} connection(s), verified + installed | "
             f"{rate(key):.0f} | {rate(key) / raw:.2f} |"
         )
-    if quic is not None:
+    if quic is None:
+        lines.append(
+            "| QUIC tunnel, one stream | not measured this run (bench/results/tunnel.md: 11.4) | – |"
+        )
+    else:
         lines.append(
             f"| QUIC tunnel, one stream ({args.quic_mb} MiB, no disk) | {quic:.1f} | {quic / raw:.3f} |"
         )
@@ -219,10 +228,13 @@ def write_report(
         f"Sender start-up including hashing the {total:.0f} MiB manifest once (cached after): "
         f"{manifest_s:.1f} s.",
         "",
-        "The copy writes each chunk as `pread` + `write` through the SSL transport: asyncio's "
-        "`loop.sendfile` cannot send through TLS (it falls back to the same read + write), and "
-        "kTLS is out of scope. The receiver hashes every chunk on arrival and every file once "
-        "more before the rename; the baseline does neither.",
+        "The copy sends each chunk as `pread` + `SSLSocket.sendall` from a thread per "
+        "connection: `loop.sendfile` cannot send through TLS (asyncio falls back to read + "
+        "write), kTLS is out of scope, and asyncio's own SSL transport capped one connection "
+        "at ~115 MiB/s here (MemoryBIO copies), so both ends use blocking TLS sockets on "
+        "threads. The receiver hashes every chunk on arrival and every file once more before "
+        "the rename; the baseline does neither. Small runs that fit the page cache are "
+        "CPU-bound (TLS + SHA-256 on 2 shared cores), large ones disk-bound.",
         "",
     ]
     args.out.write_text("\n".join(lines), encoding="utf-8")

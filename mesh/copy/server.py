@@ -1,15 +1,15 @@
 """The copy server: hands stored models to members over TLS 1.3, chunk by chunk.
 
-One asyncio TCP listener; each connection is upgraded with ``start_tls`` using a context whose
-trust anchors are the certificates of the current members (rebuilt when they change), so a
+asyncio accepts; each connection is then served by a thread over a blocking ``SSLSocket`` whose
+context trusts only the certificates of the current members (rebuilt when they change), so a
 stranger fails the handshake; the presented certificate is then mapped to a node id and checked
 against the member table once more. Per connection: a handshake deadline, an idle deadline
 between requests and a deadline per reply. Per member: a cap on concurrent connections and an
 optional byte-rate limit (a token bucket).
 
-Chunks go out as ``pread`` + ``write``: ``loop.sendfile`` cannot write through an SSL transport
-(asyncio falls back to read+write itself) and kTLS is out of scope; ``bench/peer_copy.py``
-measures what that costs against raw TCP.
+Chunks go out as ``pread`` + ``sendall``: ``loop.sendfile`` cannot write through TLS (asyncio
+falls back to read+write itself), kTLS is out of scope, and asyncio's SSL transport was slower
+than a blocking socket; ``bench/peer_copy.py`` measures the cost against raw TCP.
 
     server = CopyServer(home, identity, trusted=lambda: {node_id: cert_der, ...})
     await server.start()         # server.port
