@@ -10,6 +10,12 @@
     ├── IdentityError            unreadable/mismatched key or certificate in the home dir
     ├── FrameError               the frame codec got bytes it cannot decode (or a frame too large)
     │   └── ProtocolViolation    well-formed frames in an order the protocol forbids
+    ├── CopyError                copying a model from peers (``mesh.copy``): one sentence each
+    │   ├── ManifestError        a manifest that is malformed, unsafe or not self-consistent
+    │   ├── ChunkMismatch        bytes that do not hash to the manifest's chunk (the peer is dropped)
+    │   ├── CopyRefused          the peer said no: unknown model, not a member, too busy
+    │   ├── PeerLost             no peer holding the model is left (gone mid-copy, or none at all)
+    │   └── DiskFull             not enough space in the store for the copy
     └── TunnelError              anything on the QUIC tunnel
         ├── ConnectError         a dial failed: unreachable, handshake failed, timed out
         │   ├── AuthFailed       the peer's certificate does not match the pin (or the peer
@@ -68,6 +74,34 @@ class FrameError(MeshError):
 
 class ProtocolViolation(FrameError):
     """Valid frames in a forbidden order (e.g. DATA before the response HEAD)."""
+
+
+class CopyError(MeshError):
+    """Copying a model from peers failed; ``str()`` is one sentence, the store is unchanged."""
+
+
+class ManifestError(CopyError):
+    """A model manifest that is malformed, unsafe (paths) or not self-consistent."""
+
+
+class ChunkMismatch(CopyError):
+    """Bytes that do not hash to what the manifest says (the sending peer is dropped)."""
+
+
+class CopyRefused(CopyError):
+    """The peer refused a request; ``kind`` says why (``unknown_model``, ``busy``, ...)."""
+
+    def __init__(self, message: str, kind: str = "refused") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class PeerLost(CopyError):
+    """No peer that holds the model is left to copy from."""
+
+
+class DiskFull(CopyError):
+    """The store's file system has no room for the copy."""
 
 
 class TunnelError(MeshError):

@@ -50,6 +50,10 @@ class NodeState(BaseModel):
     queue_depth: int = 0
     in_flight: int = 0
     tok_s: float = 0.0
+    # Peer copy (optional, so older peers' states still decode): the TCP port of this node's
+    # copy server and the models in its store (served or not).
+    copy_port: int | None = None
+    stored: list[str] = Field(default_factory=list)
 
     def content(self) -> dict:
         """Everything but ``seq``: what decides whether a change is worth publishing now."""

@@ -3,6 +3,7 @@
 ``POST /api/mesh/invite``  ``{"ttl_s": 3600}`` → ``{"token": "mlxmesh1.…"}`` (``mesh invite``)
 ``GET /api/mesh/members``  every member: node id, addresses, linked now (``mesh members list``)
 ``POST /api/mesh/members/remove``  ``{"node": "<id or prefix>"}`` (``mesh members remove``)
+``GET /api/mesh/models``, ``POST /api/mesh/models/pull``  peer copy (see :mod:`mesh.copy.http`)
 
 Minting invites and removing members are admin actions: allowed from loopback, or from anywhere
 only when the gateway has an API key (its middleware has then already checked it). ``GET /api/status`` is the
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from mesh.addresses import LOOPBACK_HOSTS
+from mesh.copy.http import copy_routes
 from mesh.errors import MembershipError
 from mesh.membership.invite import DEFAULT_TTL_S, MAX_TTL_S
 
@@ -118,7 +120,10 @@ def mesh_routes(
         # Same-origin reads only: no CORS headers, and the Host guard refuses rebound names.
         return JSONResponse({"token": csrf}, headers={"cache-control": "no-store"})
 
+    copy_models, copy_pull = copy_routes(service.copy)
     return [
+        Route("/api/mesh/models", copy_models, methods=["GET"]),
+        Route("/api/mesh/models/pull", admin(copy_pull, "models can be pulled"), methods=["POST"]),
         Route("/api/mesh/invite", admin(invite, "invites can be minted"), methods=["POST"]),
         Route("/api/mesh/members", members, methods=["GET"]),
         Route(

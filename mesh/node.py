@@ -210,6 +210,8 @@ class Node:
         print(
             f"mesh node {self.identity.node_id} on udp port {self.mesh.endpoint.port}", flush=True
         )
+        if self.mesh.copy.port is not None:
+            print(f"peer copy on tcp port {self.mesh.copy.port} (tls, members only)", flush=True)
         await self._stop.wait()
         close_event_streams(app)  # open consoles would otherwise hold up the shutdown
         server.should_exit = True

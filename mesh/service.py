@@ -31,6 +31,8 @@ from gateway.responses.state import LocalResponses
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
 from mesh.admission import Admission
+from mesh.copy.server import CopyConfig
+from mesh.copy.service import PeerCopy, stored_model_names
 from mesh.dialer import Dialer
 from mesh.directory import MeshDirectory
 from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
@@ -86,6 +88,7 @@ class MeshConfig:
     auth_timeout_s: float = 5.0
     version: str = ""
     gateway_url: str = ""
+    copy: CopyConfig | None = None  # the peer-copy server (TLS over TCP); None = not served
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
 
 
@@ -132,6 +135,14 @@ class MeshService:
             static_peers=self.config.static_peers,
             redial_s=self.config.redial_s,
             max_backoff_s=self.config.max_redial_backoff_s,
+        )
+        self.copy = PeerCopy(
+            self.home,
+            identity,
+            links=lambda: self.links,
+            members=lambda: self.members.members,
+            peers=self.peers,
+            config=self.config.copy,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: LanDiscovery | None = None
@@ -180,10 +191,13 @@ class MeshService:
             self.config.host, self.endpoint.port
         )
         self._remember_self()
+        if self.config.copy is not None:
+            await self.copy.start()
         if token is not None:
             try:
                 await self._join_mesh(token)
             except BaseException:
+                await self.copy.stop()
                 await self.endpoint.close()
                 raise
         loop = asyncio.get_running_loop()
@@ -207,6 +221,7 @@ class MeshService:
         await asyncio.sleep(0.05)  # let the Leave frames go out before the close frames
         if self._discovery is not None:
             await self._discovery.stop()
+        await self.copy.stop()
         await self.endpoint.close()
         save_members(self.home, self.members)
 
@@ -507,6 +522,8 @@ class MeshService:
             # The workers' own count includes forwarded requests; without a probe, count those.
             in_flight=int(load.get("in_flight", self.tunnel_server.active)),
             tok_s=float(load.get("tok_s", 0.0)),
+            copy_port=self.copy.port,
+            stored=stored_model_names(self.home),
         )
 
     # ------------------------------------------------------------------ discovery

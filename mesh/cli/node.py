@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from mesh.cli.app import HomeOption, app, fail, read_secret, resolve_home
+
+if TYPE_CHECKING:
+    from mesh.copy.server import CopyConfig
 
 
 def allowed_host_names(host: str, advertise: list[str], extra: list[str]) -> frozenset[str]:
@@ -87,6 +91,15 @@ def up_command(
     no_discovery: bool = typer.Option(
         False, "--no-discovery", help="Do not advertise or browse on the LAN (mDNS)."
     ),
+    copy_port: int | None = typer.Option(
+        None,
+        "--copy-port",
+        help="TCP port of the peer-copy server (TLS, members only) [default: mesh port + 2;"
+        " 0 = any; -1 = do not serve copies].",
+    ),
+    copy_rate: float | None = typer.Option(
+        None, "--copy-rate", help="Most MB/s one member may copy from this node (default: no cap)."
+    ),
     retry_backoff_ms: int = typer.Option(
         750, "--retry-backoff-ms", help="Wait before retrying a failed route (before first byte)."
     ),
@@ -132,9 +145,23 @@ def up_command(
         discovery=not no_discovery,
         retry_backoff_s=retry_backoff_ms / 1000,
         version=__version__,
+        copy=copy_config(mesh_host, mesh_port, copy_port, copy_rate),
     )
     try:
         config.check()
         run_mesh_node(config, mesh_config)
     except (NodeError, MeshError) as exc:
         raise fail(str(exc)) from exc
+
+
+def copy_config(
+    host: str, mesh_port: int, port: int | None, rate_mb: float | None
+) -> CopyConfig | None:
+    """The peer-copy server's settings from ``mesh up``'s options (None: serve no copies)."""
+    from mesh.copy.server import CopyConfig
+
+    if port is None:
+        port = mesh_port + 2 if mesh_port else 0
+    if port < 0:
+        return None
+    return CopyConfig(host=host, port=port, rate_bytes_per_s=rate_mb * 1e6 if rate_mb else None)

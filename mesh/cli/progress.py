@@ -16,8 +16,10 @@ from rich.progress import (
     ProgressColumn,
     SpinnerColumn,
     Task,
+    TaskID,
     TextColumn,
     TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 from rich.text import Text
 
@@ -85,3 +87,42 @@ class RichProgress:
         # Stages without a size show as a complete bar once the next one starts.
         total = task.total if task.total is not None else 1
         self._progress.update(task.id, total=total, completed=total)
+
+
+class CopyBars:
+    """A peer copy drawn from the node's progress events: one bar with bytes, rate, ETA and
+    the peers it comes from (a dropped peer shows as ``✗``)."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[sources]}"),
+            console=console,
+        )
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> CopyBars:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def update(self, event: dict) -> None:
+        """Draw one ``{"type": "progress", ...}`` event."""
+        dropped = event.get("dropped", {})
+        sources = ", ".join(
+            f"{node[:8]}{' ✗' if node in dropped else ''}"
+            for node in {**event.get("by_source", {}), **dropped}
+        )
+        fields = {"total": event.get("total"), "completed": event.get("done", 0)}
+        if self._task is None:
+            name = f"copy {event.get('name', '')} from peers"
+            self._task = self._progress.add_task(name, sources=f"from {sources}", **fields)
+        else:
+            self._progress.update(self._task, sources=f"from {sources}", **fields)

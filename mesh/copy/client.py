@@ -1,0 +1,519 @@
+"""The copy client: fetch a model (or some of its files) from members, verified chunk by chunk.
+
+:func:`fetch_model` asks every source for the manifest, keeps the sources that agree on it,
+then runs a few connections per source that take chunks from one shared queue, so faster peers
+carry more. Every chunk is hashed on arrival and written with ``pwrite`` into
+``<home>/models/.partial/<name>/files/``; a source that sends bad bytes is dropped and its chunk
+goes back to the queue for the others. A copy that stops (peer gone, disk full, Ctrl-C) leaves
+the partial directory; the next fetch of the same manifest re-hashes what is there and fetches
+only what is missing. When every chunk is in, each file's whole SHA-256 is checked and the
+directory is renamed into ``<home>/models/<name>`` in one step: the store never holds half a
+model, and ``.partial`` is never listed or loaded.
+
+Errors are :class:`~mesh.errors.CopyError` subclasses with one sentence each: ``PeerLost``
+(nobody left to copy from), ``CopyRefused`` (e.g. no source holds the model), ``ManifestError``
+(a manifest that is unsafe, inconsistent, or whose chunks do not add up to its file hashes),
+``DiskFull``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import ssl
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mesh.copy.manifest import (
+    Chunk,
+    ModelManifest,
+    iter_chunks,
+    manifest_from_json,
+    verify_chunk,
+)
+from mesh.copy.protocol import (
+    PREFIX_SIZE,
+    ChunkRequest,
+    ManifestRequest,
+    ProtocolError,
+    header_length,
+    pack,
+    parse_reply,
+)
+from mesh.copy.tls import make_context, peer_node_id
+from mesh.errors import (
+    AuthFailed,
+    ChunkMismatch,
+    CopyError,
+    CopyRefused,
+    DiskFull,
+    ManifestError,
+    PeerLost,
+)
+from mesh.identity import NodeIdentity, short_id
+from worker.store import model_path, models_dir
+
+log = logging.getLogger(__name__)
+
+PARTIAL_DIR = ".partial"
+_MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CopySource:
+    """A member to copy from: where its copy server listens and the certificate it must show."""
+
+    node_id: str
+    host: str
+    port: int
+    cert_der: bytes
+
+
+@dataclass
+class CopyProgress:
+    """Where a copy stands (what the CLI and the console draw)."""
+
+    name: str
+    total_bytes: int = 0
+    done_bytes: int = 0  # verified and written, including what a resumed copy found on disk
+    resumed_bytes: int = 0
+    by_source: dict[str, int] = field(default_factory=dict)  # node id → bytes it sent
+    dropped: dict[str, str] = field(default_factory=dict)  # node id → why it was dropped
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def active_sources(self) -> list[str]:
+        return [s for s in self.by_source if s not in self.dropped]
+
+
+ProgressSink = Callable[[CopyProgress], None]
+
+
+def partial_dir(home: Path, name: str) -> Path:
+    return models_dir(home) / PARTIAL_DIR / name
+
+
+# ---------------------------------------------------------------------------- one connection
+
+
+class _Connection:
+    """One TLS connection to one source; requests one at a time.
+
+    A blocking ``SSLSocket`` driven from a worker thread, not an asyncio stream: asyncio's SSL
+    transport decrypts through a MemoryBIO and copies every record into the stream buffer
+    (measured here: ~115 MiB/s), while ``SSLSocket.recv_into`` decrypts straight into the chunk
+    buffer with the GIL released (~330 MiB/s on the same machine)."""
+
+    def __init__(self, source: CopySource, timeout_s: float, threads: ThreadPoolExecutor) -> None:
+        self.source = source
+        self.timeout_s = timeout_s
+        self._threads = threads  # one thread per connection: blocking reads never starve others
+        self._sock: ssl.SSLSocket | None = None
+
+    async def open(self, identity: NodeIdentity) -> None:
+        ctx = make_context(identity, [self.source.cert_der], server=False)
+        loop = asyncio.get_running_loop()
+        self._sock = await loop.run_in_executor(self._threads, self._connect, ctx)
+        if peer_node_id(self._sock) != self.source.node_id:
+            raise AuthFailed(f"the copy server is not {short_id(self.source.node_id)}")
+
+    def _connect(self, ctx: ssl.SSLContext) -> ssl.SSLSocket:
+        raw = socket.create_connection((self.source.host, self.source.port), self.timeout_s)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return ctx.wrap_socket(raw)
+        except BaseException:
+            raw.close()
+            raise
+
+    async def request(self, message: ManifestRequest | ChunkRequest) -> bytes:
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._threads, self._request, pack(message))
+        except asyncio.CancelledError:
+            self._abort()  # the thread's blocking read fails at once
+            raise
+
+    def _request(self, frame: bytes) -> bytes:
+        sock = self._sock
+        assert sock is not None
+        sock.sendall(frame)
+        prefix = _recv_exactly(sock, PREFIX_SIZE)
+        reply = parse_reply(_recv_exactly(sock, header_length(prefix)))
+        if not reply.ok:
+            raise CopyRefused(reply.message or reply.kind, reply.kind)
+        return _recv_exactly(sock, reply.length)
+
+    def _abort(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            self._abort()
+            self._sock.close()
+            self._sock = None
+
+
+def _recv_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        got += k
+    return bytes(buf) if n < 65536 else buf  # type: ignore[return-value]
+
+
+# Everything a source can do wrong on the wire, as the copy sees it: drop the source.
+_SOURCE_FAILURES = (
+    OSError,
+    TimeoutError,
+    ssl.SSLError,
+    asyncio.IncompleteReadError,
+    ProtocolError,
+    AuthFailed,
+    CopyRefused,
+    ChunkMismatch,
+)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "closed the connection mid-reply"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, ChunkMismatch):
+        return f"sent bad bytes ({exc})"
+    return str(exc) or type(exc).__name__
+
+
+# ---------------------------------------------------------------------------- the copy
+
+
+@dataclass
+class CopyOptions:
+    connections_per_source: int = 3
+    timeout_s: float = 60.0
+
+
+class _Copy:
+    """One fetch in progress: the chunk queue, the sources still trusted, the partial files."""
+
+    def __init__(
+        self,
+        home: Path,
+        identity: NodeIdentity,
+        manifest: ModelManifest,
+        sources: list[CopySource],
+        progress: CopyProgress,
+        sink: ProgressSink,
+        options: CopyOptions,
+    ) -> None:
+        self.home, self.identity, self.manifest = home, identity, manifest
+        self.sources, self.progress, self.sink, self.options = sources, progress, sink, options
+        self.root = partial_dir(home, manifest.name) / "files"
+        self.pending: deque[Chunk] = deque()
+        self.in_flight = 0
+        self.changed = asyncio.Condition()
+        self.fatal: CopyError | None = None
+        self.threads = ThreadPoolExecutor(
+            len(sources) * options.connections_per_source, thread_name_prefix="copy"
+        )
+
+    # -- the partial directory
+
+    def prepare(self) -> None:
+        """Create/size the partial files and queue every chunk not already there and valid."""
+        for entry in self.manifest.files:
+            path = self.root / entry.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            existed = path.exists()
+            with open(path, "ab") as fh:
+                fh.truncate(entry.size)
+            if not existed:
+                self.pending.extend(c for c in iter_chunks(_only(self.manifest, entry.path)))
+                continue
+            with open(path, "rb") as fh:
+                for chunk in iter_chunks(_only(self.manifest, entry.path)):
+                    data = os.pread(fh.fileno(), chunk.length, chunk.offset)
+                    try:
+                        verify_chunk(chunk, data)
+                    except ChunkMismatch:
+                        self.pending.append(chunk)
+                    else:
+                        self.progress.resumed_bytes += chunk.length
+        self.progress.done_bytes = self.progress.resumed_bytes
+        need = sum(c.length for c in self.pending)
+        free = shutil.disk_usage(self.root).free
+        if need > free:
+            raise DiskFull(
+                f"not enough disk space for {self.manifest.name}: {need / _MiB:.0f} MiB more "
+                f"needed, {free / _MiB:.0f} MiB free in {models_dir(self.home)}"
+            )
+
+    def write(self, chunk: Chunk, data: bytes) -> None:
+        fd = os.open(self.root / chunk.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, chunk.offset)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(
+                    f"the disk filled up while copying {self.manifest.name} "
+                    f"({self.progress.done_bytes / _MiB:.0f} of "
+                    f"{self.progress.total_bytes / _MiB:.0f} MiB kept; free space and pull "
+                    "again to resume)"
+                ) from None
+            raise
+        finally:
+            os.close(fd)
+
+    # -- workers
+
+    async def run(self) -> None:
+        workers = [
+            asyncio.create_task(self._worker(source))
+            for source in self.sources
+            for _ in range(self.options.connections_per_source)
+        ]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            self.threads.shutdown(wait=False)
+        if self.fatal is not None:
+            raise self.fatal
+        if self.pending:
+            raise PeerLost(self._lost_message())
+
+    def _lost_message(self) -> str:
+        done, total = self.progress.done_bytes / _MiB, self.progress.total_bytes / _MiB
+        why = "; ".join(f"{short_id(n)} {r}" for n, r in self.progress.dropped.items())
+        return (
+            f"every peer holding {self.manifest.name} went away mid-copy ({done:.0f} of "
+            f"{total:.0f} MiB kept; pull again to resume){': ' + why if why else ''}"
+        )
+
+    async def _next(self, source: CopySource) -> Chunk | None:
+        async with self.changed:
+            while True:
+                if self.fatal is not None or source.node_id in self.progress.dropped:
+                    return None
+                if self.pending:
+                    self.in_flight += 1
+                    return self.pending.popleft()
+                if self.in_flight == 0:
+                    return None
+                await self.changed.wait()
+
+    async def _finish(self, chunk: Chunk | None, failed: bool) -> None:
+        async with self.changed:
+            if chunk is not None:
+                self.in_flight -= 1
+                if failed:
+                    self.pending.appendleft(chunk)
+            self.changed.notify_all()
+
+    def _drop(self, source: CopySource, exc: BaseException) -> None:
+        if source.node_id not in self.progress.dropped:
+            reason = _why(exc)
+            log.warning("copy: dropping %s: %s", short_id(source.node_id), reason)
+            self.progress.dropped[source.node_id] = reason
+            self.sink(self.progress)
+
+    async def _worker(self, source: CopySource) -> None:
+        conn = _Connection(source, self.options.timeout_s, self.threads)
+        chunk: Chunk | None = None
+        try:
+            await conn.open(self.identity)
+            while (chunk := await self._next(source)) is not None:
+                request = ChunkRequest(
+                    name=self.manifest.name,
+                    path=chunk.path,
+                    offset=chunk.offset,
+                    length=chunk.length,
+                )
+                data = await conn.request(request)
+                await asyncio.to_thread(verify_chunk, chunk, data)
+                await asyncio.to_thread(self.write, chunk, data)
+                self._count(source, chunk)
+                await self._finish(chunk, failed=False)
+                chunk = None
+        except _SOURCE_FAILURES as exc:
+            self._drop(source, exc)
+            await self._finish(chunk, failed=True)
+        except DiskFull as exc:
+            self.fatal = exc
+            await self._finish(chunk, failed=True)
+        finally:
+            await conn.close()
+
+    def _count(self, source: CopySource, chunk: Chunk) -> None:
+        p = self.progress
+        p.done_bytes += chunk.length
+        p.by_source[source.node_id] = p.by_source.get(source.node_id, 0) + chunk.length
+        self.sink(p)
+
+    # -- the end
+
+    def verify_files(self) -> None:
+        """Whole-file hashes: chunk hashes that do not add up mean a lying manifest."""
+        for entry in self.manifest.files:
+            digest = hashlib.sha256()
+            with open(self.root / entry.path, "rb") as fh:
+                while block := fh.read(self.manifest.chunk_size):
+                    digest.update(block)
+                os.fsync(fh.fileno())
+            if digest.hexdigest() != entry.sha256:
+                raise ManifestError(
+                    f"the manifest of {self.manifest.name} is inconsistent: the chunks of "
+                    f"{entry.path} verify but the file's SHA-256 does not (a tampered manifest); "
+                    "nothing was stored"
+                )
+
+
+def _only(manifest: ModelManifest, path: str) -> ModelManifest:
+    return manifest.subset([path])
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+async def fetch_manifest(
+    identity: NodeIdentity, sources: Iterable[CopySource], name: str, timeout_s: float = 30.0
+) -> tuple[ModelManifest, list[CopySource], dict[str, str]]:
+    """Ask every source for NAME's manifest: (the manifest most of them agree on, those
+    sources, node id → why each other source was left out). ``CopyError`` when none has it."""
+
+    async def ask(source: CopySource) -> ModelManifest:
+        conn = _Connection(source, timeout_s, threads)
+        try:
+            await conn.open(identity)
+            return manifest_from_json(await conn.request(ManifestRequest(name=name)), name)
+        finally:
+            await conn.close()
+
+    sources = list(sources)
+    if not sources:
+        raise PeerLost(f"no member holds {name}")
+    threads = ThreadPoolExecutor(len(sources), thread_name_prefix="copy-manifest")
+    try:
+        answers = await asyncio.gather(*(ask(s) for s in sources), return_exceptions=True)
+    finally:
+        threads.shutdown(wait=False)
+    left_out: dict[str, str] = {}
+    good: list[tuple[CopySource, ModelManifest]] = []
+    errors: list[BaseException] = []
+    for source, answer in zip(sources, answers, strict=True):
+        if isinstance(answer, ModelManifest):
+            good.append((source, answer))
+        elif isinstance(answer, (*_SOURCE_FAILURES, ManifestError)):
+            left_out[source.node_id] = _why(answer)
+            errors.append(answer)
+        else:
+            raise answer
+    if not good:
+        raise _no_manifest(name, errors, left_out)
+    votes = Counter(m.digest() for _, m in good)
+    winner = votes.most_common(1)[0][0]
+    chosen = [s for s, m in good if m.digest() == winner]
+    for source, manifest in good:
+        if manifest.digest() != winner:
+            left_out[source.node_id] = "holds different bytes under that name"
+    return next(m for _, m in good if m.digest() == winner), chosen, left_out
+
+
+def _no_manifest(name: str, errors: list[BaseException], left_out: dict[str, str]) -> CopyError:
+    if errors and all(isinstance(e, CopyRefused) and e.kind == "unknown_model" for e in errors):
+        return CopyRefused(f"no member holds a model named {name!r}", "unknown_model")
+    manifest_errors = [e for e in errors if isinstance(e, ManifestError)]
+    if manifest_errors:
+        return ManifestError(
+            f"the manifest of {name} from the peers is unusable: {manifest_errors[0]}"
+        )
+    why = "; ".join(f"{short_id(n)} {r}" for n, r in left_out.items())
+    return PeerLost(f"no peer holding {name} could be reached: {why}")
+
+
+async def fetch_model(
+    home: Path,
+    identity: NodeIdentity,
+    name: str,
+    sources: Iterable[CopySource],
+    *,
+    files: Iterable[str] | None = None,
+    dest: Path | None = None,
+    on_progress: ProgressSink | None = None,
+    options: CopyOptions | None = None,
+) -> Path:
+    """Copy NAME (all files, or only ``files`` into ``dest``) from ``sources`` into the store.
+
+    Returns the model's directory. Raises a :class:`CopyError`; the store is then unchanged
+    (an interrupted copy waits in ``.partial`` to be resumed)."""
+    target = dest if dest is not None else model_path(home, name)
+    if files is not None and dest is None:
+        raise CopyError("copying only some files needs a destination outside the store (dest)")
+    if target.is_dir():
+        return target
+    manifest, chosen, left_out = await fetch_manifest(identity, sources, name)
+    manifest = manifest.subset(files)
+    progress = CopyProgress(name=name, total_bytes=manifest.total_bytes)
+    progress.dropped.update(left_out)
+    copy = _Copy(
+        home, identity, manifest, chosen, progress, on_progress or _ignore, options or CopyOptions()
+    )
+    await asyncio.to_thread(_reset_if_stale, home, manifest)
+    await asyncio.to_thread(copy.prepare)
+    copy.sink(progress)
+    await copy.run()
+    try:
+        await asyncio.to_thread(copy.verify_files)
+    except ManifestError:
+        shutil.rmtree(partial_dir(home, name), ignore_errors=True)
+        raise
+    return await asyncio.to_thread(_install, home, manifest, target)
+
+
+def _ignore(progress: CopyProgress) -> None:
+    pass
+
+
+def _reset_if_stale(home: Path, manifest: ModelManifest) -> None:
+    """Keep a partial copy only if it was made for exactly this manifest."""
+    root = partial_dir(home, manifest.name)
+    record = root / "manifest.json"
+    try:
+        same = record.read_text(encoding="utf-8") == manifest.model_dump_json()
+    except OSError:
+        same = False
+    if not same:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        record.write_text(manifest.model_dump_json(), encoding="utf-8")
+
+
+def _install(home: Path, manifest: ModelManifest, target: Path) -> Path:
+    root = partial_dir(home, manifest.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        (root / "files").rename(target)
+    except OSError:
+        if not target.is_dir():  # not a race with another pull that got there first
+            raise
+    shutil.rmtree(root, ignore_errors=True)
+    return target

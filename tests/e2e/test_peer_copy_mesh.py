@@ -1,0 +1,133 @@
+"""Peer copy inside real MeshServices (QUIC links on loopback, in-process): gossip says who
+holds what, the links pin the certificates, the admin route streams the copy's progress."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from starlette.applications import Starlette
+
+from gateway.upstream import StaticDirectory
+from mesh.copy.client import CopyOptions
+from mesh.copy.server import CopyConfig
+from mesh.errors import CopyError
+from mesh.http import CSRF_HEADER, mesh_routes
+from mesh.identity import NodeIdentity
+from mesh.service import MeshConfig, MeshService
+from mesh.tunnel.config import TunnelConfig
+from worker.store import list_models, model_path
+
+FAST_TUNNEL = TunnelConfig(ping_interval=0.5, ping_timeout=1.5, handshake_timeout=3.0)
+
+
+def _config(**kw) -> MeshConfig:
+    base = dict(
+        port=0,
+        discovery=False,
+        gossip_interval_s=0.2,
+        redial_s=0.2,
+        max_redial_backoff_s=0.5,
+        tunnel=FAST_TUNNEL,
+        copy=CopyConfig(port=0, chunk_size=256 * 1024),
+    )
+    return MeshConfig(**(base | kw))
+
+
+async def _until(predicate, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def mesh(tmp_path):
+    started: list[MeshService] = []
+
+    async def start(name: str, **kw) -> MeshService:
+        home = tmp_path / name
+        node = MeshService(
+            home, NodeIdentity.load_or_create(home), StaticDirectory(), _config(**kw)
+        )
+        await node.start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in reversed(started):
+        await node.stop()
+
+
+async def _trio(mesh, tiny_model_dir: Path):
+    a = await mesh("a")
+    shutil.copytree(tiny_model_dir, model_path(a.home, "tiny"))
+    b = await mesh("b", join_token=a.create_invite(60).encode())
+    c = await mesh("c", join_token=a.create_invite(60).encode())
+    shutil.copytree(tiny_model_dir, model_path(c.home, "tiny"))
+    await _until(lambda: len(b.copy.sources("tiny")) == 2)
+    return a, b, c
+
+
+async def test_two_holders_gossip_and_a_third_copies_from_both(mesh, tiny_model_dir):
+    a, b, c = await _trio(mesh, tiny_model_dir)
+    assert set(b.copy.holders()["tiny"]) == {a.node_id, c.node_id}
+    # Tiny chunks so both sources carry some of the (small) model.
+    a.copy.server.config.chunk_size = c.copy.server.config.chunk_size = 64 * 1024
+    path = await b.copy.pull("tiny", options=CopyOptions(connections_per_source=2))
+    assert path == model_path(b.home, "tiny")
+    assert [m.name for m in list_models(b.home)] == ["tiny"]
+    await _until(lambda: "tiny" in b.local_state().stored)
+    assert a.copy.server.bytes_served > 0 and c.copy.server.bytes_served > 0
+
+
+async def test_from_forces_one_member(mesh, tiny_model_dir):
+    a, b, c = await _trio(mesh, tiny_model_dir)
+    await b.copy.pull("tiny", only=c.node_id[:10])
+    assert c.copy.server.bytes_served > 0 and a.copy.server.bytes_served == 0
+    with pytest.raises(CopyError, match="no linked member 'ffff'"):
+        b.copy.sources("tiny", "ffff")
+
+
+async def test_a_removed_member_can_no_longer_copy(mesh, tiny_model_dir):
+    a = await mesh("a")
+    shutil.copytree(tiny_model_dir, model_path(a.home, "tiny"))
+    b = await mesh("b", join_token=a.create_invite(60).encode())
+    await _until(lambda: b.copy.sources("tiny"))
+    sources = b.copy.sources("tiny")
+    a.remove_member(b.node_id)
+    await _until(lambda: b.node_id not in a.copy.trusted())
+    from mesh.copy.client import fetch_model
+
+    with pytest.raises(CopyError, match="could be reached"):
+        await fetch_model(b.home, b.identity, "tiny", sources)
+    assert a.copy.server.refusals["not a member"] >= 1
+    assert list_models(b.home) == []
+
+
+def _app(node: MeshService) -> Starlette:
+    return Starlette(routes=mesh_routes(node, api_key=None, csrf_token="t" * 24))
+
+
+async def test_admin_route_streams_progress_then_done(mesh, tiny_model_dir):
+    a, b, c = await _trio(mesh, tiny_model_dir)
+    transport = httpx.ASGITransport(app=_app(b))
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+        listed = (await http.get("/api/mesh/models")).json()
+        assert set(listed["holders"]["tiny"]) == {a.node_id, c.node_id}
+        headers = {CSRF_HEADER: "t" * 24}
+        missing = await http.post("/api/mesh/models/pull", json={"name": "nope"}, headers=headers)
+        assert missing.status_code == 404
+        refused = await http.post("/api/mesh/models/pull", json={"name": "tiny"})
+        assert refused.status_code == 403  # no CSRF token
+        response = await http.post("/api/mesh/models/pull", json={"name": "tiny"}, headers=headers)
+    events = [orjson.loads(line) for line in response.text.splitlines()]
+    assert events[-1] == {"type": "done", "name": "tiny", "path": str(model_path(b.home, "tiny"))}
+    progress = [e for e in events if e["type"] == "progress"]
+    assert progress and progress[-1]["done"] == progress[-1]["total"] > 0
