@@ -120,10 +120,17 @@ def mesh_routes(
         # Same-origin reads only: no CORS headers, and the Host guard refuses rebound names.
         return JSONResponse({"token": csrf}, headers={"cache-control": "no-store"})
 
-    copy_models, copy_pull = copy_routes(service.copy)
+    routes: list[BaseRoute] = []
+    if getattr(service, "copy", None) is not None:  # a service without peer copy has no routes
+        copy_models, copy_pull = copy_routes(service.copy)
+        routes += [
+            Route("/api/mesh/models", copy_models, methods=["GET"]),
+            Route(
+                "/api/mesh/models/pull", admin(copy_pull, "models can be pulled"), methods=["POST"]
+            ),
+        ]
     return [
-        Route("/api/mesh/models", copy_models, methods=["GET"]),
-        Route("/api/mesh/models/pull", admin(copy_pull, "models can be pulled"), methods=["POST"]),
+        *routes,
         Route("/api/mesh/invite", admin(invite, "invites can be minted"), methods=["POST"]),
         Route("/api/mesh/members", members, methods=["GET"]),
         Route(
