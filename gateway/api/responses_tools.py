@@ -177,7 +177,7 @@ def _add(tools: Tools, tool: Any, where: str, namespace: str | None) -> None:
                     f"{where}.tools.{j}.type",
                 )
             _add(tools, inner, f"{where}.tools.{j}", group.name)
-    elif kind in HOSTED_TYPES and namespace is None:
+    elif isinstance(kind, str) and kind in HOSTED_TYPES and namespace is None:
         if kind not in tools.ignored:
             tools.ignored.append(kind)
     else:

@@ -137,3 +137,9 @@ def test_codex_requests_parse(turn):
     else:
         assert "multi_agent_v1__close_agent" in names
         assert body._tools.ignored == ["web_search"]
+
+
+def test_a_tool_type_that_is_not_a_string_is_a_400_naming_it():
+    with pytest.raises(RequestInvalid) as caught:
+        parse_tools([{"type": ["function"], "name": "f"}])
+    assert caught.value.param == "tools.0.type"
