@@ -71,7 +71,8 @@ class GrammarProcessor:
         if self._seen is None:
             self._seen = tokens.size
         elif tokens.size > self._seen:
-            new: list[int] = tokens[self._seen :].tolist()  # type: ignore[assignment]
+            # Through numpy: a slice of the mx array would be one more graph to evaluate.
+            new = np.asarray(tokens)[self._seen :].tolist()
             self._seen = tokens.size
             if not self.matcher.consume_tokens(new) and not self.matcher.is_stopped():
                 log.warning("grammar rejected a sampled token: %s", self.matcher.get_error())
@@ -88,4 +89,4 @@ class GrammarProcessor:
         bits[self._vocab_size :] = 0  # the last word's spare bits
         if bits.size < width:  # the model's output is padded past the tokenizer's vocabulary
             bits = np.pad(bits, (0, width - bits.size))
-        return mx.array(bits[:width].astype(np.bool_))
+        return mx.array(bits[:width].view(np.bool_))
