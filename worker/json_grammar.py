@@ -145,19 +145,21 @@ _DATA = frozenset({"enum", "const", "default", "examples", "required"})
 
 
 def _nodes(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
-    """Every (sub)schema in ``value`` with its path, parents before children."""
-    if isinstance(value, list):
-        for i, child in enumerate(value):
-            yield from _nodes(child, (*path, str(i)))
-        return
-    if not isinstance(value, dict):
-        return
-    yield path, value
-    for key, child in value.items():
-        if key in _DATA:
-            continue
-        if key in _NAME_MAPS and isinstance(child, dict):
-            for name, schema in child.items():
-                yield from _nodes(schema, (*path, key, str(name)))
-        else:
-            yield from _nodes(child, (*path, str(key)))
+    """Every (sub)schema in ``value`` with its path, in document order (parents first). A stack,
+    not recursion: a schema may nest deeper than Python's recursion limit."""
+    stack: list[tuple[tuple[str, ...], Any]] = [(path, value)]
+    while stack:
+        where, node = stack.pop()
+        children: list[tuple[tuple[str, ...], Any]] = []
+        if isinstance(node, list):
+            children = [((*where, str(i)), child) for i, child in enumerate(node)]
+        elif isinstance(node, dict):
+            yield where, node
+            for key, child in node.items():
+                if key in _DATA:
+                    continue
+                if key in _NAME_MAPS and isinstance(child, dict):
+                    children += [((*where, key, str(n)), schema) for n, schema in child.items()]
+                else:
+                    children.append(((*where, str(key)), child))
+        stack.extend(reversed(children))

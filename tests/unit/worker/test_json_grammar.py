@@ -146,3 +146,11 @@ def test_any_schema_compiles_or_is_refused_at_a_real_place(schema: dict[str, Any
         json_grammar(schema)
     except SchemaError as exc:
         _at(schema, exc.path)  # the path exists in the schema
+
+
+def test_a_schema_nested_past_the_recursion_limit_is_refused_not_a_crash() -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(2000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(SchemaError, match="recursion"):
+        json_grammar(schema)
