@@ -25,7 +25,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from worker.json_grammar import SchemaError
+from worker.json_grammar import SchemaError, is_panic
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,12 @@ def make_grammar_processor(tokenizer: Any, grammar: str) -> GrammarProcessor:
     """A fresh processor for one request; SchemaError when the grammar does not compile for
     this model's vocabulary. Blocks (compiling can take up to ~1 s): call it off the loop."""
     lltok = grammar_tokenizer(tokenizer)
-    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    try:
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    except BaseException as exc:
+        if not is_panic(exc):
+            raise
+        raise SchemaError(f"the grammar library failed on this schema: {exc}") from None
     if matcher.is_error():
         raise SchemaError(" ".join(matcher.get_error().split()))
     return GrammarProcessor(matcher, lltok.vocab_size, sorted(tokenizer.eos_token_ids))
@@ -66,8 +71,21 @@ class GrammarProcessor:
         self._eos = eos
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
         self._seen: int | None = None  # context length already consumed (the prompt at first)
+        self._broken = False
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        try:
+            allowed = self._step(tokens, logits.shape[-1])
+        except BaseException as exc:
+            # A panic would pass the engine's ``except Exception`` and end its owner thread.
+            if not is_panic(exc):
+                raise
+            log.error("the grammar library failed mid-answer: %s", exc)
+            self._broken = True
+            allowed = self._only_end(logits.shape[-1])
+        return mx.where(allowed, logits, -mx.inf)
+
+    def _step(self, tokens: mx.array, width: int) -> mx.array:
         if self._seen is None:
             self._seen = tokens.size
         elif tokens.size > self._seen:
@@ -76,17 +94,17 @@ class GrammarProcessor:
             self._seen = tokens.size
             if not self.matcher.consume_tokens(new) and not self.matcher.is_stopped():
                 log.warning("grammar rejected a sampled token: %s", self.matcher.get_error())
-        return mx.where(self._allowed(logits.shape[-1]), logits, -mx.inf)
-
-    def _allowed(self, width: int) -> mx.array:
-        if self.matcher.is_stopped() or self.matcher.is_error():
+        if self._broken or self.matcher.is_stopped() or self.matcher.is_error():
             # Done (the end token was sampled: this step is discarded) or broken: end it.
-            allowed = np.zeros(width, dtype=np.bool_)
-            allowed[[t for t in self._eos if t < width]] = True
-            return mx.array(allowed)
+            return self._only_end(width)
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask)
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         bits[self._vocab_size :] = 0  # the last word's spare bits
         if bits.size < width:  # the model's output is padded past the tokenizer's vocabulary
             bits = np.pad(bits, (0, width - bits.size))
         return mx.array(bits[:width].view(np.bool_))
+
+    def _only_end(self, width: int) -> mx.array:
+        allowed = np.zeros(width, dtype=np.bool_)
+        allowed[[t for t in self._eos if t < width]] = True
+        return mx.array(allowed)

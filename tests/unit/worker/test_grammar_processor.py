@@ -99,3 +99,22 @@ def test_after_the_end_token_only_end_tokens_are_allowed(tokenizer: Any) -> None
 def test_the_grammar_tokenizer_is_built_once_per_model_tokenizer(tokenizer: Any) -> None:
     assert grammar_tokenizer(tokenizer) is grammar_tokenizer(tokenizer)
     assert grammar_tokenizer(tokenizer).eos_tokens == sorted(tokenizer.eos_token_ids)
+
+
+class PanicException(BaseException):
+    """What pyo3 raises for a Rust panic (matched by name: pyo3_runtime is not importable)."""
+
+
+class _PanickingMatcher:
+    def consume_tokens(self, tokens: list[int]) -> bool:
+        raise PanicException("index out of bounds")
+
+
+def test_a_panic_mid_answer_ends_it_instead_of_the_engine_thread(tokenizer: Any) -> None:
+    processor = make_grammar_processor(tokenizer, json_grammar(PERSON))
+    width = len(tokenizer._tokenizer)
+    processor(mx.array(PROMPT), mx.zeros((1, width)))
+    processor.matcher = _PanickingMatcher()  # type: ignore[assignment]
+    for step in range(2):
+        masked = np.array(processor(mx.array([*PROMPT, 9, step]), mx.zeros((1, width)))[0])
+        assert set(np.flatnonzero(np.isfinite(masked))) == set(tokenizer.eos_token_ids)
