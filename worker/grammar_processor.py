@@ -46,10 +46,20 @@ def grammar_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
         return found
 
 
+class GrammarUnavailable(Exception):
+    """This model's tokenizer cannot be read by llguidance (not a fast HF tokenizer)."""
+
+
 def make_grammar_processor(tokenizer: Any, grammar: str) -> GrammarProcessor:
     """A fresh processor for one request; SchemaError when the grammar does not compile for
-    this model's vocabulary. Blocks (compiling can take up to ~1 s): call it off the loop."""
-    lltok = grammar_tokenizer(tokenizer)
+    this model's vocabulary, GrammarUnavailable when the model's tokenizer cannot be used.
+    Blocks (compiling can take up to ~1 s): call it off the loop."""
+    try:
+        lltok = grammar_tokenizer(tokenizer)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise GrammarUnavailable(
+            f"this model's tokenizer cannot hold an answer to a grammar: {exc}"
+        ) from exc
     try:
         matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
     except BaseException as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from worker.grammar_processor import GrammarProcessor, make_grammar_processor
+from worker.grammar_processor import GrammarProcessor, GrammarUnavailable, make_grammar_processor
 from worker.json_grammar import SchemaError, json_grammar
 from worker.schemas import ResponseFormat
 
@@ -59,8 +59,10 @@ def answer_prompt(tokenizer: Any, prompt: list[int], in_reasoning: bool) -> list
 async def agrammar_processor(tokenizer: Any, grammar: str) -> GrammarProcessor:
     """The processor for one request (the first one for a model also builds its vocabulary's
     llguidance tokenizer, ~0.5 s); OutputFormatError when the model's vocabulary cannot
-    express the grammar."""
+    express the grammar or its tokenizer cannot be read."""
     try:
         return await asyncio.to_thread(make_grammar_processor, tokenizer, grammar)
     except SchemaError as exc:
         raise OutputFormatError(f"{_SCHEMA_PARAM}: {exc.message}", _SCHEMA_PARAM) from exc
+    except GrammarUnavailable as exc:
+        raise OutputFormatError(f"response_format: {exc}", "response_format") from exc

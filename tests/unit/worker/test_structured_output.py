@@ -8,7 +8,12 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from worker.schemas import ResponseFormat
-from worker.structured_output import OutputFormatError, answer_prompt, output_grammar
+from worker.structured_output import (
+    OutputFormatError,
+    agrammar_processor,
+    answer_prompt,
+    output_grammar,
+)
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
 
@@ -59,3 +64,18 @@ def test_a_think_block_the_template_left_open_is_closed(tiny_think_model_dir: Pa
     assert answer_prompt(tok, prompt, in_reasoning=False) == prompt
     closed = answer_prompt(tok, prompt, in_reasoning=True)
     assert tok.decode(closed).endswith("<think>\n</think>\n\n")
+
+
+class _SlowTokenizerModel:
+    """A model whose tokenizer is not a fast HF one: llguidance cannot read it."""
+
+    _tokenizer = object()
+    eos_token_ids = frozenset({0})
+
+
+async def test_a_tokenizer_llguidance_cannot_read_is_a_400_naming_response_format() -> None:
+    with pytest.raises(OutputFormatError) as info:
+        await agrammar_processor(
+            _SlowTokenizerModel(), output_grammar(_format(type="json_object"), False)
+        )
+    assert info.value.param == "response_format" and "tokenizer" in str(info.value)
