@@ -9,7 +9,7 @@ the worker calls it too (it also serves clients directly) and then builds the ma
 model's own tokenizer (worker/grammar_processor.py).
 
 The JSON is written on one line with ``", "`` and ``": "`` between items, and no other
-whitespace: models write it that way by themselves, and a grammar that allowed free whitespace
+whitespace: the way models usually write it, and a grammar that allowed free whitespace
 would let a weak model pad forever instead of ending the value.
 """
 
