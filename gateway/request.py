@@ -39,11 +39,22 @@ class ToolSpec(BaseModel):
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
+class OutputFormat(BaseModel):
+    """Structured output: the answer is one JSON value held to ``json_schema`` (any JSON object
+    when None). The client APIs check the schema before this is built (gateway/api/output_format.py)."""
+
+    json_schema: dict[str, Any] | None = None
+    name: str | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ChatRequest(BaseModel):
     """What the caller asked for, independent of the API it used.
 
     ``reasoning`` is the normalised thinking setting: True (on), False (off), None (model default).
     ``chat_template_kwargs`` are passed through to the worker's chat template untouched.
+    ``output_format`` holds the answer to JSON (then the worker turns thinking off).
     """
 
     model: str
@@ -64,6 +75,7 @@ class ChatRequest(BaseModel):
     reasoning: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    output_format: OutputFormat | None = None
     stream: bool = True
     session_key: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)

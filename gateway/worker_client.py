@@ -30,7 +30,7 @@ from gateway.events import (
     Usage,
     kind_for_status,
 )
-from gateway.request import ChatRequest, Message
+from gateway.request import ChatRequest, Message, OutputFormat
 from gateway.upstream import ModelInfo, Upstream
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,18 @@ def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
         body["chat_template_kwargs"] = kwargs
     if request.metadata.get("logprobs"):
         body["logprobs"] = True
+    if request.output_format is not None:
+        body["response_format"] = _response_format(request.output_format)
     return body
+
+
+def _response_format(output: OutputFormat) -> dict[str, Any]:
+    if output.json_schema is None:
+        return {"type": "json_object"}
+    spec: dict[str, Any] = {"name": output.name or "response", "schema": output.json_schema}
+    if output.strict is not None:
+        spec["strict"] = output.strict
+    return {"type": "json_schema", "json_schema": spec}
 
 
 class ChunkDecoder:
@@ -354,13 +365,18 @@ class WorkerClient(Upstream):
 async def _status_error(response: httpx.Response) -> Error:
     raw = await response.aread()
     message = raw.decode(errors="replace")[:500]
-    code = None
+    code = param = None
     try:
         err = orjson.loads(raw).get("error", {})
         message = str(err.get("message", message))
         code = err.get("code")
+        param = err.get("param")
     except (orjson.JSONDecodeError, AttributeError):
         pass  # not JSON: the raw text is the message
     status = response.status_code
     kind = kind_for_status(status)
-    return Error(kind=kind, message=message, retryable=kind in RETRYABLE_KINDS, code=code)
+    # The field a worker's 400 names (a schema keyword the grammar cannot hold, say) goes on.
+    details = {"param": param} if kind == "invalid_request" and param else {}
+    return Error(
+        kind=kind, message=message, retryable=kind in RETRYABLE_KINDS, code=code, details=details
+    )

@@ -32,10 +32,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.engine import Engine, Job
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
+from worker.grammar_processor import GrammarProcessor
 from worker.net import bind_socket, server_limits
 from worker.output import DeltaAssembler
 from worker.sampling import SamplingParams
 from worker.schemas import ChatCompletionRequest, describe_validation_error, openai_usage
+from worker.structured_output import (
+    OutputFormatError,
+    agrammar_processor,
+    answer_prompt,
+    output_grammar,
+)
 from worker.thinking import normalize_thinking
 from worker.tool_parsing import ToolCallSplitter, parse_json_span
 
@@ -196,6 +203,11 @@ async def _start_job(
     # tool_choice "none": the model is not offered the tools, so it cannot call them.
     offered = chat.tools if chat.tool_choice != "none" else None
     tools = [t.model_dump(exclude_none=True) for t in offered] if offered else None
+    grammar = _output_grammar(chat, bool(tools))
+    if grammar is not None:
+        template_kwargs["enable_thinking"] = (
+            False  # the grammar holds the answer, not a think block
+        )
     try:
         prompt, in_reasoning = await asyncio.to_thread(
             engine.render_prompt, messages, tools, template_kwargs
@@ -216,6 +228,10 @@ async def _start_job(
     vocab = len(engine.tokenizer)
     if logit_bias and any(not 0 <= t < vocab for t in logit_bias):
         raise BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    processors: tuple[GrammarProcessor, ...] = ()
+    if grammar is not None:
+        prompt, in_reasoning = answer_prompt(engine.tokenizer, prompt, in_reasoning), False
+        processors = (await _grammar_processor(engine, grammar),)
     limit = chat.max_completion_tokens or chat.max_tokens or DEFAULT_MAX_TOKENS
     defaults = engine.sampling_defaults  # for the fields the request leaves out
     sampling = SamplingParams(
@@ -236,6 +252,7 @@ async def _start_job(
             sampling=sampling,
             stop=chat.stop_strings(),
             logprobs=bool(chat.logprobs),
+            logits_processors=processors,
         )
     )
     tok = engine.tokenizer
@@ -250,10 +267,25 @@ async def _start_job(
             )
         else:
             splitter = ToolCallSplitter(parser=parse_json_span, tools=tools)
-    think_tags = (tok.think_start, tok.think_end) if tok.has_thinking else None
+    # A held answer is all content: a think tag spelled inside a JSON string stays in it.
+    think_tags = (tok.think_start, tok.think_end) if tok.has_thinking and grammar is None else None
     return job, DeltaAssembler(
         think_tags=think_tags, in_reasoning=in_reasoning, tool_splitter=splitter
     )
+
+
+def _output_grammar(chat: ChatCompletionRequest, tools_offered: bool) -> str | None:
+    try:
+        return output_grammar(chat.response_format, tools_offered)
+    except OutputFormatError as exc:
+        raise BadRequest(str(exc), exc.param) from exc
+
+
+async def _grammar_processor(engine: Engine, grammar: str) -> GrammarProcessor:
+    try:
+        return await agrammar_processor(engine.tokenizer, grammar)
+    except OutputFormatError as exc:
+        raise BadRequest(str(exc), exc.param) from exc
 
 
 def _sampling_used(job: Job) -> dict[str, Any]:

@@ -369,7 +369,7 @@ class Engine:
             caches=[cache],
             all_tokens=[req.prompt[:cached]],
             samplers=[make_request_sampler(params)],
-            logits_processors=[make_request_processors(params)],
+            logits_processors=[make_request_processors(params) + list(req.logits_processors)],
             **kwargs,
         )
         self._active[uid] = _Active(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The chat template call's own parameters (transformers' ``apply_chat_template``, mlx-lm's
 # wrapper) and the names the template is rendered with. Sent as ``chat_template_kwargs`` they
@@ -134,6 +134,45 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``. ``strict`` is accepted and changes nothing: a schema
+    given is always enforced (a keyword that cannot be enforced is refused)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    # ``schema`` would shadow BaseModel.schema: the attribute is named schema_.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI chat ``response_format``: text (the default), any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a response_format of type 'json_schema' needs its json_schema")
+        return self
+
+    @property
+    def is_json(self) -> bool:
+        return self.type != "text"
+
+    @property
+    def schema_or_none(self) -> dict[str, Any] | None:
+        """The schema to hold the answer to; None: any JSON object (``json_object``)."""
+        if self.type == "json_schema" and self.json_schema is not None:
+            return self.json_schema.schema_
+        return None
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -163,6 +202,7 @@ class ChatCompletionRequest(BaseModel):
     reasoning: dict[str, Any] | bool | None = None
     thinking: dict[str, Any] | bool | None = None
     thinking_budget: int | None = None
+    response_format: ResponseFormat | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 

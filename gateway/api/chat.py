@@ -12,9 +12,10 @@ from gateway import sse
 from gateway.answer import Accumulator, new_id
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body, validated
+from gateway.api.output_format import chat_output_format
 from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
-from worker.schemas import check_template_kwargs, openai_usage
+from worker.schemas import ResponseFormat, check_template_kwargs, openai_usage
 from worker.thinking import normalize_thinking
 
 
@@ -92,6 +93,7 @@ class ChatCompletionBody(BaseModel):
     user: str | None = None
     metadata: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
+    response_format: ResponseFormat | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
@@ -179,6 +181,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
         reasoning=normalize_thinking(raw),
         reasoning_effort=body.reasoning_effort,
         chat_template_kwargs=body.chat_template_kwargs or {},
+        output_format=chat_output_format(body.response_format),
         stream=body.stream,
         session_key=body.user,
         metadata=metadata,

@@ -27,6 +27,7 @@ from typing import Any
 from gateway import sse
 from gateway.answer import Accumulator, ToolCallState, new_id
 from gateway.api.errors import openai_error_body
+from gateway.api.output_format import responses_format_echo
 from gateway.api.responses_input import FunctionChoice, ResponsesBody, parse
 from gateway.api.responses_tools import ServedTool, custom_input
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
@@ -94,7 +95,7 @@ class _Shell:
     ) -> None:
         self.id = response_id or body._response_id
         self.created_at = int(time.time())
-        text: dict[str, Any] = {"format": {"type": "text"}}
+        text: dict[str, Any] = {"format": responses_format_echo(request.output_format)}
         text["verbosity"] = (body.text.verbosity if body.text else None) or "medium"
         self.fields: dict[str, Any] = {
             "id": self.id,

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 from gateway.answer import new_id
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, validated
+from gateway.api.output_format import responses_output_format
 from gateway.api.responses_tools import (
     Tools,
     custom_arguments,
@@ -120,8 +121,8 @@ class _Reasoning(BaseModel):
 
 
 class _TextFormat(BaseModel):
-    """``text.format``: the spec's three kinds. Only ``text`` is served (nothing here can hold a
-    model to JSON, let alone to a schema), so the others are refused after validation."""
+    """``text.format``: the spec's three kinds; JSON ones are read by
+    gateway/api/output_format.py."""
 
     model_config = ConfigDict(extra="allow")  # name, schema, strict, description
 
@@ -297,13 +298,7 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
     body = validated(ResponsesBody, raw)
     body._tools = parse_tools(body.tools)
-    text_format = body.text.format if body.text else None
-    if text_format is not None and text_format.type != "text":
-        raise RequestInvalid(
-            f"text.format.type: {text_format.type!r} is not supported: output cannot be held "
-            "to JSON here, only 'text' is served",
-            "text.format.type",
-        )
+    output_format = responses_output_format(raw)  # text.format: json_schema, json_object
     messages = [Message(role="system", content=body.instructions)] if body.instructions else []
     if isinstance(body.input, str):
         messages.append(Message(role="user", content=body.input))
@@ -328,6 +323,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
         max_tokens=body.max_output_tokens,
         reasoning=normalize_thinking(raw),
         reasoning_effort=effort,
+        output_format=output_format,
         stream=body.stream,
         session_key=body.prompt_cache_key or body.user,
         metadata=dict(body.metadata or {}),

@@ -122,7 +122,11 @@ def assert_still_serving(http: httpx.Client, bad: httpx.Response) -> None:
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"store": 3}, "store"),
         ({"service_tier": "turbo"}, "service_tier"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json"}}}, "text.format.type"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "a", "schema": {"if": {}}}}},
+            "text.format.schema.if",
+        ),
     ],
 )
 def test_responses_wrong_types_are_400(

@@ -91,10 +91,10 @@ def test_responses_accepts_the_specs_response_shaping_fields():
     ("extra", "param"),
     [
         (
-            {"text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}},
-            "text.format.type",
+            {"text": {"format": {"type": "json_schema", "name": "a", "schema": {"not": {}}}}},
+            "text.format.schema.not",
         ),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"text": {"verbosity": "loud"}}, "text.verbosity"),
         ({"top_logprobs": 21}, "top_logprobs"),
