@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: run test unit setup lint browser blas bench clean
+.PHONY: run test unit setup lint browser clients blas bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,19 @@ browser:
 		|| echo "note: could not install chromium; the console browser tests will be skipped"; \
 	else echo "note: no /usr/bin/chromium and not root; the console browser tests will be skipped"; fi
 
-test: setup lint browser
+# The client end-to-end tests drive real coding agents (Claude Code, Codex CLI, OpenCode): install
+# them from npm into .cache/clients when npm is there, otherwise those tests skip with the reason.
+CLIENTS := .cache/clients
+CLIENT_PACKAGES := @anthropic-ai/claude-code @openai/codex opencode-ai
+clients:
+	@if [ -x $(CLIENTS)/node_modules/.bin/claude ] && [ -x $(CLIENTS)/node_modules/.bin/codex ] \
+		&& [ -x $(CLIENTS)/node_modules/.bin/opencode ]; then :; \
+	elif command -v npm >/dev/null; then \
+		npm install -q --no-audit --no-fund --prefix $(CLIENTS) $(CLIENT_PACKAGES) \
+		|| echo "note: could not install $(CLIENT_PACKAGES); their tests will be skipped"; \
+	else echo "note: no npm; the agent client tests will be skipped"; fi
+
+test: setup lint browser clients
 	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q $(ARGS)
 
 # The fast loop: unit tests of the pure pieces only (no servers, processes or browser).
@@ -62,4 +74,4 @@ bench: setup
 	$(BIN)/python bench/tunnel_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .cache
