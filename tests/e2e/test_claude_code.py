@@ -11,12 +11,17 @@ Needs the ``claude`` binary (see tests/agent_clients.py); without it the module 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from agent_clients import require_client, run_client, scripted_gateway
 
+from gateway.events import Error, Event
+from gateway.request import ChatRequest
 from gateway.testing import ToolRoundTrip
+from worker.app import context_overflow
 
 pytestmark = pytest.mark.e2e
 
@@ -40,14 +45,18 @@ def _environment(url: str) -> dict[str, str]:
     }
 
 
+def _bash_model() -> dict:
+    return {
+        "tool": "Bash",
+        "arguments": {"command": f"echo {MARK}", "description": "Print the mark"},
+        "answer": ANSWER,
+        "side_answer": '{"title": "Print the mark"}',
+        "reasoning": "The user wants the command run.",
+    }
+
+
 def test_bash_round_trip_then_continue(tmp_path: Path):
-    model = ToolRoundTrip(
-        tool="Bash",
-        arguments={"command": f"echo {MARK}", "description": "Print the mark"},
-        answer=ANSWER,
-        side_answer='{"title": "Print the mark"}',
-        reasoning="The user wants the command run.",
-    )
+    model = ToolRoundTrip(**_bash_model())
     project = tmp_path / "project"
     project.mkdir()
     home = tmp_path / "home"
@@ -97,3 +106,54 @@ def test_bash_round_trip_then_continue(tmp_path: Path):
     assert "Claude" in main[0].messages[0].content
 
     assert gateway.failures() == []
+
+
+@dataclass
+class OutgrownOnce(ToolRoundTrip):
+    """Refuses the first request that resumes the session the way a worker refuses a prompt
+    longer than its model's context (worker.app.context_overflow)."""
+
+    refused: int = 0
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        resuming = any(m.role == "assistant" and m.content == ANSWER for m in request.messages)
+        if request.tools and resuming and not self.refused:
+            self.refused += 1
+            self.requests.append(request)
+            overflow = context_overflow(30_000, 8_192)
+            yield Error(kind="invalid_request", message=str(overflow), code=overflow.code)
+            return
+        async for event in super().stream(request):
+            yield event
+
+
+def test_a_session_past_the_context_is_compacted_and_goes_on(tmp_path: Path):
+    # Claude Code knows nothing of a node model's context (it assumes Claude's), so it never
+    # compacts ahead; the worker's 400 in Anthropic's words makes it compact and go on.
+    model = OutgrownOnce(**_bash_model())
+    project = tmp_path / "project"
+    project.mkdir()
+    home = tmp_path / "home"
+    allow = ["--allowedTools", "Bash"]
+    with scripted_gateway(model, MODEL, tmp_path, api_key=KEY) as gateway:
+        env = _environment(gateway.url)
+        first = run_client(
+            [CLAUDE, "-p", "Run the echo command.", *allow], home=home, cwd=project, env=env
+        )
+        second = run_client(
+            [CLAUDE, "-p", "--continue", "Run it once more.", *allow],
+            home=home,
+            cwd=project,
+            env=env,
+        )
+
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert ANSWER in second.stdout
+    assert model.refused == 1
+    # The refusal, then one request for a summary of the conversation, then the turn itself.
+    summaries = [
+        r for r in model.requests if "summary of the conversation" in r.messages[-1].content
+    ]
+    assert len(summaries) == 1
+    assert gateway.failures() == ["POST /v1/messages → 400", "log: messages 400 invalid_request"]
