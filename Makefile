@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 ARGS ?=
 
-.PHONY: run test unit setup lint browser clients blas bench clean
+.PHONY: run test unit setup lint browser clients e2e-clients blas bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,18 +49,24 @@ browser:
 		|| echo "note: could not install chromium; the console browser tests will be skipped"; \
 	else echo "note: no /usr/bin/chromium and not root; the console browser tests will be skipped"; fi
 
-# The client end-to-end tests drive real coding agents (Codex CLI): install them from npm into
-# .cache/clients when npm is there, otherwise those tests skip with the reason.
+# The client end-to-end tests drive real coding agents (Claude Code, Codex CLI, OpenCode) against a
+# scripted gateway. Opt-in (`make e2e-clients`), not part of `make test` nor CI: it installs them
+# from npm into .cache/clients; without them those tests skip with the reason.
 CLIENTS := .cache/clients
+CLIENT_PACKAGES := @anthropic-ai/claude-code @openai/codex opencode-ai
 clients:
-	@if [ -x $(CLIENTS)/node_modules/.bin/codex ]; then :; \
+	@if [ -x $(CLIENTS)/node_modules/.bin/claude ] && [ -x $(CLIENTS)/node_modules/.bin/codex ] \
+		&& [ -x $(CLIENTS)/node_modules/.bin/opencode ]; then :; \
 	elif command -v npm >/dev/null; then \
-		npm install -q --no-audit --no-fund --prefix $(CLIENTS) @openai/codex \
-		|| echo "note: could not install @openai/codex; the Codex CLI tests will be skipped"; \
-	else echo "note: no npm; the Codex CLI tests will be skipped"; fi
+		npm install -q --no-audit --no-fund --prefix $(CLIENTS) $(CLIENT_PACKAGES) \
+		|| echo "note: could not install $(CLIENT_PACKAGES); their tests will be skipped"; \
+	else echo "note: no npm; the agent client tests will be skipped"; fi
 
-test: setup lint browser clients
+test: setup lint browser
 	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q $(ARGS)
+
+e2e-clients: setup clients
+	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q tests/e2e/test_codex_cli.py tests/e2e/test_claude_code.py tests/e2e/test_opencode.py $(ARGS)
 
 # The fast loop: unit tests of the pure pieces only (no servers, processes or browser).
 unit: setup

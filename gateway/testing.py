@@ -6,6 +6,9 @@
 - :func:`chat_request` parses a Chat Completions body the way the gateway does (thinking knobs
   normalised at the edge), for tests that need a ``ChatRequest`` as a client would make it.
 - :class:`ServerThread` runs an app on uvicorn on 127.0.0.1, port 0, in a background thread.
+- :class:`ToolRoundTrip` answers a real agent harness (Claude Code, OpenCode) by looking at
+  each request: a call of the harness's tool, then a final answer, and side answers for the
+  rest; :class:`HttpRecorder` keeps every HTTP exchange the harness had with the gateway.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from gateway.answer import new_id
 from gateway.events import Done, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest
 from gateway.upstream import Upstream
@@ -128,6 +132,112 @@ def text_script(
         steps.append(usage)
     steps.append(Done(finish or ("tool_calls" if tool_calls else "stop")))  # type: ignore[arg-type]
     return steps
+
+
+@dataclass
+class ToolRoundTrip(Upstream):
+    """A scripted model for real agent harnesses, which send requests in their own order (side
+    requests such as a title come first or in between): each answer is chosen by looking at
+    the request, not by counting calls.
+
+    - ``tool`` offered and no tool result since the last assistant turn: a call of ``tool``
+      with ``arguments`` (a fresh id each time: a harness takes a repeated id for a call it
+      already ran), after ``reasoning`` when set;
+    - a tool result since the last assistant turn (system reminders may follow it): ``answer``;
+    - anything else (no such tool: a title, a summary): ``side_answer``.
+    """
+
+    tool: str
+    arguments: dict[str, Any]
+    answer: str
+    side_answer: str = "Side answer."
+    reasoning: str = ""
+    name: str = "scripted"
+    retryable: bool = True
+    requests: list[ChatRequest] = field(default_factory=list)
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        self.requests.append(request)
+        for step in self.script_for(request):
+            if isinstance(step, ToolCallDelta) and step.id is not None:
+                step = ToolCallDelta(step.index, new_id("call_"), step.name, step.arguments)
+            yield step  # type: ignore[misc]  # text_script makes events only
+
+    def script_for(self, request: ChatRequest) -> list[Step]:
+        since_assistant: list[str] = []
+        for message in reversed(request.messages):
+            if message.role == "assistant":
+                break
+            since_assistant.append(message.role)
+        if "tool" in since_assistant:
+            return text_script(self.answer, reasoning=self.reasoning)
+        if any(tool.name == self.tool for tool in request.tools):
+            args = orjson.dumps(self.arguments).decode()
+            return text_script("", reasoning=self.reasoning, tool_calls=[(self.tool, args)])
+        return text_script(self.side_answer)
+
+    def tool_results(self) -> dict[str, str]:
+        """Every tool result the harness sent back: call id → content, first seen first."""
+        results: dict[str, str] = {}
+        for request in self.requests:
+            for message in request.messages:
+                if message.role == "tool" and message.tool_call_id is not None:
+                    results.setdefault(message.tool_call_id, message.content)
+        return results
+
+
+@dataclass
+class HttpExchange:
+    """One request a client made and the status it got."""
+
+    method: str
+    path: str
+    status: int
+    headers: dict[str, str]
+    body: Any  # the JSON body, or None (no body, or not JSON)
+
+
+@dataclass
+class HttpRecorder:
+    """A pure ASGI wrapper that keeps every HTTP exchange with ``app`` (any path, any status:
+    the gateway's request log has only the generating APIs' rows)."""
+
+    app: Callable
+    exchanges: list[HttpExchange] = field(default_factory=list)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        status = 0
+
+        async def recording_receive() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+            return message
+
+        async def recording_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, recording_receive, recording_send)
+        finally:
+            try:
+                body = orjson.loads(b"".join(chunks)) if any(chunks) else None
+            except orjson.JSONDecodeError:
+                body = None
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            exchange = HttpExchange(scope["method"], scope["path"], status, headers, body)
+            self.exchanges.append(exchange)
+
+    def bodies(self, path: str) -> list[Any]:
+        """The JSON bodies sent to ``path``, in order."""
+        return [e.body for e in self.exchanges if e.path == path]
 
 
 @dataclass

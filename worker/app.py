@@ -73,6 +73,18 @@ class BadRequest(Exception):
         self.code = code
 
 
+def context_overflow(prompt_tokens: int, context: int) -> BadRequest:
+    """The 400 for a prompt the model cannot hold. Its words are Anthropic's, which Claude Code
+    parses to compact the conversation and retry (any other wording ends its session); OpenAI
+    clients (OpenCode, Codex CLI) read the code, and OpenCode the words too."""
+    return BadRequest(
+        f"prompt is too long: {prompt_tokens} tokens > {context} maximum (the model's context"
+        " length)",
+        "messages",
+        "context_length_exceeded",
+    )
+
+
 def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
     """The worker app over a started engine (the caller starts and closes the engine).
 
@@ -216,11 +228,7 @@ async def _start_job(
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
     context = engine.info.context_length
     if len(prompt) >= context:
-        raise BadRequest(
-            f"prompt is {len(prompt)} tokens; the model's context length is {context}",
-            "messages",
-            "context_length_exceeded",
-        )
+        raise context_overflow(len(prompt), context)
     try:
         logit_bias = chat.logit_bias_ids()
     except ValueError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import threading
 import time
@@ -450,6 +451,10 @@ def test_context_length_exceeded(tmp_path: Path) -> None:
         response = post(url, {"messages": long})
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "context_length_exceeded"
+        # Anthropic's words, which Claude Code parses to compact and retry.
+        assert re.match(
+            r"prompt is too long: \d+ tokens > 64 maximum", response.json()["error"]["message"]
+        )
         # max_tokens is clamped to what the context leaves; the server keeps serving.
         ok = post(url, {"messages": HI, "max_tokens": 1000, "temperature": 0})
         assert ok.status_code == 200
