@@ -50,7 +50,7 @@ from mesh.copy.protocol import (
     pack,
     parse_reply,
 )
-from mesh.copy.tls import make_context, peer_node_id
+from mesh.copy.tls import make_context, peer_node_id, recv_exactly
 from mesh.errors import (
     AuthFailed,
     ChunkMismatch,
@@ -148,11 +148,11 @@ class _Connection:
         sock = self._sock
         assert sock is not None
         sock.sendall(frame)
-        prefix = _recv_exactly(sock, PREFIX_SIZE)
-        reply = parse_reply(_recv_exactly(sock, header_length(prefix)))
+        prefix = recv_exactly(sock, PREFIX_SIZE)
+        reply = parse_reply(recv_exactly(sock, header_length(prefix)))
         if not reply.ok:
             raise CopyRefused(reply.message or reply.kind, reply.kind)
-        return _recv_exactly(sock, reply.length)
+        return recv_exactly(sock, reply.length)
 
     def _abort(self) -> None:
         if self._sock is not None:
@@ -164,18 +164,6 @@ class _Connection:
             self._abort()
             self._sock.close()
             self._sock = None
-
-
-def _recv_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
-        got += k
-    return bytes(buf) if n < 65536 else buf  # type: ignore[return-value]
 
 
 # Everything a source can do wrong on the wire, as the copy sees it: drop the source.

@@ -43,7 +43,7 @@ from mesh.copy.protocol import (
     parse_request,
     refusal,
 )
-from mesh.copy.tls import make_context, peer_node_id
+from mesh.copy.tls import make_context, peer_node_id, recv_exactly
 from mesh.errors import AuthFailed, ManifestError
 from mesh.identity import NodeIdentity, short_id
 from worker.store import InvalidModelNameError, model_path
@@ -204,13 +204,13 @@ class CopyServer:
             while True:
                 tls.settimeout(self.config.idle_timeout_s)
                 try:
-                    prefix = _recv_exactly(tls, PREFIX_SIZE)
+                    prefix = recv_exactly(tls, PREFIX_SIZE)
                 except asyncio.IncompleteReadError as exc:
                     if not exc.partial:
                         return  # the client is done
                     raise
                 tls.settimeout(self.config.reply_timeout_s)
-                request = parse_request(_recv_exactly(tls, header_length(prefix)))
+                request = parse_request(recv_exactly(tls, header_length(prefix)))
                 self._dispatch[type(request)](request, tls, node_id)
         finally:
             with self._lock:
@@ -278,18 +278,6 @@ class CopyServer:
             wait = bucket.delay(n, time.monotonic())
         if wait > 0:
             time.sleep(wait)
-
-
-def _recv_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
-        got += k
-    return bytes(buf)
 
 
 def _pread(path: Path, offset: int, length: int) -> bytes:

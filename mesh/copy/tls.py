@@ -12,6 +12,7 @@ in an older context).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 import tempfile
@@ -73,3 +74,17 @@ def cert_der(identity_or_cert: NodeIdentity | x509.Certificate) -> bytes:
         else identity_or_cert
     )
     return cert.public_bytes(serialization.Encoding.DER)
+
+
+def recv_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
+    """Exactly ``n`` bytes from a blocking TLS socket (``IncompleteReadError`` at EOF). A large
+    read comes back as the buffer it filled (bytes-like, not copied once more)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        got += k
+    return bytes(buf) if n < 65536 else buf  # type: ignore[return-value]
