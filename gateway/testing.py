@@ -240,6 +240,14 @@ class HttpRecorder:
         return [e.body for e in self.exchanges if e.path == path]
 
 
+def paced_script(text: str, ttft: float = 0.0) -> list[Step]:
+    """An answer a word at a time, 5 ms apart, after ``ttft`` seconds (MoA races)."""
+    steps: list[Step] = [Sleep(ttft)] if ttft else []
+    for word in text.split(" "):
+        steps += [TextDelta(word + " "), Sleep(0.005)]
+    return [*steps, Usage(prompt_tokens=3, completion_tokens=5), Done()]
+
+
 @dataclass
 class AsgiResult:
     status: int

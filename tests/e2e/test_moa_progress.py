@@ -18,9 +18,9 @@ from openai.types.responses import (
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.events import Done, Progress, TextDelta, Usage
+from gateway.events import Progress
 from gateway.moa import MixtureOfAgents, MoaConfig
-from gateway.testing import ScriptedUpstream, ServerThread, Sleep, Step
+from gateway.testing import ScriptedUpstream, ServerThread, paced_script
 from gateway.testing import Stall as StallStep
 from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.peer_upstream import _decode_event
@@ -31,20 +31,13 @@ NOTE = "asking 2 models…"
 USER = [{"role": "user", "content": "Q?"}]
 
 
-def paced(text: str, ttft: float = 0.0) -> list[Step]:
-    steps: list[Step] = [Sleep(ttft)] if ttft else []
-    for word in text.split(" "):
-        steps += [TextDelta(word + " "), Sleep(0.005)]
-    return [*steps, Usage(prompt_tokens=3, completion_tokens=5), Done()]
-
-
 @pytest.fixture(scope="module")
 def server():
     """A gateway whose ``mesh`` races a quick worker (the winner) against a slow one."""
     directory = StaticDirectory()
-    directory.add(ModelInfo("quick", parameters=1), ScriptedUpstream.of(*paced(WINNER_TEXT)))
+    directory.add(ModelInfo("quick", parameters=1), ScriptedUpstream.of(*paced_script(WINNER_TEXT)))
     directory.add(
-        ModelInfo("slow", parameters=2), ScriptedUpstream.of(*paced("Too late.", ttft=0.5))
+        ModelInfo("slow", parameters=2), ScriptedUpstream.of(*paced_script("Too late.", ttft=0.5))
     )
     moa = MixtureOfAgents(directory, MoaConfig(progress=True))
     with ServerThread(create_app(directory, GatewayConfig(), moa=moa)) as srv:

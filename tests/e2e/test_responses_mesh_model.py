@@ -14,27 +14,19 @@ from openresponses import check_response
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.events import Done, TextDelta, Usage
 from gateway.moa import MixtureOfAgents, MoaConfig
-from gateway.testing import ScriptedUpstream, ServerThread, Sleep, Step
+from gateway.testing import ScriptedUpstream, ServerThread, paced_script
 from gateway.upstream import ModelInfo, StaticDirectory
 
 pytestmark = pytest.mark.e2e
 WINNER = "The sky is blue today."
 
 
-def paced(text: str, ttft: float = 0.0) -> list[Step]:
-    steps: list[Step] = [Sleep(ttft)] if ttft else []
-    for word in text.split(" "):
-        steps += [TextDelta(word + " "), Sleep(0.005)]
-    return [*steps, Usage(prompt_tokens=3, completion_tokens=5), Done()]
-
-
 @pytest.fixture(scope="module")
 def workers():
     return {
-        "quick": ScriptedUpstream.of(*paced(WINNER)),
-        "slow": ScriptedUpstream.of(*paced("Too late.", ttft=0.5)),
+        "quick": ScriptedUpstream.of(*paced_script(WINNER)),
+        "slow": ScriptedUpstream.of(*paced_script("Too late.", ttft=0.5)),
     }
 
 
