@@ -33,7 +33,7 @@ from gateway.events import Done, Error, Meta
 from gateway.exchange import error_response, json_response
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
-from gateway.responses.store import StoredResponse
+from gateway.responses.state import stored_turn
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +86,7 @@ class BackgroundRun:
             self._changed = asyncio.Event()
 
     def _store(self, response: dict[str, Any]) -> None:
-        output = [item for item in response.get("output", []) if isinstance(item, dict)]
-        body = self.body
-        self.state.responses.put(
-            StoredResponse(
-                id=self.id,
-                response=response,
-                input_items=body._turn_input,
-                context=[*body._prior_context, *body._turn_input, *output],
-                created_at=float(response.get("created_at", time.time())),
-            )
-        )
+        self.state.responses.put(stored_turn(self.body, response))
 
     async def _run(self) -> None:
         try:

@@ -9,11 +9,15 @@ one that fetches a peer's responses over the tunnel, and a standalone gateway us
 from __future__ import annotations
 
 import secrets
-from typing import Protocol
+import time
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.errors import GatewayError
 from gateway.events import Error
 from gateway.responses.store import ResponseStore, StoredResponse
+
+if TYPE_CHECKING:
+    from gateway.api.responses_input import ResponsesBody
 
 _PREFIX = "resp_"
 
@@ -95,3 +99,16 @@ class LocalResponses:
 
     async def delete(self, response_id: str) -> bool:
         return self.store.delete(response_id)
+
+
+def stored_turn(body: ResponsesBody, response: dict[str, Any]) -> StoredResponse:
+    """One turn as it is kept: the response, this turn's input items, and the context a
+    continuation of it starts from (the chain's items, this turn's input and output)."""
+    output = [item for item in response.get("output", []) if isinstance(item, dict)]
+    return StoredResponse(
+        id=response["id"],
+        response=response,
+        input_items=body._turn_input,
+        context=[*body._prior_context, *body._turn_input, *output],
+        created_at=float(response.get("created_at") or time.time()),
+    )

@@ -22,7 +22,7 @@ from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest
 from gateway.responses import background
-from gateway.responses.state import ResponseStateError, ResponseStates, not_found
+from gateway.responses.state import ResponseStateError, ResponseStates, not_found, stored_turn
 from gateway.responses.store import StoredResponse
 
 DEFAULT_PAGE = 20
@@ -107,16 +107,7 @@ def finish(
     """Store a finished (or failed) response unless the request said ``store: false``."""
     if body.store is False:
         return
-    output = [item for item in response.get("output", []) if isinstance(item, dict)]
-    state.responses.put(
-        StoredResponse(
-            id=response["id"],
-            response=response,
-            input_items=body._turn_input,
-            context=[*body._prior_context, *body._turn_input, *output],
-            created_at=float(response.get("created_at", 0)) or 0.0,
-        )
-    )
+    state.responses.put(stored_turn(body, response))
 
 
 def _error(error: Error) -> Response:

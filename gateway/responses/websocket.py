@@ -35,7 +35,7 @@ from gateway.events import Done, Error, Meta, TextDelta
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
 from gateway.responses import stored
-from gateway.responses.state import ResponseStateError
+from gateway.responses.state import ResponseStateError, stored_turn
 from gateway.responses.store import StoredResponse
 from gateway.router import RouteError
 from gateway.stream import ProducerStream
@@ -173,13 +173,7 @@ class _Socket:
     def _keep(self, request: ChatRequest, body: responses.ResponsesBody, final: dict) -> None:
         """The finished response: stored (unless ``store: false``) and kept on the socket."""
         stored.finish(self.state, request, body, final)
-        output = [item for item in final.get("output", []) if isinstance(item, dict)]
-        self.last = StoredResponse(
-            id=final["id"],
-            response=final,
-            input_items=body._turn_input,
-            context=[*body._prior_context, *body._turn_input, *output],
-        )
+        self.last = stored_turn(body, final)
 
     async def _run(self, request: ChatRequest, body: responses.ResponsesBody, routes) -> None:
         state = self.state
