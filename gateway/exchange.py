@@ -210,10 +210,7 @@ class EventResponse:
         record = self.record
         record.duration_s = time.perf_counter() - self._t0
         record.route = self.route_headers
-        if self.acc.usage is not None:
-            record.prompt_tokens = self.acc.prompt_tokens
-            record.completion_tokens = self.acc.completion_tokens
-            record.cached_tokens = self.acc.cached_tokens
+        record.count_tokens(self.acc)
         if self.acc.error is not None:
             record.outcome = self.acc.error.kind
         elif self.acc.finish_reason is None:

@@ -12,6 +12,8 @@ from pathlib import Path
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway.answer import Accumulator
+
 log = logging.getLogger(__name__)
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
@@ -34,6 +36,13 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     route: dict[str, str] = field(default_factory=dict)
+
+    def count_tokens(self, acc: Accumulator) -> None:
+        """The answer's token counts, when its upstream reported them."""
+        if acc.usage is not None:
+            self.prompt_tokens = acc.prompt_tokens
+            self.completion_tokens = acc.completion_tokens
+            self.cached_tokens = acc.cached_tokens
 
 
 class GatewayMetrics:

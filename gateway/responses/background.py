@@ -137,12 +137,7 @@ class BackgroundRun:
     def _finish_record(self) -> None:
         record, acc = self.record, self.encoder.acc
         record.duration_s = time.perf_counter() - self._t0
-        if acc.usage is not None:
-            record.prompt_tokens, record.completion_tokens = (
-                acc.prompt_tokens,
-                acc.completion_tokens,
-            )
-            record.cached_tokens = acc.cached_tokens
+        record.count_tokens(acc)
         record.outcome = acc.error.kind if acc.error is not None else self.status
         self.state.metrics.observe(record)
 

@@ -206,12 +206,7 @@ class _Socket:
             self._keep(request, body, encoder.final)
         acc = encoder.acc
         record.duration_s = duration_s
-        if acc.usage is not None:
-            record.prompt_tokens, record.completion_tokens = (
-                acc.prompt_tokens,
-                acc.completion_tokens,
-            )
-            record.cached_tokens = acc.cached_tokens
+        record.count_tokens(acc)
         record.outcome = (
             acc.error.kind if acc.error else ("ok" if acc.finish_reason else "cancelled")
         )
