@@ -53,7 +53,7 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _usage(acc: Accumulator) -> dict[str, Any]:
+def usage_of(acc: Accumulator) -> dict[str, Any]:
     return {
         "input_tokens": acc.prompt_tokens,
         # cache_write_tokens is not in the spec; OpenAI's SDK requires it (always 0 here).
@@ -138,7 +138,7 @@ class _Shell:
         if acc is None:
             return out
         if acc.usage is not None:
-            out["usage"] = _usage(acc)
+            out["usage"] = usage_of(acc)
         if acc.sampling is not None:
             out["temperature"] = acc.sampling.temperature
             out["top_p"] = acc.sampling.top_p

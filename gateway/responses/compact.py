@@ -122,7 +122,7 @@ async def compact(request: Request) -> Response:
         "object": "response.compaction",
         "created_at": int(time.time()),
         "output": [*_kept(history), item],
-        "usage": _usage(acc),
+        "usage": responses.usage_of(acc),
     }
     state.responses.put(  # continuable by previous_response_id, like any response
         StoredResponse(
@@ -130,16 +130,6 @@ async def compact(request: Request) -> Response:
         )
     )
     return json_response(compacted)
-
-
-def _usage(acc: Accumulator) -> dict[str, Any]:
-    return {
-        "input_tokens": acc.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": acc.cached_tokens},
-        "output_tokens": acc.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": acc.prompt_tokens + acc.completion_tokens,
-    }
 
 
 def _error(error: Error) -> Response:
