@@ -23,6 +23,7 @@ from gateway.events import (
     Done,
     Error,
     Event,
+    Meta,
     ReasoningDelta,
     Sampling,
     TextDelta,
@@ -285,6 +286,8 @@ class WorkerClient(Upstream):
                     if response.status_code != 200:
                         yield await _status_error(response)
                         return
+                    if listing := response.headers.get("x-tools-listing"):
+                        yield Meta({"x-tools-listing": listing})  # tools shortened to fit
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):
                             continue

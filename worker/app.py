@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from worker import tool_listing
 from worker.engine import Engine, Job
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
 from worker.grammar_processor import GrammarProcessor
@@ -44,6 +45,7 @@ from worker.structured_output import (
     output_grammar,
 )
 from worker.thinking import normalize_thinking
+from worker.tool_listing import Listing
 from worker.tool_parsing import ToolCallSplitter, parse_json_span
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 code="model_not_found",
             )
         try:
-            job, assembler = await _start_job(engine, chat, body)
+            job, assembler, listing = await _start_job(engine, chat, body)
         except BadRequest as exc:
             return error_response(
                 400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
@@ -135,7 +137,8 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
             return StreamingResponse(
                 frames,
                 media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+                | _listing_header(listing),
             )
         collected = await _collect_unless_disconnected(request, engine, job, assembler)
         if collected is None:
@@ -146,7 +149,9 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
         body = _completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
         body["sampling"] = _sampling_used(job)
         # The commit runs as a background task: after the body went out.
-        return json_response(body, background=BackgroundTask(engine.commit, job))
+        response = json_response(body, background=BackgroundTask(engine.commit, job))
+        response.headers.update(_listing_header(listing))
+        return response
 
     async def models(_: Request) -> Response:
         info = engine.info
@@ -206,7 +211,7 @@ def _how_it_runs(engine: Engine) -> dict[str, Any]:
 
 async def _start_job(
     engine: Engine, chat: ChatCompletionRequest, body: dict[str, Any]
-) -> tuple[Job, DeltaAssembler]:
+) -> tuple[Job, DeltaAssembler, Listing]:
     template_kwargs = dict(chat.chat_template_kwargs or {})
     thinking = normalize_thinking(body)
     if thinking is not None:
@@ -220,13 +225,13 @@ async def _start_job(
         template_kwargs["enable_thinking"] = (
             False  # the grammar holds the answer, not a think block
         )
+    context = engine.info.context_length
     try:
-        prompt, in_reasoning = await asyncio.to_thread(
-            engine.render_prompt, messages, tools, template_kwargs
+        (prompt, in_reasoning), listing = await asyncio.to_thread(
+            _fitted_prompt, engine, messages, tools, template_kwargs
         )
     except jinja2.TemplateError as exc:
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
-    context = engine.info.context_length
     if len(prompt) >= context:
         raise context_overflow(len(prompt), context)
     try:
@@ -277,9 +282,41 @@ async def _start_job(
             splitter = ToolCallSplitter(parser=parse_json_span, tools=tools)
     # A held answer is all content: a think tag spelled inside a JSON string stays in it.
     think_tags = (tok.think_start, tok.think_end) if tok.has_thinking and grammar is None else None
-    return job, DeltaAssembler(
+    assembler = DeltaAssembler(
         think_tags=think_tags, in_reasoning=in_reasoning, tool_splitter=splitter
     )
+    return job, assembler, listing
+
+
+def _listing_header(listing: Listing) -> dict[str, str]:
+    """``x-tools-listing: brief|names`` when the tools were shortened to fit the context."""
+    return {} if listing == "full" else {"x-tools-listing": listing}
+
+
+def _fitted_prompt(
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+) -> tuple[tuple[list[int], bool], Listing]:
+    """The prompt with the tools listed as fully as the context allows (worker.tool_listing)."""
+    if not tools:
+        return engine.render_prompt(messages, None, template_kwargs), "full"
+    sizes: dict[str, int] = {}
+
+    def render(listing: Listing) -> tuple[list[int], bool]:
+        rendered = engine.render_prompt(messages, tools, template_kwargs, listing)
+        sizes[listing] = len(rendered[0])
+        return rendered
+
+    context = engine.info.context_length
+    rendered, listing = tool_listing.fit(render, lambda prompt: len(prompt[0]), context)
+    if listing != "full":
+        log.info(
+            "%d tools listed %s: prompt %d tokens (%d with the full listing), context %d",
+            len(tools), listing, sizes[listing], sizes["full"], context,
+        )  # fmt: skip
+    return rendered, listing
 
 
 def _output_grammar(chat: ChatCompletionRequest, tools_offered: bool) -> str | None:

@@ -48,6 +48,7 @@ from worker.engine_types import (
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.prompt_cache import PromptCacheStore
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
+from worker.tool_listing import Listing, listed
 from worker.tool_prompt import generic_messages, renders_tools
 
 log = logging.getLogger(__name__)
@@ -197,12 +198,16 @@ class Engine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any],
+        listing: Listing = "full",
     ) -> tuple[list[int], bool]:
         """Prompt tokens through the chat template, and whether generation starts in a think
-        block (the template opened ``<think>``). Raises jinja errors for bad conversations."""
+        block (the template opened ``<think>``), the tools shown as ``listing``
+        (:mod:`worker.tool_listing`). Raises jinja errors for bad conversations."""
         tok = self.tokenizer
         if self.tool_calling == "generic" and (tools or _has_tool_turns(messages)):
-            messages, tools = generic_messages(messages, tools), None
+            messages, tools = generic_messages(messages, tools, listing), None
+        elif tools:
+            tools = listed(tools, listing)
         if tok.has_chat_template:
             text = tok.apply_chat_template(
                 messages,

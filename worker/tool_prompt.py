@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from worker.tool_listing import Listing, first_sentence, listed, top_level
 from worker.tool_parsing import DEFAULT_END, DEFAULT_START
 
 _PROBE_TOOL = "zz_probe_tool_7f3a"
@@ -34,7 +35,7 @@ call, several blocks for several calls):
 Each result comes back to you inside <tool_response></tool_response>; then go on with the task. \
 Call a tool only when you need it; otherwise answer normally.
 
-Available tools (JSON Schema):
+Available tools ({form}):
 {tools}"""
 
 Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
@@ -59,18 +60,41 @@ def renders_tools(render: Render) -> bool:
     return _PROBE_TOOL in text and _PROBE_CALL in text
 
 
-def tools_section(tools: list[dict[str, Any]]) -> str:
-    lines = []
-    for tool in tools:
-        function = tool.get("function", tool)
-        spec = {
-            "name": function.get("name"),
-            "description": function.get("description", ""),
-            "parameters": function.get("parameters", {"type": "object", "properties": {}}),
-        }
-        lines.append(json.dumps(spec, ensure_ascii=False))
-    listed = "\n".join(lines)
-    return GENERIC_TOOL_PROMPT.format(start=DEFAULT_START, end=DEFAULT_END, tools=listed)
+def tools_section(tools: list[dict[str, Any]], listing: Listing = "full") -> str:
+    """The system message's tools part, the tools shown as ``listing`` has them
+    (:mod:`worker.tool_listing`): JSON Schema, or one signature line each."""
+    if listing == "names":
+        lines, form = [_signature(tool) for tool in tools], "name(parameter: type, optional?: type)"
+    else:
+        lines = [json.dumps(_spec(tool), ensure_ascii=False) for tool in listed(tools, listing)]
+        form = "JSON Schema"
+    listed_tools = "\n".join(lines)
+    return GENERIC_TOOL_PROMPT.format(
+        start=DEFAULT_START, end=DEFAULT_END, form=form, tools=listed_tools
+    )
+
+
+def _spec(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool.get("function", tool)
+    return {
+        "name": function.get("name"),
+        "description": function.get("description", ""),
+        "parameters": function.get("parameters", {"type": "object", "properties": {}}),
+    }
+
+
+def _signature(tool: dict[str, Any]) -> str:
+    """``Bash(command: string, timeout?: number): Executes a bash command.``"""
+    function = tool.get("function", tool)
+    schema = top_level(function.get("parameters") or {})
+    required = set(schema.get("required", ()))
+    parameters = ", ".join(
+        f"{name}{'' if name in required else '?'}: {spec['type']}"
+        for name, spec in schema["properties"].items()
+    )
+    line = f"{function.get('name')}({parameters})"
+    description = first_sentence(function.get("description") or "")
+    return f"{line}: {description}" if description else line
 
 
 def _call_text(call: dict[str, Any]) -> str:
@@ -85,7 +109,7 @@ def _call_text(call: dict[str, Any]) -> str:
 
 
 def generic_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, listing: Listing = "full"
 ) -> list[dict[str, Any]]:
     """``messages`` with the tools in the (first) system message and every tool call and tool
     result written as text, for a template that renders neither."""
@@ -102,7 +126,7 @@ def generic_messages(
         else:
             out.append(message)
     if tools:
-        section = tools_section(tools)
+        section = tools_section(tools, listing)
         if out and out[0].get("role") == "system":
             system = out[0].get("content") or ""
             out[0] = {**out[0], "content": f"{system}\n\n{section}" if system else section}

@@ -16,7 +16,7 @@ from gateway import sse
 from gateway.answer import Accumulator, clamp_tool_name, new_id
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, anthropic_error_body, validated
-from gateway.api.output_format import messages_output_format
+from gateway.api.output_format import messages_effort, messages_output_format
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
@@ -295,6 +295,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
         max_tokens=body.max_tokens,
         stop=list(body.stop_sequences or []),
         reasoning=normalize_thinking(raw),
+        reasoning_effort=messages_effort(raw),
         output_format=messages_output_format(raw),
         stream=body.stream,
         session_key=str(metadata["user_id"]) if metadata.get("user_id") else None,

@@ -105,9 +105,23 @@ class _AnthropicFormat(BaseModel):
 
 
 class _AnthropicOutputConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")  # effort
+    model_config = ConfigDict(extra="allow")
 
     format: _AnthropicFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+# Anthropic's effort levels as OpenAI's reasoning_effort, which chat templates read
+# (gpt-oss's "Reasoning: high"); OpenAI's scale ends at xhigh.
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+
+
+def messages_effort(raw: dict[str, Any]) -> str | None:
+    """Messages ``output_config.effort`` as a ``reasoning_effort``."""
+    if raw.get("output_config") is None:
+        return None
+    config = validated(_AnthropicOutputConfig, raw["output_config"], "output_config")
+    return _EFFORTS[config.effort] if config.effort else None
 
 
 def messages_output_format(raw: dict[str, Any]) -> OutputFormat | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import orjson
 
-from gateway.events import Done, Error, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import Done, Error, Meta, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
 from gateway.worker_client import WorkerClient, worker_body
 
@@ -106,6 +106,15 @@ async def test_chunks_become_events():
         Usage(10, 4, 6),
         Done("tool_calls"),
     ]
+
+
+async def test_a_shortened_tool_listing_becomes_a_route_header():
+    body = _sse(_chunk({"content": "ok"}, "stop"), b"[DONE]")
+    headers = {"x-tools-listing": "names"}
+    upstream = _upstream(lambda request: httpx.Response(200, content=body, headers=headers))
+    assert (await _events(upstream))[:2] == [Meta({"x-tools-listing": "names"}), TextDelta("ok")]
+    plain = await _events(_upstream(lambda request: httpx.Response(200, content=body)))
+    assert not any(isinstance(e, Meta) for e in plain)
 
 
 async def test_continuous_usage_gives_one_early_usage_before_the_first_delta():

@@ -639,6 +639,55 @@ def test_a_template_without_tools_gets_the_generic_tool_prompt(toolless, plain) 
     assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 50
 
 
+def _verbose_tools(count: int) -> list[dict[str, Any]]:
+    """An agent harness's tools: each with a manual of a description (Claude Code's are
+    ~800 tokens a tool)."""
+    manual = "Use it with care and read the whole manual first. " * 60
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"Does job number {i}. {manual}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string", "description": manual}},
+                    "required": ["path"],
+                },
+            },
+        }
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("fixture", ["toolless", "plain"])
+def test_tools_that_cannot_fit_the_context_are_listed_shorter(fixture, request) -> None:
+    """Issue 13: Claude Code's tools alone are ~20,000 tokens, more than SmolLM2's context.
+    The worker lists them briefer until a quarter of the context is left, says so in a header,
+    and the tools stay callable by name (generic prompt and native template alike)."""
+    url, engine = request.getfixturevalue(fixture)
+    tools = _verbose_tools(12)
+    messages = [{"role": "user", "content": "List the files."}]
+    full, _ = engine.render_prompt(messages, tools, {})
+    assert len(full) > engine.info.context_length  # it could not be served as sent
+    body = {"messages": messages, "tools": tools, "max_tokens": 2, "temperature": 0}
+    for stream in (False, True):
+        with httpx.stream(
+            "POST", f"{url}/chat/completions", json=body | {"stream": stream}, timeout=60
+        ) as response:
+            response.read()
+        assert response.status_code == 200, response.text
+        assert response.headers["x-tools-listing"] in ("brief", "names")
+    listing = response.headers["x-tools-listing"]
+    shown, _ = engine.render_prompt(messages, tools, {}, listing)
+    assert len(shown) <= engine.info.context_length * 3 // 4
+    text = engine.tokenizer.decode(shown)
+    assert all(f"tool_{i}" in text for i in range(12)) and "read the whole manual" not in text
+    short = [{"type": "function", "function": {"name": "ls", "description": "Lists files."}}]
+    few = httpx.post(f"{url}/chat/completions", json=body | {"tools": short}, timeout=60)
+    assert few.status_code == 200 and "x-tools-listing" not in few.headers
+
+
 def test_a_client_that_leaves_during_a_long_prefill_stops_it_and_its_retry_resumes(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -62,6 +62,18 @@ def test_messages_output_config_and_the_betas_output_format() -> None:
 
 
 @pytest.mark.parametrize(
+    ("effort", "reasoning_effort"),
+    [("low", "low"), ("high", "high"), ("xhigh", "xhigh"), ("max", "xhigh"), (None, None)],
+)
+def test_messages_effort_is_the_reasoning_effort_templates_read(effort, reasoning_effort) -> None:
+    """Claude Code sends ``output_config.effort`` (high); the worker passes reasoning_effort
+    to the chat template, so a model that reads it (gpt-oss) follows the client's effort."""
+    request, _ = messages.parse({**MESSAGES, "output_config": {"effort": effort}})
+    assert request.reasoning_effort == reasoning_effort
+    assert worker_body(request, "m").get("reasoning_effort") == reasoning_effort
+
+
+@pytest.mark.parametrize(
     ("parse", "body", "param"),
     [
         (
@@ -94,6 +106,7 @@ def test_messages_output_config_and_the_betas_output_format() -> None:
             {**MESSAGES, "output_config": {"format": {"type": "json_schema"}}},
             "output_config.format.schema",
         ),
+        (messages.parse, {**MESSAGES, "output_config": {"effort": "huge"}}, "output_config.effort"),
         (
             messages.parse,
             {**MESSAGES, "output_format": {"type": "json_schema", "schema": {"not": {}}}},
