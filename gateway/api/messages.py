@@ -17,7 +17,16 @@ from gateway.answer import Accumulator, clamp_tool_name, new_id
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, anthropic_error_body, validated
 from gateway.api.output_format import messages_effort, messages_output_format
-from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.events import (
+    Done,
+    Error,
+    Event,
+    Meta,
+    Progress,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+)
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.thinking import normalize_thinking
 
@@ -399,9 +408,10 @@ class MessagesStreamEncoder:
         )
 
     def encode(self, event: Event) -> bytes:
-        if isinstance(event, Progress):
-            # No summary channel in Messages; nor does a note start the message (message_start
-            # should carry the prompt count of an early Usage that may still come).
+        if isinstance(event, Progress | Meta):
+            # No summary channel in Messages; nor does a note or a route fact (headers) start
+            # the message: message_start should carry the prompt count of an early Usage that
+            # may still come.
             return b""
         frames = self._encode(event)  # folds ``event`` in first: an early Usage is known here
         if self.started or isinstance(event, Error):  # a failure needs no message around it

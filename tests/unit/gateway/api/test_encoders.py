@@ -17,6 +17,7 @@ from gateway.api import chat, messages, responses
 from gateway.events import (
     Done,
     Error,
+    Meta,
     Progress,
     ReasoningDelta,
     Sampling,
@@ -230,6 +231,9 @@ def test_anthropic_message_start_waits_for_the_first_event():
     assert encoder.start() == b""
     ping = _frames(encoder.keepalive())
     assert [name for name, _ in ping] == ["ping"]  # a ping may come first; no message yet
+    # A route fact arriving first (a retry's peer, x-tools-listing) is for headers: it must not
+    # start the message with zero usage before the prompt count comes.
+    assert encoder.encode(Meta({"x-tools-listing": "names"})) == b""
     frames = _frames(encoder.encode(Usage(12, 0, 0)) + encoder.encode(TextDelta("hi")))
     names = [name for name, _ in frames]
     assert names == ["message_start", "content_block_start", "content_block_delta"]
