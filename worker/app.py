@@ -184,6 +184,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 "tokens_per_second": round(engine.tokens_per_second(), 3),
                 "uptime_s": round(engine.uptime_s, 3),
                 "warm_up_s": _rounded(stats.warm_up_s),
+                "loops_stopped": stats.loops_stopped,
             }
             | _how_it_runs(engine)
         )

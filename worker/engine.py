@@ -46,6 +46,7 @@ from worker.engine_types import (
     TokenChunk,
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
+from worker.loop_guard import LoopGuard
 from worker.prompt_cache import PromptCacheStore
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
 from worker.tool_listing import Listing, listed
@@ -65,6 +66,7 @@ class _Active:
     cached_tokens: int
     completion_tokens: int = 0
     first_token: bool = False
+    loop: LoopGuard | None = None  # None: the loop guard is off
 
 
 @dataclass
@@ -377,8 +379,14 @@ class Engine:
             logits_processors=[make_request_processors(params) + list(req.logits_processors)],
             **kwargs,
         )
+        span = self.config.loop_guard_tokens
         self._active[uid] = _Active(
-            job, uid, self.tokenizer.detokenizer, StopMatcher(req.stop), cached
+            job,
+            uid,
+            self.tokenizer.detokenizer,
+            StopMatcher(req.stop),
+            cached,
+            loop=LoopGuard(span) if span else None,
         )
         self.stats.log("admitted", job.id)
 
@@ -468,6 +476,8 @@ class Engine:
         if r.finish_reason is not None:
             detok.finalize()
         text, stopped = active.stop.feed(detok.last_segment)
+        if not stopped and r.finish_reason is None and self._looping(active, r.token):
+            text, stopped = text + active.stop.flush(), True  # ends as if the model had stopped
         finish = r.finish_reason
         if stopped:
             finish = "stop"
@@ -504,6 +514,17 @@ class Engine:
         )
         with self._lock:
             self.stats.completed += 1
+
+    def _looping(self, active: _Active, token: int) -> bool:
+        if active.loop is None or not active.loop.feed(token):
+            return False
+        log.info(
+            "job %s: stopped a loop of %d tokens after %d tokens",
+            active.job.id, active.loop.period, active.completion_tokens,
+        )  # fmt: skip
+        with self._lock:
+            self.stats.loops_stopped += 1
+        return True
 
     def _send(self, active: _Active, event: JobEvent) -> bool:
         if active.job._deliver(event):

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.loop_guard import DEFAULT_SPAN
 from worker.sampling import SamplingParams
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -37,6 +38,9 @@ class EngineConfig:
     # most this share of physical memory: MLX's CPU quantized_matmul runs at ~2 GFLOP/s, a
     # float32 matmul on OpenBLAS at ~85 (see worker/cpu.py). 0 keeps them quantized.
     cpu_dequantize_share: float = 0.25
+    # End an answer whose last this-many tokens are one block repeated (worker.loop_guard);
+    # 0 turns it off.
+    loop_guard_tokens: int = DEFAULT_SPAN
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,7 @@ class EngineStats:
     commits: int = 0
     commit_waits: int = 0
     commit_wait_timeouts: int = 0
+    loops_stopped: int = 0  # answers the loop guard ended
     # The start-up warm-up (Engine.warm_up): how long it took and the tokens it generated.
     warm_up_s: float | None = None
     warm_up_tokens: int = 0

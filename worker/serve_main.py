@@ -22,6 +22,7 @@ from typing import NoReturn
 from worker.cpu import DEFAULT_DEQUANTIZE_SHARE, reexec_with_fast_blas
 from worker.engine import Engine, EngineError
 from worker.engine_types import EngineConfig
+from worker.loop_guard import DEFAULT_SPAN as DEFAULT_LOOP_GUARD
 from worker.net import SECRET_ENV, configure_logging
 
 
@@ -67,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         "of physical memory (0: keep them quantized)",
     )
     parser.add_argument(
+        "--loop-guard",
+        type=int,
+        default=DEFAULT_LOOP_GUARD,
+        metavar="TOKENS",
+        help="end an answer whose last TOKENS tokens are one block repeated (0: off)",
+    )
+    parser.add_argument(
         "--no-warm-up",
         dest="warm_up",
         action="store_false",
@@ -87,6 +95,7 @@ def run(
     fast_blas: bool = True,
     cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
     warm_up: bool = True,
+    loop_guard: int = DEFAULT_LOOP_GUARD,
 ) -> None:
     """Load the model, warm it up and serve it until interrupted (raises EngineError if it
     cannot load).
@@ -104,6 +113,7 @@ def run(
     config = EngineConfig(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
         cpu_dequantize_share=cpu_dequantize_share,
+        loop_guard_tokens=loop_guard,
     )
     engine = Engine(
         path,
@@ -146,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             fast_blas=False,  # done above
             cpu_dequantize_share=args.cpu_dequantize_share,
             warm_up=args.warm_up,
+            loop_guard=args.loop_guard,
         )
     except (EngineError, OSError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

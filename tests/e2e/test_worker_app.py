@@ -688,6 +688,31 @@ def test_tools_that_cannot_fit_the_context_are_listed_shorter(fixture, request) 
     assert few.status_code == 200 and "x-tools-listing" not in few.headers
 
 
+@pytest.mark.parametrize("span", [32, 0])
+def test_an_answer_stuck_in_a_loop_ends_as_stopped(tiny_model_dir: Path, span: int) -> None:
+    """SmolLM2 at 0.2 repeats one sentence until max_tokens (32,000 from Claude Code): the loop
+    guard ends it once the last ``span`` tokens are one block repeated; 0 turns it off."""
+    config = EngineConfig(loop_guard_tokens=span)
+    with run_worker_in_thread(tiny_model_dir, name="tiny", config=config) as (url, engine):
+        token = engine.tokenizer.encode("a", add_special_tokens=False)[0]
+        body = {
+            "messages": [{"role": "user", "content": "Say a."}],
+            "max_tokens": 80,
+            "logit_bias": {str(token): 100},  # the same token every step: a loop of one
+            "temperature": 0,
+        }
+        answer = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+        health = httpx.get(f"{url.removesuffix('/v1')}/health").json()
+    if span:
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["usage"]["completion_tokens"] == span
+        assert health["loops_stopped"] == 1
+    else:
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 80
+        assert health["loops_stopped"] == 0
+
+
 def test_a_client_that_leaves_during_a_long_prefill_stops_it_and_its_retry_resumes(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
