@@ -157,3 +157,27 @@ def test_a_session_past_the_context_is_compacted_and_goes_on(tmp_path: Path):
     ]
     assert len(summaries) == 1
     assert gateway.failures() == ["POST /v1/messages → 400", "log: messages 400 invalid_request"]
+
+
+def test_a_model_picked_by_alias_is_the_node_model_the_environment_names(tmp_path: Path):
+    """`--model haiku` (also a subagent's `model: haiku`) asks for Anthropic's model name,
+    which no node serves; ANTHROPIC_DEFAULT_HAIKU_MODEL (README) maps the alias to a node model."""
+    model = ToolRoundTrip(**_bash_model())
+    project = tmp_path / "project"
+    project.mkdir()
+    allow = ["--allowedTools", "Bash"]
+    with scripted_gateway(model, MODEL, tmp_path, api_key=KEY) as gateway:
+        env = _environment(gateway.url)
+        env.pop("ANTHROPIC_MODEL")
+        env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] = MODEL
+        run = run_client(
+            [CLAUDE, "-p", "--model", "haiku", "Run the echo command.", *allow],
+            home=tmp_path / "home",
+            cwd=project,
+            env=env,
+        )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert ANSWER in run.stdout
+    exchanges = [e for e in gateway.recorder.exchanges if e.path == "/v1/messages"]
+    assert exchanges and {e.body["model"] for e in exchanges} == {MODEL}
+    assert gateway.failures() == []
