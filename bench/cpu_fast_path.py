@@ -37,6 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
+# every answer runs to max_tokens, no loop guard (worker/loop_guard.py).
+os.environ.setdefault("MLX_MESH_LOOP_GUARD", "0")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "cpu.md"

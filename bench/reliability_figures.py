@@ -42,6 +42,10 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent
 from mesh.identity import NodeIdentity
 from mesh.tunnel.config import TunnelConfig
 
+# Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
+# every answer runs to max_tokens, no loop guard (worker/loop_guard.py).
+os.environ.setdefault("MLX_MESH_LOOP_GUARD", "0")
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "reliability-figures.md"
 USER = [{"role": "user", "content": "hi"}]

@@ -34,6 +34,10 @@ from pathlib import Path
 import httpx
 import orjson
 
+# Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
+# every answer runs to max_tokens, no loop guard (worker/loop_guard.py).
+os.environ.setdefault("MLX_MESH_LOOP_GUARD", "0")
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "worker.md"
 FILLER = (

@@ -241,4 +241,6 @@ def node_env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["MLX_MESH_HOME"] = str(home)
     env["PYTHONUNBUFFERED"] = "1"
+    # The lab's random-weight models loop under greedy decoding; its streams must go on.
+    env.setdefault("MLX_MESH_LOOP_GUARD", "0")
     return env

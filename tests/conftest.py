@@ -17,6 +17,11 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# Random-weight models loop under greedy decoding, and many tests need a stream that goes on
+# (cancels, kills, disconnects): no loop guard in this process and the nodes it starts. The
+# guard's own tests set EngineConfig.loop_guard_tokens.
+os.environ["MLX_MESH_LOOP_GUARD"] = "0"
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -379,7 +379,9 @@ class Engine:
             logits_processors=[make_request_processors(params) + list(req.logits_processors)],
             **kwargs,
         )
-        span = self.config.loop_guard_tokens
+        # Not under a grammar: it ends the answer where the JSON is complete, and a cut would
+        # be a "stop" whose JSON does not parse.
+        span = 0 if req.logits_processors else self.config.loop_guard_tokens
         self._active[uid] = _Active(
             job,
             uid,

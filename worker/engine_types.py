@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.loop_guard import DEFAULT_SPAN
+from worker.loop_guard import configured_span
 from worker.sampling import SamplingParams
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -40,7 +40,7 @@ class EngineConfig:
     cpu_dequantize_share: float = 0.25
     # End an answer whose last this-many tokens are one block repeated (worker.loop_guard);
     # 0 turns it off.
-    loop_guard_tokens: int = DEFAULT_SPAN
+    loop_guard_tokens: int = field(default_factory=configured_span)
 
 
 @dataclass(frozen=True, slots=True)

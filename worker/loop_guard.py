@@ -7,16 +7,30 @@ the same sentence before ``max_tokens`` ends it. A loop here is exact: the last 
 are one block of at most ``span // 4`` tokens repeated back to back (so at least four times).
 The engine then ends the answer as if the model had stopped (``finish_reason: "stop"``), which
 ends an agent's turn instead of asking it to continue. ``EngineConfig.loop_guard_tokens = 0``
-(``python -m worker --loop-guard 0``) turns it off.
+(``python -m worker --loop-guard 0``, or ``MLX_MESH_LOOP_GUARD=0`` for every worker a node
+starts) turns it off.
 
 Pure and incremental: per token one comparison per candidate period.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 DEFAULT_SPAN = 256
+SPAN_ENV = "MLX_MESH_LOOP_GUARD"  # tokens; 0 turns the guard off
+
+
+def configured_span() -> int:
+    """The span to use: ``$MLX_MESH_LOOP_GUARD`` when set (the test suite and the fault lab set
+    0: their random-weight models loop under greedy decoding, and their streams must go on),
+    else :data:`DEFAULT_SPAN`."""
+    value = os.environ.get(SPAN_ENV, "").strip()
+    try:
+        return max(0, int(value)) if value else DEFAULT_SPAN
+    except ValueError:
+        return DEFAULT_SPAN
 
 
 class LoopGuard:

@@ -22,7 +22,7 @@ from typing import NoReturn
 from worker.cpu import DEFAULT_DEQUANTIZE_SHARE, reexec_with_fast_blas
 from worker.engine import Engine, EngineError
 from worker.engine_types import EngineConfig
-from worker.loop_guard import DEFAULT_SPAN as DEFAULT_LOOP_GUARD
+from worker.loop_guard import configured_span
 from worker.net import SECRET_ENV, configure_logging
 
 
@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loop-guard",
         type=int,
-        default=DEFAULT_LOOP_GUARD,
+        default=None,
         metavar="TOKENS",
-        help="end an answer whose last TOKENS tokens are one block repeated (0: off)",
+        help="end an answer whose last TOKENS tokens are one block repeated (0: off; default $MLX_MESH_LOOP_GUARD, else 256)",
     )
     parser.add_argument(
         "--no-warm-up",
@@ -95,7 +95,7 @@ def run(
     fast_blas: bool = True,
     cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
     warm_up: bool = True,
-    loop_guard: int = DEFAULT_LOOP_GUARD,
+    loop_guard: int | None = None,
 ) -> None:
     """Load the model, warm it up and serve it until interrupted (raises EngineError if it
     cannot load).
@@ -113,7 +113,7 @@ def run(
     config = EngineConfig(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
         cpu_dequantize_share=cpu_dequantize_share,
-        loop_guard_tokens=loop_guard,
+        loop_guard_tokens=configured_span() if loop_guard is None else loop_guard,
     )
     engine = Engine(
         path,
