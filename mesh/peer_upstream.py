@@ -130,25 +130,27 @@ class PeerUpstream(Upstream):
                 complete = await _drain(stream)
                 yield _error_for_status(first, self.name)
                 return
-            async for frame in stream:
-                if isinstance(frame, End):
-                    complete = True
-                    if terminal is None:
-                        yield commit.failure(_error_for_end(frame, self.name))
+            # A batch per wake-up: the peer's tokens come many to a datagram.
+            while frames := await stream.recv_batch():
+                for frame in frames:
+                    if type(frame) is End:
+                        complete = True
+                        if terminal is None:
+                            yield commit.failure(_error_for_end(frame, self.name))
+                        else:
+                            yield terminal
+                        return
+                    if type(frame) is not Data or terminal is not None:
+                        continue
+                    event = _decode_event(frame.data)
+                    if isinstance(event, Meta):
+                        yield Meta({_REMOTE_RENAMES.get(k, k): v for k, v in event.headers.items()})  # fmt: skip
+                    elif isinstance(event, Done | Error):
+                        terminal = event  # yielded once End confirms the stream completed
                     else:
-                        yield terminal
-                    return
-                if not isinstance(frame, Data) or terminal is not None:
-                    continue
-                event = _decode_event(frame.data)
-                if isinstance(event, Meta):
-                    yield Meta({_REMOTE_RENAMES.get(k, k): v for k, v in event.headers.items()})
-                elif isinstance(event, Done | Error):
-                    terminal = event  # yielded once End confirms the stream completed
-                else:
-                    commit.feed(event)
-                    yield event
-            # recv() returns None only after End, which returned above.
+                        commit.feed(event)
+                        yield event
+            # recv_batch() returns [] only after End, which returned above.
             yield commit.failure(_unavailable("peer stream ended without End"))
         except MeshError as exc:  # stream reset, connection lost, protocol violation
             log.info(

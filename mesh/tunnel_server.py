@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from gateway.events import Error, Event, event_to_dict
 from gateway.request import ChatRequest
 from gateway.responses.state import LocalResponses
-from gateway.router import Router
+from gateway.router import CommitTracker, Router
 from gateway.upstream import ModelDirectory
 from mesh import response_relay
 from mesh.errors import MeshError
@@ -126,10 +126,15 @@ class TunnelServer:
     async def _pump(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
         # aclosing: however the pump ends, the upstream is closed before it returns.
         async with contextlib.aclosing(self._router.stream(request, routes)) as events:
+            commit = CommitTracker(streaming=True)
             try:
                 async with asyncio.timeout(deadline):
                     async for event in events:
-                        await stream.send(Data(_encode(event)))
+                        # The first content event (the client's TTFT) goes at once; the ones
+                        # after it may wait a moment to share a datagram (TunnelConfig).
+                        defer = commit.committed
+                        commit.feed(event)
+                        await stream.send(Data(_encode(event)), defer=defer)
             except TimeoutError:
                 await stream.send(Data(_encode(Error(kind="timeout", message="deadline passed"))))
 

@@ -28,7 +28,9 @@ class _PipeHost:
         self.peer: TunnelStream | None = None
         self.lost: ConnectionLost | None = None
 
-    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+    def _stream_write(
+        self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
+    ) -> None:
         asyncio.get_running_loop().call_soon(self.peer._on_data, data, end_stream)
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
