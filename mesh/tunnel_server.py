@@ -103,7 +103,9 @@ class TunnelServer:
             self.served += 1
 
     async def _run(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
-        await stream.send(ResponseHead(status=200))
+        # Deferred: the head alone tells the requester nothing it acts on; it leaves with the
+        # first token (or after flush_delay), one datagram instead of two.
+        await stream.send(ResponseHead(status=200), defer=True)
         pump = asyncio.ensure_future(self._pump(stream, request, routes, deadline))
         watch = asyncio.ensure_future(stream.wait_broken())  # the requester reset or left
         try:
@@ -130,11 +132,10 @@ class TunnelServer:
             try:
                 async with asyncio.timeout(deadline):
                     async for event in events:
-                        # The first content event (the client's TTFT) goes at once; the ones
-                        # after it may wait a moment to share a datagram (TunnelConfig).
-                        defer = commit.committed
-                        commit.feed(event)
-                        await stream.send(Data(_encode(event)), defer=defer)
+                        # The first content event (the client's TTFT) goes at once, with all
+                        # before it; the others may wait a moment to share a datagram.
+                        urgent = commit.feed(event)
+                        await stream.send(Data(_encode(event)), defer=not urgent)
             except TimeoutError:
                 await stream.send(Data(_encode(Error(kind="timeout", message="deadline passed"))))
 

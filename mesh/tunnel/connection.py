@@ -18,6 +18,7 @@ import enum
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -153,7 +154,7 @@ class PeerConnection:
         self._ready.add_done_callback(_retrieve)  # failures are raised to connect(), if any
         self._handshake_done = False
         self._streams: dict[int, TunnelStream] = {}
-        self._deferred: dict[int, list[bytes]] = {}  # stream id → writes waiting for the flush
+        self._deferred: dict[int, _Held] = {}  # stream id → writes waiting for the flush
         self._held: list[TunnelStream] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_stream_id = 0 if is_client else 1
@@ -301,19 +302,19 @@ class PeerConnection:
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         nbytes = len(data)
-        if defer and not end_stream:
+        if defer:
             # Held here until the flush: one aioquic write (and one STREAM frame) per stream
             # per datagram, not one per token – aioquic's bookkeeping costs per write.
             held = self._deferred.get(stream_id)
             if held is None:
-                self._deferred[stream_id] = [data]
-            else:
-                held.append(data)
+                self._deferred[stream_id] = held = _Held()
+            held.chunks.append(data)
+            held.fin = end_stream
         else:
             held = self._deferred.pop(stream_id, None)
-            if held:
-                held.append(data)
-                data = b"".join(held)
+            if held is not None:
+                held.chunks.append(data)
+                data = b"".join(held.chunks)
             self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
         self._protocol.transmit_soon(nbytes, defer=defer)
 
@@ -324,7 +325,7 @@ class PeerConnection:
         deferred, self._deferred = self._deferred, {}
         for stream_id, held in deferred.items():
             try:
-                self._quic.send_stream_data(stream_id, b"".join(held))
+                self._quic.send_stream_data(stream_id, b"".join(held.chunks), held.fin)
             except (RuntimeError, ValueError):  # reset or finished meanwhile: nobody reads it
                 log.debug("stream %d: dropped writes held for a stream that ended", stream_id)
 
@@ -592,6 +593,14 @@ class PeerConnection:
         self._set_state(ConnectionState.CLOSED)
         self.closed.set()
         self._registry.unregister(self)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A stream's writes waiting for the connection's next flush."""
+
+    chunks: list[bytes] = field(default_factory=list)
+    fin: bool = False
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

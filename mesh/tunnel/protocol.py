@@ -65,7 +65,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         if self._unsent:
             self._unsent = 0
             self._last_flush = self._loop.time()
-            self.conn._flush_deferred()
+        self.conn._flush_deferred()
         super().transmit()
 
     def transmit_soon(self, nbytes: int, *, defer: bool) -> None:

@@ -120,7 +120,7 @@ class TunnelStream:
             self._raise_if_unsendable()
         end = type(frame) is End
         self._sent += len(data)
-        self._host._stream_write(self.stream_id, data, end, defer and not end)
+        self._host._stream_write(self.stream_id, data, end, defer and not end)  # End: at once
         if end:
             self._finish_local()
 
@@ -173,7 +173,9 @@ class TunnelStream:
         if self._local_finished:
             return
         if self._host._lost_error() is None:
-            self._host._stream_write(self.stream_id, b"", True)
+            # Nobody waits for a bare FIN (it only lets both ends forget the stream): it may
+            # ride with the next datagram.
+            self._host._stream_write(self.stream_id, b"", True, True)
         self._finish_local()
 
     def reset(self, code: int = ErrorCode.CANCELLED) -> None:
