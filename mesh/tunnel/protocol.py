@@ -1,14 +1,20 @@
 """aioquic's datagram protocol for one tunnel connection, with its events routed to a
 :class:`~mesh.tunnel.connection.PeerConnection` (which owns all tunnel behaviour).
 
-Coalescing: every datagram costs aioquic ~50 µs of Python on each side (build, encrypt, send;
-receive, decrypt, parse, and an ACK back), whatever it carries. A token is ~40 bytes, so one
-datagram per token makes the tunnel's CPU cost per token that of a whole datagram. Writes the
-sender marks as deferrable (a response's token frames after its first) therefore wait until
-``flush_delay`` s after the previous flush (or until ``FLUSH_BYTES`` wait), and then leave
-together. Everything else – heads, the first token, ``End``, credit, resets – is sent at
-once, and so is a token of a stream that has been quiet for ``flush_delay`` (a real engine's
-tokens come tens of milliseconds apart: none of them waits).
+Coalescing. aioquic spends ~250 µs of Python per datagram on this project's 2-core box (build,
+encrypt, send; receive, decrypt, parse; the ACK back), whatever the datagram carries, while a
+token is a 46-byte frame: one datagram per token made relaying cost ~180 µs per token. So
+writes the sender marks ``defer`` (a response's frames other than its first token and ``End``)
+are held by the connection and leave together – one aioquic write per stream, datagrams as
+full as they get – ``flush_delay`` s after the previous flush, or once ``FLUSH_BYTES`` wait.
+Every other write (requests, the first token, ``End``, credit, resets) flushes at once and
+takes the held ones along, and so does any send aioquic makes (an ACK, a ping). A connection
+whose last flush is older than ``flush_delay`` holds nothing: a real engine's tokens come
+10–150 ms apart, so none of them waits; only a connection carrying hundreds of tokens a second
+coalesces, each token waiting at most ``flush_delay`` (5 ms, a third of a 60 Hz frame). While
+a flush is held, a datagram from the peer does not trigger a send of its own: a plain ACK
+needs no answer, and one that does (a ping, credit, a request) gets it when aioquic's ACK
+timer fires, on time.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from aioquic.quic.connection import QuicConnection
 from mesh.tunnel.connection import ConnectionRegistry, PeerConnection
 from mesh.tunnel.pins import Pin, request_client_certificate
 
-# Deferred writes are flushed early once this much waits. Not one datagram's worth: the
-# streams of a busy connection each add a frame per datagram (a cost of its own, per stream),
-# so a datagram full of one-token frames is no saving; bulk transfers do not wait for the timer.
+# Held writes are flushed early once this much waits. Not one datagram's worth: the streams
+# of a busy connection each add a STREAM frame per datagram (aioquic and our reader pay per
+# frame too), so a datagram of one-token frames saves little; bulk never waits for the timer.
 FLUSH_BYTES = 16 * 1024
 
 
@@ -92,11 +98,23 @@ class TunnelProtocol(QuicConnectionProtocol):
         if not isinstance(self._transmit_task, asyncio.TimerHandle):
             super().datagram_received(data, addr)
             return
-        # A deferred flush is due within flush_delay: what this datagram calls for (an ACK,
-        # credit) goes with it. Sending now would cut every deferral short at the peer's
-        # next ACK – about one per millisecond while tokens flow.
+        # A flush is held: sending now, as aioquic does after every datagram, would cut it
+        # short at the peer's next ACK – about one a millisecond while tokens flow. Only
+        # aioquic's timer is brought up to date, so an ACK this datagram calls for (it was
+        # a ping, credit, a request) still leaves on time, with the held writes.
         self._quic.receive_datagram(data, addr, now=now)  # type: ignore[arg-type]
         self._process_events()
+        self._rearm_timer()
+
+    def _rearm_timer(self) -> None:
+        """The timer half of aioquic's ``transmit()``, without sending."""
+        timer_at = self._quic.get_timer()
+        if self._timer is not None and self._timer_at != timer_at:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None and timer_at is not None:
+            self._timer = self._loop.call_at(timer_at, self._handle_timer)
+        self._timer_at = timer_at
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         self.conn.handle_event(event)
