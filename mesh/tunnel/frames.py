@@ -209,10 +209,10 @@ def _window(payload: bytes) -> Frame:
 
 _DECODERS: dict[int, Callable[[bytes], Frame]] = {
     FrameType.REQUEST_HEAD: _json(RequestHead),
-    FrameType.BODY: lambda p: Body(p),
+    FrameType.BODY: Body,
     FrameType.BODY_END: _body_end,
     FrameType.RESPONSE_HEAD: _json(ResponseHead),
-    FrameType.DATA: lambda p: Data(p),
+    FrameType.DATA: Data,
     FrameType.END: _json(End),
     FrameType.CONTROL: _json(Control),
     FrameType.WINDOW: _window,

@@ -150,11 +150,13 @@ class TunnelStream:
         whole batch is returned at once, so a reader holds at most one window besides the
         stream's own."""
         first = await self.recv()
-        if first is None:
-            return []
-        frames = [first]
-        while self._inbound:
-            frames.append(self._take())
+        if first is None or not self._inbound:
+            return [] if first is None else [first]
+        inbound, self._inbound = self._inbound, deque()
+        frames = [first, *(frame for frame, _ in inbound)]
+        self._consume(sum(size for _, size in inbound))
+        if type(frames[-1]) is End and self.role is StreamRole.RESPONSE:
+            self.finish()  # End is last: the sequence check lets nothing follow it
         return frames
 
     async def wait_broken(self) -> TunnelError | FrameError:
