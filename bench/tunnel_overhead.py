@@ -13,7 +13,11 @@
 Writes bench/results/tunnel.md.
 
     python bench/tunnel_overhead.py [--tokens 256] [--runs 20] [--rtt-runs 200] [--bulk-mb 16]
-        [--concurrency 1 16 64] [--conc-streams 128]
+        [--concurrency 1 16 64] [--conc-streams 128] [--before-results FILE]
+
+``--before-results``: the file an older commit's copy of this script wrote, run back to back
+with this one on the same box; its tables are quoted (the shared box's load moves every
+absolute figure, so a before/after is only fair at the same load).
 """
 
 from __future__ import annotations
@@ -436,6 +440,13 @@ def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _quoted_before(before: str) -> str:
+    """The tables and load line of an older run's results, under a heading of their own."""
+    blocks = [b.strip() for b in before.split("\n\n")]
+    kept = [b for b in blocks if b.startswith(("|", "Load average"))]
+    return "\n## Before, run back to back on the same box\n\n" + "\n\n".join(kept) + "\n"
+
+
 async def main_async(args: argparse.Namespace) -> str:
     fwd = await bench_forwarding(args.tokens, args.runs, args.concurrency, args.conc_streams)
     raw = await bench_raw(args.rtt_runs, args.bulk_mb << 20)
@@ -451,8 +462,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--conc-streams", type=int, default=128)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tunnel.md")
+    parser.add_argument("--before-results", type=Path, default=None)
     args = parser.parse_args()
     text = asyncio.run(main_async(args))
+    if args.before_results is not None:
+        text += _quoted_before(args.before_results.read_text())
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
