@@ -319,7 +319,7 @@ class PeerConnection:
         self._protocol.transmit_soon(nbytes, defer=defer)
 
     def _flush_deferred(self) -> None:
-        """Hand the held writes to aioquic (the protocol calls this before each transmit)."""
+        """Hand the held writes to aioquic (the protocol's ``flush``)."""
         if not self._deferred:
             return
         deferred, self._deferred = self._deferred, {}

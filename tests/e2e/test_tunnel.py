@@ -381,16 +381,23 @@ async def test_deferred_tokens_share_datagrams_and_arrive_whole_and_in_order(pai
 
 async def test_a_held_frame_leaves_with_the_next_urgent_one_or_after_flush_delay(pair) -> None:
     a, b = pair
-    # Held until an urgent frame takes it along (no pings meanwhile: a ping's send flushes).
-    a.config = b.config = replace(FAST, flush_delay=30.0, ping_interval=10.0, ping_timeout=30.0)
+    # Held until an urgent frame of its stream takes it along: aioquic's own sends (ACKs,
+    # pings) and other streams' urgent frames leave it held.
+    a.config = b.config = replace(FAST, flush_delay=30.0)
     head_seen, held, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def holding(stream: TunnelStream) -> None:
-        await stream.recv()
+        head = await stream.recv()
         await stream.recv()
         await stream.send(ResponseHead(status=200))
-        await head_seen.wait()  # not in the head's loop turn, which takes all writes along
-        await stream.send(Data(b"held"), defer=True)
+        if head.path == "/echo":
+            await stream.send(Data(b"echo"))
+            await stream.send(End())
+            return
+        # A connection quiet for flush_delay holds nothing: this one leaves at once...
+        await stream.send(Data(b"first"), defer=True)
+        await head_seen.wait()
+        await stream.send(Data(b"held"), defer=True)  # ...this one waits for flush_delay
         held.set()
         await go.wait()
         await stream.send(End())
@@ -402,8 +409,11 @@ async def test_a_held_frame_leaves_with_the_next_urgent_one_or_after_flush_delay
         await stream.send(RequestHead(id="1", path="/"))
         await stream.send(BodyEnd())
         assert await stream.recv() == ResponseHead(status=200)
+        assert await asyncio.wait_for(stream.recv(), 5) == Data(b"first")
         head_seen.set()
         await held.wait()
+        other = await asyncio.wait_for(request(conn, "/echo"), 5)  # urgent, on another stream
+        assert other == [ResponseHead(status=200), Data(b"echo"), End()]
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(stream.recv(), 0.3)  # still held
         go.set()
@@ -437,8 +447,9 @@ async def test_a_held_frame_leaves_with_the_next_urgent_one_or_after_flush_delay
 
 async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> None:
     a, b = pair
-    a.config = b.config = replace(FAST, flush_delay=30.0, ping_interval=10.0, ping_timeout=30.0)
+    a.config = b.config = replace(FAST, flush_delay=30.0)
     broken: asyncio.Future = asyncio.get_running_loop().create_future()
+    warm_seen, held = asyncio.Event(), asyncio.Event()
 
     async def held_then_reset(stream: TunnelStream) -> None:
         head = await stream.recv()
@@ -448,7 +459,10 @@ async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> Non
             await stream.send(End())
             return
         await stream.send(ResponseHead(status=200))
-        await stream.send(Data(b"never seen"), defer=True)
+        await stream.send(Data(b"warm"), defer=True)  # a quiet connection sends it at once
+        await warm_seen.wait()
+        await stream.send(Data(b"never seen"), defer=True)  # held: flush_delay is 30 s
+        held.set()
         broken.set_result(await stream.wait_broken())
         await stream.send(End())  # raises: the requester stopped the stream
 
@@ -459,6 +473,9 @@ async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> Non
         await stream.send(RequestHead(id="1", path="/hold"))
         await stream.send(BodyEnd())
         assert await stream.recv() == ResponseHead(status=200)
+        assert await asyncio.wait_for(stream.recv(), 5) == Data(b"warm")
+        warm_seen.set()
+        await asyncio.wait_for(held.wait(), 5)
     error = await asyncio.wait_for(broken, 5)
     assert isinstance(error, StreamReset) and error.code == ErrorCode.CANCELLED
     frames = await asyncio.wait_for(request(conn, "/echo"), 5)
@@ -470,7 +487,7 @@ async def test_a_relayed_first_token_is_never_held_and_cancel_still_reaches_the_
     pair,
 ) -> None:
     a, b = pair
-    a.config = b.config = replace(FAST, flush_delay=30.0, ping_interval=10.0, ping_timeout=30.0)
+    a.config = b.config = replace(FAST, flush_delay=30.0)
     # A "prefill" first: the ACK of the request (which flushes whatever is held) is long gone.
     engine = ScriptedUpstream.of(Sleep(0.2), TextDelta("first"), TextDelta("second"), Stall())
     directory = StaticDirectory()
