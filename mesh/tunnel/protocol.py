@@ -101,6 +101,9 @@ class TunnelProtocol(QuicConnectionProtocol):
 
     def terminated(self) -> None:
         """aioquic finished closing; a dialed connection owns its UDP socket."""
+        if self._flush_timer is not None:  # nothing held can be sent any more
+            self._flush_timer.cancel()
+            self._flush_timer = None
         if self._is_client and self._transport is not None:
             self._transport.close()
         self.conn._registry.forget(self.conn)
