@@ -429,7 +429,8 @@ def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
         "path takes, WireGuard overlays included).",
         f"- Streams/s at 16 in flight: the baseline is a free engine (a token per loop turn), "
         "so the ratio is the relay's whole per-token cost against the engine's. The relay's "
-        f"Python outside aioquic alone is {c_us - quic_us:.1f} µs per token, so even a free "
+        f"Python outside aioquic (the engine's own share included) is "
+        f"{c_us - quic_us:.1f} µs per token, so even a free "
         f"transport would reach only ≈ {b_us / max(c_us - quic_us, 1e-9):.2f}× – below 0.3× "
         "whatever the tunnel does. At 16 in flight each stream also adds a STREAM frame to "
         "every datagram with only a few tokens in it (16 streams share the loop), and the "
