@@ -13,7 +13,11 @@
 Writes bench/results/tunnel.md.
 
     python bench/tunnel_overhead.py [--tokens 256] [--runs 20] [--rtt-runs 200] [--bulk-mb 16]
-        [--concurrency 1 16 64] [--conc-streams 128]
+        [--concurrency 1 16 64] [--conc-streams 128] [--before-results FILE]
+
+``--before-results``: the file an older commit's copy of this script wrote, run back to back
+with this one on the same box; its tables are quoted (the shared box's load moves every
+absolute figure, so a before/after is only fair at the same load).
 """
 
 from __future__ import annotations
@@ -51,6 +55,55 @@ from mesh.tunnel.stream import TunnelStream  # noqa: E402
 from mesh.tunnel_server import TunnelServer  # noqa: E402
 
 CHUNK = 16 * 1024
+
+# The same benchmark at commit 7aebcbc, before coalescing (one datagram per token): each
+# figure against the direct path of that run, so it compares with this run's ratio column.
+BEFORE = {
+    "ttft50": "+1.14 ms",
+    "ttft95": "+5.59 ms",
+    "cpu": "182.4 µs (62.18×)",
+    1: "23.8 (0.038×)",
+    16: "75.9 (0.071×)",
+    64: "98.8 (0.082×)",
+    "rtt50": "0.44 ms (7.57×)",
+    "rtt95": "1.52 ms (10.36×)",
+    "bulk": "11.4 MiB/s (0.023×)",
+    "bulk_cpu": "12.4 MiB (0.016×)",
+}
+TARGETS = {"cpu_us": 30.0, "sps16": 0.3, "ttft_ms": 2.0}
+
+
+class AioquicMeter:
+    """CPU seconds inside aioquic (datagrams in and out, timers) and datagrams sent, for the
+    connections it is attached to: where the relay's time goes, measured in the run."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0
+        self._conns: list = []
+        self._start: dict[int, int] = {}
+
+    def attach(self, conn: PeerConnection) -> None:
+        quic = conn._quic
+        for name in ("receive_datagram", "datagrams_to_send", "handle_timer"):
+            setattr(quic, name, self._timed(getattr(quic, name)))
+        self._conns.append(conn)
+
+    def _timed(self, method: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.cpu += time.process_time() - start
+
+        return timed
+
+    def reset(self) -> None:
+        self.cpu = 0.0
+        self._start = {id(c): c._quic._packet_number for c in self._conns}
+
+    def datagrams(self, conn: PeerConnection) -> int:
+        return conn._quic._packet_number - self._start.get(id(conn), 0)
 
 
 def _engine(tokens: int) -> ScriptedUpstream:
@@ -143,20 +196,33 @@ async def bench_forwarding(tokens: int, runs: int, levels: list[int], total: int
     _serve_all(a, server.handle)
     await a.start()
     await b.start()
+    meter = AioquicMeter()
     try:
         conn = await a.connect("127.0.0.1", b.port, expected_node_id=b.identity.node_id)
         conn.mark_authenticated()  # the dialer's side too: the handshake is not run here
+        served = b.connection_for(a.identity.node_id)
+        assert served is not None
+        meter.attach(conn)
+        meter.attach(served)
 
         async def connect() -> PeerConnection:
             return conn
 
         peer = PeerUpstream(name=b.identity.node_id, connect=connect, self_id=a.identity.node_id)
+        meter.reset()
         cand = await _measure_stream(lambda: peer.stream(request), runs)
+        quic = {"cpu": meter.cpu, "down": meter.datagrams(served), "up": meter.datagrams(conn)}
         cand_sps = await _throughput(lambda: peer.stream(request), levels, total)
     finally:
         await a.close()
         await b.close()
-    return {"base": base, "cand": cand, "base_sps": base_sps, "cand_sps": cand_sps}
+    return {
+        "base": base,
+        "cand": cand,
+        "base_sps": base_sps,
+        "cand_sps": cand_sps,
+        "quic": quic,
+    }
 
 
 async def _tunnel_rtt(conn: PeerConnection, runs: int) -> list[float]:
@@ -272,9 +338,18 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f} ms"
 
 
+def _verdict(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
 def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
     (bt, bcpu, btok), (ct, ccpu, ctok) = fwd["base"], fwd["cand"]
     b_us, c_us = bcpu / btok * 1e6, ccpu / ctok * 1e6
+    added50 = _pct(ct, 50) - _pct(bt, 50)
+    quic = fwd["quic"]
+    quic_us = quic["cpu"] / ctok * 1e6
+    b16, c16 = fwd["base_sps"].get(16, (0, 0))[0], fwd["cand_sps"].get(16, (0, 0))[0]
+    ratio16 = c16 / b16 if b16 else 0.0
     mb = args.bulk_mb
     lines = [
         "# Tunnel overhead",
@@ -282,56 +357,118 @@ def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
         f"Python {platform.python_version()}, loopback, both tunnel ends in one process. "
         f"Forwarding: {args.tokens} tokens × {args.runs} streams. Raw: {args.rtt_runs} "
         f"sequential empty requests; {mb} MiB bulk on one stream ({CHUNK // 1024} KiB DATA). "
-        f"Streams/s: {args.conc_streams} streams of {args.tokens} tokens per level.",
+        f"Streams/s: {args.conc_streams} streams of {args.tokens} tokens per level. "
+        "Ratios are against the direct path measured in the same run; the before column is "
+        "this benchmark at commit 7aebcbc (one datagram per token), against its own run's "
+        "direct path.",
         "",
-        "| forwarding | direct engine | via peer tunnel | added / ratio |",
-        "|---|---|---|---|",
-        f"| TTFT p50 | {_ms(_pct(bt, 50))} | {_ms(_pct(ct, 50))} | "
-        f"+{_ms(_pct(ct, 50) - _pct(bt, 50))} |",
+        "| forwarding | direct engine | via peer tunnel | added / ratio | before (7aebcbc) |",
+        "|---|---|---|---|---|",
+        f"| TTFT p50 | {_ms(_pct(bt, 50))} | {_ms(_pct(ct, 50))} | +{_ms(added50)} | "
+        f"{BEFORE['ttft50']} |",
         f"| TTFT p95 | {_ms(_pct(bt, 95))} | {_ms(_pct(ct, 95))} | "
-        f"+{_ms(_pct(ct, 95) - _pct(bt, 95))} |",
-        f"| CPU per token | {b_us:.1f} µs | {c_us:.1f} µs | {c_us / b_us:.2f}× |",
+        f"+{_ms(_pct(ct, 95) - _pct(bt, 95))} | {BEFORE['ttft95']} |",
+        f"| CPU per token | {b_us:.1f} µs | {c_us:.1f} µs | {c_us / b_us:.2f}× | {BEFORE['cpu']} |",
     ]
     for c, (b_sps, b_failed) in fwd["base_sps"].items():
         c_sps, c_failed = fwd["cand_sps"][c]
         failed = f" ({b_failed}/{c_failed} failed)" if b_failed or c_failed else ""
         lines.append(
             f"| streams/s, {c} in flight | {b_sps:.1f} | {c_sps:.1f} | "
-            f"{c_sps / b_sps:.3f}×{failed} |"
+            f"{c_sps / b_sps:.3f}×{failed} | {BEFORE.get(c, '–')} |"
         )
     lines += [
         "",
-        "| raw streams | TCP + same codec | QUIC tunnel stream | ratio |",
-        "|---|---|---|---|",
+        "| raw streams | TCP + same codec | QUIC tunnel stream | ratio | before (7aebcbc) |",
+        "|---|---|---|---|---|",
     ]
     for q in (50, 95):
-        tcp, quic = _pct(raw["tcp_rtt"], q), _pct(raw["quic_rtt"], q)
-        lines.append(f"| request RTT p{q} | {_ms(tcp)} | {_ms(quic)} | {quic / tcp:.2f}× |")
+        tcp, quic_rtt = _pct(raw["tcp_rtt"], q), _pct(raw["quic_rtt"], q)
+        lines.append(
+            f"| request RTT p{q} | {_ms(tcp)} | {_ms(quic_rtt)} | {quic_rtt / tcp:.2f}× | "
+            f"{BEFORE[f'rtt{q}']} |"
+        )
     (tcp_wall, tcp_cpu), (quic_wall, quic_cpu) = raw["tcp_bulk"], raw["quic_bulk"]
     tcp_mbs, quic_mbs = mb / tcp_wall, mb / quic_wall
     lines.append(
         f"| bulk throughput (wall) | {tcp_mbs:.0f} MiB/s | {quic_mbs:.1f} MiB/s | "
-        f"{quic_mbs / tcp_mbs:.3f}× |"
+        f"{quic_mbs / tcp_mbs:.3f}× | {BEFORE['bulk']} |"
     )
     tcp_cpu_mbs, quic_cpu_mbs = mb / tcp_cpu, mb / quic_cpu
     lines.append(
         f"| bulk per CPU-second (both ends) | {tcp_cpu_mbs:.0f} MiB | {quic_cpu_mbs:.1f} MiB | "
-        f"{quic_cpu_mbs / tcp_cpu_mbs:.3f}× |"
+        f"{quic_cpu_mbs / tcp_cpu_mbs:.3f}× | {BEFORE['bulk_cpu']} |"
     )
+    lines += [
+        "",
+        "| target (issue 14 §4) | measured | |",
+        "|---|---|---|",
+        f"| ≤ {TARGETS['cpu_us']:.0f} µs CPU per relayed token | {c_us:.1f} µs | "
+        f"{_verdict(c_us <= TARGETS['cpu_us'])} |",
+        f"| ≥ {TARGETS['sps16']}× direct streams/s at 16 in flight | {ratio16:.3f}× | "
+        f"{_verdict(ratio16 >= TARGETS['sps16'])} |",
+        f"| TTFT added ≤ {TARGETS['ttft_ms']:.0f} ms p50 | +{_ms(added50)} | "
+        f"{_verdict(added50 * 1000 <= TARGETS['ttft_ms'])} |",
+        "",
+        f"Where a relayed token's {c_us:.1f} µs go (sequential streams): {quic_us:.1f} µs "
+        f"inside aioquic (both ends: datagrams built, encrypted, sent, received, parsed, "
+        f"timers); {quic['down'] / ctok * 100:.1f} datagrams per 100 tokens toward the "
+        f"requester and {quic['up'] / ctok * 100:.1f} back (ACKs, requests). The rest is "
+        "Python on both ends: the serving side's router and the engine itself, one "
+        "tunnel frame and one JSON event per token each way, and the event loop.",
+        "",
+        "What remains, and why:",
+        "",
+        f"- CPU per token is {c_us / b_us:.1f}× the direct path's here. The shared box's "
+        "load inflates CPU time itself (the direct path measured 2.9 µs when the before "
+        f"figures were taken, {b_us:.1f} µs in this run); at this run's ratio the relay would "
+        f"cost ≈ {c_us / b_us * 2.9:.0f} µs per token on the box as it was then – an "
+        "estimate, not a measurement. Of what is left, aioquic is "
+        f"{quic_us / c_us:.0%}: ~250 µs of pure Python per datagram, now paid once per "
+        f"{ctok / max(quic['down'], 1):.0f} tokens (1200-byte datagrams, the size every "
+        "path takes, WireGuard overlays included).",
+        f"- Streams/s at 16 in flight: the baseline is a free engine (a token per loop turn), "
+        "so the ratio is the relay's whole per-token cost against the engine's. The relay's "
+        f"Python outside aioquic (the engine's own share included) is "
+        f"{c_us - quic_us:.1f} µs per token, so even a free "
+        f"transport would reach only ≈ {b_us / max(c_us - quic_us, 1e-9):.2f}× – below 0.3× "
+        "whatever the tunnel does. At 16 in flight each stream also adds a STREAM frame to "
+        "every datagram with only a few tokens in it (16 streams share the loop), and the "
+        "wall-clock rates here include waiting for a CPU on the loaded box.",
+        "- TTFT: the added time is the request's own CPU before its first token (the request "
+        "parsed and routed on the serving side, two datagrams each way, both ends on one "
+        "shared core); nothing on that path waits for coalescing (the first token and the "
+        "request are never held). Compare it with the back-to-back before run below, made at "
+        "the same load.",
+    ]
     top = max(fwd["cand_sps"])
     relayed = fwd["cand_sps"][top][0] * args.tokens
     lines += [
         "",
-        "Streams/s: the direct engine is a free scripted one, so its rate is the event loop's "
-        f"ceiling, not a model's. Via the peer, {top} in flight relay {relayed:,.0f} tokens/s "
-        "with both tunnel ends sharing one process (one core); a real engine decodes far "
-        "fewer, so the relay is not the bottleneck.",
+        "Streams/s: the direct engine is a free scripted one (a token per loop turn, nothing "
+        "else), so its rate is the event loop's ceiling, not a model's, and the relay's "
+        "per-token Python (a frame and a JSON event each way, the serving side's router) "
+        "alone is several times the engine's own cost. Via the peer, "
+        f"{top} in flight relay {relayed:,.0f} tokens/s with both tunnel ends sharing one "
+        "process (one core), i.e. "
+        f"{1e6 / relayed if relayed else 0:.0f} µs of wall time per token. A real engine "
+        "decodes 7–8 tokens/s per stream on this box's CPU and 20–100 on a Mac's GPU: at "
+        "100 tokens/s a stream costs the relay about "
+        f"{c_us * 100 / 1e4:.2f}% of a core, and a whole core relays "
+        f"{1e6 / c_us if c_us else 0:,.0f} tokens/s – the relay is not the bottleneck.",
         "",
         f"Load average during the run: {_loadavg()} (shared machine: wall-clock numbers "
         "include waiting for a CPU; CPU numbers do not). The tunnel carries requests and "
         "token streams, never bulk data; pure-Python QUIC (aioquic) costs per datagram.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _quoted_before(before: str) -> str:
+    """The tables and load line of an older run's results, under a heading of their own."""
+    blocks = [b.strip() for b in before.split("\n\n")]
+    kept = [b for b in blocks if b.startswith(("|", "Load average"))]
+    return "\n## Before, run back to back on the same box\n\n" + "\n\n".join(kept) + "\n"
 
 
 async def main_async(args: argparse.Namespace) -> str:
@@ -349,8 +486,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--conc-streams", type=int, default=128)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tunnel.md")
+    parser.add_argument("--before-results", type=Path, default=None)
     args = parser.parse_args()
     text = asyncio.run(main_async(args))
+    if args.before_results is not None:
+        text += _quoted_before(args.before_results.read_text())
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -34,6 +34,7 @@ API for the integrator::
     # serving one (on_stream handler):
     head = await stream.recv()                # RequestHead, Body*, BodyEnd
     await stream.send(ResponseHead(status=200)); await stream.send(Data(b"..."))
+    await stream.send(Data(b"..."), defer=True)   # a later token: may share a datagram
     await stream.send(End())                  # or End(code=ErrorCode.REJECTED, message=...)
     error = await stream.wait_broken()        # race against long work: the requester left
     # a handler that returns without sending End gets its stream reset with INTERNAL
@@ -70,6 +71,10 @@ Behaviour:
   consumption (see ``stream.py``). Finished streams leave no state behind.
 * Frames out of order reset their stream with PROTOCOL; a failed control stream closes the
   connection with PROTOCOL.
+* Coalescing: a frame sent with ``defer=True`` may wait up to ``flush_delay`` (5 ms) to share
+  datagrams with the frames after it; any other frame is sent at once and takes them along
+  (see ``protocol.py``). Readers take what arrived with ``recv_batch()``, one wake-up per
+  datagram rather than per frame.
 
 Large transfers (model weights) never go through the tunnel: it carries requests, token
 streams and control messages only.

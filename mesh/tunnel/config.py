@@ -26,4 +26,7 @@ class TunnelConfig:
     max_preauth_per_address: int = 8
     max_preauth_total: int = 64
     max_datagram_size: int = 1200
+    # A response's tokens after its first may wait this long after the previous flush to
+    # share datagrams (protocol.py): a real engine's tokens come far apart and never wait.
+    flush_delay: float = 0.005
     close_grace: float = 1.0  # how long close() waits for connections to finish closing

@@ -18,6 +18,7 @@ import enum
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -93,6 +94,8 @@ class QuicLink(Protocol):
 
     def transmit(self) -> None: ...
 
+    def transmit_soon(self, nbytes: int, *, defer: bool) -> None: ...
+
     def _transmit_soon(self) -> None: ...
 
     def terminated(self) -> None: ...
@@ -151,6 +154,7 @@ class PeerConnection:
         self._ready.add_done_callback(_retrieve)  # failures are raised to connect(), if any
         self._handshake_done = False
         self._streams: dict[int, TunnelStream] = {}
+        self._deferred: dict[int, _Held] = {}  # stream id → writes waiting for the flush
         self._held: list[TunnelStream] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_stream_id = 0 if is_client else 1
@@ -294,12 +298,40 @@ class PeerConnection:
 
     # ---- StreamHost (called by TunnelStream) ----
 
-    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None:
-        self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
-        self._protocol._transmit_soon()
+    def _stream_write(
+        self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
+    ) -> None:
+        nbytes = len(data)
+        if defer:
+            # Held here until the flush: one aioquic write (and one STREAM frame) per stream
+            # per datagram, not one per token – aioquic's bookkeeping costs per write.
+            held = self._deferred.get(stream_id)
+            if held is None:
+                self._deferred[stream_id] = held = _Held()
+            held.chunks.append(data)
+            held.fin = end_stream
+        else:
+            held = self._deferred.pop(stream_id, None)
+            if held is not None:
+                held.chunks.append(data)
+                data = b"".join(held.chunks)
+            self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
+        self._protocol.transmit_soon(nbytes, defer=defer)
+
+    def _flush_deferred(self) -> None:
+        """Hand the held writes to aioquic (the protocol's ``flush``)."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, {}
+        for stream_id, held in deferred.items():
+            try:
+                self._quic.send_stream_data(stream_id, b"".join(held.chunks), held.fin)
+            except (RuntimeError, ValueError):  # reset or finished meanwhile: nobody reads it
+                log.debug("stream %d: dropped writes held for a stream that ended", stream_id)
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         if send:
+            self._deferred.pop(stream_id, None)
             self._quic.reset_stream(stream_id, int(code))
         if receive:
             with contextlib.suppress(ValueError):  # never sent nor received: nothing to stop
@@ -410,6 +442,7 @@ class PeerConnection:
                 self._check_control()
 
     def _on_stop_sending(self, event: events.StopSendingReceived) -> None:
+        self._deferred.pop(event.stream_id, None)  # aioquic reset our side: they cannot go
         stream = self._streams.get(event.stream_id)
         if stream is not None:
             stream._on_stop_sending(event.error_code)
@@ -547,6 +580,7 @@ class PeerConnection:
             err_type = _CLOSE_ERRORS.get(error.code or 0, ConnectError)
             self._ready.set_exception(err_type(f"connection failed: {error}"))
         streams, self._streams, self._held = list(self._streams.values()), {}, []
+        self._deferred.clear()
         for stream in streams:
             stream._on_connection_lost(error)
         for waiter in self._pings.values():
@@ -559,6 +593,14 @@ class PeerConnection:
         self._set_state(ConnectionState.CLOSED)
         self.closed.set()
         self._registry.unregister(self)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A stream's writes waiting for the connection's next flush."""
+
+    chunks: list[bytes] = field(default_factory=list)
+    fin: bool = False
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

@@ -121,7 +121,9 @@ class Control(_JsonFrame):
     body: dict[str, Any] = Field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+# Body and Data are made once per token on both ends: not frozen, because a frozen
+# dataclass's __init__ costs three times a plain one's. Treat them as immutable all the same.
+@dataclass(slots=True)
 class Body:
     data: bytes
 
@@ -131,7 +133,7 @@ class BodyEnd:
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Data:
     data: bytes
 
@@ -153,11 +155,13 @@ _JSON_TYPES: dict[type, FrameType] = {
 }
 
 
+_RAW_TYPES: dict[type, FrameType] = {Data: FrameType.DATA, Body: FrameType.BODY}
+
+
 def _payload(frame: Frame) -> tuple[FrameType, bytes]:
-    if isinstance(frame, Body):
-        return FrameType.BODY, frame.data
-    if isinstance(frame, Data):
-        return FrameType.DATA, frame.data
+    raw = _RAW_TYPES.get(type(frame))
+    if raw is not None:
+        return raw, frame.data  # type: ignore[union-attr]
     if isinstance(frame, BodyEnd):
         return FrameType.BODY_END, b""
     if isinstance(frame, Window):
@@ -165,7 +169,7 @@ def _payload(frame: Frame) -> tuple[FrameType, bytes]:
             raise FrameError(f"window out of range: {frame.consumed}")
         return FrameType.WINDOW, _U64.pack(frame.consumed)
     ftype = _JSON_TYPES.get(type(frame))
-    if ftype is None:
+    if ftype is None or not isinstance(frame, _JsonFrame):
         raise FrameError(f"not a frame: {type(frame).__name__}")
     try:
         return ftype, orjson.dumps(frame.model_dump(mode="json"))
@@ -205,10 +209,10 @@ def _window(payload: bytes) -> Frame:
 
 _DECODERS: dict[int, Callable[[bytes], Frame]] = {
     FrameType.REQUEST_HEAD: _json(RequestHead),
-    FrameType.BODY: lambda p: Body(p),
+    FrameType.BODY: Body,
     FrameType.BODY_END: _body_end,
     FrameType.RESPONSE_HEAD: _json(ResponseHead),
-    FrameType.DATA: lambda p: Data(p),
+    FrameType.DATA: Data,
     FrameType.END: _json(End),
     FrameType.CONTROL: _json(Control),
     FrameType.WINDOW: _window,
@@ -222,7 +226,8 @@ class FrameDecoder:
     further ``feed`` raises again."""
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
-        self._buf = bytearray()
+        self._buf = bytearray()  # the start of a frame not yet whole
+        self._need = HEADER_SIZE  # bytes that frame needs, as far as its header tells
         self._max = max_payload
         self._error: FrameError | None = None
 
@@ -239,26 +244,43 @@ class FrameDecoder:
         """Like ``feed``, with each frame's size on the wire (for flow-control accounting)."""
         if self._error is not None:
             raise self._error
-        self._buf += data
-        frames: list[tuple[Frame, int]] = []
+        if self._buf:
+            # A frame cut across chunks: gather it (a 1 MiB body comes in ~1 KiB pieces, so
+            # parse only once it can be whole), then go on from one immutable buffer.
+            self._buf += data
+            if len(self._buf) < self._need:
+                return []
+            data, self._buf = bytes(self._buf), bytearray()
+        elif not isinstance(data, bytes):
+            data = bytes(data)
         try:
-            while len(self._buf) >= HEADER_SIZE:
-                ftype, length = _HEADER.unpack_from(self._buf)
-                decode = _DECODERS.get(ftype)
-                if decode is None:
-                    raise FrameError(f"unknown frame type 0x{ftype:02x}")
-                if length > self._max:
-                    raise FrameError(f"frame of {length} bytes exceeds {self._max}")
-                end = HEADER_SIZE + length
-                if len(self._buf) < end:
-                    break
-                payload = bytes(self._buf[HEADER_SIZE:end])
-                del self._buf[:end]
-                frames.append((decode(payload), end))
+            frames, pos = self._parse(data)
         except FrameError as exc:
             self._error = exc
             raise
+        if pos < len(data):
+            self._buf = bytearray(data[pos:])
         return frames
+
+    def _parse(self, data: bytes) -> tuple[list[tuple[Frame, int]], int]:
+        """The whole frames at the start of ``data``, and where the first partial one begins."""
+        frames: list[tuple[Frame, int]] = []
+        pos, size = 0, len(data)
+        self._need = HEADER_SIZE
+        while size - pos >= HEADER_SIZE:
+            ftype, length = _HEADER.unpack_from(data, pos)
+            decode = _DECODERS.get(ftype)
+            if decode is None:
+                raise FrameError(f"unknown frame type 0x{ftype:02x}")
+            if length > self._max:
+                raise FrameError(f"frame of {length} bytes exceeds {self._max}")
+            end = pos + HEADER_SIZE + length
+            if end > size:
+                self._need = HEADER_SIZE + length
+                break
+            frames.append((decode(data[pos + HEADER_SIZE : end]), HEADER_SIZE + length))
+            pos = end
+        return frames, pos
 
     def check_eof(self) -> None:
         """Call at end of input: ``FrameError`` if a partial frame is left over."""

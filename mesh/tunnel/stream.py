@@ -53,7 +53,11 @@ _MAX_FRAME = HEADER_SIZE + MAX_PAYLOAD
 class StreamHost(Protocol):
     """What a stream needs from its connection (``PeerConnection`` implements it)."""
 
-    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None: ...
+    def _stream_write(
+        self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
+    ) -> None:
+        """Queue ``data``; ``defer``: it may wait a moment to share a datagram (a token)."""
+
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None: ...
     def _stream_done(self, stream_id: int) -> None: ...
     def _lost_error(self) -> ConnectionLost | None: ...
@@ -97,23 +101,26 @@ class TunnelStream:
         """Bytes we sent that the peer's reader has not consumed yet (bounded by the window)."""
         return max(0, self._sent - (self._send_limit - self._window))
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: Frame, *, defer: bool = False) -> None:
         """Send one frame; waits while the peer's reader is a window behind (backpressure).
+
+        ``defer``: the frame may wait up to ``TunnelConfig.flush_delay`` to share a datagram
+        with the frames after it (a response's tokens after the first); any frame sent without
+        it takes the waiting ones along at once.
 
         Raises ``ClosedError`` after our own finish/reset, ``StreamReset`` if the peer stopped
         the stream, ``ConnectionLost`` if the connection died. Sending ``End`` finishes."""
         if isinstance(frame, Window):
             raise ValueError("Window frames belong to the tunnel's flow control")
         data = encode(frame)
-        while True:
-            self._raise_if_unsendable()
-            if self._sent < self._send_limit or self._remote_finished:
-                break
+        self._raise_if_unsendable()
+        while self._sent >= self._send_limit and not self._remote_finished:
             self._writable.clear()
             await self._writable.wait()
-        end = isinstance(frame, End)
+            self._raise_if_unsendable()
+        end = type(frame) is End
         self._sent += len(data)
-        self._host._stream_write(self.stream_id, data, end)
+        self._host._stream_write(self.stream_id, data, end, defer and not end)  # End: at once
         if end:
             self._finish_local()
 
@@ -125,11 +132,7 @@ class TunnelStream:
         ``ProtocolViolation``/``FrameError`` for a peer that breaks the frame protocol."""
         while True:
             if self._inbound:
-                frame, size = self._inbound.popleft()
-                self._consume(size)
-                if isinstance(frame, End) and self.role is StreamRole.RESPONSE:
-                    self.finish()
-                return frame
+                return self._take()
             if self._sequence.complete:
                 return None  # the terminal frame was handed out: nothing more is expected
             if self._error is not None:
@@ -139,6 +142,22 @@ class TunnelStream:
                 return None
             self._readable.clear()
             await self._readable.wait()
+
+    async def recv_batch(self) -> list[Frame]:
+        """Every frame that has arrived, waiting for one if none has; ``[]`` once the terminal
+        frame was handed out. Raises like ``recv``. For readers of token streams, which get
+        many frames per datagram: one wake-up for them all, not one per frame. Credit for the
+        whole batch is returned at once, so a reader holds at most one window besides the
+        stream's own."""
+        first = await self.recv()
+        if first is None or not self._inbound:
+            return [] if first is None else [first]
+        inbound, self._inbound = self._inbound, deque()
+        frames = [first, *(frame for frame, _ in inbound)]
+        self._consume(sum(size for _, size in inbound))
+        if type(frames[-1]) is End and self.role is StreamRole.RESPONSE:
+            self.finish()  # End is last: the sequence check lets nothing follow it
+        return frames
 
     async def wait_broken(self) -> TunnelError | FrameError:
         """Wait until the stream breaks – the peer reset or stopped it, the connection died,
@@ -156,7 +175,9 @@ class TunnelStream:
         if self._local_finished:
             return
         if self._host._lost_error() is None:
-            self._host._stream_write(self.stream_id, b"", True)
+            # Nobody waits for a bare FIN (it only lets both ends forget the stream): it may
+            # ride with the next datagram.
+            self._host._stream_write(self.stream_id, b"", True, True)
         self._finish_local()
 
     def reset(self, code: int = ErrorCode.CANCELLED) -> None:
@@ -208,17 +229,15 @@ class TunnelStream:
             return
         try:
             for frame, size in self._decoder.feed_sized(data):
-                if isinstance(frame, Window):
+                if type(frame) is Window:
                     self._on_credit(frame.consumed)
                     continue
                 self._sequence.accept(frame)
                 self._received += size
-                if self.role is StreamRole.REQUEST and self._local_finished:
-                    continue  # End already sent: nobody reads the rest of this request
-                if (
-                    not self._local_finished
-                    and self._received - self._consumed > self._window + _MAX_FRAME
-                ):
+                if self._local_finished:
+                    if self.role is StreamRole.REQUEST:
+                        continue  # End already sent: nobody reads the rest of this request
+                elif self._received - self._consumed > self._window + _MAX_FRAME:
                     raise ProtocolViolation("peer ignored the stream's flow-control window")
                 self._inbound.append((frame, size))
             if end_stream:
@@ -282,6 +301,13 @@ class TunnelStream:
         if limit > self._send_limit:
             self._send_limit = limit
             self._writable.set()
+
+    def _take(self) -> Frame:
+        frame, size = self._inbound.popleft()
+        self._consume(size)
+        if type(frame) is End and self.role is StreamRole.RESPONSE:
+            self.finish()
+        return frame
 
     def _consume(self, size: int) -> None:
         self._consumed += size

@@ -31,7 +31,9 @@ class PipeHost:
         self.done = False
         self.written = 0  # bytes written, Window frames included
 
-    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+    def _stream_write(
+        self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
+    ) -> None:
         self.written += len(data)
         peer = self.peer
         if peer is not None:

@@ -15,6 +15,10 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
+from gateway.events import TextDelta
+from gateway.request import ChatRequest, Message
+from gateway.testing import ScriptedUpstream, Sleep, Stall
+from gateway.upstream import ModelInfo, StaticDirectory
 from lab.chaos import ChaosProxy
 from mesh.errors import (
     AuthFailed,
@@ -28,6 +32,7 @@ from mesh.errors import (
     StreamReset,
 )
 from mesh.identity import NodeIdentity
+from mesh.peer_upstream import PeerUpstream
 from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.connection import PeerConnection
 from mesh.tunnel.endpoint import TunnelEndpoint
@@ -42,6 +47,7 @@ from mesh.tunnel.frames import (
     ResponseHead,
 )
 from mesh.tunnel.stream import TunnelStream
+from mesh.tunnel_server import TunnelServer
 
 FAST = TunnelConfig(ping_interval=0.2, ping_timeout=1.0, handshake_timeout=3.0, close_grace=0.5)
 Handler = Callable[[TunnelStream], Awaitable[None]]
@@ -345,6 +351,162 @@ async def test_large_response_survives_20_percent_loss(pair) -> None:
         assert proxy.stats["downstream"].dropped > 0
     finally:
         await proxy.close()
+
+
+async def test_deferred_tokens_share_datagrams_and_arrive_whole_and_in_order(pair) -> None:
+    a, b = pair
+    tokens = [b"token %d" % i for i in range(200)]
+
+    async def streaming(stream: TunnelStream) -> None:
+        await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200), defer=True)
+        await stream.send(Data(tokens[0]))  # the first token: at once, the head with it
+        for token in tokens[1:]:
+            await stream.send(Data(token), defer=True)
+            await asyncio.sleep(0)  # one token per loop turn, like an engine
+        await stream.send(End())
+
+    serve_with(b, streaming)
+    conn = await dial(a, b)
+    await eventually(lambda: b.connection_for(a.identity.node_id) is not None)
+    server = b.connection_for(a.identity.node_id)
+    assert server is not None
+    packets_before = server._quic._packet_number
+    frames = await request(conn, "/tokens")
+    assert frames == [ResponseHead(status=200), *(Data(t) for t in tokens), End()]
+    # One datagram per token would be 200 and more; held tokens leave together.
+    assert server._quic._packet_number - packets_before < 100
+
+
+async def test_a_held_frame_leaves_with_the_next_urgent_one_or_after_flush_delay(pair) -> None:
+    a, b = pair
+    # Held until an urgent frame of its stream takes it along: aioquic's own sends (ACKs,
+    # pings) and other streams' urgent frames leave it held.
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    head_seen, held, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def holding(stream: TunnelStream) -> None:
+        head = await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        if head.path == "/echo":
+            await stream.send(Data(b"echo"))
+            await stream.send(End())
+            return
+        # A connection quiet for flush_delay holds nothing: this one leaves at once...
+        await stream.send(Data(b"first"), defer=True)
+        await head_seen.wait()
+        await stream.send(Data(b"held"), defer=True)  # ...this one waits for flush_delay
+        held.set()
+        await go.wait()
+        await stream.send(End())
+
+    serve_with(b, holding)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    async with stream:
+        await stream.send(RequestHead(id="1", path="/"))
+        await stream.send(BodyEnd())
+        assert await stream.recv() == ResponseHead(status=200)
+        assert await asyncio.wait_for(stream.recv(), 5) == Data(b"first")
+        head_seen.set()
+        await held.wait()
+        other = await asyncio.wait_for(request(conn, "/echo"), 5)  # urgent, on another stream
+        assert other == [ResponseHead(status=200), Data(b"echo"), End()]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(stream.recv(), 0.3)  # still held
+        go.set()
+        assert [f async for f in stream] == [Data(b"held"), End()]
+
+    a.config = b.config = FAST  # a fresh connection: a held frame goes by itself
+    shown: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def trickle(stream: TunnelStream) -> None:
+        await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        await stream.send(Data(b"first"))
+        await stream.send(Data(b"second"), defer=True)
+        await shown
+        await stream.send(End())
+
+    serve_with(b, trickle)
+    conn.close()
+    await eventually(lambda: not a.connections and not b.connections)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    async with stream:
+        await stream.send(RequestHead(id="2", path="/"))
+        await stream.send(BodyEnd())
+        got = [await asyncio.wait_for(stream.recv(), 5) for _ in range(3)]
+        assert got == [ResponseHead(status=200), Data(b"first"), Data(b"second")]
+        shown.set_result(None)
+        assert await stream.recv() == End()
+
+
+async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> None:
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    broken: asyncio.Future = asyncio.get_running_loop().create_future()
+    warm_seen, held = asyncio.Event(), asyncio.Event()
+
+    async def held_then_reset(stream: TunnelStream) -> None:
+        head = await stream.recv()
+        await stream.recv()
+        if head.path == "/echo":
+            await stream.send(ResponseHead(status=200))
+            await stream.send(End())
+            return
+        await stream.send(ResponseHead(status=200))
+        await stream.send(Data(b"warm"), defer=True)  # a quiet connection sends it at once
+        await warm_seen.wait()
+        await stream.send(Data(b"never seen"), defer=True)  # held: flush_delay is 30 s
+        held.set()
+        broken.set_result(await stream.wait_broken())
+        await stream.send(End())  # raises: the requester stopped the stream
+
+    serve_with(b, held_then_reset)
+    conn = await dial(a, b)
+    stream = await conn.open_stream()
+    async with stream:  # left early: reset with CANCELLED
+        await stream.send(RequestHead(id="1", path="/hold"))
+        await stream.send(BodyEnd())
+        assert await stream.recv() == ResponseHead(status=200)
+        assert await asyncio.wait_for(stream.recv(), 5) == Data(b"warm")
+        warm_seen.set()
+        await asyncio.wait_for(held.wait(), 5)
+    error = await asyncio.wait_for(broken, 5)
+    assert isinstance(error, StreamReset) and error.code == ErrorCode.CANCELLED
+    frames = await asyncio.wait_for(request(conn, "/echo"), 5)
+    assert frames == [ResponseHead(status=200), End()]
+    assert not conn.is_closed
+
+
+async def test_a_relayed_first_token_is_never_held_and_cancel_still_reaches_the_engine(
+    pair,
+) -> None:
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    # A "prefill" first: the ACK of the request (which flushes whatever is held) is long gone.
+    engine = ScriptedUpstream.of(Sleep(0.2), TextDelta("first"), TextDelta("second"), Stall())
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), engine)
+    serve_with(b, TunnelServer(directory).handle)
+    conn = await dial(a, b)
+
+    async def connect() -> PeerConnection:
+        return conn
+
+    peer = PeerUpstream(name=b.identity.node_id, connect=connect)
+    request = ChatRequest(model="m", messages=[Message(role="user", content="x")])
+    events = peer.stream(request)
+    async with contextlib.aclosing(events):
+        async with asyncio.timeout(5):  # far below flush_delay: the first token went at once
+            while not isinstance(event := await anext(events), TextDelta):
+                pass
+        assert event == TextDelta("first")
+    await eventually(lambda: engine.cancelled == 1)
 
 
 async def test_500_concurrent_streams_leave_no_state(pair) -> None:

@@ -28,7 +28,9 @@ class _PipeHost:
         self.peer: TunnelStream | None = None
         self.lost: ConnectionLost | None = None
 
-    def _stream_write(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+    def _stream_write(
+        self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
+    ) -> None:
         asyncio.get_running_loop().call_soon(self.peer._on_data, data, end_stream)
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
@@ -291,3 +293,23 @@ async def test_link_lost_while_cancelling_does_not_cut_the_upstreams_close_short
     for _ in range(10):
         await asyncio.sleep(0)
     assert worker.closed == 1
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        TextDelta("tok"),
+        TextDelta("tok", logprob=-0.25),
+        Usage(prompt_tokens=3, completion_tokens=2),
+        Done("length"),
+        Error(kind="upstream", message="m", code="x"),
+        Meta({"x-route": "local"}),
+    ],
+)
+def test_events_cross_the_tunnel_unchanged_and_none_defaults_stay_home(event) -> None:
+    from mesh.peer_upstream import _decode_event
+    from mesh.tunnel_server import _encode
+
+    wire = _encode(event)
+    assert _decode_event(wire) == event
+    assert b"null" not in wire  # a None that is the default is not sent

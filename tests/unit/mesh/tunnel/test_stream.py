@@ -73,6 +73,31 @@ async def test_sender_waits_for_credit_and_resumes() -> None:
     assert got == 64 * 512
 
 
+async def test_recv_batch_hands_out_everything_that_arrived_then_nothing_after_end() -> None:
+    pipe = StreamPipe()
+    await exchange(pipe)
+    frames = [ResponseHead(status=200), *(Data(b"t%d" % i) for i in range(5)), End()]
+    for frame in frames:
+        await pipe.responder.send(frame, defer=True)
+    await settle()
+    assert await pipe.requester.recv_batch() == frames
+    assert await pipe.requester.recv_batch() == []
+    await settle()
+    assert pipe.requester.done  # End handed out: our FIN went, like recv() does
+
+
+async def test_recv_batch_raises_like_recv_once_the_arrived_frames_are_out() -> None:
+    pipe = StreamPipe()
+    await exchange(pipe)
+    await pipe.responder.send(ResponseHead(status=200))
+    await pipe.responder.send(Data(b"a"))
+    pipe.responder.reset(ErrorCode.UPSTREAM_FAILED)
+    await settle()
+    assert await pipe.requester.recv_batch() == [ResponseHead(status=200), Data(b"a")]
+    with pytest.raises(StreamReset):
+        await pipe.requester.recv_batch()
+
+
 async def test_window_frames_are_not_for_users() -> None:
     with pytest.raises(ValueError):
         await StreamPipe().requester.send(Window(1))
