@@ -40,6 +40,9 @@ class Dialer:
     redial_s: float = 1.0
     max_backoff_s: float = 15.0
     clock: Callable[[], float] = time.monotonic
+    # This node's own addresses: a member's remembered address that is one of them is stale
+    # (that node moved, or changed identity, and we took its place) and would dial ourselves.
+    own_addresses: Callable[[], Iterable[str]] = tuple
     _dialing: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _was_linked: set[str] = field(default_factory=set, init=False)
     _retry_at: dict[str, tuple[float, int]] = field(default_factory=dict, init=False)
@@ -92,8 +95,12 @@ class Dialer:
 
     async def _dial(self, member: Member) -> None:
         candidates = [*self.found(member.node_id), *member.addresses, *self.static_peers]
+        own = set(self.own_addresses())
         problems: list[str] = []
         for address in dict.fromkeys(candidates):
+            if address in own:
+                problems.append(f"{address} (this node's own address)")
+                continue
             if self.is_linked(member.node_id):
                 return
             try:

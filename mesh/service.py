@@ -135,6 +135,7 @@ class MeshService:
             static_peers=self.config.static_peers,
             redial_s=self.config.redial_s,
             max_backoff_s=self.config.max_redial_backoff_s,
+            own_addresses=lambda: self.addresses,
         )
         self.copy = PeerCopy(
             self.home,

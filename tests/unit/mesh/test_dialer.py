@@ -50,6 +50,17 @@ async def test_lan_addresses_first_and_bad_addresses_skipped():
     assert calls == [(LOW, "192.168.1.7:9338"), (LOW, "10.0.0.1:9338"), (LOW, "static:1")]
 
 
+async def test_a_stale_address_that_is_now_our_own_is_not_dialed():
+    """A member's remembered address that this node now listens on (that node went, we took its
+    port) would dial ourselves and look like a copied identity: it is skipped."""
+    calls: list = []
+    dialer = _dialer({HIGH}, calls)
+    dialer.own_addresses = lambda: ["10.0.0.1:9338", "127.0.0.1:9338"]
+    dialer.on_found(LOW, ("127.0.0.1:9338",))
+    await _round(dialer, now=0.0)
+    assert calls == [(LOW, "static:1")]
+
+
 async def test_failures_back_off_exponentially():
     calls: list = []
     clock = Clock()
