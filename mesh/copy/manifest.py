@@ -128,6 +128,27 @@ def check_manifest(manifest: ModelManifest, name: str | None = None) -> None:
         for digest in [entry.sha256, *entry.chunks]:
             if len(digest) != 64 or digest.strip("0123456789abcdef"):
                 raise ManifestError(f"{entry.path}: {digest[:16]!r}… is not a SHA-256 hex")
+        _check_file_hash(entry)
+
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def _check_file_hash(entry: FileEntry) -> None:
+    """Where the file's SHA-256 follows from its chunk list alone, it must (no bytes needed).
+
+    A file of one chunk is that chunk, an empty file is no bytes. For longer files the copy
+    does not re-hash the whole file: every chunk is verified on arrival and the file is
+    exactly the concatenation of its chunks, so its bytes are the ones the manifest's chunk
+    hashes name; the file hash stays in the manifest for ``sha256sum`` comparisons."""
+    if len(entry.chunks) > 1:
+        return
+    expected = entry.chunks[0] if entry.chunks else EMPTY_SHA256
+    if entry.sha256 != expected:
+        what = "its only chunk" if entry.chunks else "no bytes"
+        raise ManifestError(
+            f"{entry.path}: the file's SHA-256 is not the hash of {what} (a tampered manifest)"
+        )
 
 
 def _check_path(path: str) -> None:
