@@ -97,11 +97,17 @@ def sha256_hex(data: bytes | memoryview) -> str:
 
 def verify_chunk(chunk: Chunk, data: bytes | memoryview) -> None:
     """Raise :class:`ChunkMismatch` unless ``data`` is exactly ``chunk``'s bytes."""
-    if len(data) != chunk.length:
+    verify_digest(chunk, len(data), sha256_hex(data))
+
+
+def verify_digest(chunk: Chunk, length: int, sha256: str) -> None:
+    """Raise :class:`ChunkMismatch` unless ``length`` bytes hashing to ``sha256`` (hex) are
+    ``chunk``'s: for bytes hashed as they streamed in."""
+    if length != chunk.length:
         raise ChunkMismatch(
-            f"{chunk.path} chunk {chunk.index}: got {len(data)} bytes, expected {chunk.length}"
+            f"{chunk.path} chunk {chunk.index}: got {length} bytes, expected {chunk.length}"
         )
-    if sha256_hex(data) != chunk.sha256:
+    if sha256 != chunk.sha256:
         raise ChunkMismatch(f"{chunk.path} chunk {chunk.index}: SHA-256 does not match")
 
 
