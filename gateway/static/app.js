@@ -336,7 +336,7 @@ function onFeedEvent({ event, data }) {
     renderTopology($("#topology"), payload);
     renderNodeTable($("#nodes tbody"), payload);
     renderMembers($("#members tbody"), payload.members || []);
-    loadMeshModels(); // who holds what moves with the peers
+    loadMeshModels({ soon: true }); // who holds what moves with the peers
     // A peer joining or leaving changes what can be chosen: refresh the model picker then.
     const { self, peers } = normaliseStatus(payload);
     const served = [self, ...peers.filter((p) => p.state === "up")].flatMap((n) => n.models);
@@ -471,14 +471,18 @@ async function copyText(element, button) {
 // name → { controller, events, box } for every copy this page runs (the node runs the copy;
 // leaving the page or Stop cancels it, and what was copied waits on the node to be resumed).
 const copies = new Map();
-let meshModels = { loading: false, again: false };
+const meshModels = { loading: false, again: false, at: 0, drawn: "" };
+const MESH_MODELS_EVERY_MS = 2000; // status events come often (RTTs move); holders rarely do
 
-async function loadMeshModels() {
+// { soon: true }: at most every couple of seconds (the status feed's calls); else right now.
+async function loadMeshModels({ soon = false } = {}) {
+  if (soon && Date.now() - meshModels.at < MESH_MODELS_EVERY_MS) return;
   if (meshModels.loading) {
     meshModels.again = true;
     return;
   }
   meshModels.loading = true;
+  meshModels.at = Date.now();
   try {
     const response = await api(MODELS_PATH);
     if (response.status === 404) {
@@ -500,6 +504,10 @@ async function loadMeshModels() {
 }
 
 function renderMeshModels({ stored = [], holders = {} }) {
+  // Redraw only on change: a table replaced under the pointer would swallow a click.
+  const key = JSON.stringify([stored, holders, [...copies.keys()]]);
+  if (key === meshModels.drawn) return;
+  meshModels.drawn = key;
   const names = [...new Set([...stored, ...Object.keys(holders)])].sort();
   const here = new Set(stored);
   $("#mesh-models tbody").innerHTML = names

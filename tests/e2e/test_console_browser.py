@@ -383,6 +383,7 @@ def test_mesh_tab_copies_a_model_from_a_member_with_live_progress(browser, tmp_p
     paced = CopyConfig(port=0, chunk_size=128 * 1024, rate_bytes_per_s=1_000_000)
     _weights(model_path(tmp_path / "a", "weights"), 3)
     _weights(model_path(tmp_path / "a", "other"), 6)
+    _weights(model_path(tmp_path / "a", "third"), 6)
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     context.set_default_timeout(20_000)
     errors: list[str] = []
@@ -416,6 +417,18 @@ def test_mesh_tab_copies_a_model_from_a_member_with_live_progress(browser, tmp_p
                 ".children[2].textContent === 'yes'"
             )
             assert page.locator("button[data-copy='weights']").count() == 0
+
+            # Stop cancels the node's copy; what it had copied waits there for a resume.
+            page.locator("button[data-copy='third']").click()
+            page.wait_for_function(
+                "(document.querySelector(\".copy[data-copy='third'] progress\")?.value || 0) > 0"
+            )
+            page.click("[data-stop-copy='third']")
+            page.wait_for_selector(".copy[data-copy='third'][data-outcome='failed']")
+            assert "Stopped" in page.locator(".copy[data-copy='third'] .copy-line").inner_text()
+            page.locator("button[data-copy='third']").wait_for()  # can be started again
+            partial = model_path(b.service.home, "third").parent / ".partial" / "third"
+            assert partial.is_dir() and not model_path(b.service.home, "third").exists()
 
             # The source goes away mid-copy: one sentence, and what was copied is kept.
             page.locator("button[data-copy='other']").click()
