@@ -263,7 +263,9 @@ class _PartialFiles:
     """The partial files of one copy, written by the connections' threads.
 
     Counts the chunks each file still lacks: the thread that writes a file's last chunk syncs
-    it to disk, so the fsyncs overlap the transfer of the other files."""
+    it to disk, so the fsyncs overlap the transfer of the other files. :meth:`close` stops all
+    writing: a connection's thread can outlive its cancelled task by one block, and its
+    not-yet-verified bytes must not land after a later pull of the same model checked them."""
 
     def __init__(self, root: Path, progress: CopyProgress) -> None:
         self.root = root
@@ -271,17 +273,27 @@ class _PartialFiles:
         self.unwritten: Counter[str] = Counter()
         self.synced: set[str] = set()
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """No write starts after this returns, and none is under way (waits for one block)."""
+        with self._write_lock:
+            self._closed = True
 
     def open(self, chunk: Chunk) -> int:
         return os.open(self.root / chunk.path, os.O_WRONLY)
 
     def write(self, fd: int, data: memoryview, offset: int) -> None:
-        try:
-            done = 0
-            while done < len(data):  # pwrite may write less than asked
-                done += os.pwrite(fd, data[done:], offset + done)
-        except OSError as exc:
-            raise self._full(exc) from None
+        with self._write_lock:
+            if self._closed:
+                raise CopyError(f"the copy of {self.progress.name} was stopped")
+            try:
+                done = 0
+                while done < len(data):  # pwrite may write less than asked
+                    done += os.pwrite(fd, data[done:], offset + done)
+            except OSError as exc:
+                raise self._full(exc) from None
 
     def written(self, chunk: Chunk, fd: int) -> None:
         """``chunk`` is in its file and verified; sync the file if that was its last."""
@@ -384,6 +396,7 @@ class _Copy:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            self.files.close()  # threads still reading an aborted socket write nothing more
             self.threads.shutdown(wait=False)
         if self.fatal is not None:
             raise self.fatal
