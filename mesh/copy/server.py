@@ -29,7 +29,7 @@ import ssl
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,11 +295,12 @@ class CopyServer:
             return tls.sendall(refusal("bad_range", f"{request.path} has {entry.size} bytes"))
         path = model_path(self.home, request.name) / entry.path
         self._throttle(node_id, request.length)
-        tls.sendall(accept(request.length))
-        # A file cut short from here on ends the connection mid-reply: the client drops us.
-        for start in range(0, request.length, IO_BLOCK):
-            size = min(IO_BLOCK, request.length - start)
-            tls.sendall(_pread(path, request.offset + start, block[:size]))
+        with _corked(tls):
+            tls.sendall(accept(request.length))
+            # A file cut short from here on ends the connection mid-reply: the client drops us.
+            for start in range(0, request.length, IO_BLOCK):
+                size = min(IO_BLOCK, request.length - start)
+                tls.sendall(_pread(path, request.offset + start, block[:size]))
         with self._lock:
             self.bytes_served += request.length
 
@@ -312,6 +313,21 @@ class CopyServer:
             wait = bucket.delay(n, time.monotonic())
         if wait > 0:
             time.sleep(wait)
+
+
+@contextlib.contextmanager
+def _corked(sock: socket.socket) -> Iterator[None]:
+    """Hold back partial segments while a chunk goes out (Linux ``TCP_CORK``): TLS writes one
+    16 KiB record per call, and with ``TCP_NODELAY`` each became a segment of its own."""
+    cork = getattr(socket, "TCP_CORK", None)
+    if cork is None:
+        yield
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+    try:
+        yield
+    finally:
+        sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
 
 
 def _pread(path: Path, offset: int, into: memoryview) -> memoryview:
