@@ -1,5 +1,6 @@
 // The console: chat over /v1/responses, the live mesh picture and the request log over /api/events.
 
+import { copySummary, progressLine, readNdjson } from "./copy.js";
 import { escapeHtml, renderMarkdown } from "./markdown.js";
 import { readSse } from "./sse.js";
 import { normaliseStatus, renderNodeTable, renderTopology } from "./topology.js";
@@ -9,6 +10,8 @@ const MODEL_STORAGE = "mlx-mesh.model";
 const INVITE_PATH = "/api/mesh/invite"; // mesh/http.py
 const REMOVE_PATH = "/api/mesh/members/remove";
 const CSRF_PATH = "/api/mesh/csrf";
+const MODELS_PATH = "/api/mesh/models"; // mesh/copy/http.py
+const PULL_PATH = "/api/mesh/models/pull";
 const $ = (selector) => document.querySelector(selector);
 
 // ---------------------------------------------------------------- API key and fetch
@@ -31,7 +34,7 @@ async function api(path, options = {}) {
 // Admin POSTs carry the node's CSRF token, read same-origin (a page on another site cannot).
 let csrfToken = null;
 
-async function adminPost(path, body) {
+async function adminPost(path, body, signal) {
   if (csrfToken === null) {
     const response = await api(CSRF_PATH);
     csrfToken = response.ok ? (await response.json()).token : "";
@@ -40,6 +43,7 @@ async function adminPost(path, body) {
     method: "POST",
     headers: { "content-type": "application/json", "x-mesh-csrf": csrfToken },
     body: JSON.stringify(body),
+    signal,
   });
 }
 
@@ -98,6 +102,7 @@ function showTab(name) {
   for (const panel of document.querySelectorAll("[data-tab-panel]")) {
     panel.hidden = panel.dataset.tabPanel !== name;
   }
+  if (name === "mesh") loadMeshModels();
 }
 
 // ---------------------------------------------------------------- chat
@@ -331,6 +336,7 @@ function onFeedEvent({ event, data }) {
     renderTopology($("#topology"), payload);
     renderNodeTable($("#nodes tbody"), payload);
     renderMembers($("#members tbody"), payload.members || []);
+    loadMeshModels({ soon: true }); // who holds what moves with the peers
     // A peer joining or leaving changes what can be chosen: refresh the model picker then.
     const { self, peers } = normaliseStatus(payload);
     const served = [self, ...peers.filter((p) => p.state === "up")].flatMap((n) => n.models);
@@ -460,12 +466,155 @@ async function copyText(element, button) {
   }
 }
 
+// ---------------------------------------------------------------- models held in the mesh, copies
+
+// name → { controller, events, box } for every copy this page runs (the node runs the copy;
+// leaving the page or Stop cancels it, and what was copied waits on the node to be resumed).
+const copies = new Map();
+const meshModels = { loading: false, again: false, at: 0, drawn: "" };
+const MESH_MODELS_EVERY_MS = 2000; // status events come often (RTTs move); holders rarely do
+
+// { soon: true }: at most every couple of seconds (the status feed's calls); else right now.
+async function loadMeshModels({ soon = false } = {}) {
+  if (soon && Date.now() - meshModels.at < MESH_MODELS_EVERY_MS) return;
+  if (meshModels.loading) {
+    meshModels.again = true;
+    return;
+  }
+  meshModels.loading = true;
+  meshModels.at = Date.now();
+  try {
+    const response = await api(MODELS_PATH);
+    if (response.status === 404) {
+      $("#mesh-models-section").hidden = true; // no mesh here, or one that serves no copies
+      return;
+    }
+    if (!response.ok) return;
+    $("#mesh-models-section").hidden = false;
+    renderMeshModels(await response.json());
+  } catch (err) {
+    console.warn("mesh models", err);
+  } finally {
+    meshModels.loading = false;
+    if (meshModels.again) {
+      meshModels.again = false;
+      loadMeshModels();
+    }
+  }
+}
+
+function renderMeshModels({ stored = [], holders = {} }) {
+  // Redraw only on change: a table replaced under the pointer would swallow a click.
+  const key = JSON.stringify([stored, holders, [...copies.keys()]]);
+  if (key === meshModels.drawn) return;
+  meshModels.drawn = key;
+  const names = [...new Set([...stored, ...Object.keys(holders)])].sort();
+  const here = new Set(stored);
+  $("#mesh-models tbody").innerHTML = names
+    .map((name) => {
+      const nodes = holders[name] || [];
+      const held = nodes.map((n) => `<span class="tag" title="${escapeHtml(n)}">${escapeHtml(n.slice(0, 8))}</span>`);
+      let action = "";
+      if (copies.has(name)) action = `<span class="muted">copying…</span>`;
+      else if (!here.has(name) && nodes.length) {
+        action = `<button type="button" data-copy="${escapeHtml(name)}">Copy here</button>`;
+      }
+      return `<tr data-model="${escapeHtml(name)}"><td>${escapeHtml(name)}</td>
+        <td>${held.join(" ") || "–"}</td><td>${here.has(name) ? "yes" : "–"}</td><td>${action}</td></tr>`;
+    })
+    .join("");
+  $("#mesh-models-empty").hidden = names.length > 0;
+}
+
+function copyBox(name) {
+  const box = document.createElement("div");
+  box.className = "copy";
+  box.dataset.copy = name;
+  box.innerHTML = `<div class="copy-head"><b>${escapeHtml(name)}</b>
+      <button type="button" class="ghost" data-stop-copy="${escapeHtml(name)}">Stop</button></div>
+    <progress max="1" value="0"></progress>
+    <div class="copy-line muted">asking the members…</div>
+    <div class="copy-sources"></div>`;
+  $("#copies").prepend(box);
+  return box;
+}
+
+function drawCopy(box, events) {
+  const summary = copySummary(events);
+  const bar = box.querySelector("progress");
+  bar.max = summary.total || 1;
+  bar.value = summary.done;
+  box.querySelector(".copy-line").textContent = progressLine(summary);
+  box.querySelector(".copy-sources").innerHTML = summary.sources
+    .map((s) =>
+      s.dropped === null
+        ? `<span class="tag" title="${escapeHtml(s.id)}">${escapeHtml(s.id.slice(0, 8))} · ${(s.bytes / 1e6).toFixed(1)} MB</span>`
+        : `<span class="tag dropped" title="${escapeHtml(s.dropped)}">${escapeHtml(s.id.slice(0, 8))} ✗ ${escapeHtml(s.dropped)}</span>`,
+    )
+    .join("");
+}
+
+function endCopy(box, ok, text) {
+  box.classList.add(ok ? "done" : "failed");
+  box.dataset.outcome = ok ? "done" : "failed";
+  const line = box.querySelector(".copy-line");
+  line.className = `copy-line ${ok ? "ok-text" : "bad-text"}`;
+  line.textContent = text;
+  box.querySelector("[data-stop-copy]")?.remove();
+}
+
+async function startCopy(name) {
+  if (copies.has(name)) return;
+  const controller = new AbortController();
+  const copy = { controller, events: [], box: copyBox(name) };
+  copies.set(name, copy);
+  loadMeshModels();
+  let ended = false;
+  try {
+    const response = await adminPost(PULL_PATH, { name }, controller.signal);
+    if (!response.ok) throw new Error(await errorText(response));
+    await readNdjson(response, (event) => {
+      if (event.type === "progress") {
+        copy.events.push(event);
+        drawCopy(copy.box, copy.events);
+      } else if (event.type === "done") {
+        ended = true;
+        endCopy(copy.box, true, `Copied ${name} into this node's store: serve it with mesh up --model ${name}.`);
+      } else if (event.type === "error") {
+        ended = true;
+        endCopy(copy.box, false, event.message || "The copy failed.");
+      }
+    });
+    if (!ended) throw new Error("The node ended the copy without saying how it went; copy again to resume.");
+  } catch (err) {
+    if (err.name === "AbortError") {
+      endCopy(copy.box, false, "Stopped. What was copied is kept on the node; copying again resumes.");
+    } else if (err instanceof TypeError) {
+      // fetch() itself failed: the node went away mid-stream
+      endCopy(copy.box, false, "Lost the node during the copy; what was copied is kept, and copying again resumes.");
+    } else {
+      endCopy(copy.box, false, err.message || String(err));
+    }
+  } finally {
+    copies.delete(name);
+    loadMeshModels();
+  }
+}
+
 // ---------------------------------------------------------------- start
 
 setupTabs();
 setupKeyDialog();
 setupChat();
 $("#invite-button").addEventListener("click", createInvite);
+$("#mesh-models").addEventListener("click", (event) => {
+  const name = event.target?.dataset?.copy;
+  if (name) startCopy(name);
+});
+$("#copies").addEventListener("click", (event) => {
+  const name = event.target?.dataset?.stopCopy;
+  if (name) copies.get(name)?.controller.abort();
+});
 $("#members").addEventListener("click", (event) => {
   const nodeId = event.target?.dataset?.remove;
   if (nodeId) removeMember(nodeId);

@@ -6,14 +6,23 @@ carry more. Every chunk is hashed on arrival and written with ``pwrite`` into
 ``<home>/models/.partial/<name>/files/``; a source that sends bad bytes is dropped and its chunk
 goes back to the queue for the others. A copy that stops (peer gone, disk full, Ctrl-C) leaves
 the partial directory; the next fetch of the same manifest re-hashes what is there and fetches
-only what is missing. When every chunk is in, each file's whole SHA-256 is checked and the
-directory is renamed into ``<home>/models/<name>`` in one step: the store never holds half a
-model, and ``.partial`` is never listed or loaded.
+only what is missing. When every chunk of every file is in and verified, the files are synced
+and the directory is renamed into ``<home>/models/<name>`` in one step: the store never holds
+half a model, and ``.partial`` is never listed or loaded.
+
+A file is exactly the concatenation of its chunks (``iter_chunks`` covers every byte once), so
+when each chunk hashed right the file is the bytes the manifest names: the whole file is not
+hashed a second time (that pass cost as much CPU as the chunk hashes; ``bench/peer_copy.py``).
+Each connection streams a chunk through one small reused buffer on its own thread: a block is
+decrypted into it, hashed and written to the partial file while it is still in the CPU's cache,
+and the chunk counts as verified only when its whole SHA-256 matched. A chunk that fails leaves
+bad bytes in the *partial* file only; it goes back to the queue and its next fetch overwrites
+them (a resume re-hashes what is on disk), and nothing reaches the store unless every chunk
+verified.
 
 Errors are :class:`~mesh.errors.CopyError` subclasses with one sentence each: ``PeerLost``
 (nobody left to copy from), ``CopyRefused`` (e.g. no source holds the model), ``ManifestError``
-(a manifest that is unsafe, inconsistent, or whose chunks do not add up to its file hashes),
-``DiskFull``.
+(a manifest that is unsafe or not self-consistent), ``DiskFull``.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ import os
 import shutil
 import socket
 import ssl
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from mesh.copy.manifest import (
     Chunk,
@@ -40,8 +51,10 @@ from mesh.copy.manifest import (
     iter_chunks,
     manifest_from_json,
     verify_chunk,
+    verify_digest,
 )
 from mesh.copy.protocol import (
+    IO_BLOCK,
     PREFIX_SIZE,
     ChunkRequest,
     ManifestRequest,
@@ -50,7 +63,7 @@ from mesh.copy.protocol import (
     pack,
     parse_reply,
 )
-from mesh.copy.tls import make_context, peer_node_id, recv_exactly
+from mesh.copy.tls import make_context, peer_node_id, recv_exactly, recv_into_exactly
 from mesh.errors import (
     AuthFailed,
     ChunkMismatch,
@@ -97,6 +110,7 @@ class CopyProgress:
 
 
 ProgressSink = Callable[[CopyProgress], None]
+_T = TypeVar("_T")
 
 
 def partial_dir(home: Path, name: str) -> Path:
@@ -119,9 +133,10 @@ class _Connection:
         self.timeout_s = timeout_s
         self._threads = threads  # one thread per connection: blocking reads never starve others
         self._sock: ssl.SSLSocket | None = None
+        self._block = memoryview(bytearray(IO_BLOCK))  # every chunk streams through it
 
     async def open(self, identity: NodeIdentity) -> None:
-        ctx = make_context(identity, [self.source.cert_der], server=False)
+        ctx = _client_context(identity, self.source.cert_der)
         loop = asyncio.get_running_loop()
         self._sock = await loop.run_in_executor(self._threads, self._connect, ctx)
         if peer_node_id(self._sock) != self.source.node_id:
@@ -136,15 +151,24 @@ class _Connection:
             raw.close()
             raise
 
-    async def request(self, message: ManifestRequest | ChunkRequest) -> bytes:
+    async def request(self, message: ManifestRequest) -> bytes:
+        return await self._in_thread(self._request, pack(message))
+
+    async def fetch_chunk(self, request: ChunkRequest, chunk: Chunk, out: _PartialFiles) -> None:
+        """Fetch ``chunk`` into its partial file, hashing it as it streams, all on this
+        connection's thread; ``ChunkMismatch`` if the bytes are not the chunk's."""
+        await self._in_thread(self._fetch_chunk, pack(request), chunk, out)
+
+    async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._threads, self._request, pack(message))
+            return await loop.run_in_executor(self._threads, fn, *args)
         except asyncio.CancelledError:
             self._abort()  # the thread's blocking read fails at once
             raise
 
-    def _request(self, frame: bytes) -> bytes:
+    def _reply(self, frame: bytes) -> int:
+        """Send a request; the length of the body that follows the server's yes."""
         sock = self._sock
         assert sock is not None
         sock.sendall(frame)
@@ -152,7 +176,32 @@ class _Connection:
         reply = parse_reply(recv_exactly(sock, header_length(prefix)))
         if not reply.ok:
             raise CopyRefused(reply.message or reply.kind, reply.kind)
-        return recv_exactly(sock, reply.length)
+        return reply.length
+
+    def _request(self, frame: bytes) -> bytes:
+        length = self._reply(frame)
+        assert self._sock is not None
+        return recv_exactly(self._sock, length)
+
+    def _fetch_chunk(self, frame: bytes, chunk: Chunk, out: _PartialFiles) -> None:
+        length = self._reply(frame)
+        if length != chunk.length:
+            raise ChunkMismatch(
+                f"{chunk.path} chunk {chunk.index}: offered {length} bytes, expected {chunk.length}"
+            )
+        assert self._sock is not None
+        digest = hashlib.sha256()
+        fd = out.open(chunk)
+        try:
+            for start in range(0, length, IO_BLOCK):
+                piece = self._block[: min(IO_BLOCK, length - start)]
+                recv_into_exactly(self._sock, piece)
+                digest.update(piece)
+                out.write(fd, piece, chunk.offset + start)
+            verify_digest(chunk, length, digest.hexdigest())
+            out.written(chunk, fd)
+        finally:
+            os.close(fd)
 
     def _abort(self) -> None:
         if self._sock is not None:
@@ -164,6 +213,24 @@ class _Connection:
             self._abort()
             self._sock.close()
             self._sock = None
+
+
+_CONTEXTS: dict[tuple[str, bytes], ssl.SSLContext] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def _client_context(identity: NodeIdentity, server_cert: bytes) -> ssl.SSLContext:
+    """One context per (our identity, pinned server certificate), shared by every connection to
+    that server: building one (key through a temp file, trust store) costs ~2.5 ms of CPU, as
+    much as copying a few MiB."""
+    key = (identity.node_id, server_cert)
+    with _CONTEXTS_LOCK:
+        ctx = _CONTEXTS.get(key)
+        if ctx is None:
+            if len(_CONTEXTS) >= 64:  # members come and go; never grow without bound
+                _CONTEXTS.clear()
+            ctx = _CONTEXTS[key] = make_context(identity, [server_cert], server=False)
+        return ctx
 
 
 # Everything a source can do wrong on the wire, as the copy sees it: drop the source.
@@ -192,6 +259,64 @@ def _why(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------- the copy
 
 
+class _PartialFiles:
+    """The partial files of one copy, written by the connections' threads.
+
+    Counts the chunks each file still lacks: the thread that writes a file's last chunk syncs
+    it to disk, so the fsyncs overlap the transfer of the other files. :meth:`close` stops all
+    writing: a connection's thread can outlive its cancelled task by one block, and its
+    not-yet-verified bytes must not land after a later pull of the same model checked them."""
+
+    def __init__(self, root: Path, progress: CopyProgress) -> None:
+        self.root = root
+        self.progress = progress
+        self.unwritten: Counter[str] = Counter()
+        self.synced: set[str] = set()
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """No write starts after this returns, and none is under way (waits for one block)."""
+        with self._write_lock:
+            self._closed = True
+
+    def open(self, chunk: Chunk) -> int:
+        return os.open(self.root / chunk.path, os.O_WRONLY)
+
+    def write(self, fd: int, data: memoryview, offset: int) -> None:
+        with self._write_lock:
+            if self._closed:
+                raise CopyError(f"the copy of {self.progress.name} was stopped")
+            try:
+                done = 0
+                while done < len(data):  # pwrite may write less than asked
+                    done += os.pwrite(fd, data[done:], offset + done)
+            except OSError as exc:
+                raise self._full(exc) from None
+
+    def written(self, chunk: Chunk, fd: int) -> None:
+        """``chunk`` is in its file and verified; sync the file if that was its last."""
+        with self._lock:
+            self.unwritten[chunk.path] -= 1
+            last = self.unwritten[chunk.path] == 0
+        if last:
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise self._full(exc) from None
+            self.synced.add(chunk.path)
+
+    def _full(self, exc: OSError) -> OSError | DiskFull:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return exc
+        p = self.progress
+        return DiskFull(
+            f"the disk filled up while copying {p.name} ({p.done_bytes / _MiB:.0f} of "
+            f"{p.total_bytes / _MiB:.0f} MiB kept; free space and pull again to resume)"
+        )
+
+
 @dataclass
 class CopyOptions:
     connections_per_source: int = 3
@@ -218,6 +343,8 @@ class _Copy:
         self.in_flight = 0
         self.changed = asyncio.Condition()
         self.fatal: CopyError | None = None
+        self.verified: set[tuple[str, int]] = set()  # (path, chunk index) hashed right
+        self.files = _PartialFiles(self.root, progress)
         self.threads = ThreadPoolExecutor(
             len(sources) * options.connections_per_source, thread_name_prefix="copy"
         )
@@ -243,8 +370,10 @@ class _Copy:
                     except ChunkMismatch:
                         self.pending.append(chunk)
                     else:
+                        self.verified.add((chunk.path, chunk.index))
                         self.progress.resumed_bytes += chunk.length
         self.progress.done_bytes = self.progress.resumed_bytes
+        self.files.unwritten.update(c.path for c in self.pending)
         need = sum(c.length for c in self.pending)
         free = shutil.disk_usage(self.root).free
         if need > free:
@@ -252,22 +381,6 @@ class _Copy:
                 f"not enough disk space for {self.manifest.name}: {need / _MiB:.0f} MiB more "
                 f"needed, {free / _MiB:.0f} MiB free in {models_dir(self.home)}"
             )
-
-    def write(self, chunk: Chunk, data: bytes) -> None:
-        fd = os.open(self.root / chunk.path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, chunk.offset)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFull(
-                    f"the disk filled up while copying {self.manifest.name} "
-                    f"({self.progress.done_bytes / _MiB:.0f} of "
-                    f"{self.progress.total_bytes / _MiB:.0f} MiB kept; free space and pull "
-                    "again to resume)"
-                ) from None
-            raise
-        finally:
-            os.close(fd)
 
     # -- workers
 
@@ -283,6 +396,7 @@ class _Copy:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            self.files.close()  # threads still reading an aborted socket write nothing more
             self.threads.shutdown(wait=False)
         if self.fatal is not None:
             raise self.fatal
@@ -336,9 +450,8 @@ class _Copy:
                     offset=chunk.offset,
                     length=chunk.length,
                 )
-                data = await conn.request(request)
-                await asyncio.to_thread(verify_chunk, chunk, data)
-                await asyncio.to_thread(self.write, chunk, data)
+                await conn.fetch_chunk(request, chunk, self.files)
+                self.verified.add((chunk.path, chunk.index))
                 self._count(source, chunk)
                 await self._finish(chunk, failed=False)
                 chunk = None
@@ -359,20 +472,25 @@ class _Copy:
 
     # -- the end
 
-    def verify_files(self) -> None:
-        """Whole-file hashes: chunk hashes that do not add up mean a lying manifest."""
+    def seal(self) -> None:
+        """Check that every chunk of every file verified, and that every file is on disk.
+
+        A file is the concatenation of its chunks, so this is the whole-file check without
+        reading or hashing the bytes again (see the module docstring)."""
+        missing = [c for c in iter_chunks(self.manifest) if (c.path, c.index) not in self.verified]
+        if missing:  # run() raises first when chunks are left; this guards the guarantee itself
+            raise CopyError(
+                f"{len(missing)} chunks of {self.manifest.name} were never verified "
+                f"(first: {missing[0].path} chunk {missing[0].index}); nothing was stored"
+            )
         for entry in self.manifest.files:
-            digest = hashlib.sha256()
-            with open(self.root / entry.path, "rb") as fh:
-                while block := fh.read(self.manifest.chunk_size):
-                    digest.update(block)
-                os.fsync(fh.fileno())
-            if digest.hexdigest() != entry.sha256:
-                raise ManifestError(
-                    f"the manifest of {self.manifest.name} is inconsistent: the chunks of "
-                    f"{entry.path} verify but the file's SHA-256 does not (a tampered manifest); "
-                    "nothing was stored"
-                )
+            if entry.path in self.files.synced:
+                continue  # synced after its last chunk
+            fd = os.open(self.root / entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _only(manifest: ModelManifest, path: str) -> ModelManifest:
@@ -469,11 +587,7 @@ async def fetch_model(
     await asyncio.to_thread(copy.prepare)
     copy.sink(progress)
     await copy.run()
-    try:
-        await asyncio.to_thread(copy.verify_files)
-    except ManifestError:
-        shutil.rmtree(partial_dir(home, name), ignore_errors=True)
-        raise
+    await asyncio.to_thread(copy.seal)
     return await asyncio.to_thread(_install, home, manifest, target)
 
 

@@ -97,11 +97,17 @@ def sha256_hex(data: bytes | memoryview) -> str:
 
 def verify_chunk(chunk: Chunk, data: bytes | memoryview) -> None:
     """Raise :class:`ChunkMismatch` unless ``data`` is exactly ``chunk``'s bytes."""
-    if len(data) != chunk.length:
+    verify_digest(chunk, len(data), sha256_hex(data))
+
+
+def verify_digest(chunk: Chunk, length: int, sha256: str) -> None:
+    """Raise :class:`ChunkMismatch` unless ``length`` bytes hashing to ``sha256`` (hex) are
+    ``chunk``'s: for bytes hashed as they streamed in."""
+    if length != chunk.length:
         raise ChunkMismatch(
-            f"{chunk.path} chunk {chunk.index}: got {len(data)} bytes, expected {chunk.length}"
+            f"{chunk.path} chunk {chunk.index}: got {length} bytes, expected {chunk.length}"
         )
-    if sha256_hex(data) != chunk.sha256:
+    if sha256 != chunk.sha256:
         raise ChunkMismatch(f"{chunk.path} chunk {chunk.index}: SHA-256 does not match")
 
 
@@ -128,6 +134,27 @@ def check_manifest(manifest: ModelManifest, name: str | None = None) -> None:
         for digest in [entry.sha256, *entry.chunks]:
             if len(digest) != 64 or digest.strip("0123456789abcdef"):
                 raise ManifestError(f"{entry.path}: {digest[:16]!r}… is not a SHA-256 hex")
+        _check_file_hash(entry)
+
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def _check_file_hash(entry: FileEntry) -> None:
+    """Where the file's SHA-256 follows from its chunk list alone, it must (no bytes needed).
+
+    A file of one chunk is that chunk, an empty file is no bytes. For longer files the copy
+    does not re-hash the whole file: every chunk is verified on arrival and the file is
+    exactly the concatenation of its chunks, so its bytes are the ones the manifest's chunk
+    hashes name; the file hash stays in the manifest for ``sha256sum`` comparisons."""
+    if len(entry.chunks) > 1:
+        return
+    expected = entry.chunks[0] if entry.chunks else EMPTY_SHA256
+    if entry.sha256 != expected:
+        what = "its only chunk" if entry.chunks else "no bytes"
+        raise ManifestError(
+            f"{entry.path}: the file's SHA-256 is not the hash of {what} (a tampered manifest)"
+        )
 
 
 def _check_path(path: str) -> None:

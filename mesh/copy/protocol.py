@@ -24,6 +24,10 @@ from mesh.errors import CopyError
 
 ALPN = "mlx-mesh-copy/1"
 MAX_HEADER = 64 * 1024
+# Both ends move a chunk's bytes through one reused buffer of this size: decrypted (or read),
+# hashed and written (or encrypted) while still in the CPU's cache. Whole 8 MiB chunk buffers
+# made every byte go through memory three times (bench/results/peer_copy.md).
+IO_BLOCK = 256 * 1024
 _LENGTH = struct.Struct(">I")
 PREFIX_SIZE = _LENGTH.size
 

@@ -77,14 +77,17 @@ def cert_der(identity_or_cert: NodeIdentity | x509.Certificate) -> bytes:
 
 
 def recv_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
-    """Exactly ``n`` bytes from a blocking TLS socket (``IncompleteReadError`` at EOF). A large
-    read comes back as the buffer it filled (bytes-like, not copied once more)."""
+    """Exactly ``n`` bytes from a blocking TLS socket (``IncompleteReadError`` at EOF)."""
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+    recv_into_exactly(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exactly(sock: ssl.SSLSocket, view: memoryview) -> None:
+    """Fill ``view`` from a blocking TLS socket: each record is decrypted straight into it."""
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:])
         if not k:
-            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+            raise asyncio.IncompleteReadError(bytes(view[:got]), n)
         got += k
-    return bytes(buf) if n < 65536 else buf  # type: ignore[return-value]

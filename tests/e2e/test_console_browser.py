@@ -257,7 +257,13 @@ def test_api_key_is_asked_for_and_sent(browser) -> None:  # type: ignore[no-unty
 class MeshNode:
     """A MeshService (real QUIC on loopback) under a real gateway, both on one server loop."""
 
-    def __init__(self, home: Path, models: dict[str, ScriptedUpstream], join: str | None = None):
+    def __init__(
+        self,
+        home: Path,
+        models: dict[str, ScriptedUpstream],
+        join: str | None = None,
+        copy: object | None = None,  # a CopyConfig: serve peer copies
+    ):
         from mesh.http import mesh_routes
         from mesh.identity import NodeIdentity
         from mesh.service import MeshConfig, MeshService
@@ -274,6 +280,7 @@ class MeshNode:
             retry_backoff_s=0.05,
             join_token=join,
             tunnel=TunnelConfig(ping_interval=0.3, ping_timeout=1.0, handshake_timeout=3.0),
+            copy=copy,  # type: ignore[arg-type]
         )
         self.service = MeshService(home, NodeIdentity.load_or_create(home), local, config)
         self.app = create_app(
@@ -356,6 +363,89 @@ def test_two_node_mesh_topology_forwarded_chat_and_invite(browser, tmp_path: Pat
             )
             page.wait_for_function("document.querySelectorAll('#members tbody tr').length === 1")
     context.close()
+
+
+def _weights(root: Path, mb: int) -> Path:
+    """A stand-in model in a store: config + ``mb`` MB of random weights (never loaded)."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    (root / "model.safetensors").write_bytes(os.urandom(mb * 1_000_000))
+    return root
+
+
+def test_mesh_tab_copies_a_model_from_a_member_with_live_progress(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """B's console lists what A holds, copies it with live progress (bytes, rate, ETA, source),
+    then a second copy whose source goes away mid-copy ends in one clear sentence."""
+    from mesh.copy.server import CopyConfig
+    from worker.store import model_path
+
+    # Paced (1 MB/s per member after a 1 MB burst) so that the copy takes a few seconds.
+    paced = CopyConfig(port=0, chunk_size=128 * 1024, rate_bytes_per_s=1_000_000)
+    _weights(model_path(tmp_path / "a", "weights"), 3)
+    _weights(model_path(tmp_path / "a", "other"), 6)
+    _weights(model_path(tmp_path / "a", "third"), 6)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(20_000)
+    errors: list[str] = []
+    with MeshNode(tmp_path / "a", {}, copy=paced) as a:
+        token = a.server.run(on_loop(a.service.create_invite, 60)).encode()
+        with MeshNode(tmp_path / "b", {}, join=token, copy=CopyConfig(port=0)) as b:
+            page = context.new_page()
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(b.server.url + "/")
+            page.click("[data-tab='mesh']")
+            row = page.locator("#mesh-models tr[data-model='weights']")
+            row.locator("button[data-copy='weights']").wait_for()
+            assert a.service.node_id[:8] in row.inner_text()
+
+            watch_text(page, ".copy[data-copy='weights'] .copy-line")
+            row.locator("button[data-copy='weights']").click()
+            box = page.locator(".copy[data-copy='weights']")
+            page.wait_for_selector(".copy[data-copy='weights'][data-outcome]")
+            assert box.get_attribute("data-outcome") == "done", box.inner_text()
+            assert "Copied weights" in box.inner_text()
+            seen = [t for t in page.evaluate("window.__seen") if " of " in t]
+            assert len(seen) >= 3, seen  # it moved while we watched, not only at the end
+            assert any("MB/s" in t and "ETA" in t for t in seen), seen
+            assert all(f"from {a.service.node_id[:8]}" in t for t in seen[1:]), seen
+            assert seen[-1].startswith("3.0 MB of 3.0 MB"), seen
+            copied = model_path(b.service.home, "weights") / "model.safetensors"
+            original = model_path(a.service.home, "weights") / "model.safetensors"
+            assert copied.read_bytes() == original.read_bytes()
+            page.wait_for_function(
+                "document.querySelector(\"#mesh-models tr[data-model='weights']\")"
+                ".children[2].textContent === 'yes'"
+            )
+            assert page.locator("button[data-copy='weights']").count() == 0
+
+            # Stop cancels the node's copy; what it had copied waits there for a resume.
+            page.locator("button[data-copy='third']").click()
+            page.wait_for_function(
+                "(document.querySelector(\".copy[data-copy='third'] progress\")?.value || 0) > 0"
+            )
+            page.click("[data-stop-copy='third']")
+            page.wait_for_selector(".copy[data-copy='third'][data-outcome='failed']")
+            assert "Stopped" in page.locator(".copy[data-copy='third'] .copy-line").inner_text()
+            page.locator("button[data-copy='third']").wait_for()  # can be started again
+            partial = model_path(b.service.home, "third").parent / ".partial" / "third"
+            assert partial.is_dir() and not model_path(b.service.home, "third").exists()
+
+            # The source goes away mid-copy: one sentence, and what was copied is kept.
+            page.locator("button[data-copy='other']").click()
+            page.wait_for_function(
+                "(document.querySelector(\".copy[data-copy='other'] progress\")?.value || 0)"
+                " > 1500000"
+            )
+            shot = SCREENSHOT.with_name("mlx-mesh-console-copy.png")
+            page.locator("#mesh-models-section").screenshot(path=str(shot))
+            a.server.run(a.service.copy.server.close())
+            page.wait_for_selector(".copy[data-copy='other'][data-outcome='failed']")
+            line = page.locator(".copy[data-copy='other'] .copy-line").inner_text()
+            assert "went away mid-copy" in line and "pull again to resume" in line, line
+            assert line.count(". ") == 0 and "Traceback" not in line, line
+            assert not model_path(b.service.home, "other").exists()
+    context.close()
+    assert errors == [], f"JavaScript errors on the page: {errors}"
 
 
 async def on_loop(fn, *args):  # type: ignore[no-untyped-def]

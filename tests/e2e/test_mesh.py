@@ -8,79 +8,22 @@ A killed mid-stream ends B's client stream with an error event within 5 s, once,
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import anthropic
 import httpx
 import openai
 import orjson
 import pytest
+from mesh_processes import Running, mesh_command, wait_for
 
 from lab.chaos import ChaosProxy
 from mesh.membership.invite import decode_invite
 
-MESH_ARGS = ["--port", "0", "--mesh-host", "127.0.0.1", "--mesh-port", "0", "--no-discovery"]
 MAX_TOKENS = 6
-
-
-def _mesh(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from mesh.cli import main; main()", *args]
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
-            value = predicate()
-            if value:
-                return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Running:
-    """One ``mesh up`` subprocess, ready once it wrote ``node.json``."""
-
-    def __init__(self, home: Path, *args: str) -> None:
-        self.home = home
-        self.last_words = ""
-        self.process = subprocess.Popen(
-            _mesh("up", "--home", str(home), *MESH_ARGS, *args),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        node_file = home / "node.json"
-
-        def ready():
-            if self.process.poll() is not None:
-                raise AssertionError(self.output())
-            return node_file.exists() and orjson.loads(node_file.read_bytes())
-
-        self.info = _wait_for(ready, 180, f"node in {home}")
-        self.url = self.info["url"]
-
-    def output(self) -> str:
-        return self.process.communicate(timeout=30)[0].decode(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL: no goodbye to anyone (its worker follows it: parent-death signal)."""
-        self.process.kill()
-        self.last_words = self.output()
-
-    def stop(self) -> str:
-        if self.process.returncode is not None:
-            return self.last_words  # killed earlier
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        out = self.output()
-        assert self.process.returncode == 0, out
-        return out
 
 
 def _texts(url: str, model: str) -> dict[str, str]:
@@ -151,7 +94,7 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
     b = proxy = None
     try:
         invite = subprocess.run(
-            _mesh("invite", "--home", str(a.home), "--ttl", "10m"),
+            mesh_command("invite", "--home", str(a.home), "--ttl", "10m"),
             capture_output=True,
             text=True,
             timeout=60,
@@ -166,7 +109,7 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         b = Running(
             tmp_path / "b", "--no-worker", "--join", via_proxy.encode(), "--moa-policy", "consensus"
         )
-        _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
+        wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
 
         direct = _texts(a.url, "model")
         proxy.set_loss(0.2)
@@ -198,10 +141,10 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
             lines = (b.home / "requests.jsonl").read_bytes().splitlines()
             return {orjson.loads(line)["model"] for line in lines}
 
-        _wait_for(lambda: logged_models() >= {"model", "mesh"}, 10, "request log rows")
+        wait_for(lambda: logged_models() >= {"model", "mesh"}, 10, "request log rows")
 
         status = subprocess.run(
-            _mesh("status", "--home", str(b.home), "--json"),
+            mesh_command("status", "--home", str(b.home), "--json"),
             capture_output=True,
             text=True,
             timeout=60,
@@ -215,7 +158,7 @@ def test_two_nodes_forward_join_and_rejoin(tiny_model_dir, tmp_path):
         # A restarted member comes back without a token: members know each other by key.
         b.stop()
         b = Running(tmp_path / "b", "--no-worker")
-        _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on restarted B")
+        wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on restarted B")
         assert _texts(b.url, "model")["chat"] == direct["chat"]
 
     finally:
@@ -261,7 +204,7 @@ def test_killed_mid_stream_ends_the_client_stream_with_an_error(tiny_model_dir, 
     b = None
     try:
         invite = subprocess.run(
-            _mesh("invite", "--home", str(a.home), "--ttl", "10m"),
+            mesh_command("invite", "--home", str(a.home), "--ttl", "10m"),
             capture_output=True,
             text=True,
             timeout=60,
@@ -269,7 +212,7 @@ def test_killed_mid_stream_ends_the_client_stream_with_an_error(tiny_model_dir, 
         assert invite.returncode == 0, invite.stderr
         token = invite.stdout.strip().splitlines()[-1]
         b = Running(tmp_path / "b", "--no-worker", "--join", token)
-        _wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
+        wait_for(lambda: "model" in _model_ids(b.url), 30, "A's model listed on B")
         with openai.OpenAI(base_url=a.url + "/v1", api_key="k", max_retries=0) as on_a:
             made = on_a.responses.create(model="model", input="x", max_output_tokens=2)
 

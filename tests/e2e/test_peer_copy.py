@@ -250,10 +250,10 @@ async def test_a_member_sending_bad_chunk_bytes_is_dropped(peers, monkeypatch):
 
     real = server_module._pread
 
-    def lying_pread(path, offset, length):
-        data = real(path, offset, length)
+    def lying_pread(path, offset, into):
+        data = real(path, offset, into)
         if a.home in Path(path).parents:
-            return bytes([data[0] ^ 0xFF]) + data[1:]
+            data[0] ^= 0xFF
         return data
 
     monkeypatch.setattr(server_module, "_pread", lying_pread)
@@ -278,6 +278,34 @@ async def test_a_tampered_manifest_leaves_the_store_unchanged(peers, monkeypatch
     with pytest.raises(ManifestError, match="tampered manifest"):
         await _fetch(b, "multi", a)
     assert list_models(b.home) == [] and not partial_dir(b.home, "multi").exists()
+
+
+async def test_a_tampered_chunk_hash_fails_every_source_and_stores_nothing(peers, monkeypatch):
+    """A manifest whose file hashes add up but one chunk hash is wrong (a lying manifest that
+    two sources agree on): no bytes verify as that chunk, so the copy ends, nothing stored."""
+    a, b, c = await peers("a"), await peers("b"), await peers("c")
+    make_multi_file_model(model_path(a.home, "multi"))
+    shutil.copytree(model_path(a.home, "multi"), model_path(c.home, "multi"))
+    a.trust(b)
+    c.trust(b)
+
+    def tamper(server):
+        real = server.manifest
+
+        async def tampered(name):
+            manifest = await real(name)
+            files = list(manifest.files)
+            i = next(i for i, f in enumerate(files) if len(f.chunks) > 1)
+            files[i] = files[i].model_copy(update={"chunks": [*files[i].chunks[:-1], "0" * 64]})
+            return manifest.model_copy(update={"files": files})
+
+        monkeypatch.setattr(server, "manifest", tampered)
+
+    tamper(a.server)
+    tamper(c.server)
+    with pytest.raises(PeerLost, match="sent bad bytes"):
+        await _fetch(b, "multi", a, c)
+    assert list_models(b.home) == []
 
 
 async def test_disk_full_is_one_sentence(peers, monkeypatch):

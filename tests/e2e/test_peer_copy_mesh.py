@@ -131,3 +131,36 @@ async def test_admin_route_streams_progress_then_done(mesh, tiny_model_dir):
     assert events[-1] == {"type": "done", "name": "tiny", "path": str(model_path(b.home, "tiny"))}
     progress = [e for e in events if e["type"] == "progress"]
     assert progress and progress[-1]["done"] == progress[-1]["total"] > 0
+
+
+async def test_pull_route_through_the_gateway_needs_the_key_and_the_console_origin(
+    mesh, tiny_model_dir
+):
+    """What the console calls, behind the gateway's guards: off loopback only with the API
+    key, never from another site's page; with both, the copy streams to its end."""
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    a = await mesh("a")
+    shutil.copytree(tiny_model_dir, model_path(a.home, "tiny"))
+    b = await mesh("b", join_token=a.create_invite(60).encode())
+    await _until(lambda: b.copy.sources("tiny"))
+    key = "k" * 24
+    app = create_app(
+        StaticDirectory(), GatewayConfig(api_key=key), extra_routes=mesh_routes(b, api_key=key)
+    )
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 1234))
+    auth = {"authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:9337") as http:
+        body = {"name": "tiny"}
+        assert (await http.get("/api/mesh/models")).status_code == 401
+        assert (await http.post("/api/mesh/models/pull", json=body)).status_code == 401
+        foreign = auth | {"origin": "http://evil.example"}
+        refused = await http.post("/api/mesh/models/pull", json=body, headers=foreign)
+        assert refused.status_code == 403
+        assert list_models(b.home) == []
+        own = auth | {"origin": "http://127.0.0.1:9337"}  # the console's own page
+        response = await http.post("/api/mesh/models/pull", json=body, headers=own)
+    assert response.status_code == 200
+    assert orjson.loads(response.text.splitlines()[-1])["type"] == "done"
+    assert [m.name for m in list_models(b.home)] == ["tiny"]

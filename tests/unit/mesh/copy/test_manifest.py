@@ -83,6 +83,9 @@ def _entry(path="a", size=3, chunks=None) -> FileEntry:
         ([_entry("a"), _entry("a")], "twice"),
         ([_entry(size=9000)], "chunk hashes"),
         ([_entry(chunks=["xyz"])], "SHA-256"),
+        # Where the file hash follows from the chunk list, it must: one chunk, or no bytes.
+        ([_entry(chunks=["1" * 64])], "hash of its only chunk"),
+        ([FileEntry(path="e", size=0, sha256="0" * 64)], "hash of no bytes"),
     ],
 )
 def test_tampered_manifests_are_refused(files, message):
