@@ -199,7 +199,7 @@ def test_anthropic_blocks_become_turns_in_order():
     ("api", "body", "names"),
     [
         (chat, {"model": "m", "messages": []}, "messages"),
-        (chat, {"model": "m", "messages": USER, "n": 2}, "^n: "),
+        (chat, {"model": "m", "messages": USER, "n": 17}, "^n: "),
         (
             chat,
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
