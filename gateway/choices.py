@@ -102,11 +102,12 @@ async def fan_out(
             for event in merger.feed(*await queue.get()):
                 yield event
     finally:
+        # Each pump closes its own stream: this cleanup may itself be cancelled (the exchange
+        # cancels its producer once the answer is out), and a stream must be closed by the task
+        # that iterates it, never from here while it runs.
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
-        for stream in streams:
-            await close_stream(stream)
 
 
 async def _pump(
@@ -123,3 +124,4 @@ async def _pump(
         queue.put_nowait((index, Error(kind="internal", message=message)))
     finally:
         queue.put_nowait((index, None))  # ended (a stream without a terminal included)
+        await close_stream(source)
