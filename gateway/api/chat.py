@@ -133,10 +133,13 @@ def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     return "".join(parts)
 
 
-def _arguments(value: str | dict[str, Any]) -> str:
+def _arguments(value: str | dict[str, Any], where: str) -> str:
     if isinstance(value, str):
         return value
-    return orjson.dumps(value).decode()
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError as exc:  # nested deeper than JSON writers go: the client's mistake
+        raise RequestInvalid(f"{where}: cannot be written as JSON ({exc})", where) from exc
 
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
@@ -153,9 +156,11 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
                     ToolCall(
                         id=tc.id or new_id("call_"),
                         name=tc.function.name,
-                        arguments=_arguments(tc.function.arguments),
+                        arguments=_arguments(
+                            tc.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+                        ),
                     )
-                    for tc in m.tool_calls or []
+                    for j, tc in enumerate(m.tool_calls or [])
                 ],
                 tool_call_id=m.tool_call_id,
                 name=m.name,
