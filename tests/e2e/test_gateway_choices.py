@@ -5,6 +5,8 @@ index, usage counts the prompt once, and the samples of one prompt cost one pref
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -34,6 +36,7 @@ def node(tiny_model_dir):
             app = create_app(directory, GatewayConfig(retry_backoff_ms=1), moa=moa)
             with ServerThread(app) as front:
                 front.worker_url = worker.url
+                front.engine = engine
                 yield front
     finally:
         engine.close()
@@ -124,6 +127,25 @@ def test_mesh_self_mixture_costs_one_prefill(node, oai) -> None:
     )
     assert completion.choices[0].message.content
     assert prefills(node) - before == 1
+
+
+def test_a_client_leaving_an_n3_stream_cancels_every_choice(node, oai) -> None:
+    engine = node.engine
+    before = engine.stats.cancelled
+    stream = oai.chat.completions.create(
+        model="plain", messages=ask("Leave: " + QUESTION), max_tokens=3000, n=3, stream=True
+    )
+    seen: set[int] = set()
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices if c.delta.content)
+        if len(seen) == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while engine.stats.cancelled < before + 3 or engine.stats.in_flight:
+        assert time.monotonic() < deadline, "the choices kept running"
+        time.sleep(0.05)
+    assert engine.stats.cancelled == before + 3 and engine.stats.queue_depth == 0
 
 
 def test_n_above_the_limit_is_a_400_naming_it(oai) -> None:
