@@ -73,6 +73,11 @@ class Case:
         pairs = zip(self.samples[mode], self.samples["direct"], strict=True)
         return statistics.median(s.ttft_s / d.ttft_s for s, d in pairs)
 
+    def best_ratio(self, mode: str) -> float:
+        """Best TTFT of the mode over the best of ``direct``: each at its least disturbed."""
+        best = min(s.ttft_s for s in self.samples[mode])
+        return best / min(s.ttft_s for s in self.samples["direct"])
+
     def prefills(self, mode: str) -> str:
         counts = sorted({s.prefills for s in self.samples[mode]})
         return "/".join(str(c) for c in counts)
@@ -225,10 +230,12 @@ def report(cases: list[Case], args: argparse.Namespace) -> str:
         "- TTFT: to the first content token of any choice; `all 3 first`: until every choice of",
         "  `n=3` has one; prefills: what the worker's `/health` counted for the request",
         "- `× direct`: the median over rounds of the mode's TTFT over `direct`'s in the same",
-        "  round (seconds apart, so a drift in the machine's load cancels out)",
+        "  round (seconds apart, so a drift in the machine's load cancels out); `best`: the",
+        "  mode's best TTFT over `direct`'s best (each at its least disturbed)",
         "",
-        "| model | prompt tokens | prefill | mode | TTFT (s) | × direct | all 3 first (s) | prefills |",
-        "|---|---:|---|---|---:|---:|---:|---:|",
+        "| model | prompt tokens | prefill | mode | median TTFT (s) | × direct | best × direct "
+        "| all 3 first (s) | prefills |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for case in cases:
         for mode in MODES:
@@ -237,7 +244,8 @@ def report(cases: list[Case], args: argparse.Namespace) -> str:
             lines.append(
                 f"| {case.model} | {case.prompt_tokens} | "
                 f"{'shared' if case.shared else 'separate'} | {mode} | {ttft:.3f} | "
-                f"{case.paired_ratio(mode):.2f}x | {all3} | {case.prefills(mode)} |"
+                f"{case.paired_ratio(mode):.2f}x | {case.best_ratio(mode):.2f}x | {all3} | "
+                f"{case.prefills(mode)} |"
             )
     lines += [
         "",
@@ -251,11 +259,11 @@ def report(cases: list[Case], args: argparse.Namespace) -> str:
     ]
     for case in cases:
         if case.shared:
-            ratio = case.paired_ratio("mesh")
-            met = "met" if ratio <= 1.25 else "missed"
+            ratio, best = case.paired_ratio("mesh"), case.best_ratio("mesh")
+            met = "met" if max(ratio, best) <= 1.25 else "missed"
             lines.append(
-                f"- {case.model}: mesh {ratio:.2f}x direct ({met}); n=3 prefills per request: "
-                f"{case.prefills('n=3')}"
+                f"- {case.model}: mesh {ratio:.2f}x direct (best {best:.2f}x): {met}; "
+                f"n=3 prefills per request: {case.prefills('n=3')}"
             )
     return "\n".join(lines) + "\n"
 
