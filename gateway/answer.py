@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from gateway.events import (
+    ChoiceEvent,
     Done,
     Error,
     Event,
@@ -58,9 +59,14 @@ class Accumulator:
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended a "stop" answer
     error: Error | None = None
+    # A request for several answers (gateway/choices.py): each choice's own, by index; the
+    # fields above then hold the request's whole usage and its end.
+    choices: dict[int, Accumulator] = field(default_factory=dict)
 
     def add(self, event: Event) -> ToolCallState | None:
         """Fold one event in; returns the tool call when ``event`` opened a new one."""
+        if isinstance(event, ChoiceEvent):
+            return self.choices.setdefault(event.index, Accumulator()).add(event.event)
         if isinstance(event, TextDelta):
             self.text_parts.append(event.text)
         elif isinstance(event, ReasoningDelta):
@@ -69,15 +75,7 @@ class Accumulator:
         elif isinstance(event, Progress):
             self.progress_parts.append(event.text)
         elif isinstance(event, ToolCallDelta):
-            call = self.tool_calls.get(event.index)
-            if call is None:
-                call = ToolCallState(
-                    id=event.id or new_id("call_"), name=clamp_tool_name(event.name)
-                )
-                call.arguments = event.arguments
-                self.tool_calls[event.index] = call
-                return call
-            call.arguments += event.arguments
+            return self._add_tool_call(event)
         elif isinstance(event, Usage):
             self.usage = event
         elif isinstance(event, Sampling):
@@ -91,6 +89,16 @@ class Accumulator:
                 self.stop_sequence = event.stop_sequence
         elif isinstance(event, Error):
             self.error = event
+        return None
+
+    def _add_tool_call(self, event: ToolCallDelta) -> ToolCallState | None:
+        call = self.tool_calls.get(event.index)
+        if call is None:
+            call = ToolCallState(id=event.id or new_id("call_"), name=clamp_tool_name(event.name))
+            call.arguments = event.arguments
+            self.tool_calls[event.index] = call
+            return call
+        call.arguments += event.arguments
         return None
 
     @property

@@ -53,6 +53,7 @@ CHAT = ApiSpec(
     chat.ChatStreamEncoder,
     lambda r, b, acc: chat.completion_body(r, acc),
     chat.error_body,
+    open_stream=chat.open_stream,
 )
 RESPONSES = ApiSpec(
     "responses",

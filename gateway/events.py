@@ -144,10 +144,33 @@ class Error:
         return STATUS_BY_KIND.get(self.kind, 500)
 
 
+@dataclass(frozen=True, slots=True)
+class ChoiceEvent:
+    """One event of choice ``index`` of a request for several answers (Chat ``n > 1``).
+
+    Gateway-local: the fan-out (gateway/choices.py) wraps each choice's events in it, and only
+    an API that asked for choices reads it. It never crosses the tunnel (a peer serves each
+    choice as a request of its own) and is never terminal: the fan-out ends with a plain
+    ``Done`` or ``Error`` for the whole request.
+    """
+
+    index: int
+    event: Event
+
+
 Delta = ReasoningDelta | TextDelta | ToolCallDelta
 Terminal = Done | Error
 Event = (
-    ReasoningDelta | TextDelta | ToolCallDelta | Progress | Usage | Sampling | Meta | Done | Error
+    ReasoningDelta
+    | TextDelta
+    | ToolCallDelta
+    | Progress
+    | Usage
+    | Sampling
+    | Meta
+    | Done
+    | Error
+    | ChoiceEvent
 )
 
 _EVENT_TYPES: dict[str, type] = {

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from gateway.answer import Accumulator
 from gateway.api.errors import RequestInvalid
 from gateway.events import (
     RETRYABLE_KINDS,
+    ChoiceEvent,
     Done,
     Error,
     Event,
@@ -76,6 +77,9 @@ class ApiSpec:
     parse_with_state: Callable[[Any, dict[str, Any]], Awaitable[tuple[ChatRequest, Any]]] | None = (
         None
     )
+    # The request's events from the router (Chat: one call per choice when ``n > 1``); None
+    # for the one routed call.
+    open_stream: Callable[[Any, ChatRequest, Any, list], AsyncIterator[Event]] | None = None
     # Called with the final response object once there is one (Responses: store it).
     finish: Callable[[Any, ChatRequest, Any, dict[str, Any]], None] | None = None
     # Takes a routed request over when it runs detached from its HTTP request (Responses'
@@ -184,7 +188,11 @@ class EventResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
-        producer = ProducerStream(state.router.stream(self.request, self.routes))
+        if self.spec.open_stream is not None:
+            events = self.spec.open_stream(state.router, self.request, self.body, self.routes)
+        else:
+            events = state.router.stream(self.request, self.routes)
+        producer = ProducerStream(events)
         write = self._stream if self.request.stream else self._collect
         writer = asyncio.create_task(write(producer, send), name="gateway-writer")
         listener = asyncio.create_task(_wait_for_disconnect(receive), name="gateway-disconnect")
@@ -225,7 +233,8 @@ class EventResponse:
     def _fold(self, event: Event, acc: Accumulator | None) -> None:
         """Note TTFT and route headers; fold content into ``acc`` unless an encoder already
         accumulates it (streaming: the encoder's accumulator becomes ``self.acc``)."""
-        if self.record.ttft_s is None and isinstance(event, _DELTAS):
+        content = event.event if isinstance(event, ChoiceEvent) else event
+        if self.record.ttft_s is None and isinstance(content, _DELTAS):
             self.record.ttft_s = time.perf_counter() - self._t0
             self._stop_waiting()
         if isinstance(event, Meta):

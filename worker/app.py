@@ -185,6 +185,14 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 "uptime_s": round(engine.uptime_s, 3),
                 "warm_up_s": _rounded(stats.warm_up_s),
                 "loops_stopped": stats.loops_stopped,
+                # Prefill work since start (the warm-up's included): samples of one prompt
+                # show up as one prefill and shared ones (worker/shared_prefill.py).
+                "prefill": {
+                    "prefills": stats.prefills,
+                    "prompt_tokens_computed": stats.prompt_tokens_computed,
+                    "shared": stats.shared_prefills,
+                    "shared_tokens": stats.shared_prefill_tokens,
+                },
             }
             | _how_it_runs(engine)
         )

@@ -10,6 +10,12 @@ one step per call: a decoded token, or a prefill chunk of ``prefill_step_size`` 
 Commands are drained between steps, so a cancel stops its job within one step, also a long
 prompt's prefill within one chunk.
 
+Jobs that arrive together with one prompt (the samples of ``model="mesh"``, Chat ``n > 1``) or a
+long shared prefix prefill it once: a later one waits until the first one's cache holds the shared
+tokens and starts from a copy of them (worker/shared_prefill.py decides when that pays). Each
+sample stays its own job: cancelling one never stops its siblings; a source that leaves hands its
+KV over to the followers it already covers and the others are placed again.
+
 Prompt cache commit happens *after* the response: a finished job's KV cache is held as a pending
 commit until the HTTP layer calls ``commit`` (after writing the terminal frame). A new job whose
 prompt would reuse a pending commit waits for it (at most ``commit_wait_s``), so it never reads a
@@ -47,8 +53,9 @@ from worker.engine_types import (
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.loop_guard import LoopGuard
-from worker.prompt_cache import PromptCacheStore
+from worker.prompt_cache import PromptCacheStore, copy_cache
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
+from worker.shared_prefill import Share, SharePolicy, Source, plan_share
 from worker.tool_listing import Listing, listed
 from worker.tool_prompt import generic_messages, renders_tools
 
@@ -63,7 +70,8 @@ class _Active:
     uid: int
     detokenizer: Any
     stop: StopMatcher
-    cached_tokens: int
+    cached_tokens: int  # of the prompt, from the prompt cache or a sibling's prefill
+    held: int = 0  # prompt tokens its KV cache holds now (grows chunk by chunk while prefilling)
     completion_tokens: int = 0
     first_token: bool = False
     loop: LoopGuard | None = None  # None: the loop guard is off
@@ -74,6 +82,14 @@ class _Parked:
     job: Job
     waits_for: set[str]
     deadline: float
+
+
+@dataclass
+class _Follower:
+    """A job waiting for a running job's prefill to cover ``share.tokens`` of its prompt."""
+
+    job: Job
+    share: Share
 
 
 @dataclass
@@ -120,6 +136,8 @@ class Engine:
         self._generator: Any = None
         self._active: dict[int, _Active] = {}
         self._parked: list[_Parked] = []
+        self._followers: list[_Follower] = []
+        self._share_policy = SharePolicy(min_tokens=self.config.share_prefill_min_tokens)
         self._pending: dict[str, _Pending] = {}
         self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
 
@@ -261,6 +279,7 @@ class Engine:
             if self._active:
                 try:
                     self._step()
+                    self._release_followers()
                 except Exception as exc:
                     log.exception("generation step failed")
                     self._fail_all(f"generation failed: {exc}")
@@ -364,8 +383,98 @@ class Engine:
         self._parked = still
 
     def _admit(self, job: Job) -> None:
+        """Start a job: from a running sibling's prefill when its prompt shares enough with one
+        (worker/shared_prefill.py), else from what the prompt cache holds."""
+        share = self._plan_share(job.request.prompt)
+        if share is not None:
+            follower = _Follower(job, share)
+            if not share.ready:
+                self.stats.log("follows", job.id)
+                self._followers.append(follower)
+                return
+            self._fork_from(self._active[share.key], [follower])
+            return
+        self._start_alone(job)
+
+    def _start_alone(self, job: Job) -> None:
+        cache, cached = self._store.fetch(job.request.prompt, merged_by_reader=self.batchable)
+        self._insert(job, cache, cached)
+
+    def _plan_share(self, prompt: list[int]) -> Share | None:
+        if not self.config.share_prefill or not self._active:
+            return None
+        sources = [Source(uid, a.job.request.prompt, a.held) for uid, a in self._active.items()]
+        cached = self._store.best_prefix(prompt)
+        return plan_share(prompt, sources, cached=cached, policy=self._share_policy)
+
+    def _release_followers(self) -> None:
+        """After a step: start the followers whose source now holds their shared tokens."""
+        if not self._followers:
+            return
+        by_source: dict[int, list[_Follower]] = {}
+        for follower in self._followers:
+            by_source.setdefault(follower.share.key, []).append(follower)
+        for uid, followers in by_source.items():
+            source = self._active.get(uid)
+            if source is None:  # gone without handing over (failed): start them on their own
+                self._followers = [f for f in self._followers if f not in followers]
+                self._restart_followers(followers)
+            elif source.held >= min(f.share.tokens for f in followers):
+                ready = [f for f in followers if source.held >= f.share.tokens]
+                self._followers = [f for f in self._followers if f not in ready]
+                self._fork_from(source, ready)
+
+    def _fork_from(
+        self,
+        source: _Active,
+        followers: list[_Follower],
+        held: tuple[list[Any] | None, list[int] | None] | None = None,
+    ) -> None:
+        """Start ``followers`` (already out of the wait list) from a copy of ``source``'s KV,
+        each trimmed to its shared tokens. ``held``: the source's (cache, tokens) when it has
+        just left the generator; else they are read from it. A follower the copy cannot serve
+        (a cache that cannot be trimmed back) starts alone."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        if held is None:
+            held = self._generator.extract_cache([source.uid]).get(source.uid)
+        cache, tokens = held if held is not None else (None, None)
+        started = []
+        for follower in followers:
+            if cache is None or not tokens:
+                break
+            n = follower.share.tokens
+            excess = len(tokens) - n
+            if excess < 0 or (excess and not can_trim_prompt_cache(cache)):
+                continue
+            if list(tokens[:n]) != follower.job.request.prompt[:n]:
+                continue
+            fork = copy_cache(cache, merged_by_reader=self.batchable)
+            if excess:
+                trim_prompt_cache(fork, excess)
+            self._guarded(follower.job, self._insert, follower.job, fork, n, shared=True)
+            started.append(follower)
+        for follower in followers:
+            if follower not in started:
+                self._guarded(follower.job, self._start_alone, follower.job)
+
+    def _restart_followers(self, followers: list[_Follower]) -> None:
+        """Place followers (out of the wait list) whose source is gone as if just submitted:
+        one of them may become the others' source."""
+        for follower in followers:
+            self._guarded(follower.job, self._admit, follower.job)
+
+    def _guarded(self, job: Job, start: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Start a waiting job; one that cannot start fails alone (as a bad submit does), not
+        the step that released it."""
+        try:
+            start(*args, **kwargs)
+        except Exception as exc:
+            log.exception("cannot start job %s", job.id)
+            self._reject(job, f"cannot start generation: {exc}")
+
+    def _insert(self, job: Job, cache: list[Any] | None, cached: int, shared: bool = False) -> None:
         req = job.request
-        cache, cached = self._store.fetch(req.prompt, merged_by_reader=self.batchable)
         params = req.sampling
         kwargs: dict[str, Any] = {}
         if self.batchable:
@@ -389,11 +498,26 @@ class Engine:
             StopMatcher(req.stop),
             cached,
             loop=LoopGuard(span) if span else None,
+            held=cached,
         )
-        self.stats.log("admitted", job.id)
+        self._count_prefill(len(req.prompt) - cached, cached if shared else 0)
+        self.stats.log("shared_prefill" if shared else "admitted", job.id)
+        if shared:
+            self.stats.log("admitted", job.id)
+
+    def _count_prefill(self, computed: int, shared: int) -> None:
+        """A job runs ``computed`` prompt tokens; more than its last one is a prefill."""
+        with self._lock:
+            self.stats.prompt_tokens_computed += computed
+            if computed > 1:
+                self.stats.prefills += 1
+            if shared:
+                self.stats.shared_prefills += 1
+                self.stats.shared_prefill_tokens += shared
 
     def _reject(self, job: Job, message: str) -> None:
         self._parked = [p for p in self._parked if p.job is not job]
+        self._followers = [f for f in self._followers if f.job is not job]
         for uid, active in list(self._active.items()):
             if active.job is job:
                 self._generator.remove([uid])
@@ -410,8 +534,10 @@ class Engine:
             self._on_commit(job_id)
             return
         parked = [p for p in self._parked if p.job.id == job_id]
-        if parked:
+        waiting = [f for f in self._followers if f.job.id == job_id]
+        if parked or waiting:
             self._parked = [p for p in self._parked if p.job.id != job_id]
+            self._followers = [f for f in self._followers if f.job.id != job_id]
             with self._lock:
                 self.stats.queue_depth -= 1
                 self.stats.cancelled += 1
@@ -450,7 +576,10 @@ class Engine:
                 self.stats.log("commit_expired", job_id)
 
     def _step(self) -> None:
-        _, responses = self._generator.next()
+        progress, responses = self._generator.next()
+        for p in progress:  # prefill chunks done: what a follower waits for
+            if (active := self._active.get(p.uid)) is not None:
+                active.held = max(active.held, active.cached_tokens + p.progress[0])
         decoded = 0
         for r in responses:
             active = self._active.get(r.uid)
@@ -467,6 +596,7 @@ class Engine:
         job = active.job
         if not active.first_token:
             active.first_token = True
+            active.held = len(job.request.prompt)
             with self._lock:
                 self.stats.queue_depth -= 1
                 self.stats.in_flight += 1
@@ -501,6 +631,7 @@ class Engine:
         else:
             cache, tokens = r.prompt_cache, r.all_tokens
         self._drop(r.uid)
+        self._hand_over(active, cache, tokens)
         if cache is not None and tokens:
             self._pending[job.id] = _Pending(list(tokens), cache)
         self.stats.log("finished", job.id)
@@ -542,13 +673,28 @@ class Engine:
         (both generators keep the token list equal to the cache after every chunk): a client
         that timed out on a long cold prefill retries from there, not from zero."""
         caches = self._generator.remove([active.uid], return_prompt_caches=True)
-        self._drop(active.uid)
         cache, tokens = caches.get(active.uid, (None, None))
+        self._drop(active.uid)
         # Not yet prefilling (queued in the generator): the cache is the fetched copy of an
         # entry that is still in the store; nothing new to keep.
         if cache is not None and tokens and len(tokens) > active.cached_tokens:
             self._store.insert(list(tokens), cache)
             self.stats.log("cache_kept", active.job.id)
+        self._hand_over(active, cache, tokens)
+
+    def _hand_over(self, source: _Active, cache: Any, tokens: list[int] | None) -> None:
+        """A source has left the generator (finished, stopped, cancelled; already dropped):
+        its followers start from what its cache holds; those it does not cover yet are placed
+        again (a cancelled one's partial prefill is in the store by then). A cancelled sample
+        thus never takes its siblings with it."""
+        followers = [f for f in self._followers if f.share.key == source.uid]
+        if not followers:
+            return
+        self._followers = [f for f in self._followers if f.share.key != source.uid]
+        covered = [f for f in followers if tokens and len(tokens) >= f.share.tokens]
+        if covered:
+            self._fork_from(source, covered, (cache, tokens))
+        self._restart_followers([f for f in followers if f not in covered])
 
     def _drop(self, uid: int) -> None:
         active = self._active.pop(uid, None)
@@ -565,6 +711,9 @@ class Engine:
             active.job._deliver(Failed(message))
             self._drop(uid)
         self._reset_generator()
+        # Followers ran nothing yet: they start on their own (the next loop's steps).
+        followers, self._followers = self._followers, []
+        self._restart_followers(followers)
 
     def _reset_generator(self) -> None:
         from mlx_lm.generate import BatchGenerator
@@ -583,11 +732,13 @@ class Engine:
         for uid, active in list(self._active.items()):
             active.job._deliver(Failed("worker shutting down"))
             self._drop(uid)
-        for parked in self._parked:
-            parked.job._deliver(Failed("worker shutting down"))
+        waiting: list[_Parked | _Follower] = [*self._parked, *self._followers]
+        for entry in waiting:
+            entry.job._deliver(Failed("worker shutting down"))
             with self._lock:
                 self.stats.queue_depth -= 1
         self._parked = []
+        self._followers = []
         self._generator.close()
         self._store.clear()
         self._pending.clear()

@@ -31,6 +31,12 @@ class EngineConfig:
     prefill_step_size: int = 512
     # False serves jobs one at a time even when the model's cache could be batched.
     batching: bool = True
+    # A job whose prompt shares a prefix with a running job's starts from a copy of that job's
+    # KV instead of prefilling it again (worker/shared_prefill.py): the samples of one prompt
+    # cost one prefill. It waits for the other's prefill only when at least this many tokens
+    # (and half its own prefill) are shared.
+    share_prefill: bool = True
+    share_prefill_min_tokens: int = 16
     # On the CPU backend, run float16/bfloat16 weights as float32: x86 CPUs emulate half
     # precision, which made a 135M model ~30x slower per layer. Packed quantized weights stay.
     cpu_float32: bool = True
@@ -129,6 +135,13 @@ class EngineStats:
     commit_waits: int = 0
     commit_wait_timeouts: int = 0
     loops_stopped: int = 0  # answers the loop guard ended
+    # Prefill work: jobs that ran more than their last prompt token through the model, and the
+    # prompt tokens run (the last one of each job included); jobs that started from a running
+    # sibling's KV (worker/shared_prefill.py) and the prompt tokens they took from it.
+    prefills: int = 0
+    prompt_tokens_computed: int = 0
+    shared_prefills: int = 0
+    shared_prefill_tokens: int = 0
     # The start-up warm-up (Engine.warm_up): how long it took and the tokens it generated.
     warm_up_s: float | None = None
     warm_up_tokens: int = 0

@@ -32,6 +32,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def copy_cache(cache: list[Any], *, merged_by_reader: bool) -> list[Any]:
+    """A private copy of a per-layer KV cache that generation can extend or trim.
+
+    ``merged_by_reader``: the reader only merges it into a batch (mlx-lm's
+    ``BatchKVCache.merge`` copies ``keys[..., :offset]``), so plain ``KVCache`` layers are copied
+    shallowly (new objects, shared arrays) instead of duplicating every tensor. Anything else,
+    e.g. a cache the sequential generator writes into in place, is copied deeply."""
+    if merged_by_reader and all(type(c) is KVCache for c in cache):
+        return [copy.copy(c) for c in cache]
+    return copy.deepcopy(cache)
+
+
 def cache_nbytes(cache: list[Any]) -> int:
     return sum(getattr(c, "nbytes", 0) for c in cache)
 
@@ -91,12 +103,8 @@ class PromptCacheStore:
     def fetch(
         self, prompt: Sequence[int], *, merged_by_reader: bool = False
     ) -> tuple[list[Any] | None, int]:
-        """A private copy of the best cache for ``prompt`` and how many tokens it covers.
-
-        ``merged_by_reader``: the caller only reads the cache to merge it into a batch (mlx-lm's
-        ``BatchKVCache.merge`` copies ``keys[..., :offset]``), so plain ``KVCache`` layers are
-        copied shallowly (new objects, shared arrays) instead of duplicating every tensor.
-        """
+        """A private copy of the best cache for ``prompt`` and how many tokens it covers
+        (``merged_by_reader``: see :func:`copy_cache`)."""
         best_key, best_len = None, 0
         for key, entry in self._entries.items():
             n = self.usable_prefix(entry.tokens, prompt, entry.trimmable)
@@ -107,10 +115,7 @@ class PromptCacheStore:
             return None, 0
         entry = self._entries[best_key]
         self._entries.move_to_end(best_key)
-        if merged_by_reader and all(type(c) is KVCache for c in entry.cache):
-            cache = [copy.copy(c) for c in entry.cache]
-        else:
-            cache = copy.deepcopy(entry.cache)
+        cache = copy_cache(entry.cache, merged_by_reader=merged_by_reader)
         excess = len(entry.tokens) - best_len
         if excess:
             trim_prompt_cache(cache, excess)

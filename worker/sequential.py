@@ -10,6 +10,7 @@ KV of the chunks already done.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,15 @@ class SequentialResponse:
     finish_reason: str | None
     prompt_cache: list[Any] | None
     all_tokens: list[int] | None
+
+
+@dataclass
+class SequentialProgress:
+    """A prefill chunk done, like ``BatchGenerator``'s prompt responses: ``progress[0]`` of the
+    ``progress[1]`` prompt tokens inserted (those not in the cache) are in the cache now."""
+
+    uid: int
+    progress: tuple[int, int]
 
 
 @dataclass
@@ -84,7 +94,7 @@ class SequentialGenerator:
             self._uid += 1
         return uids
 
-    def next(self) -> tuple[list[Any], list[SequentialResponse]]:
+    def next(self) -> tuple[list[SequentialProgress], list[SequentialResponse]]:
         if self._current is None:
             if not self._queue:
                 return [], []
@@ -95,7 +105,7 @@ class SequentialGenerator:
             # one starts decoding.
             if len(seq.prompt) - seq.fed > 1:
                 self._prefill_chunk(seq)
-                return [], []
+                return [SequentialProgress(seq.uid, (seq.fed, len(seq.prompt)))], []
             self._start_decoding(seq)
         assert seq.steps is not None
         token, logprobs = next(seq.steps)
@@ -134,6 +144,15 @@ class SequentialGenerator:
             stream=self._stream,
         )
         seq.tokens.extend(rest)
+
+    def extract_cache(self, uids: list[int]) -> dict[int, Any]:
+        """(a copy of the cache, the tokens it holds) of the running sequence, if it is one of
+        ``uids``; a queued one has computed nothing yet."""
+        found: dict[int, Any] = {}
+        seq = self._current
+        if seq is not None and seq.uid in uids:
+            found[seq.uid] = (copy.deepcopy(seq.cache), list(seq.tokens))
+        return found
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         """Drop sequences; with ``return_prompt_caches`` the running one's (cache, tokens), the

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway import sse
-from gateway.answer import Accumulator, new_id
+from gateway.answer import Accumulator, ToolCallState, new_id
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, openai_error_body, validated
 from gateway.api.output_format import chat_output_format
-from gateway.events import Done, Error, Event, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.choices import MAX_CHOICES, fan_out
+from gateway.events import (
+    ChoiceEvent,
+    Done,
+    Error,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+)
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.schemas import ResponseFormat, check_template_kwargs, openai_usage
 from worker.thinking import normalize_thinking
@@ -92,7 +102,7 @@ class ChatCompletionBody(BaseModel):
     logprobs: bool | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    n: int | None = Field(default=None, ge=1, le=1)  # one choice per request
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices (gateway/choices.py)
     response_format: ResponseFormat | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
@@ -123,10 +133,13 @@ def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     return "".join(parts)
 
 
-def _arguments(value: str | dict[str, Any]) -> str:
+def _arguments(value: str | dict[str, Any], where: str) -> str:
     if isinstance(value, str):
         return value
-    return orjson.dumps(value).decode()
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError as exc:  # nested deeper than JSON writers go: the client's mistake
+        raise RequestInvalid(f"{where}: cannot be written as JSON ({exc})", where) from exc
 
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
@@ -143,9 +156,11 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
                     ToolCall(
                         id=tc.id or new_id("call_"),
                         name=tc.function.name,
-                        arguments=_arguments(tc.function.arguments),
+                        arguments=_arguments(
+                            tc.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+                        ),
                     )
-                    for tc in m.tool_calls or []
+                    for j, tc in enumerate(m.tool_calls or [])
                 ],
                 tool_call_id=m.tool_call_id,
                 name=m.name,
@@ -193,6 +208,16 @@ def error_body(error: Error) -> dict[str, Any]:
     return openai_error_body(error)
 
 
+def open_stream(
+    router: Any, request: ChatRequest, body: ChatCompletionBody, routes: list
+) -> AsyncIterator[Event]:
+    """The request's events: one routed call, or with ``n > 1`` one per choice, merged."""
+    n = body.n or 1
+    if n == 1:
+        return router.stream(request, routes)
+    return fan_out(request, n, lambda choice: router.stream(choice, routes))
+
+
 def _usage_dict(acc: Accumulator) -> dict[str, Any]:
     return openai_usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
 
@@ -206,7 +231,7 @@ class ChatStreamEncoder:
         self.model = request.model
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.acc = Accumulator()
-        self._role_sent = False
+        self._role_sent: set[int] = set()  # the choices whose first chunk went out
 
     def start(self) -> bytes:
         return b""
@@ -214,28 +239,28 @@ class ChatStreamEncoder:
     def keepalive(self) -> bytes:
         return sse.KEEPALIVE
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        if not self._role_sent:
+    def _chunk(
+        self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0
+    ) -> bytes:
+        if index not in self._role_sent:
             delta = {"role": "assistant", **delta}
-            self._role_sent = True
+            self._role_sent.add(index)
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return sse.data_frame(
             {
                 "id": self.id,
                 "object": "chat.completion.chunk",
                 "created": self.created,
                 "model": self.model,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-                ],
+                "choices": [choice],
             }
         )
 
-    def encode(self, event: Event) -> bytes:
-        opened = self.acc.add(event)
+    def _delta(self, event: Event, opened: ToolCallState | None, index: int) -> bytes:
         if isinstance(event, TextDelta):
-            return self._chunk({"content": event.text})
+            return self._chunk({"content": event.text}, index=index)
         if isinstance(event, ReasoningDelta):
-            return self._chunk({"reasoning_content": event.text})
+            return self._chunk({"reasoning_content": event.text}, index=index)
         if isinstance(event, ToolCallDelta):
             if opened is not None:
                 call = {
@@ -246,9 +271,20 @@ class ChatStreamEncoder:
                 }
             else:
                 call = {"index": event.index, "function": {"arguments": event.arguments}}
-            return self._chunk({"tool_calls": [call]})
+            return self._chunk({"tool_calls": [call]}, index=index)
+        # Usage is folded into the accumulator; Meta is for headers; a Progress note has no
+        # channel here (it must not show up as text or reasoning before the answer).
+        return b""
+
+    def encode(self, event: Event) -> bytes:
+        opened = self.acc.add(event)
+        if isinstance(event, ChoiceEvent):  # n > 1: each choice ends on its own
+            if isinstance(event.event, Done):
+                finish = self.acc.choices[event.index].finish_reason
+                return self._chunk({}, finish, event.index)
+            return self._delta(event.event, opened, event.index)
         if isinstance(event, Done):
-            out = self._chunk({}, self.acc.finish_reason)
+            out = b"" if self.acc.choices else self._chunk({}, self.acc.finish_reason)
             if self.include_usage:
                 out += sse.data_frame(
                     {
@@ -263,12 +299,22 @@ class ChatStreamEncoder:
             return out + sse.DONE
         if isinstance(event, Error):
             return sse.data_frame(error_body(event)) + sse.DONE
-        # Usage is folded into the accumulator; Meta is for headers; a Progress note has no
-        # channel here (it must not show up as text or reasoning before the answer).
-        return b""
+        return self._delta(event, opened, 0)
 
 
 def completion_body(request: ChatRequest, acc: Accumulator) -> dict[str, Any]:
+    choices = sorted(acc.choices.items()) if acc.choices else [(0, acc)]
+    return {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [_choice_body(index, choice) for index, choice in choices],
+        "usage": _usage_dict(acc),
+    }
+
+
+def _choice_body(index: int, acc: Accumulator) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": acc.text if acc.text or not acc.tool_calls else None,
@@ -281,17 +327,8 @@ def completion_body(request: ChatRequest, acc: Accumulator) -> dict[str, Any]:
             for c in acc.tool_calls.values()
         ]
     return {
-        "id": new_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": request.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": acc.finish_reason or "stop",
-            }
-        ],
-        "usage": _usage_dict(acc),
+        "index": index,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": acc.finish_reason or "stop",
     }

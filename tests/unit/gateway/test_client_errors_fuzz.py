@@ -211,7 +211,7 @@ CHAT_BODY = shaped(
         "stream": BOOL,
         "stream_options": shaped({}, {"include_usage": BOOL}),
         "logprobs": BOOL,
-        "n": st.just(1),
+        "n": st.integers(1, 3),
         "user": ODD_TEXT,
         "metadata": st.dictionaries(ODD_TEXT, ODD_TEXT, max_size=2),
     },

@@ -199,7 +199,7 @@ def test_anthropic_blocks_become_turns_in_order():
     ("api", "body", "names"),
     [
         (chat, {"model": "m", "messages": []}, "messages"),
-        (chat, {"model": "m", "messages": USER, "n": 2}, "^n: "),
+        (chat, {"model": "m", "messages": USER, "n": 17}, "^n: "),
         (
             chat,
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -299,3 +299,15 @@ def test_anthropic_system_blocks_join_by_a_blank_line_without_client_metadata():
     one = system_of("x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli;")
     two = system_of("x-anthropic-billing-header: cc_version=2.1.3.f9e; cc_entrypoint=sdk-cli;")
     assert one == two == "You are Claude Code.\n\nBe brief."
+
+
+def test_tool_call_arguments_nested_past_what_json_writers_take_are_a_400() -> None:
+    """Found by the fuzz test: ``orjson`` refuses nesting past 255 levels (a TypeError), which
+    was a 500."""
+    deep: dict = {}
+    for _ in range(300):
+        deep = {"a": deep}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    body = {"model": "m", "messages": [{"role": "assistant", "tool_calls": [call]}, *USER]}
+    with pytest.raises(RequestInvalid, match=r"messages\.0\.tool_calls\.0\.function\.arguments"):
+        chat.parse(body)
