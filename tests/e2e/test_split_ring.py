@@ -1,0 +1,130 @@
+"""A model split over 2 and 3 rank processes (MLX ring backend on loopback) answers exactly as
+the unsplit model does, for llama (sliding and global layers) and gemma3, each rank reading only
+its slice's weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.testing import make_tiny_gemma3_model, make_tiny_model
+
+mx = pytest.importorskip("mlx.core")
+if not mx.distributed.is_available("ring"):
+    pytest.skip("this MLX build has no ring backend (mx.distributed)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+# Long enough to cross the 3-token sliding window and to take several prefill chunks.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42]]
+MAX_TOKENS = 6
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_ranks(model: Path, split: list[int], tmp: Path) -> list[dict]:
+    """Run one ``worker.split_rank`` process per rank; every JSON line, rank 0's first."""
+    (tmp / "prompts.json").write_text(json.dumps(PROMPTS))
+    common = [
+        sys.executable,
+        "-m",
+        "worker.split_rank",
+        "--model",
+        str(model),
+        "--prompts",
+        str(tmp / "prompts.json"),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--prefill-step",
+        "4",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(split))]))
+    ranked = {**env, "MLX_HOSTFILE": str(hostfile)}
+    split_arg = ",".join(map(str, split))
+    procs = [
+        subprocess.Popen(
+            [*common, "--split", split_arg],
+            env={**ranked, "MLX_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+        )
+        for rank in range(len(split))
+    ]
+    lines = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0
+            lines += [
+                json.loads(line) for line in out.decode().splitlines() if line.startswith("{")
+            ]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return lines
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("split-models")
+    return {
+        "llama": make_tiny_model(root / "llama", num_layers=6, sliding_window=3),
+        "gemma3": make_tiny_gemma3_model(root / "gemma3", num_layers=6, sliding_window=3),
+    }
+
+
+def unsplit(model: Path) -> tuple[list[list[int]], int]:
+    """The reference, in this process: the same loop, the whole model, no group."""
+    from worker.split_rank import Lockstep, eos_ids, generate, load_slice
+
+    whole, _, weights = load_slice(model, None, None)
+    outputs = [
+        generate(
+            whole, Lockstep(None), p, max_tokens=MAX_TOKENS, eos=eos_ids(model), prefill_step=4
+        )
+        for p in PROMPTS
+    ]
+    return outputs, weights
+
+
+# Two ranks of llama and three of gemma3 (uneven), ~10 s each on 2 cores: the rank processes'
+# start-up (importing mlx-lm) is most of it.
+@pytest.mark.parametrize(("arch", "split"), [("llama", [3, 3]), ("gemma3", [2, 1, 3])])
+def test_split_output_is_token_identical_to_unsplit(
+    models: dict[str, Path], arch: str, split: list[int], tmp_path: Path
+) -> None:
+    expected, whole = unsplit(models[arch])
+    assert all(len(tokens) == MAX_TOKENS for tokens in expected)
+    outputs = run_ranks(models[arch], split, tmp_path)
+    assert [line["tokens"] for line in outputs if "tokens" in line] == expected
+
+    # Every rank ran its own slice (rank r after ranks r+1…, mlx-lm's order) and read only
+    # those layers' weights plus the shared ones: the ranks' bytes add up to the whole model
+    # plus (ranks - 1) copies of the shared weights.
+    ranks = {line["rank"]: line for line in outputs if "rank" in line}
+    assert sorted(ranks) == list(range(len(split)))
+    start = 0
+    for rank in reversed(range(len(split))):
+        assert ranks[rank]["slice"] == [start, start + split[rank]]
+        start += split[rank]
+    shared = (sum(r["weights_bytes"] for r in ranks.values()) - whole) / (len(split) - 1)
+    assert shared > 0
+    for rank, line in ranks.items():
+        layers_part = (whole - shared) * split[rank] / 6
+        assert line["weights_bytes"] == pytest.approx(shared + layers_part, rel=0.01)
