@@ -1,25 +1,32 @@
 """One model split across the ranks of an MLX distributed group (pipeline parallelism).
 
-Each rank runs a contiguous slice of the decoder's layers. The order is mlx-lm's own
-(``PipelineMixin.pipeline``): the *last* rank runs the first layers, rank 0 the last ones;
-activations flow ``size-1 → … → 1 → 0`` with ``mx.distributed.send``/``recv_like`` and the final
-hidden state is ``all_gather``-ed so that every rank computes the same logits.
+Each rank runs a contiguous slice of the decoder's layers. The order is mlx-lm's
+(``PipelineMixin.pipeline``): the *last* rank runs the first layers, rank 0 the last ones, so
+activations flow ``size-1 → … → 1 → 0`` with ``mx.distributed.send``/``recv_like`` and rank 0,
+which serves the model and samples, ends up with the final hidden state and the logits.
 
-Where the model has mlx-lm's ``pipeline()`` it is used as is. Every other decoder (llama,
-gemma3, phi3 …) is wrapped the way exo does it, without touching its code:
+Any decoder (llama, gemma3, phi3, qwen2 …) is wrapped the way exo does it, without touching its
+code:
 
 - the first layer of the slice receives its input from the rank before (its own embedding
   output is only used for its shape, so it is never computed);
-- the last layer of the slice sends its output to the rank after, then gathers the final one;
+- the last layer of the slice sends its output to the rank after;
 - every layer outside the slice becomes a :class:`SkippedLayer`: it passes the hidden state
   through and advances its KV cache by the right number of *zero-width* keys. The model's own
-  loop, masks and cache bookkeeping (gemma3 builds its masks from ``cache[0]`` and
-  ``cache[5]``, llama reads ``layer.use_sliding``) therefore see exactly what they would see
+  loop, masks and cache bookkeeping (gemma3 builds its masks from ``cache[0]`` and a global
+  layer's cache, llama reads ``layer.use_sliding``) therefore see exactly what they would see
   unsplit, and those caches cost no memory.
 
-Only the slice's weights (and the shared embeddings, norm and head) are ever evaluated: load
-the model lazily, :func:`slice_model` it, then :func:`materialize` it. Skipped layers keep their
-lazy, never-read arrays (MLX reads a safetensors tensor only when it is evaluated).
+mlx-lm's own ``pipeline()`` (qwen2, deepseek …) is not used: it ``all_gather``s the final
+hidden state to every rank, because ``mlx_lm.server`` runs the whole generation loop on every
+rank. Here only rank 0 samples, so that gather would be one wasted collective per step, and a
+hang: rank 0 evaluates only the caches during a prefill chunk (not the logits), so it would
+skip a gather its followers wait in.
+
+Only the weights a rank uses are ever read: load the model lazily, :func:`slice_model` it, then
+:func:`materialize` the slice. A skipped layer's lazy arrays are never evaluated (MLX reads a
+safetensors tensor only when it is), nor are the embeddings on ranks that receive their input or
+the head on ranks other than 0.
 """
 
 from __future__ import annotations
@@ -38,21 +45,19 @@ class PipelineError(Exception):
 
 @dataclass(frozen=True)
 class Slice:
-    """Rank ``rank`` of ``size`` runs layers ``[start, end)``; ``native`` when mlx-lm's own
-    ``pipeline()`` does it."""
+    """Rank ``rank`` of ``size`` runs layers ``[start, end)``."""
 
     rank: int
     size: int
     start: int
     end: int
-    native: bool = False
 
     @classmethod
-    def of(cls, split: Sequence[int], rank: int, *, native: bool = False) -> Slice:
+    def of(cls, split: Sequence[int], rank: int) -> Slice:
         """The slice of ``rank`` in ``split`` (layers per rank, indexed by rank: mlx-lm's
         ``pipeline(split=...)``): rank r runs the layers after those of ranks r+1 … size-1."""
         start = sum(split[rank + 1 :])
-        return cls(rank, len(split), start, start + split[rank], native)
+        return cls(rank, len(split), start, start + split[rank])
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -78,27 +83,30 @@ def slice_model(model: nn.Module, group: mx.distributed.Group, split: Sequence[i
     rank = group.rank()
     if group.size() == 1:
         return Slice(0, 1, 0, len(layers))
-    if callable(getattr(decoder, "pipeline", None)):
-        decoder.pipeline(group, list(split))
-        return Slice.of(split, rank, native=True)
     part = Slice.of(split, rank)
     for i in range(len(layers)):
         if not part.start <= i < part.end:
             layers[i] = SkippedLayer(layers[i])
     if rank < part.size - 1:
         layers[part.start] = FirstLayer(layers[part.start], group, source=rank + 1)
-    last = layers[part.end - 1]
-    layers[part.end - 1] = LastLayer(last, group, target=rank - 1 if rank > 0 else None)
+    if rank > 0:
+        layers[part.end - 1] = LastLayer(layers[part.end - 1], group, target=rank - 1)
     return part
 
 
-def materialize(model: nn.Module) -> int:
-    """Evaluate (read from disk) the weights this rank runs; the bytes they take."""
+def materialize(model: nn.Module, part: Slice | None = None) -> int:
+    """Evaluate (read from disk) the weights of this rank's layers (all of them without a
+    slice); the bytes they take. The shared weights a rank uses (embeddings, norm, head) are
+    read by its first forward pass, the ones it does not use never are."""
     from mlx.utils import tree_flatten
 
-    params = model.parameters()
-    mx.eval(params)
-    leaves: list[tuple[str, mx.array]] = tree_flatten(params)  # type: ignore[assignment]
+    if part is None:
+        tree = model.parameters()
+    else:
+        layers = decoder_of(model)["layers"]
+        tree = [layers[i].parameters() for i in range(part.start, part.end)]
+    mx.eval(tree)
+    leaves: list[tuple[str, mx.array]] = tree_flatten(tree)  # type: ignore[assignment]
     return sum(v.nbytes for _, v in leaves)
 
 
@@ -134,25 +142,20 @@ class FirstLayer(_Wrapper):
 
 
 class LastLayer(_Wrapper):
-    """The slice's last layer: its output goes to rank ``target`` (none on rank 0, the end of
-    the pipeline); then every rank gathers rank 0's final hidden state."""
+    """The slice's last layer on ranks other than 0: its output goes to rank ``target``."""
 
-    def __init__(
-        self, inner: nn.Module, group: mx.distributed.Group, *, target: int | None
-    ) -> None:
+    def __init__(self, inner: nn.Module, group: mx.distributed.Group, *, target: int) -> None:
         super().__init__(inner)
         self._group = group
         self._target = target
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        out = self.inner(x, *args, **kwargs)
-        if self._target is not None:
-            out = mx.distributed.send(out, self._target, group=self._group)
-            cache = _cache_argument(args, kwargs)
-            if cache is not None and getattr(cache, "keys", None) is not None:
-                # A prefill chunk evaluates only the caches: this keeps the send in that graph.
-                cache.keys = mx.depends(cache.keys, out)
-        return mx.distributed.all_gather(out, group=self._group)[: out.shape[0]]
+        out = mx.distributed.send(self.inner(x, *args, **kwargs), self._target, group=self._group)
+        cache = _cache_argument(args, kwargs)
+        if cache is not None and getattr(cache, "keys", None) is not None:
+            # A follower evaluates only its caches: this puts the send in that graph.
+            cache.keys = mx.depends(cache.keys, out)
+        return out
 
 
 class SkippedLayer(nn.Module):

@@ -1,34 +1,49 @@
 """A split rank: one process of a pipeline-split model, stepping in lockstep with the others.
 
-Rank 0 drives: for each forward pass it broadcasts a command (``RESET`` a request's cache,
-``FORWARD`` these tokens, ``STOP``) to every rank with an ``all_sum``, then all ranks run the
-same forward pass (``worker.pipeline`` moves the activations between them) and evaluate the
-same logits. Rank 0 samples and puts the token into its next ``FORWARD``. The other ranks only
-follow (:func:`follow`). This is the simple loop: one request at a time, no prompt cache.
+Rank 0 leads: before each forward pass it broadcasts a command (``RESET``: a new sequence,
+fresh caches; ``FORWARD`` these tokens; ``STOP``) to every rank with an ``all_sum``, then all
+ranks run that forward pass (``worker.pipeline`` moves the activations between them). Only rank
+0 computes logits and samples; the sampled token is in its next ``FORWARD``. The other ranks
+follow (:func:`follow`) and evaluate only their caches.
 
-Started as ``python -m worker.split_rank --model DIR --split 3,3`` with the ring backend's
-``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON list, per rank, of ``"ip:port"`` strings) in the
-environment. ``--prompts FILE`` (a JSON list of token-id lists) makes rank 0 generate for each
-and print one JSON line per prompt (``{"tokens": [...]}``); every rank prints one
-``{"rank", "slice", "weights_bytes", "peak_rss_bytes"}`` line when it is done.
+Rank 0 either serves the normal worker HTTP API (``--serve``: the real :class:`Engine`, whose
+model is a :class:`LeaderModel` that announces each forward pass) or, for tests and benchmarks,
+runs :func:`generate` over ``--prompts`` (a JSON list of token-id lists; one ``{"tokens": …}``
+line each). Split serving is one request at a time with no prompt-cache reuse: the followers'
+caches mirror rank 0's only while rank 0's engine never copies, trims or batches them.
+
+Started as ``python -m worker.split_rank --model DIR --split 3,3 [--serve --port N]`` with the
+ring backend's ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON file: per rank, a list of ``"ip:port"``
+strings) in the environment, no ``mlx.launch``. Every rank prints one ``{"rank", "slice",
+"layer_bytes", "active_bytes", "peak_rss_bytes"}`` line when it is done.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import resource
 import sys
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from worker.pipeline import Slice, materialize, slice_model
 
+log = logging.getLogger(__name__)
+
 Sampler = Callable[[mx.array], mx.array]
+GROUP_BROKEN = 3  # a follower's exit status when a peer left without STOP (rank 0 killed)
+
+
+class SplitRankError(Exception):
+    """Rank 0 was asked for something the followers cannot mirror (a reused or batched cache)."""
 
 
 class Op(IntEnum):
@@ -40,8 +55,8 @@ class Op(IntEnum):
 class Lockstep:
     """The command channel of a split group: rank 0 sends, every other rank receives.
 
-    With no group (or a group of one) it is a plain, local loop: the same code serves the
-    unsplit reference."""
+    With no group (or a group of one) sending is a no-op: the same loop serves the unsplit
+    reference."""
 
     def __init__(self, group: mx.distributed.Group | None) -> None:
         self.group = group if group is not None and group.size() > 1 else None
@@ -65,9 +80,47 @@ class Lockstep:
         return out
 
 
+class LeaderModel(nn.Module):
+    """Rank 0's model as the engine sees it: each forward pass is announced to the followers
+    first (a new cache list is a new sequence), then run. Everything else (``layers``,
+    ``make_cache``, parameters) is the wrapped model's."""
+
+    def __init__(self, model: nn.Module, lockstep: Lockstep) -> None:
+        super().__init__()
+        self.inner = model
+        object.__setattr__(self, "_lockstep", lockstep)
+        object.__setattr__(self, "_sequence", 0)
+        object.__setattr__(self, "_held", 0)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if key == "inner":
+                raise
+            return getattr(self["inner"], key)
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        if cache is None or kwargs.get("input_embeddings") is not None or inputs.shape[0] != 1:
+            raise SplitRankError("a split model runs one token sequence at a time, with a cache")
+        offset = int(cache[0].offset)
+        if getattr(cache[0], "_split_sequence", None) != self._sequence:
+            if offset:
+                raise SplitRankError("a split model cannot reuse a cache its followers lack")
+            object.__setattr__(self, "_sequence", self._sequence + 1)
+            object.__setattr__(self, "_held", 0)
+            cache[0]._split_sequence = self._sequence
+            self._lockstep.send(Op.RESET)
+        elif offset != self._held:
+            raise SplitRankError("a split model's cache was trimmed behind its followers' back")
+        tokens = inputs[0].tolist()  # waits for the sampled token: the followers need its value
+        self._lockstep.send(Op.FORWARD, tokens)
+        object.__setattr__(self, "_held", self._held + len(tokens))
+        return self.inner(inputs, cache=cache)
+
+
 def forward(model: nn.Module, cache: list, tokens: Sequence[int]) -> mx.array:
-    """One forward pass over ``tokens``: the last position's logits, evaluated together with
-    every cache (each rank must run the gather inside; skipped layers' caches stay small)."""
+    """Rank 0's forward pass over ``tokens`` (the last position's logits, evaluated)."""
     logits = model(mx.array([list(tokens)]), cache=cache)[:, -1, :]
     mx.eval(logits, [c.state for c in cache])
     return logits
@@ -83,7 +136,8 @@ def generate(
     sampler: Sampler | None = None,
     prefill_step: int = 512,
 ) -> list[int]:
-    """Rank 0's side of one request: prefill in chunks, then decode token by token."""
+    """Rank 0's side of one request, the simple loop: prefill in chunks, decode greedily (or
+    with ``sampler``) token by token."""
     from mlx_lm.models.cache import make_prompt_cache
 
     sample = sampler or (lambda logits: mx.argmax(logits, axis=-1))
@@ -94,7 +148,8 @@ def generate(
         chunk = prompt[i : i + prefill_step]
         lockstep.send(Op.FORWARD, chunk)
         logits = forward(model, cache, chunk)
-    assert logits is not None, "an empty prompt"
+    if logits is None:
+        raise SplitRankError("an empty prompt")
     out: list[int] = []
     while True:
         token = int(sample(logits).item())
@@ -106,7 +161,8 @@ def generate(
 
 
 def follow(model: nn.Module, lockstep: Lockstep) -> None:
-    """A non-zero rank: run the forward passes rank 0 asks for until it says ``STOP``."""
+    """A rank other than 0: run the forward passes rank 0 announces until it says ``STOP``.
+    Only the caches are evaluated (the send to the next rank hangs off the last one)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -116,41 +172,107 @@ def follow(model: nn.Module, lockstep: Lockstep) -> None:
             return
         if op is Op.RESET:
             cache = make_prompt_cache(model)
+            mx.clear_cache()
         else:
-            forward(model, cache, tokens)
+            model(mx.array([tokens]), cache=cache)
+            mx.eval([c.state for c in cache])
 
 
 def load_slice(
     path: str | Path, group: mx.distributed.Group | None, split: Sequence[int] | None
-) -> tuple[nn.Module, Slice | None, int]:
-    """Load the model lazily, keep this rank's slice, read only its weights: (model, slice,
-    bytes of the weights evaluated). Without a group it is the whole, unsplit model."""
+) -> tuple[nn.Module, dict[str, Any], Slice | None, int]:
+    """Load the model lazily, keep this rank's slice and read its layers' weights: (model,
+    config, slice, bytes of those layers). Without a group it is the whole, unsplit model."""
     from mlx_lm.utils import load_model
 
-    model, _ = load_model(Path(path), lazy=True, strict=False)
+    model, config = load_model(Path(path), lazy=True, strict=False)
+    if mx.default_device() == mx.cpu:
+        # As the engine does on the CPU (x86 emulates half precision): every rank must agree on
+        # the activations' dtype, since recv_like takes it from the local input.
+        model.set_dtype(mx.float32)
     part = None
     if group is not None and group.size() > 1:
         if split is None:
-            raise ValueError("a split group needs --split")
+            raise SplitRankError("a split group needs --split")
         part = slice_model(model, group, split)
-    return model, part, materialize(model)
+    return model, config, part, materialize(model, part)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def make_leader_loader(
+    group: mx.distributed.Group, split: Sequence[int], lockstep: Lockstep
+) -> Callable[[str], tuple[Any, Any, dict[str, Any]]]:
+    """The engine's loader on rank 0: its slice, wrapped in a :class:`LeaderModel`."""
+
+    def load(path: str) -> tuple[Any, Any, dict[str, Any]]:
+        from mlx_lm.utils import load_tokenizer
+
+        model, config, _, _ = load_slice(path, group, split)
+        tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+        return LeaderModel(model, lockstep), tokenizer, config
+
+    return load
+
+
+def serve_leader(
+    args: argparse.Namespace, group: mx.distributed.Group, split: Sequence[int]
+) -> None:
+    """Rank 0 with ``--serve``: the real engine (one request at a time, no prompt-cache
+    reuse) behind the normal worker HTTP app."""
+    from worker.app import serve
+    from worker.engine import Engine
+    from worker.engine_types import EngineConfig
+    from worker.net import SECRET_ENV
+
+    lockstep = Lockstep(group)
+    config = EngineConfig(prompt_cache_bytes=0, batching=False)
+    engine = Engine(
+        args.model,
+        name=args.name,
+        config=config,
+        loader=make_leader_loader(group, split, lockstep),
+    )
+    engine.start()
+    try:
+        secret = os.environ.pop(SECRET_ENV, None) or None
+        serve(engine, args.host, args.port, secret=secret, warm_up=args.warm_up)
+    finally:
+        engine.close()
+        lockstep.send(Op.STOP)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker.split_rank")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--split", help="layers per rank, by rank: 3,3")
+    parser.add_argument("--model", required=True, help="an MLX model directory")
+    parser.add_argument("--split", help="layers per rank, by rank: 3,3 (rank 0 runs the last)")
     parser.add_argument("--prompts", help="rank 0: a JSON file, a list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--single", action="store_true", help="unsplit, no group (reference)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--serve", action="store_true", help="rank 0: the worker HTTP API")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--name", default=None, help="model name to serve as")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false")
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from worker.cpu import reexec_with_fast_blas
+
+    reexec_with_fast_blas()  # as the worker does (Linux CPU): same pid, arguments, environment
+    logging.basicConfig(level=logging.WARNING)
     group = None if args.single else mx.distributed.init(backend="ring", strict=True)
     split = [int(n) for n in args.split.split(",")] if args.split else None
-    model, part, weights = load_slice(args.model, group, split)
-    lockstep = Lockstep(group)
     rank = group.rank() if group is not None else 0
+    if rank == 0 and args.serve:
+        if group is None or split is None:
+            raise SplitRankError("--serve needs a split group (MLX_RANK, MLX_HOSTFILE, --split)")
+        serve_leader(args, group, split)
+        _report(rank, None, 0)
+        return 0
+    model, _, part, layer_bytes = load_slice(args.model, group, split)
+    lockstep = Lockstep(group)
     if rank == 0:
         eos = eos_ids(Path(args.model))
         prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else []
@@ -166,19 +288,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"tokens": tokens}), flush=True)
         lockstep.send(Op.STOP)
     else:
-        follow(model, lockstep)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
-        1 if sys.platform == "darwin" else 1024
-    )
-    where = None if part is None else [part.start, part.end]
-    print(
-        json.dumps({"rank": rank, "slice": where, "weights_bytes": weights, "peak_rss_bytes": rss}),
-        flush=True,
-    )
+        try:
+            follow(model, lockstep)
+        except RuntimeError as exc:  # the ring backend's only error: a peer is gone
+            print(f"split rank {rank}: the group broke ({exc})", file=sys.stderr, flush=True)
+            return GROUP_BROKEN
+    _report(rank, part, layer_bytes)
     return 0
 
 
+def _report(rank: int, part: Slice | None, layer_bytes: int) -> None:
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, kB on Linux
+    line = {
+        "rank": rank,
+        "slice": None if part is None else [part.start, part.end],
+        "layer_bytes": layer_bytes,
+        "active_bytes": mx.get_active_memory(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+    }
+    print(json.dumps(line), flush=True)
+
+
 def eos_ids(path: Path) -> set[int]:
+    """The model's end-of-sequence token ids, from its config."""
     config = json.loads((path / "config.json").read_text())
     eos = config.get("eos_token_id")
     if eos is None:

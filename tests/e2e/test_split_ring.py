@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.testing import make_tiny_gemma3_model, make_tiny_model
+from worker.cpu import REEXEC_MARKER
+from worker.split_rank import GROUP_BROKEN
+from worker.testing import make_tiny_gemma3_model, make_tiny_model, run_worker_in_thread
 
 mx = pytest.importorskip("mlx.core")
 if not mx.distributed.is_available("ring"):
@@ -23,6 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # Long enough to cross the 3-token sliding window and to take several prefill chunks.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42]]
 MAX_TOKENS = 6
+
+
+def rank_env() -> dict[str, str]:
+    """The rank processes run with this process's BLAS (no OpenBLAS restart of their own), so
+    that the in-process reference does the very same arithmetic."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), REEXEC_MARKER: "1"}
 
 
 def free_ports(count: int) -> list[int]:
@@ -51,7 +59,7 @@ def run_ranks(model: Path, split: list[int], tmp: Path) -> list[dict]:
         "--prefill-step",
         "4",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = rank_env()
     hostfile = tmp / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(split))]))
     ranked = {**env, "MLX_HOSTFILE": str(hostfile)}
@@ -93,7 +101,7 @@ def unsplit(model: Path) -> tuple[list[list[int]], int]:
     """The reference, in this process: the same loop, the whole model, no group."""
     from worker.split_rank import Lockstep, eos_ids, generate, load_slice
 
-    whole, _, weights = load_slice(model, None, None)
+    whole, _, _, weights = load_slice(model, None, None)
     outputs = [
         generate(
             whole, Lockstep(None), p, max_tokens=MAX_TOKENS, eos=eos_ids(model), prefill_step=4
@@ -115,16 +123,80 @@ def test_split_output_is_token_identical_to_unsplit(
     assert [line["tokens"] for line in outputs if "tokens" in line] == expected
 
     # Every rank ran its own slice (rank r after ranks r+1…, mlx-lm's order) and read only
-    # those layers' weights plus the shared ones: the ranks' bytes add up to the whole model
-    # plus (ranks - 1) copies of the shared weights.
+    # those layers' weights: the same bytes per layer everywhere, less than the whole model.
     ranks = {line["rank"]: line for line in outputs if "rank" in line}
     assert sorted(ranks) == list(range(len(split)))
     start = 0
     for rank in reversed(range(len(split))):
         assert ranks[rank]["slice"] == [start, start + split[rank]]
         start += split[rank]
-    shared = (sum(r["weights_bytes"] for r in ranks.values()) - whole) / (len(split) - 1)
-    assert shared > 0
-    for rank, line in ranks.items():
-        layers_part = (whole - shared) * split[rank] / 6
-        assert line["weights_bytes"] == pytest.approx(shared + layers_part, rel=0.01)
+    per_layer = {ranks[r]["layer_bytes"] / split[r] for r in ranks}
+    assert len(per_layer) == 1
+    assert 0 < per_layer.pop() * sum(split) < whole
+
+
+def test_rank_0_serves_the_worker_api_like_an_unsplit_worker(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 0 of a 2-way gemma3 split is the normal worker HTTP app (its engine, its SSE):
+    temperature-0 answers, streamed and not, are the unsplit worker's, request after request."""
+    import httpx
+
+    model = models["gemma3"]
+    bodies = [
+        {"messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 6},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True},
+        {"messages": [{"role": "user", "content": "What is the weather?"}], "max_tokens": 5},
+    ]
+
+    def answers(base: str) -> list[str]:
+        out = []
+        with httpx.Client(base_url=base, timeout=60) as client:
+            for body in bodies:
+                body = {**body, "model": model.name, "temperature": 0}
+                response = client.post("/chat/completions", json=body)
+                assert response.status_code == 200
+                out.append(
+                    response.text
+                    if body.get("stream")
+                    else response.json()["choices"][0]["message"]["content"]
+                )
+        return out
+
+    with run_worker_in_thread(model) as (base, _):
+        expected = answers(base)
+    expected[1] = _stream_text(expected[1])
+
+    port, *ring = free_ports(3)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
+    env = {**rank_env(), "MLX_HOSTFILE": str(hostfile)}
+    command = [sys.executable, "-m", "worker.split_rank", "--model", str(model), "--split", "3,3"]
+    follower = subprocess.Popen(command, env={**env, "MLX_RANK": "1"}, stdout=subprocess.PIPE)
+    leader = subprocess.Popen(
+        [*command, "--serve", "--port", str(port), "--no-warm-up"],
+        env={**env, "MLX_RANK": "0"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert leader.stdout is not None
+        assert "worker listening on" in leader.stdout.readline()
+        got = answers(f"http://127.0.0.1:{port}/v1")
+        got[1] = _stream_text(got[1])
+        assert got == expected
+    finally:
+        # Stopped like any worker (SIGTERM); the follower sees the group break and ends.
+        leader.terminate()
+        leader.wait(timeout=30)
+        assert follower.wait(timeout=30) == GROUP_BROKEN
+
+
+def _stream_text(sse: str) -> str:
+    text = []
+    for line in sse.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text.append(choice["delta"].get("content") or "")
+    assert sse.rstrip().endswith("data: [DONE]")
+    return "".join(text)
