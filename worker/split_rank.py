@@ -26,6 +26,8 @@ import logging
 import os
 import resource
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 from pathlib import Path
@@ -39,7 +41,8 @@ from worker.pipeline import Slice, materialize, slice_model
 log = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
-GROUP_BROKEN = 3  # a follower's exit status when a peer left without STOP (rank 0 killed)
+GROUP_BROKEN = 3  # a rank's exit status when its group broke (a peer gone, a step overdue)
+BROKEN_GRACE_S = 1.0  # rank 0 exits this long after the ring broke: its error events go out
 
 
 class SplitRankError(Exception):
@@ -80,15 +83,75 @@ class Lockstep:
         return out
 
 
+class StepWatch:
+    """Rank 0's per-step deadline. A collective waits forever for a stopped or wedged peer, so
+    every forward pass of the group runs under a deadline (``base_s`` plus ``per_token_s`` per
+    token: a long prefill chunk may take longer than a decoded token). When one is missed, or
+    the ring reports a peer gone (:meth:`broken`), ``on_overdue`` runs on the watch's own
+    thread: the process exits, so its HTTP streams end (the gateway turns a lost worker into an
+    error event) and the supervisor re-forms the group.
+
+    ``overdue(now)`` is the pure core; :meth:`start` runs it on a daemon thread."""
+
+    def __init__(
+        self, base_s: float, per_token_s: float, on_overdue: Callable[[str], None]
+    ) -> None:
+        self.base_s = base_s
+        self.per_token_s = per_token_s
+        self._on_overdue = on_overdue
+        self._deadline: float | None = None
+        self._why = ""
+        self._broken = False
+        self._lock = threading.Lock()
+
+    def begin(self, tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._broken:
+                self._deadline = now + self.base_s + self.per_token_s * tokens
+                self._why = f"a {tokens}-token step missed its deadline"
+
+    def end(self) -> None:
+        with self._lock:
+            if not self._broken:
+                self._deadline = None
+
+    def broken(self, why: str, grace_s: float, now: float | None = None) -> None:
+        """The group is broken: give the engine ``grace_s`` to send its error events, then go."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._broken:
+                self._broken = True
+                self._deadline = now + grace_s
+                self._why = why
+
+    def overdue(self, now: float) -> str | None:
+        with self._lock:
+            if self._deadline is not None and now >= self._deadline:
+                return self._why
+            return None
+
+    def start(self, tick_s: float = 0.1) -> None:
+        def watch() -> None:
+            while (why := self.overdue(time.monotonic())) is None:
+                time.sleep(tick_s)
+            self._on_overdue(why)
+
+        threading.Thread(target=watch, name="split-step-watch", daemon=True).start()
+
+
 class LeaderModel(nn.Module):
     """Rank 0's model as the engine sees it: each forward pass is announced to the followers
     first (a new cache list is a new sequence), then run. Everything else (``layers``,
     ``make_cache``, parameters) is the wrapped model's."""
 
-    def __init__(self, model: nn.Module, lockstep: Lockstep) -> None:
+    def __init__(
+        self, model: nn.Module, lockstep: Lockstep, watch: StepWatch | None = None
+    ) -> None:
         super().__init__()
         self.inner = model
         object.__setattr__(self, "_lockstep", lockstep)
+        object.__setattr__(self, "_watch", watch)
         object.__setattr__(self, "_sequence", 0)
         object.__setattr__(self, "_held", 0)
 
@@ -114,9 +177,23 @@ class LeaderModel(nn.Module):
         elif offset != self._held:
             raise SplitRankError("a split model's cache was trimmed behind its followers' back")
         tokens = inputs[0].tolist()  # waits for the sampled token: the followers need its value
-        self._lockstep.send(Op.FORWARD, tokens)
-        object.__setattr__(self, "_held", self._held + len(tokens))
-        return self.inner(inputs, cache=cache)
+        watch = self._watch
+        if watch is not None:
+            watch.begin(len(tokens))
+        try:
+            self._lockstep.send(Op.FORWARD, tokens)
+            object.__setattr__(self, "_held", self._held + len(tokens))
+            out = self.inner(inputs, cache=cache)
+            # The whole pipeline's round trip, here, under the step's deadline.
+            mx.eval([c.state for c in cache])
+        except RuntimeError as exc:  # the ring backend's error: a peer is gone
+            if watch is not None:
+                watch.broken(f"the split group broke ({exc})", grace_s=BROKEN_GRACE_S)
+            raise SplitRankError(f"the split group broke: {exc}") from exc
+        finally:
+            if watch is not None:
+                watch.end()
+        return out
 
 
 def forward(model: nn.Module, cache: list, tokens: Sequence[int]) -> mx.array:
@@ -199,7 +276,10 @@ def load_slice(
 
 
 def make_leader_loader(
-    group: mx.distributed.Group, split: Sequence[int], lockstep: Lockstep
+    group: mx.distributed.Group,
+    split: Sequence[int],
+    lockstep: Lockstep,
+    watch: StepWatch | None = None,
 ) -> Callable[[str], tuple[Any, Any, dict[str, Any]]]:
     """The engine's loader on rank 0: its slice, wrapped in a :class:`LeaderModel`."""
 
@@ -208,7 +288,7 @@ def make_leader_loader(
 
         model, config, _, _ = load_slice(path, group, split)
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
-        return LeaderModel(model, lockstep), tokenizer, config
+        return LeaderModel(model, lockstep, watch), tokenizer, config
 
     return load
 
@@ -224,12 +304,14 @@ def serve_leader(
     from worker.net import SECRET_ENV
 
     lockstep = Lockstep(group)
+    watch = StepWatch(args.step_deadline_s, args.step_deadline_per_token_s, _exit_broken)
+    watch.start()
     config = EngineConfig(prompt_cache_bytes=0, batching=False)
     engine = Engine(
         args.model,
         name=args.name,
         config=config,
-        loader=make_leader_loader(group, split, lockstep),
+        loader=make_leader_loader(group, split, lockstep, watch),
     )
     engine.start()
     try:
@@ -253,6 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--name", default=None, help="model name to serve as")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false")
+    parser.add_argument(
+        "--step-deadline-s", type=float, default=3.0, help="rank 0: most seconds a step may take"
+    )
+    parser.add_argument(
+        "--step-deadline-per-token-s",
+        type=float,
+        default=0.05,
+        help="rank 0: more seconds per token of a step (prefill chunks)",
+    )
     return parser
 
 
@@ -295,6 +386,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return GROUP_BROKEN
     _report(rank, part, layer_bytes)
     return 0
+
+
+def _exit_broken(why: str) -> None:
+    """The group cannot go on: say why and end the process at once (the engine thread may be
+    stuck in a collective that never returns, so no orderly shutdown is possible)."""
+    print(f"split rank 0: {why}; exiting so the group is re-formed", file=sys.stderr, flush=True)
+    os._exit(GROUP_BROKEN)
 
 
 def _report(rank: int, part: Slice | None, layer_bytes: int) -> None:
