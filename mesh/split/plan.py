@@ -96,7 +96,7 @@ class SplitPlan:
         """The plan as a person reads it before it starts (one line per stage)."""
         head = (
             f"{self.model}: {self.num_layers} layers, {self.context_length}-token context, "
-            f"{self.mode} over {self.ranks} node{'s' if self.ranks != 1 else ''}"
+            f"{self.mode} over {self.ranks} rank{'s' if self.ranks != 1 else ''}"
         )
         width = max(len(s.name) for s in self.stages)
         lines = [head]

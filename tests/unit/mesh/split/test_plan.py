@@ -134,7 +134,7 @@ def test_render_names_every_stage() -> None:
     offers = [Offer("h" * 64, 50 * MB, "laptop"), Offer("b" * 64, 50 * MB)]
     plan = plan_split("m", layout, offers, head="h" * 64, context_length=256, min_ranks=2)
     text = plan.render()
-    assert text.splitlines()[0] == "m: 6 layers, 256-token context, pipeline over 2 nodes"
+    assert text.splitlines()[0] == "m: 6 layers, 256-token context, pipeline over 2 ranks"
     assert "stage 1/2  rank 1  bbbbbbbb" in text and "layers   0-2" in text
     assert "stage 2/2  rank 0  laptop  " in text and "layers   3-5" in text
     assert "= 31.0 MB of 50.0 MB offered (62%)" in text
