@@ -43,8 +43,11 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def run_ranks(model: Path, split: list[int], tmp: Path) -> list[dict]:
-    """Run one ``worker.split_rank`` process per rank; every JSON line, rank 0's first."""
+def run_ranks(
+    model: Path, split: list[int], tmp: Path, hostfiles: dict[int, list] | None = None
+) -> list[dict]:
+    """Run one ``worker.split_rank`` process per rank; every JSON line, rank 0's first.
+    ``hostfiles``: each rank's own hostfile (by default one shared, all on loopback)."""
     (tmp / "prompts.json").write_text(json.dumps(PROMPTS))
     common = [
         sys.executable,
@@ -60,18 +63,18 @@ def run_ranks(model: Path, split: list[int], tmp: Path) -> list[dict]:
         "4",
     ]
     env = rank_env()
-    hostfile = tmp / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(split))]))
-    ranked = {**env, "MLX_HOSTFILE": str(hostfile)}
+    if hostfiles is None:
+        shared = [[f"127.0.0.1:{p}"] for p in free_ports(len(split))]
+        hostfiles = dict.fromkeys(range(len(split)), shared)
     split_arg = ",".join(map(str, split))
-    procs = [
-        subprocess.Popen(
-            [*common, "--split", split_arg],
-            env={**ranked, "MLX_RANK": str(rank)},
-            stdout=subprocess.PIPE,
+    procs = []
+    for rank in range(len(split)):
+        hostfile = tmp / f"hosts-{rank}.json"
+        hostfile.write_text(json.dumps(hostfiles[rank]))
+        rank_env_ = {**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+        procs.append(
+            subprocess.Popen([*common, "--split", split_arg], env=rank_env_, stdout=subprocess.PIPE)
         )
-        for rank in range(len(split))
-    ]
     lines = []
     try:
         for proc in procs:
@@ -201,3 +204,53 @@ def _stream_text(sse: str) -> str:
                 text.append(choice["delta"].get("content") or "")
     assert sse.rstrip().endswith("data: [DONE]")
     return "".join(text)
+
+
+def test_ranks_on_two_nodes_talk_only_through_the_pinned_tls_bridge(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two "nodes" (two identities, one bridge server each): each rank's hostfile lists its
+    own loopback port and a local bridge link for the other rank, so all ring traffic crosses
+    the TLS bridge; the output is still the unsplit model's."""
+    import asyncio
+    import threading
+
+    from mesh.copy.tls import cert_der
+    from mesh.identity import NodeIdentity
+    from mesh.split.bridge import BridgeLink, BridgeServer
+
+    model = models["llama"]
+    expected, _ = unsplit(model)
+    a, b = NodeIdentity.generate(), NodeIdentity.generate()
+    own = free_ports(2)  # rank 0 on node a, rank 1 on node b
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> tuple[list, list[int]]:
+        server_a = BridgeServer(a, trusted=lambda: [cert_der(b)])
+        server_b = BridgeServer(b, trusted=lambda: [cert_der(a)])
+        port_a, port_b = await server_a.start("127.0.0.1"), await server_b.start("127.0.0.1")
+        server_a.register("g", 0, own[0])
+        server_b.register("g", 1, own[1])
+        to_b = BridgeLink(a, ("127.0.0.1", port_b), cert_der(b), b.node_id, "g", 1)
+        to_a = BridgeLink(b, ("127.0.0.1", port_a), cert_der(a), a.node_id, "g", 0)
+        return [server_a, server_b, to_b, to_a], [await to_b.start(), await to_a.start()]
+
+    parts, (link_to_b, link_to_a) = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        hostfiles = {
+            0: [[f"127.0.0.1:{own[0]}"], [f"127.0.0.1:{link_to_b}"]],
+            1: [[f"127.0.0.1:{link_to_a}"], [f"127.0.0.1:{own[1]}"]],
+        }
+        outputs = run_ranks(model, [3, 3], tmp_path, hostfiles=hostfiles)
+        assert [line["tokens"] for line in outputs if "tokens" in line] == expected
+    finally:
+
+        async def stop() -> None:
+            for part in parts:
+                await part.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
