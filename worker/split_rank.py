@@ -212,9 +212,12 @@ def generate(
     eos: set[int],
     sampler: Sampler | None = None,
     prefill_step: int = 512,
+    timings: dict[str, float] | None = None,
 ) -> list[int]:
     """Rank 0's side of one request, the simple loop: prefill in chunks, decode greedily (or
-    with ``sampler``) token by token."""
+    with ``sampler``) token by token. ``timings`` gets ``ttft_s`` (to the first token) and
+    ``decode_s`` (the rest)."""
+    started = time.perf_counter()
     from mlx_lm.models.cache import make_prompt_cache
 
     sample = sampler or (lambda logits: mx.argmax(logits, axis=-1))
@@ -231,6 +234,11 @@ def generate(
     while True:
         token = int(sample(logits).item())
         out.append(token)
+        if timings is not None:
+            now = time.perf_counter()
+            if len(out) == 1:
+                timings["ttft_s"] = now - started
+            timings["decode_s"] = now - started - timings["ttft_s"]
         if token in eos or len(out) >= max_tokens:
             return out
         lockstep.send(Op.FORWARD, [token])
@@ -368,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         eos = eos_ids(Path(args.model))
         prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else []
         for prompt in prompts:
+            timings: dict[str, float] = {}
             tokens = generate(
                 model,
                 lockstep,
@@ -375,8 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_tokens=args.max_tokens,
                 eos=eos,
                 prefill_step=args.prefill_step,
+                timings=timings,
             )
-            print(json.dumps({"tokens": tokens}), flush=True)
+            print(json.dumps({"tokens": tokens, **timings}), flush=True)
         lockstep.send(Op.STOP)
     else:
         try:
