@@ -91,13 +91,25 @@ class StepWatch:
     thread: the process exits, so its HTTP streams end (the gateway turns a lost worker into an
     error event) and the supervisor re-forms the group.
 
+    The first ``cold_steps`` get ``cold_s`` instead: they read weights on first use and
+    compile kernels (~1 s each on the Linux CPU backend), which must not break a new group.
+
     ``overdue(now)`` is the pure core; :meth:`start` runs it on a daemon thread."""
 
     def __init__(
-        self, base_s: float, per_token_s: float, on_overdue: Callable[[str], None]
+        self,
+        base_s: float,
+        per_token_s: float,
+        on_overdue: Callable[[str], None],
+        *,
+        cold_steps: int = 8,
+        cold_s: float = 120.0,
     ) -> None:
         self.base_s = base_s
         self.per_token_s = per_token_s
+        self.cold_steps = cold_steps
+        self.cold_s = cold_s
+        self._steps = 0
         self._on_overdue = on_overdue
         self._deadline: float | None = None
         self._why = ""
@@ -108,7 +120,9 @@ class StepWatch:
         now = time.monotonic() if now is None else now
         with self._lock:
             if not self._broken:
-                self._deadline = now + self.base_s + self.per_token_s * tokens
+                self._steps += 1
+                base = self.cold_s if self._steps <= self.cold_steps else self.base_s
+                self._deadline = now + base + self.per_token_s * tokens
                 self._why = f"a {tokens}-token step missed its deadline"
 
     def end(self) -> None:

@@ -15,7 +15,7 @@ from worker.testing import make_tiny_model
 
 
 def test_a_step_is_overdue_only_past_its_deadline() -> None:
-    watch = StepWatch(base_s=3.0, per_token_s=0.5, on_overdue=lambda why: None)
+    watch = StepWatch(base_s=3.0, per_token_s=0.5, on_overdue=lambda why: None, cold_steps=0)
     assert watch.overdue(100.0) is None  # idle: no deadline at all
     watch.begin(4, now=100.0)  # 3 s + 4 * 0.5 s
     assert watch.overdue(104.9) is None
@@ -24,8 +24,18 @@ def test_a_step_is_overdue_only_past_its_deadline() -> None:
     assert watch.overdue(1000.0) is None
 
 
+def test_the_first_steps_of_a_new_group_get_the_cold_deadline() -> None:
+    watch = StepWatch(3.0, 0.0, lambda why: None, cold_steps=2, cold_s=60.0)
+    for _ in range(2):  # reading weights on first use, compiling kernels
+        watch.begin(1, now=0.0)
+        assert watch.overdue(59.0) is None
+        watch.end()
+    watch.begin(1, now=0.0)
+    assert watch.overdue(3.0) is not None
+
+
 def test_a_broken_group_stays_broken() -> None:
-    watch = StepWatch(base_s=3.0, per_token_s=0.0, on_overdue=lambda why: None)
+    watch = StepWatch(base_s=3.0, per_token_s=0.0, on_overdue=lambda why: None, cold_steps=0)
     watch.begin(1, now=0.0)
     watch.broken("the split group broke (peer lost)", grace_s=1.0, now=1.0)
     watch.end()  # the failed step's cleanup does not cancel the exit
@@ -36,7 +46,7 @@ def test_a_broken_group_stays_broken() -> None:
 
 def test_start_calls_back_once_overdue() -> None:
     seen: list[str] = []
-    watch = StepWatch(base_s=0.0, per_token_s=0.0, on_overdue=seen.append)
+    watch = StepWatch(base_s=0.0, per_token_s=0.0, on_overdue=seen.append, cold_steps=0)
     watch.start(tick_s=0.01)
     watch.begin(1)
     deadline = time.monotonic() + 5
