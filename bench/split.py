@@ -90,6 +90,9 @@ def run(
         if proc.returncode != 0:
             raise SystemExit(f"a rank failed ({proc.returncode})")
         lines += [json.loads(x) for x in out.decode().splitlines() if x.startswith("{")]
+    answers = [x for x in lines if "tokens" in x]
+    if answers:
+        answers[0]["warm_up"] = True  # each run's first prompt compiles kernels, reads weights
     return lines
 
 
@@ -134,7 +137,7 @@ class Bridges:
 
 
 def summarize(name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
-    answers = [x for x in lines if "tokens" in x][1:]  # the first prompt warms up
+    answers = [x for x in lines if "tokens" in x and not x.get("warm_up")]
     ranks = sorted((x for x in lines if "rank" in x), key=lambda x: x["rank"])
     return {
         "name": name,
@@ -148,70 +151,79 @@ def summarize(name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def configurations(layers: int) -> list[tuple[str, list[int] | None, bool]]:
+    return [
+        ("unsplit (1 process)", None, False),
+        ("split 2 ranks, ring on loopback", even_split(layers, 2), False),
+        ("split 2 ranks, through the TLS bridge", even_split(layers, 2), True),
+        ("split 3 ranks, ring on loopback", even_split(layers, 3), False),
+    ]
+
+
+def measure(
+    model: Path,
+    args: argparse.Namespace,
+    work: Path,
+    rounds: int,
+    prompt_tokens: int,
+    max_tokens: int,
+) -> list[dict[str, Any]]:
+    """Every configuration, ``rounds`` times in turn (ABCD ABCD: a shared box's load drifts,
+    and interleaving spreads it over all of them); each run answers ``args.runs`` + 1 prompts."""
+    config = json.loads((model / "config.json").read_text())
+    rng = random.Random(0)
+    vocab = int(config.get("vocab_size") or 1000)
+    prompts = [
+        [rng.randrange(100, vocab - 1) for _ in range(prompt_tokens)] for _ in range(args.runs + 1)
+    ]
+    prompt_file = work / "prompts.json"
+    prompt_file.write_text(json.dumps(prompts))
+    run_args = argparse.Namespace(max_tokens=max_tokens)
+    configs = configurations(read_layout(model).num_layers)
+    lines: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+    for _ in range(rounds):
+        for name, split, bridged in configs:
+            bridges = Bridges() if bridged else None
+            try:
+                hostfiles = bridges.hostfiles() if bridges else None
+                got = run(model, run_args, prompt_file, split, hostfiles)
+            finally:
+                if bridges:
+                    bridges.close()
+            lines[name] += got
+            print(
+                f"  {model.name}: {name}: {summarize(name, got)['decode_ms']:.2f} ms/token",
+                flush=True,
+            )
+    return [summarize(name, lines[name]) for name, _, _ in configs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "split.md")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"no model at {args.model} (mesh models pull smollm2-135m, or --model)")
-    layout = read_layout(args.model)
-    config = json.loads((args.model / "config.json").read_text())
-    rng = random.Random(0)
-    vocab = int(config.get("vocab_size") or 1000)
-    prompts = [
-        [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.runs + 1)
-    ]
     work = ROOT / "bench" / ".split-work"
     work.mkdir(exist_ok=True)
-    prompt_file = work / "prompts.json"
-    prompt_file.write_text(json.dumps(prompts))
+    # A tiny model first: its compute per token is ~nothing, so what a split adds per token
+    # (the lockstep command, the hops, the bridge) is most of what is measured.
+    from worker.testing import make_tiny_model
 
-    n = layout.num_layers
-    results = [summarize("unsplit (1 process)", run(args.model, args, prompt_file, None))]
-    print(results[-1]["name"], f"{results[-1]['decode_ms']:.2f} ms/token", flush=True)
-    results.append(
-        summarize(
-            "split 2 ranks, ring on loopback", run(args.model, args, prompt_file, even_split(n, 2))
-        )
-    )
-    print(results[-1]["name"], f"{results[-1]['decode_ms']:.2f} ms/token", flush=True)
-    bridges = Bridges()
-    try:
-        results.append(
-            summarize(
-                "split 2 ranks, through the TLS bridge",
-                run(args.model, args, prompt_file, even_split(n, 2), bridges.hostfiles()),
-            )
-        )
-    finally:
-        bridges.close()
-    print(results[-1]["name"], f"{results[-1]['decode_ms']:.2f} ms/token", flush=True)
-    results.append(
-        summarize(
-            "split 3 ranks, ring on loopback", run(args.model, args, prompt_file, even_split(n, 3))
-        )
-    )
-    print(results[-1]["name"], f"{results[-1]['decode_ms']:.2f} ms/token", flush=True)
-    write_report(args, layout, results)
+    tiny = make_tiny_model(work / "tiny4", num_layers=4)
+    tiny_results = measure(tiny, args, work, args.rounds, 16, 64)
+    results = measure(args.model, args, work, args.rounds, args.prompt_tokens, args.max_tokens)
+    write_report(args, read_layout(args.model), results, tiny_results)
 
 
-def write_report(args: argparse.Namespace, layout: Any, results: list[dict[str, Any]]) -> None:
+def table(results: list[dict[str, Any]]) -> list[str]:
     base = results[0]
-    mb = 1e6
     lines = [
-        "# Split serving on one box",
-        "",
-        f"`python bench/split.py` on {platform.platform()} ({os.cpu_count()} CPUs), model "
-        f"`{args.model.name}` ({layout.num_layers} layers, "
-        f"{sum(layout.layer_bytes) / mb:.0f} MB of layers + {layout.shared_bytes / mb:.0f} MB "
-        f"shared), {args.prompt_tokens}-token prompts, {args.max_tokens} tokens greedy, median "
-        f"of {args.runs} prompts after a warm-up. Every configuration runs the same lockstep "
-        "loop (worker/split_rank.py); the baseline is the unsplit model in one process.",
-        "",
         "| configuration | TTFT ms | vs unsplit | decode ms/token | vs unsplit | same tokens |",
         "|---|---:|---:|---:|---:|---|",
     ]
@@ -221,27 +233,63 @@ def write_report(args: argparse.Namespace, layout: Any, results: list[dict[str, 
             f"| {r['name']} | {r['ttft_ms']:.0f} | {r['ttft_ms'] / base['ttft_ms']:.2f}x | "
             f"{r['decode_ms']:.2f} | {r['decode_ms'] / base['decode_ms']:.2f}x | {same} |"
         )
-    direct, bridged = results[1], results[2]
-    lines += [
+    return lines
+
+
+def write_report(
+    args: argparse.Namespace, layout: Any, results: list[dict[str, Any]], tiny: list[dict[str, Any]]
+) -> None:
+    mb = 1e6
+    t_unsplit, t_direct, t_bridged, t_three = (r["decode_ms"] for r in tiny)
+    lines = [
+        "# Split serving on one box",
         "",
-        f"**Bridge cost per token**: {bridged['decode_ms'] - direct['decode_ms']:+.2f} ms "
-        f"(decode through the TLS bridge minus the direct ring, 2 ranks); TTFT "
-        f"{bridged['ttft_ms'] - direct['ttft_ms']:+.0f} ms.",
+        f"`python bench/split.py --runs {args.runs} --rounds {args.rounds} --prompt-tokens "
+        f"{args.prompt_tokens} --max-tokens {args.max_tokens}` on {platform.platform()} "
+        f"({os.cpu_count()} CPUs, shared with other work: read the ratios, not the absolute "
+        "times). Every configuration runs the same lockstep loop (worker/split_rank.py), "
+        "greedy; the baseline is the unsplit model in one process. Medians over every prompt "
+        f"after each run's warm-up prompt, the configurations interleaved {args.rounds} times.",
         "",
-        "## Memory per rank",
+        "## What a split adds per token (tiny model: 4 layers of 64, ~no compute)",
+        "",
+        *table(tiny),
+        "",
+        f"- **Split overhead per token** (2 ranks, direct ring): {t_direct - t_unsplit:+.2f} ms "
+        f"(the lockstep command and one activation hop); 3 ranks: {t_three - t_unsplit:+.2f} ms.",
+        f"- **Bridge cost per token**: {t_bridged - t_direct:+.2f} ms (2 ranks through the TLS "
+        "bridge minus the direct ring: TLS and a relay on each side of the hop).",
+        "",
+        f"## SmolLM2-135M ({layout.num_layers} layers, {sum(layout.layer_bytes) / mb:.0f} MB of "
+        f"layers + {layout.shared_bytes / mb:.0f} MB shared)",
+        "",
+        *table(results),
+        "",
+        "## Memory per rank (SmolLM2-135M)",
         "",
         "| configuration | rank | layers | layer weights MB | MLX active MB | peak RSS MB |",
         "|---|---:|---|---:|---:|---:|",
     ]
     for r in results:
+        seen = set()
         for rank in r["ranks"]:
+            if rank["rank"] in seen:
+                continue  # one row per rank (the rounds repeat them)
+            seen.add(rank["rank"])
             where = rank["slice"] or [0, layout.num_layers]
             lines.append(
                 f"| {r['name']} | {rank['rank']} | {where[0]}-{where[1] - 1} | "
                 f"{rank['layer_bytes'] / mb:.0f} | {rank['active_bytes'] / mb:.0f} | "
                 f"{rank['peak_rss_bytes'] / mb:.0f} |"
             )
-    lines += ["", *EXPLANATION]
+    lines += [
+        "",
+        "A rank holds its layers plus what it uses of the shared weights: the first stage the "
+        "embeddings, rank 0 the head (tied to the embeddings here), a middle rank neither; the "
+        "rest of the RSS is the Python/MLX process itself.",
+        "",
+        *EXPLANATION,
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 

@@ -32,6 +32,7 @@ from mesh.identity import NodeIdentity
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0  # TLS handshake and the header line, per connection
+RANK_LISTEN_TIMEOUT_S = 120.0  # a forming group's rank may still be loading before it listens
 _HEADER = re.compile(rb"^ring ([A-Za-z0-9._-]{1,64}) (\d{1,4})\n$")
 _CHUNK = 1 << 16
 
@@ -98,8 +99,7 @@ class BridgeServer:
             log.warning("bridge: member %s asked for an unknown rank %r", peer[:8], header[:80])
             return
         try:
-            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                local_reader, local_writer = await asyncio.open_connection("127.0.0.1", port)
+            local_reader, local_writer = await _dial_rank(port)
         except (OSError, TimeoutError) as exc:
             log.warning("bridge: rank port %d did not answer (%s)", port, exc)
             return
@@ -168,6 +168,23 @@ class BridgeLink:
         finally:
             self._tasks.discard(task)
             writer.close()
+
+
+async def _dial_rank(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a local rank's ring port, waiting for it to listen. While a group forms the
+    ring dials its peers before they all listen and retries on a refusal; through a bridge the
+    dial has already succeeded (the link accepted it), so the bridge must do the waiting: a
+    connection accepted and then closed leaves the ring's set-up hanging."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RANK_LISTEN_TIMEOUT_S
+    while True:
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                return await asyncio.open_connection("127.0.0.1", port)
+        except ConnectionRefusedError:
+            if loop.time() >= deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 async def _pipe(

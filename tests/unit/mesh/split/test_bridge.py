@@ -13,14 +13,14 @@ from mesh.identity import NodeIdentity
 from mesh.split.bridge import BridgeLink, BridgeServer
 
 
-async def echo_rank() -> tuple[asyncio.Server, int]:
+async def echo_rank(port: int = 0) -> tuple[asyncio.Server, int]:
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(1 << 16):
             writer.write(data)
             await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    server = await asyncio.start_server(echo, "127.0.0.1", port)
     return server, server.sockets[0].getsockname()[1]
 
 
@@ -102,3 +102,34 @@ async def test_a_link_refuses_a_bridge_with_another_certificate(nodes) -> None:
         assert await closed_without_data(reader)
     finally:
         await link.close()
+
+
+async def test_a_rank_that_listens_late_is_waited_for(nodes) -> None:
+    """A forming group dials its peers before they all listen; through the bridge the dial
+    already succeeded, so the bridge waits for the rank's port instead of hanging up."""
+    a, b, server, port = nodes
+    late_port = free_port()
+    server.register("g2", 1, late_port)
+    link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g2", 1)
+    local = await link.start()
+    late = None
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"early bytes")
+        await asyncio.sleep(0.5)
+        late = await echo_rank(late_port)
+        async with asyncio.timeout(10):
+            assert await reader.readexactly(11) == b"early bytes"
+        writer.close()
+    finally:
+        await link.close()
+        if late is not None:
+            late[0].close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
