@@ -309,6 +309,11 @@ EXPLANATION = [
     "Thunderbolt networking, 2-5 ms on Wi-Fi. Against a large model's 30-100 ms of compute "
     "per token on a Mac that is a few percent wired and 10-30 % on Wi-Fi; the bridge's own "
     "cost (TLS and one relay each side) is the difference measured above.",
+    "- On a shared 2-core box a split's per-token numbers swing between runs of the same "
+    "configuration (the 2-rank direct ring on the tiny model: 3.5 to 29 ms a token over 4 "
+    "runs while this file was made): every collective waits until the other rank's process "
+    "gets a core back, so the overheads above are upper bounds set by scheduling, not by the "
+    "bytes moved (2.3 kB a hop) or by TLS.",
     "- Prefill (TTFT) pays each hop once per chunk, not per token, so it is bound by the "
     "slowest stage's compute; an uneven plan (by offered memory) keeps the big machines "
     "busy with more layers.",
