@@ -16,6 +16,8 @@
     │   ├── CopyRefused          the peer said no: unknown model, not a member, too busy
     │   ├── PeerLost             no peer holding the model is left (gone mid-copy, or none at all)
     │   └── DiskFull             not enough space in the store for the copy
+    ├── SplitError               serving one model across several nodes (``mesh.split``)
+    │   └── PlanError            no set of members can hold the model (one sentence)
     └── TunnelError              anything on the QUIC tunnel
         ├── ConnectError         a dial failed: unreachable, handshake failed, timed out
         │   ├── AuthFailed       the peer's certificate does not match the pin (or the peer
@@ -102,6 +104,14 @@ class PeerLost(CopyError):
 
 class DiskFull(CopyError):
     """The store's file system has no room for the copy."""
+
+
+class SplitError(MeshError):
+    """Serving one model across several nodes (``mesh.split``) failed."""
+
+
+class PlanError(SplitError):
+    """No set of members that offer memory can hold the model; the message says why, once."""
 
 
 class TunnelError(MeshError):

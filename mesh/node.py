@@ -43,7 +43,7 @@ from mesh.identity import NodeIdentity
 from mesh.node_file import remove_node_file, write_node_file
 from mesh.response_relay import MeshResponses, node_tag
 from mesh.service import MeshConfig, MeshService
-from mesh.workers import WorkerOptions, WorkerSupervisor
+from mesh.workers import SplitOptions, WorkerOptions, WorkerSupervisor
 from worker.net import bind_socket, server_limits
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class NodeConfig:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     python: str = sys.executable
+    split: SplitOptions | None = None  # mesh up --split N: every model over N local ranks
 
     def worker_options(self) -> WorkerOptions:
         return WorkerOptions(
@@ -72,6 +73,7 @@ class NodeConfig:
             restart_backoff_s=self.restart_backoff_s,
             restart_backoff_max_s=self.restart_backoff_max_s,
             python=self.python,
+            split=self.split,
         )
 
     def check(self) -> None:

@@ -30,6 +30,18 @@ STABLE_RUN_S = 30.0  # a worker that ran this long before dying restarts at the 
 
 
 @dataclass(frozen=True)
+class SplitOptions:
+    """How a model is split (``mesh up --split N --share-memory GB``): ``ranks`` rank
+    processes on this node, planned over ``share_memory_bytes`` (0: half the machine's memory),
+    with KV cache reserved for ``context_length`` tokens (None: the model's own, at most 32k)."""
+
+    ranks: int = 2
+    share_memory_bytes: int = 0
+    context_length: int | None = None
+    step_deadline_s: float = 3.0
+
+
+@dataclass(frozen=True)
 class WorkerOptions:
     """How worker children are started and restarted (the node's config builds it)."""
 
@@ -38,6 +50,8 @@ class WorkerOptions:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     python: str = sys.executable
+    # Serve each model split over several rank processes (mesh/split/ranks.py); None: whole.
+    split: SplitOptions | None = None
 
 
 def check_model_available(home: Path, model: str) -> None:
@@ -94,13 +108,16 @@ class WorkerProcess:
             "--home", str(self.options.home),
         ]  # fmt: skip
 
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, SECRET_ENV: self.secret}
+
     async def _spawn(self) -> str:
         """Start the child and return its URL once it announces it is listening."""
         self.process = process = await asyncio.create_subprocess_exec(
             *self._command(),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, SECRET_ENV: self.secret},
+            env=self._env(),
             start_new_session=True,  # Ctrl-C reaches the node, which stops the worker in order
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
@@ -192,7 +209,7 @@ class WorkerSupervisor:
         then calls :meth:`stop`). Raises ``NodeError`` in words."""
         for model in self.models:
             check_model_available(self.options.home, model)
-            process = WorkerProcess(model, self.options)
+            process = self._make_process(model)
             if any(p.name == process.name for p in self.processes):
                 raise NodeError(f"two --model options serve the same name {process.name!r}")
             self.processes.append(process)
@@ -205,6 +222,13 @@ class WorkerSupervisor:
             if isinstance(first, TimeoutError):
                 raise NodeError("a worker did not become ready in time") from None
             raise NodeError(str(first)) from None
+
+    def _make_process(self, model: str) -> WorkerProcess:
+        if self.options.split is None:
+            return WorkerProcess(model, self.options)
+        from mesh.split.ranks import SplitWorkerProcess
+
+        return SplitWorkerProcess(model, self.options)
 
     async def stop(self) -> None:
         await asyncio.gather(*(p.stop() for p in self.processes))

@@ -112,8 +112,12 @@ class Engine:
         name: str | None = None,
         config: EngineConfig | None = None,
         generation_config_fallback: dict[str, Any] | None = None,
+        loader: Callable[[str], tuple[Any, Any, dict[str, Any]]] | None = None,
     ) -> None:
         self.model_path = model_path
+        # (model, tokenizer, config) from a path, on the owner thread; mlx_lm.load by default.
+        # A split rank 0 passes its own (worker/split_rank.py: lazy, only its layers).
+        self._loader = loader
         self.name = name or model_path.rstrip("/").split("/")[-1]
         self.config = config or EngineConfig()
         self.stats = EngineStats()
@@ -293,7 +297,10 @@ class Engine:
 
         from worker.sequential import SequentialGenerator
 
-        model, tokenizer, config = load(self.model_path, return_config=True)
+        if self._loader is not None:
+            model, tokenizer, config = self._loader(self.model_path)
+        else:
+            model, tokenizer, config = load(self.model_path, return_config=True)
         if mx.default_device() == mx.cpu:
             if self.config.cpu_float32:
                 model.set_dtype(mx.float32)

@@ -135,6 +135,7 @@ def make_tiny_model(
     script: Sequence[str] | None = None,
     max_position_embeddings: int = 4096,
     sliding_window: int | None = None,
+    num_layers: int = 2,
 ) -> Path:
     """Write a tiny llama MLX model directory at ``path`` and return it.
 
@@ -142,7 +143,8 @@ def make_tiny_model(
     ``enable_thinking`` is false, then it renders an empty closed block). ``script`` makes the
     model emit those text pieces (each becomes one token) after the generation prompt.
     ``sliding_window`` makes the first layer attend to that many tokens only (its KV cache is a
-    ``RotatingKVCache``, as in gemma3's local layers); the second stays global.
+    ``RotatingKVCache``, as in gemma3's local layers); the second stays global (with more
+    than two ``num_layers`` they alternate).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -158,7 +160,7 @@ def make_tiny_model(
     config = {
         "model_type": "llama",
         "hidden_size": 64,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": num_layers,
         "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -171,7 +173,8 @@ def make_tiny_model(
         "bos_token_id": None,
     }
     if sliding_window is not None:
-        config["layer_types"] = ["sliding_attention", "full_attention"]
+        kinds = ("sliding_attention", "full_attention")
+        config["layer_types"] = [kinds[i % 2] for i in range(num_layers)]
         config["sliding_window"] = sliding_window
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
@@ -228,6 +231,53 @@ def make_tiny_model(
         "bos_token": None,
         "add_bos_token": False,
         "chat_template": template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return path
+
+
+def make_tiny_gemma3_model(
+    path: str | Path, *, seed: int = 0, num_layers: int = 6, sliding_window: int = 4
+) -> Path:
+    """Write a tiny random-weight gemma3 (text) MLX model directory at ``path``: the tiny
+    tokenizer and plain template, ``num_layers`` layers of which every third is global and the
+    others slide over ``sliding_window`` tokens (``RotatingKVCache``), tied embeddings.
+    Its output is junk, deterministic for a seed: for comparing two ways of running it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(())
+    config = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": 3,
+        "max_position_embeddings": 4096,
+        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
+    }
+    mx.random.seed(seed)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    weights.pop("lm_head.weight", None)  # tied, as gemma3 ships
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": chat_template(think=False),
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path

@@ -103,6 +103,17 @@ def up_command(
     retry_backoff_ms: int = typer.Option(
         750, "--retry-backoff-ms", help="Wait before retrying a failed route (before first byte)."
     ),
+    split: int = typer.Option(
+        0,
+        "--split",
+        help="Serve each --model split layer-wise over N rank processes (MLX distributed,"
+        " ring backend on loopback); ranks on this node only, for now.",
+    ),
+    share_memory: float = typer.Option(
+        0.0,
+        "--share-memory",
+        help="GB of memory a split may use on this node [default with --split: half of it].",
+    ),
 ) -> None:
     """Start a node: one MLX worker per --model and the OpenAI/Anthropic gateway in front."""
     from gateway import __version__
@@ -111,6 +122,7 @@ def up_command(
     from mesh.errors import MeshError, NodeError
     from mesh.node import NodeConfig, run_mesh_node
     from mesh.service import MeshConfig
+    from mesh.workers import SplitOptions
     from worker.net import configure_logging
 
     configure_logging()
@@ -121,9 +133,16 @@ def up_command(
         raise fail(f"unknown --moa-policy {moa_policy!r}; choose one of {', '.join(POLICIES)}")
     if moa_workers < 1:
         raise fail("--moa-workers must be at least 1")
+    if split == 1 or split < 0:
+        raise fail("--split takes the number of ranks, at least 2")
+    if share_memory < 0:
+        raise fail("--share-memory takes a size in GB")
     config = NodeConfig(
         home=home_dir,
         models=tuple(model),
+        split=SplitOptions(ranks=split, share_memory_bytes=int(share_memory * 1e9))
+        if split
+        else None,
         host=host,
         port=port,
         start_workers=not no_worker,

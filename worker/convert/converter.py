@@ -18,6 +18,7 @@ from worker.convert.llama import LLAMA
 from worker.convert.progress import NullProgress, Progress
 from worker.convert.quant import GROUP_SIZE, QuantizedTensor, convert_tensor
 from worker.convert.tokenizer import build_tokenizer
+from worker.layout import write_index
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (LLAMA, GEMMA3)}
 
@@ -110,6 +111,8 @@ def _convert(gguf: GGUFFile, out_dir: Path, progress: Progress, dtype: mx.Dtype 
 
     progress.stage("Writing model")
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # The weight map lets a split rank see which files hold its layers (mlx-lm reads it too).
+    write_index(out_dir)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     specials = {k: v for k, v in tokenizer_config.items() if k.endswith("_token")}

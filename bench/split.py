@@ -1,0 +1,327 @@
+"""Split serving on one box: the same model whole vs split over 2 (and 3) rank processes.
+
+Baseline: the model unsplit in one process (``python -m worker.split_rank --single``, the same
+lockstep loop with no group). Candidates: split over 2 ranks on the ring backend, directly on
+loopback and through the TLS bridge (mesh/split/bridge.py, both "nodes" on this box), and over
+3 ranks directly. Per configuration, the same prompts (random token ids) are answered greedily:
+TTFT (prefill of ``--prompt-tokens``) and decode ms per token (median over ``--runs`` prompts
+after one warm-up prompt), plus each rank's memory (bytes of its layers' weights, MLX active
+memory after the run, peak RSS). The bridge's cost per token is bridged minus direct decode.
+
+Writes bench/results/split.md.
+
+    python bench/split.py [--model DIR] [--prompt-tokens 256] [--max-tokens 64] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mesh.copy.tls import cert_der  # noqa: E402
+from mesh.identity import NodeIdentity  # noqa: E402
+from mesh.split.bridge import BridgeLink, BridgeServer  # noqa: E402
+from worker.layout import read_layout  # noqa: E402
+
+DEFAULT_MODEL = Path.home() / ".mlx-mesh" / "models" / "smollm2-135m"
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def even_split(layers: int, ranks: int) -> list[int]:
+    base, extra = divmod(layers, ranks)
+    return [base + (1 if r < extra else 0) for r in range(ranks)]
+
+
+def run(
+    model: Path,
+    args: argparse.Namespace,
+    prompts: Path,
+    split: list[int] | None,
+    hostfiles: dict[int, list] | None = None,
+) -> list[dict[str, Any]]:
+    command = [
+        sys.executable, "-m", "worker.split_rank", "--model", str(model),
+        "--prompts", str(prompts), "--max-tokens", str(args.max_tokens),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if split is None:
+        procs = [subprocess.Popen([*command, "--single"], env=env, stdout=subprocess.PIPE)]
+    else:
+        if hostfiles is None:
+            shared = [[f"127.0.0.1:{p}"] for p in free_ports(len(split))]
+            hostfiles = dict.fromkeys(range(len(split)), shared)
+        procs = []
+        for rank in range(len(split)):
+            hostfile = prompts.parent / f"hosts-{rank}.json"
+            hostfile.write_text(json.dumps(hostfiles[rank]))
+            rank_env = {**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+            split_arg = ",".join(map(str, split))
+            procs.append(
+                subprocess.Popen(
+                    [*command, "--split", split_arg], env=rank_env, stdout=subprocess.PIPE
+                )
+            )
+    lines = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"a rank failed ({proc.returncode})")
+        lines += [json.loads(x) for x in out.decode().splitlines() if x.startswith("{")]
+    answers = [x for x in lines if "tokens" in x]
+    if answers:
+        answers[0]["warm_up"] = True  # each run's first prompt compiles kernels, reads weights
+    return lines
+
+
+class Bridges:
+    """Two identities ("nodes"), a bridge server each, a link each way: rank 0 on a, 1 on b."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.parts: list[Any] = []
+
+    def hostfiles(self) -> dict[int, list]:
+        own = free_ports(2)
+
+        async def start() -> tuple[int, int]:
+            a, b = NodeIdentity.generate(), NodeIdentity.generate()
+            server_a = BridgeServer(a, trusted=lambda: [cert_der(b)])
+            server_b = BridgeServer(b, trusted=lambda: [cert_der(a)])
+            port_a, port_b = await server_a.start("127.0.0.1"), await server_b.start("127.0.0.1")
+            server_a.register("g", 0, own[0])
+            server_b.register("g", 1, own[1])
+            to_b = BridgeLink(a, ("127.0.0.1", port_b), cert_der(b), b.node_id, "g", 1)
+            to_a = BridgeLink(b, ("127.0.0.1", port_a), cert_der(a), a.node_id, "g", 0)
+            self.parts = [server_a, server_b, to_b, to_a]
+            return await to_b.start(), await to_a.start()
+
+        link_b, link_a = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        return {
+            0: [[f"127.0.0.1:{own[0]}"], [f"127.0.0.1:{link_b}"]],
+            1: [[f"127.0.0.1:{link_a}"], [f"127.0.0.1:{own[1]}"]],
+        }
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for part in self.parts:
+                await part.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def summarize(name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    answers = [x for x in lines if "tokens" in x and not x.get("warm_up")]
+    ranks = sorted((x for x in lines if "rank" in x), key=lambda x: x["rank"])
+    return {
+        "name": name,
+        "ttft_ms": statistics.median(a["ttft_s"] for a in answers) * 1000,
+        "decode_ms": statistics.median(
+            a["decode_s"] / max(1, len(a["tokens"]) - 1) for a in answers
+        )
+        * 1000,
+        "tokens": [a["tokens"] for a in answers],
+        "ranks": ranks,
+    }
+
+
+def configurations(layers: int) -> list[tuple[str, list[int] | None, bool]]:
+    return [
+        ("unsplit (1 process)", None, False),
+        ("split 2 ranks, ring on loopback", even_split(layers, 2), False),
+        ("split 2 ranks, through the TLS bridge", even_split(layers, 2), True),
+        ("split 3 ranks, ring on loopback", even_split(layers, 3), False),
+    ]
+
+
+def measure(
+    model: Path,
+    args: argparse.Namespace,
+    work: Path,
+    rounds: int,
+    prompt_tokens: int,
+    max_tokens: int,
+) -> list[dict[str, Any]]:
+    """Every configuration, ``rounds`` times in turn (ABCD ABCD: a shared box's load drifts,
+    and interleaving spreads it over all of them); each run answers ``args.runs`` + 1 prompts."""
+    config = json.loads((model / "config.json").read_text())
+    rng = random.Random(0)
+    vocab = int(config.get("vocab_size") or 1000)
+    prompts = [
+        [rng.randrange(100, vocab - 1) for _ in range(prompt_tokens)] for _ in range(args.runs + 1)
+    ]
+    prompt_file = work / "prompts.json"
+    prompt_file.write_text(json.dumps(prompts))
+    run_args = argparse.Namespace(max_tokens=max_tokens)
+    configs = configurations(read_layout(model).num_layers)
+    lines: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+    for _ in range(rounds):
+        for name, split, bridged in configs:
+            bridges = Bridges() if bridged else None
+            try:
+                hostfiles = bridges.hostfiles() if bridges else None
+                got = run(model, run_args, prompt_file, split, hostfiles)
+            finally:
+                if bridges:
+                    bridges.close()
+            lines[name] += got
+            print(
+                f"  {model.name}: {name}: {summarize(name, got)['decode_ms']:.2f} ms/token",
+                flush=True,
+            )
+    return [summarize(name, lines[name]) for name, _, _ in configs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "split.md")
+    args = parser.parse_args()
+    if not (args.model / "config.json").is_file():
+        raise SystemExit(f"no model at {args.model} (mesh models pull smollm2-135m, or --model)")
+    work = ROOT / "bench" / ".split-work"
+    work.mkdir(exist_ok=True)
+    # A tiny model first: its compute per token is ~nothing, so what a split adds per token
+    # (the lockstep command, the hops, the bridge) is most of what is measured.
+    from worker.testing import make_tiny_model
+
+    tiny = make_tiny_model(work / "tiny4", num_layers=4)
+    tiny_results = measure(tiny, args, work, args.rounds, 16, 64)
+    results = measure(args.model, args, work, args.rounds, args.prompt_tokens, args.max_tokens)
+    write_report(args, read_layout(args.model), results, tiny_results)
+
+
+def table(results: list[dict[str, Any]]) -> list[str]:
+    base = results[0]
+    lines = [
+        "| configuration | TTFT ms | vs unsplit | decode ms/token | vs unsplit | same tokens |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        same = "yes" if r["tokens"] == base["tokens"] else "NO"
+        lines.append(
+            f"| {r['name']} | {r['ttft_ms']:.0f} | {r['ttft_ms'] / base['ttft_ms']:.2f}x | "
+            f"{r['decode_ms']:.2f} | {r['decode_ms'] / base['decode_ms']:.2f}x | {same} |"
+        )
+    return lines
+
+
+def write_report(
+    args: argparse.Namespace, layout: Any, results: list[dict[str, Any]], tiny: list[dict[str, Any]]
+) -> None:
+    mb = 1e6
+    t_unsplit, t_direct, t_bridged, t_three = (r["decode_ms"] for r in tiny)
+    lines = [
+        "# Split serving on one box",
+        "",
+        f"`python bench/split.py --runs {args.runs} --rounds {args.rounds} --prompt-tokens "
+        f"{args.prompt_tokens} --max-tokens {args.max_tokens}` on {platform.platform()} "
+        f"({os.cpu_count()} CPUs, shared with other work: read the ratios, not the absolute "
+        "times). Every configuration runs the same lockstep loop (worker/split_rank.py), "
+        "greedy; the baseline is the unsplit model in one process. Medians over every prompt "
+        f"after each run's warm-up prompt, the configurations interleaved {args.rounds} times.",
+        "",
+        "## What a split adds per token (tiny model: 4 layers of 64, ~no compute)",
+        "",
+        *table(tiny),
+        "",
+        f"- **Split overhead per token** (2 ranks, direct ring): {t_direct - t_unsplit:+.2f} ms "
+        f"(the lockstep command and one activation hop); 3 ranks: {t_three - t_unsplit:+.2f} ms.",
+        f"- **Bridge cost per token**: {t_bridged - t_direct:+.2f} ms (2 ranks through the TLS "
+        "bridge minus the direct ring: TLS and a relay on each side of the hop).",
+        "",
+        f"## SmolLM2-135M ({layout.num_layers} layers, {sum(layout.layer_bytes) / mb:.0f} MB of "
+        f"layers + {layout.shared_bytes / mb:.0f} MB shared)",
+        "",
+        *table(results),
+        "",
+        "## Memory per rank (SmolLM2-135M)",
+        "",
+        "| configuration | rank | layers | layer weights MB | MLX active MB | peak RSS MB |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for r in results:
+        seen = set()
+        for rank in r["ranks"]:
+            if rank["rank"] in seen:
+                continue  # one row per rank (the rounds repeat them)
+            seen.add(rank["rank"])
+            where = rank["slice"] or [0, layout.num_layers]
+            lines.append(
+                f"| {r['name']} | {rank['rank']} | {where[0]}-{where[1] - 1} | "
+                f"{rank['layer_bytes'] / mb:.0f} | {rank['active_bytes'] / mb:.0f} | "
+                f"{rank['peak_rss_bytes'] / mb:.0f} |"
+            )
+    lines += [
+        "",
+        "A rank holds its layers plus what it uses of the shared weights: the first stage the "
+        "embeddings, rank 0 the head (tied to the embeddings here), a middle rank neither; the "
+        "rest of the RSS is the Python/MLX process itself.",
+        "",
+        *EXPLANATION,
+    ]
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+EXPLANATION = [
+    "## What this says, and what a LAN of Macs should expect",
+    "",
+    "- On one box a split is never faster: the ranks share the same cores and memory "
+    "bandwidth, and a decode step adds the lockstep command (two small `all_sum`s) and one "
+    "activation hop per rank boundary to the same arithmetic. Pipeline parallelism does not "
+    "speed up one stream at all: the stages run one after another. What it buys is room: "
+    "each rank holds only its layers (the memory table), so a model that no single machine "
+    "can hold runs at all.",
+    "- Per token, a split over n machines adds about n-1 activation hops (hidden size x 4 "
+    "bytes: 2.3 kB for SmolLM2, 16 kB for a 4096-wide model) plus the command broadcast, "
+    "i.e. a few network latencies: ~0.2-0.5 ms per hop on wired gigabit Ethernet or "
+    "Thunderbolt networking, 2-5 ms on Wi-Fi. Against a large model's 30-100 ms of compute "
+    "per token on a Mac that is a few percent wired and 10-30 % on Wi-Fi; the bridge's own "
+    "cost (TLS and one relay each side) is the difference measured above.",
+    "- On a shared 2-core box a split's per-token numbers swing between runs of the same "
+    "configuration (the 2-rank direct ring on the tiny model: 3.5 to 29 ms a token over 4 "
+    "runs while this file was made): every collective waits until the other rank's process "
+    "gets a core back, so the overheads above are upper bounds set by scheduling, not by the "
+    "bytes moved (2.3 kB a hop) or by TLS.",
+    "- Prefill (TTFT) pays each hop once per chunk, not per token, so it is bound by the "
+    "slowest stage's compute; an uneven plan (by offered memory) keeps the big machines "
+    "busy with more layers.",
+    "- Tensor parallelism (mlx-lm `shard()`) would split every layer instead and make one "
+    "stream faster, but needs two all-reduces per layer: only worth it over Thunderbolt/RDMA "
+    "(JACCL), not Ethernet or Wi-Fi.",
+]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""``mesh up --split 2``: a real node serves a model over two rank processes it supervises.
+The gateway's answers at temperature 0 are the unsplit worker's; a rank stopped (SIGSTOP) or
+killed mid-stream ends the stream with an error event in under 5 s, and the group re-forms."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from worker.cpu import REEXEC_MARKER
+from worker.testing import make_tiny_model, run_worker_in_thread
+
+mx = pytest.importorskip("mlx.core")
+if not mx.distributed.is_available("ring"):
+    pytest.skip("this MLX build has no ring backend (mx.distributed)", allow_module_level=True)
+if sys.platform != "linux":
+    pytest.skip("finds the rank processes through pgrep -P", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def followers(worker_pid: int) -> list[int]:
+    """The node's rank processes other than rank 0 (children of the node, not the worker)."""
+    out = subprocess.run(
+        ["pgrep", "-f", "worker.split_rank --model"], capture_output=True, text=True
+    ).stdout
+    return [int(p) for p in out.split() if int(p) != worker_pid]
+
+
+def answer(client: httpx.Client, model: str) -> str | None:
+    try:
+        response = client.post(
+            "/v1/chat/completions", json={**CHAT, "model": model, "max_tokens": 6}
+        )
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def stream_until_signal(client: httpx.Client, model: str, pid: int, sig: int) -> tuple[str, float]:
+    """Stream a long answer, send ``sig`` to ``pid`` after the first tokens; the last SSE data
+    line and how long after the signal the stream ended."""
+    body = {**CHAT, "model": model, "max_tokens": 100000, "stream": True}
+    sent_at = None
+    last = ""
+    with client.stream("POST", "/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = line
+            if sent_at is None and line.startswith("data: {"):
+                os.kill(pid, sig)
+                sent_at = time.monotonic()
+    assert sent_at is not None
+    return last, time.monotonic() - sent_at
+
+
+def test_mesh_up_split_serves_fails_fast_and_reforms(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "tiny6", num_layers=6)
+    with run_worker_in_thread(model) as (base, _):
+        with httpx.Client(base_url=base.removesuffix("/v1"), timeout=60) as client:
+            expected = answer(client, "tiny6")
+    assert expected
+
+    home = tmp_path / "home"
+    command = [sys.executable, "-c", "from mesh.cli import main; main()", "up", "--model",
+               str(model), "--split", "2", "--port", "0", "--home", str(home),
+               "--mesh-port", "0", "--no-discovery"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), REEXEC_MARKER: "1"}
+    node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    node_file = home / "node.json"
+    try:
+
+        def started() -> dict | None:
+            assert node.poll() is None, node.communicate()[0].decode()
+            return orjson.loads(node_file.read_bytes()) if node_file.exists() else None
+
+        info = wait_for(started, 120, "node.json")
+        with httpx.Client(base_url=info["url"], timeout=60) as client:
+            assert answer(client, "tiny6") == expected  # through the gateway, split 3 + 3
+
+            # A stopped rank: the step deadline (3 s) ends the group, the stream errs.
+            worker = json.loads(node_file.read_text())["workers"]["tiny6"]["pid"]
+            (follower,) = followers(worker)
+            last, took = stream_until_signal(client, "tiny6", follower, signal.SIGSTOP)
+            assert '"error"' in last and took < 5.0
+
+            # Re-formed (the stopped rank is killed, both start again), same answers.
+            assert wait_for(lambda: answer(client, "tiny6"), 120, "re-formed group") == expected
+            worker = json.loads(node_file.read_text())["workers"]["tiny6"]["pid"]
+            (follower,) = followers(worker)
+            last, took = stream_until_signal(client, "tiny6", follower, signal.SIGKILL)
+            assert '"error"' in last and took < 5.0
+    finally:
+        node.send_signal(signal.SIGTERM)
+        out = node.communicate(timeout=60)[0].decode()
+    assert node.returncode == 0, out
+    assert "tiny6: 6 layers, 4096-token context, pipeline over 2 ranks" in out
+    assert wait_for(lambda: not followers(-1), 10, "ranks to stop")

@@ -1,0 +1,135 @@
+"""The ring bridge on loopback: a member's link reaches a registered rank port over pinned TLS;
+strangers, plain TCP and unregistered ranks get nothing but a closed connection."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import pytest
+
+from mesh.copy.tls import cert_der, make_context
+from mesh.identity import NodeIdentity
+from mesh.split.bridge import BridgeLink, BridgeServer
+
+
+async def echo_rank(port: int = 0) -> tuple[asyncio.Server, int]:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", port)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def closed_without_data(reader: asyncio.StreamReader) -> bool:
+    try:
+        async with asyncio.timeout(10):
+            return await reader.read(1) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
+
+
+@pytest.fixture
+async def nodes():
+    a, b = NodeIdentity.generate(), NodeIdentity.generate()
+    server = BridgeServer(b, trusted=lambda: [cert_der(a)])
+    port = await server.start("127.0.0.1")
+    rank, rank_port = await echo_rank()
+    server.register("g1", 1, rank_port)
+    yield a, b, server, port
+    await server.close()
+    rank.close()
+
+
+async def test_a_members_link_carries_bytes_both_ways(nodes) -> None:
+    a, b, _, port = nodes
+    link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g1", 1)
+    local = await link.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        payload = bytes(range(256)) * 1000  # larger than one read
+        writer.write(payload)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            assert await reader.readexactly(len(payload)) == payload
+        writer.close()
+    finally:
+        await link.close()
+
+
+@pytest.mark.parametrize("who", ["stranger", "wrong-rank", "plain-tcp"])
+async def test_others_get_nothing(nodes, who: str) -> None:
+    a, b, _, port = nodes
+    if who == "plain-tcp":
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"ring g1 1\n")
+        assert await closed_without_data(reader)
+        return
+    identity = NodeIdentity.generate() if who == "stranger" else a
+    if who == "stranger":
+        # Not a member: the server's handshake refuses its certificate.
+        ctx = make_context(identity, [cert_der(b)], server=False)
+        try:
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", port, ssl=ctx, server_hostname=""
+            )
+        except (ssl.SSLError, ConnectionError):
+            return
+        writer.write(b"ring g1 1\n")
+        assert await closed_without_data(reader)
+        return
+    link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g1", 7)
+    local = await link.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"hello")
+        assert await closed_without_data(reader)
+    finally:
+        await link.close()
+
+
+async def test_a_link_refuses_a_bridge_with_another_certificate(nodes) -> None:
+    a, _, _, port = nodes
+    impostor = NodeIdentity.generate()  # the link pins this one; the server presents b's
+    link = BridgeLink(a, ("127.0.0.1", port), cert_der(impostor), impostor.node_id, "g1", 1)
+    local = await link.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"hello")
+        assert await closed_without_data(reader)
+    finally:
+        await link.close()
+
+
+async def test_a_rank_that_listens_late_is_waited_for(nodes) -> None:
+    """A forming group dials its peers before they all listen; through the bridge the dial
+    already succeeded, so the bridge waits for the rank's port instead of hanging up."""
+    a, b, server, port = nodes
+    late_port = free_port()
+    server.register("g2", 1, late_port)
+    link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g2", 1)
+    local = await link.start()
+    late = None
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"early bytes")
+        await asyncio.sleep(0.5)
+        late = await echo_rank(late_port)
+        async with asyncio.timeout(10):
+            assert await reader.readexactly(11) == b"early bytes"
+        writer.close()
+    finally:
+        await link.close()
+        if late is not None:
+            late[0].close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

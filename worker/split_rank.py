@@ -1,0 +1,444 @@
+"""A split rank: one process of a pipeline-split model, stepping in lockstep with the others.
+
+Rank 0 leads: before each forward pass it broadcasts a command (``RESET``: a new sequence,
+fresh caches; ``FORWARD`` these tokens; ``STOP``) to every rank with an ``all_sum``, then all
+ranks run that forward pass (``worker.pipeline`` moves the activations between them). Only rank
+0 computes logits and samples; the sampled token is in its next ``FORWARD``. The other ranks
+follow (:func:`follow`) and evaluate only their caches.
+
+Rank 0 either serves the normal worker HTTP API (``--serve``: the real :class:`Engine`, whose
+model is a :class:`LeaderModel` that announces each forward pass) or, for tests and benchmarks,
+runs :func:`generate` over ``--prompts`` (a JSON list of token-id lists; one ``{"tokens": …}``
+line each). Split serving is one request at a time with no prompt-cache reuse: the followers'
+caches mirror rank 0's only while rank 0's engine never copies, trims or batches them.
+
+Started as ``python -m worker.split_rank --model DIR --split 3,3 [--serve --port N]`` with the
+ring backend's ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON file: per rank, a list of ``"ip:port"``
+strings) in the environment, no ``mlx.launch``. Every rank prints one ``{"rank", "slice",
+"layer_bytes", "active_bytes", "peak_rss_bytes"}`` line when it is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from worker.pipeline import Slice, materialize, slice_model
+
+log = logging.getLogger(__name__)
+
+Sampler = Callable[[mx.array], mx.array]
+GROUP_BROKEN = 3  # a rank's exit status when its group broke (a peer gone, a step overdue)
+BROKEN_GRACE_S = 1.0  # rank 0 exits this long after the ring broke: its error events go out
+
+
+class SplitRankError(Exception):
+    """Rank 0 was asked for something the followers cannot mirror (a reused or batched cache)."""
+
+
+class Op(IntEnum):
+    STOP = 0
+    RESET = 1
+    FORWARD = 2
+
+
+class Lockstep:
+    """The command channel of a split group: rank 0 sends, every other rank receives.
+
+    With no group (or a group of one) sending is a no-op: the same loop serves the unsplit
+    reference."""
+
+    def __init__(self, group: mx.distributed.Group | None) -> None:
+        self.group = group if group is not None and group.size() > 1 else None
+
+    def send(self, op: Op, tokens: Sequence[int] = ()) -> None:
+        if self.group is None:
+            return
+        self._sum(mx.array([int(op), len(tokens)], dtype=mx.int32))
+        if tokens:
+            self._sum(mx.array(list(tokens), dtype=mx.int32))
+
+    def receive(self) -> tuple[Op, list[int]]:
+        assert self.group is not None, "only ranks of a split group receive"
+        op, count = self._sum(mx.zeros((2,), dtype=mx.int32)).tolist()
+        tokens = self._sum(mx.zeros((count,), dtype=mx.int32)).tolist() if count else []
+        return Op(op), tokens
+
+    def _sum(self, x: mx.array) -> mx.array:
+        out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+        mx.eval(out)
+        return out
+
+
+class StepWatch:
+    """Rank 0's per-step deadline. A collective waits forever for a stopped or wedged peer, so
+    every forward pass of the group runs under a deadline (``base_s`` plus ``per_token_s`` per
+    token: a long prefill chunk may take longer than a decoded token). When one is missed, or
+    the ring reports a peer gone (:meth:`broken`), ``on_overdue`` runs on the watch's own
+    thread: the process exits, so its HTTP streams end (the gateway turns a lost worker into an
+    error event) and the supervisor re-forms the group.
+
+    The first ``cold_steps`` get ``cold_s`` instead: they read weights on first use and
+    compile kernels (~1 s each on the Linux CPU backend), which must not break a new group.
+
+    ``overdue(now)`` is the pure core; :meth:`start` runs it on a daemon thread."""
+
+    def __init__(
+        self,
+        base_s: float,
+        per_token_s: float,
+        on_overdue: Callable[[str], None],
+        *,
+        cold_steps: int = 8,
+        cold_s: float = 120.0,
+    ) -> None:
+        self.base_s = base_s
+        self.per_token_s = per_token_s
+        self.cold_steps = cold_steps
+        self.cold_s = cold_s
+        self._steps = 0
+        self._on_overdue = on_overdue
+        self._deadline: float | None = None
+        self._why = ""
+        self._broken = False
+        self._lock = threading.Lock()
+
+    def begin(self, tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._broken:
+                self._steps += 1
+                base = self.cold_s if self._steps <= self.cold_steps else self.base_s
+                self._deadline = now + base + self.per_token_s * tokens
+                self._why = f"a {tokens}-token step missed its deadline"
+
+    def end(self) -> None:
+        with self._lock:
+            if not self._broken:
+                self._deadline = None
+
+    def broken(self, why: str, grace_s: float, now: float | None = None) -> None:
+        """The group is broken: give the engine ``grace_s`` to send its error events, then go."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._broken:
+                self._broken = True
+                self._deadline = now + grace_s
+                self._why = why
+
+    def overdue(self, now: float) -> str | None:
+        with self._lock:
+            if self._deadline is not None and now >= self._deadline:
+                return self._why
+            return None
+
+    def start(self, tick_s: float = 0.1) -> None:
+        def watch() -> None:
+            while (why := self.overdue(time.monotonic())) is None:
+                time.sleep(tick_s)
+            self._on_overdue(why)
+
+        threading.Thread(target=watch, name="split-step-watch", daemon=True).start()
+
+
+class LeaderModel(nn.Module):
+    """Rank 0's model as the engine sees it: each forward pass is announced to the followers
+    first (a new cache list is a new sequence), then run. Everything else (``layers``,
+    ``make_cache``, parameters) is the wrapped model's."""
+
+    def __init__(
+        self, model: nn.Module, lockstep: Lockstep, watch: StepWatch | None = None
+    ) -> None:
+        super().__init__()
+        self.inner = model
+        object.__setattr__(self, "_lockstep", lockstep)
+        object.__setattr__(self, "_watch", watch)
+        object.__setattr__(self, "_sequence", 0)
+        object.__setattr__(self, "_held", 0)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if key == "inner":
+                raise
+            return getattr(self["inner"], key)
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        if cache is None or kwargs.get("input_embeddings") is not None or inputs.shape[0] != 1:
+            raise SplitRankError("a split model runs one token sequence at a time, with a cache")
+        offset = int(cache[0].offset)
+        if getattr(cache[0], "_split_sequence", None) != self._sequence:
+            if offset:
+                raise SplitRankError("a split model cannot reuse a cache its followers lack")
+            object.__setattr__(self, "_sequence", self._sequence + 1)
+            object.__setattr__(self, "_held", 0)
+            cache[0]._split_sequence = self._sequence
+            self._lockstep.send(Op.RESET)
+        elif offset != self._held:
+            raise SplitRankError("a split model's cache was trimmed behind its followers' back")
+        tokens = inputs[0].tolist()  # waits for the sampled token: the followers need its value
+        watch = self._watch
+        if watch is not None:
+            watch.begin(len(tokens))
+        try:
+            self._lockstep.send(Op.FORWARD, tokens)
+            object.__setattr__(self, "_held", self._held + len(tokens))
+            out = self.inner(inputs, cache=cache)
+            # The whole pipeline's round trip, here, under the step's deadline.
+            mx.eval([c.state for c in cache])
+        except RuntimeError as exc:  # the ring backend's error: a peer is gone
+            if watch is not None:
+                watch.broken(f"the split group broke ({exc})", grace_s=BROKEN_GRACE_S)
+            raise SplitRankError(f"the split group broke: {exc}") from exc
+        finally:
+            if watch is not None:
+                watch.end()
+        return out
+
+
+def forward(model: nn.Module, cache: list, tokens: Sequence[int]) -> mx.array:
+    """Rank 0's forward pass over ``tokens`` (the last position's logits, evaluated)."""
+    logits = model(mx.array([list(tokens)]), cache=cache)[:, -1, :]
+    mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+def generate(
+    model: nn.Module,
+    lockstep: Lockstep,
+    prompt: Sequence[int],
+    *,
+    max_tokens: int,
+    eos: set[int],
+    sampler: Sampler | None = None,
+    prefill_step: int = 512,
+    timings: dict[str, float] | None = None,
+) -> list[int]:
+    """Rank 0's side of one request, the simple loop: prefill in chunks, decode greedily (or
+    with ``sampler``) token by token. ``timings`` gets ``ttft_s`` (to the first token) and
+    ``decode_s`` (the rest)."""
+    started = time.perf_counter()
+    from mlx_lm.models.cache import make_prompt_cache
+
+    sample = sampler or (lambda logits: mx.argmax(logits, axis=-1))
+    lockstep.send(Op.RESET)
+    cache = make_prompt_cache(model)
+    logits = None
+    for i in range(0, len(prompt), prefill_step):
+        chunk = prompt[i : i + prefill_step]
+        lockstep.send(Op.FORWARD, chunk)
+        logits = forward(model, cache, chunk)
+    if logits is None:
+        raise SplitRankError("an empty prompt")
+    out: list[int] = []
+    while True:
+        token = int(sample(logits).item())
+        out.append(token)
+        if timings is not None:
+            now = time.perf_counter()
+            if len(out) == 1:
+                timings["ttft_s"] = now - started
+            timings["decode_s"] = now - started - timings["ttft_s"]
+        if token in eos or len(out) >= max_tokens:
+            return out
+        lockstep.send(Op.FORWARD, [token])
+        logits = forward(model, cache, [token])
+
+
+def follow(model: nn.Module, lockstep: Lockstep) -> None:
+    """A rank other than 0: run the forward passes rank 0 announces until it says ``STOP``.
+    Only the caches are evaluated (the send to the next rank hangs off the last one)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    while True:
+        op, tokens = lockstep.receive()
+        if op is Op.STOP:
+            return
+        if op is Op.RESET:
+            cache = make_prompt_cache(model)
+            mx.clear_cache()
+        else:
+            model(mx.array([tokens]), cache=cache)
+            mx.eval([c.state for c in cache])
+
+
+def load_slice(
+    path: str | Path, group: mx.distributed.Group | None, split: Sequence[int] | None
+) -> tuple[nn.Module, dict[str, Any], Slice | None, int]:
+    """Load the model lazily, keep this rank's slice and read its layers' weights: (model,
+    config, slice, bytes of those layers). Without a group it is the whole, unsplit model."""
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(path), lazy=True, strict=False)
+    if mx.default_device() == mx.cpu:
+        # As the engine does on the CPU (x86 emulates half precision): every rank must agree on
+        # the activations' dtype, since recv_like takes it from the local input.
+        model.set_dtype(mx.float32)
+    part = None
+    if group is not None and group.size() > 1:
+        if split is None:
+            raise SplitRankError("a split group needs --split")
+        part = slice_model(model, group, split)
+    return model, config, part, materialize(model, part)
+
+
+def make_leader_loader(
+    group: mx.distributed.Group,
+    split: Sequence[int],
+    lockstep: Lockstep,
+    watch: StepWatch | None = None,
+) -> Callable[[str], tuple[Any, Any, dict[str, Any]]]:
+    """The engine's loader on rank 0: its slice, wrapped in a :class:`LeaderModel`."""
+
+    def load(path: str) -> tuple[Any, Any, dict[str, Any]]:
+        from mlx_lm.utils import load_tokenizer
+
+        model, config, _, _ = load_slice(path, group, split)
+        tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+        return LeaderModel(model, lockstep, watch), tokenizer, config
+
+    return load
+
+
+def serve_leader(
+    args: argparse.Namespace, group: mx.distributed.Group, split: Sequence[int]
+) -> None:
+    """Rank 0 with ``--serve``: the real engine (one request at a time, no prompt-cache
+    reuse) behind the normal worker HTTP app."""
+    from worker.app import serve
+    from worker.engine import Engine
+    from worker.engine_types import EngineConfig
+    from worker.net import SECRET_ENV
+
+    lockstep = Lockstep(group)
+    watch = StepWatch(args.step_deadline_s, args.step_deadline_per_token_s, _exit_broken)
+    watch.start()
+    config = EngineConfig(prompt_cache_bytes=0, batching=False)
+    engine = Engine(
+        args.model,
+        name=args.name,
+        config=config,
+        loader=make_leader_loader(group, split, lockstep, watch),
+    )
+    engine.start()
+    try:
+        secret = os.environ.pop(SECRET_ENV, None) or None
+        serve(engine, args.host, args.port, secret=secret, warm_up=args.warm_up)
+    finally:
+        engine.close()
+        lockstep.send(Op.STOP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker.split_rank")
+    parser.add_argument("--model", required=True, help="an MLX model directory")
+    parser.add_argument("--split", help="layers per rank, by rank: 3,3 (rank 0 runs the last)")
+    parser.add_argument("--prompts", help="rank 0: a JSON file, a list of token-id lists")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--prefill-step", type=int, default=512)
+    parser.add_argument("--single", action="store_true", help="unsplit, no group (reference)")
+    parser.add_argument("--serve", action="store_true", help="rank 0: the worker HTTP API")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--name", default=None, help="model name to serve as")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false")
+    parser.add_argument(
+        "--step-deadline-s", type=float, default=3.0, help="rank 0: most seconds a step may take"
+    )
+    parser.add_argument(
+        "--step-deadline-per-token-s",
+        type=float,
+        default=0.05,
+        help="rank 0: more seconds per token of a step (prefill chunks)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from worker.cpu import reexec_with_fast_blas
+
+    reexec_with_fast_blas()  # as the worker does (Linux CPU): same pid, arguments, environment
+    logging.basicConfig(level=logging.WARNING)
+    group = None if args.single else mx.distributed.init(backend="ring", strict=True)
+    split = [int(n) for n in args.split.split(",")] if args.split else None
+    rank = group.rank() if group is not None else 0
+    if rank == 0 and args.serve:
+        if group is None or split is None:
+            raise SplitRankError("--serve needs a split group (MLX_RANK, MLX_HOSTFILE, --split)")
+        serve_leader(args, group, split)
+        _report(rank, None, 0)
+        return 0
+    model, _, part, layer_bytes = load_slice(args.model, group, split)
+    lockstep = Lockstep(group)
+    if rank == 0:
+        eos = eos_ids(Path(args.model))
+        prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else []
+        for prompt in prompts:
+            timings: dict[str, float] = {}
+            tokens = generate(
+                model,
+                lockstep,
+                prompt,
+                max_tokens=args.max_tokens,
+                eos=eos,
+                prefill_step=args.prefill_step,
+                timings=timings,
+            )
+            print(json.dumps({"tokens": tokens, **timings}), flush=True)
+        lockstep.send(Op.STOP)
+    else:
+        try:
+            follow(model, lockstep)
+        except RuntimeError as exc:  # the ring backend's only error: a peer is gone
+            print(f"split rank {rank}: the group broke ({exc})", file=sys.stderr, flush=True)
+            return GROUP_BROKEN
+    _report(rank, part, layer_bytes)
+    return 0
+
+
+def _exit_broken(why: str) -> None:
+    """The group cannot go on: say why and end the process at once (the engine thread may be
+    stuck in a collective that never returns, so no orderly shutdown is possible)."""
+    print(f"split rank 0: {why}; exiting so the group is re-formed", file=sys.stderr, flush=True)
+    os._exit(GROUP_BROKEN)
+
+
+def _report(rank: int, part: Slice | None, layer_bytes: int) -> None:
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, kB on Linux
+    line = {
+        "rank": rank,
+        "slice": None if part is None else [part.start, part.end],
+        "layer_bytes": layer_bytes,
+        "active_bytes": mx.get_active_memory(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+    }
+    print(json.dumps(line), flush=True)
+
+
+def eos_ids(path: Path) -> set[int]:
+    """The model's end-of-sequence token ids, from its config."""
+    config = json.loads((path / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
