@@ -37,28 +37,17 @@ _HEADER = re.compile(rb"^ring ([A-Za-z0-9._-]{1,64}) (\d{1,4})\n$")
 _CHUNK = 1 << 16
 
 
-class BridgeServer:
-    """The node's side that remote ranks' links dial: members only, registered ranks only.
+class _Listener:
+    """A loopback or LAN listener that tracks its connection tasks, so that ``close()`` ends
+    every connection it accepted (no leaked task). Subclasses say how one connection is served
+    in ``_serve``; the accepted writer is closed here whatever ``_serve`` does."""
 
-    ``trusted()`` returns the DER certificates of the current members (read per connection, so
-    a removed member is refused from then on); ``register(group, rank, port)`` says which
-    loopback port serves that rank of that group on this node."""
-
-    def __init__(self, identity: NodeIdentity, trusted: Callable[[], Iterable[bytes]]) -> None:
-        self.identity = identity
-        self._trusted = trusted
-        self._routes: dict[tuple[str, int], int] = {}
+    def __init__(self) -> None:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
 
-    def register(self, group: str, rank: int, port: int) -> None:
-        self._routes[(group, rank)] = port
-
-    def unregister(self, group: str) -> None:
-        self._routes = {k: v for k, v in self._routes.items() if k[0] != group}
-
-    async def start(self, host: str, port: int = 0) -> int:
+    async def _listen(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._accept, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -81,6 +70,32 @@ class BridgeServer:
         finally:
             self._tasks.discard(task)
             writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class BridgeServer(_Listener):
+    """The node's side that remote ranks' links dial: members only, registered ranks only.
+
+    ``trusted()`` returns the DER certificates of the current members (read per connection, so
+    a removed member is refused from then on); ``register(group, rank, port)`` says which
+    loopback port serves that rank of that group on this node."""
+
+    def __init__(self, identity: NodeIdentity, trusted: Callable[[], Iterable[bytes]]) -> None:
+        super().__init__()
+        self.identity = identity
+        self._trusted = trusted
+        self._routes: dict[tuple[str, int], int] = {}
+
+    def register(self, group: str, rank: int, port: int) -> None:
+        self._routes[(group, rank)] = port
+
+    def unregister(self, group: str) -> None:
+        self._routes = {k: v for k, v in self._routes.items() if k[0] != group}
+
+    async def start(self, host: str, port: int = 0) -> int:
+        return await self._listen(host, port)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _nodelay(writer)
@@ -107,7 +122,7 @@ class BridgeServer:
         await _pipe(reader, writer, local_reader, local_writer)
 
 
-class BridgeLink:
+class BridgeLink(_Listener):
     """One remote rank, reachable at ``127.0.0.1:port`` on this node (the hostfile's address
     for it): each connection goes over TLS to the remote node's bridge, pinned to its cert."""
 
@@ -120,54 +135,34 @@ class BridgeLink:
         group: str,
         rank: int,
     ) -> None:
+        super().__init__()
         self.identity = identity
         self.remote = remote
         self.remote_node_id = remote_node_id
         self.header = f"ring {group} {rank}\n".encode()
         self._context = make_context(identity, [remote_cert], server=False)
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
+        return await self._listen("127.0.0.1", 0)
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _nodelay(writer)
         try:
-            _nodelay(writer)
-            try:
-                async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                    remote_reader, remote_writer = await asyncio.open_connection(
-                        *self.remote, ssl=self._context, server_hostname=""
-                    )
-                    if peer_node_id(remote_writer.get_extra_info("ssl_object")) != (
-                        self.remote_node_id
-                    ):
-                        raise AuthFailed("the bridge answered with another node's certificate")
-                    remote_writer.write(self.header)
-                    await remote_writer.drain()
-            except (OSError, TimeoutError, ssl.SSLError, AuthFailed) as exc:
-                log.warning("bridge: cannot reach %s:%d (%s)", *self.remote, exc)
-                return
-            _nodelay(remote_writer)
-            await _pipe(reader, writer, remote_reader, remote_writer)
-        finally:
-            self._tasks.discard(task)
-            writer.close()
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                remote_reader, remote_writer = await asyncio.open_connection(
+                    *self.remote, ssl=self._context, server_hostname=""
+                )
+                if peer_node_id(remote_writer.get_extra_info("ssl_object")) != (
+                    self.remote_node_id
+                ):
+                    raise AuthFailed("the bridge answered with another node's certificate")
+                remote_writer.write(self.header)
+                await remote_writer.drain()
+        except (OSError, TimeoutError, ssl.SSLError, AuthFailed) as exc:
+            log.warning("bridge: cannot reach %s:%d (%s)", *self.remote, exc)
+            return
+        _nodelay(remote_writer)
+        await _pipe(reader, writer, remote_reader, remote_writer)
 
 
 async def _dial_rank(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
