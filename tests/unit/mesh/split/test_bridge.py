@@ -32,6 +32,17 @@ async def closed_without_data(reader: asyncio.StreamReader) -> bool:
         return True
 
 
+async def link_closes_without_data(link: BridgeLink) -> bool:
+    """Start ``link``, send a few bytes into it, and say whether it hung up without answering."""
+    local = await link.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"hello")
+        return await closed_without_data(reader)
+    finally:
+        await link.close()
+
+
 @pytest.fixture
 async def nodes():
     a, b = NodeIdentity.generate(), NodeIdentity.generate()
@@ -82,26 +93,14 @@ async def test_others_get_nothing(nodes, who: str) -> None:
         assert await closed_without_data(reader)
         return
     link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g1", 7)
-    local = await link.start()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", local)
-        writer.write(b"hello")
-        assert await closed_without_data(reader)
-    finally:
-        await link.close()
+    assert await link_closes_without_data(link)
 
 
 async def test_a_link_refuses_a_bridge_with_another_certificate(nodes) -> None:
     a, _, _, port = nodes
     impostor = NodeIdentity.generate()  # the link pins this one; the server presents b's
     link = BridgeLink(a, ("127.0.0.1", port), cert_der(impostor), impostor.node_id, "g1", 1)
-    local = await link.start()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", local)
-        writer.write(b"hello")
-        assert await closed_without_data(reader)
-    finally:
-        await link.close()
+    assert await link_closes_without_data(link)
 
 
 async def test_a_rank_that_listens_late_is_waited_for(nodes) -> None:
