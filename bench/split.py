@@ -16,38 +16,24 @@ Writes bench/results/split.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mesh.copy.tls import cert_der  # noqa: E402
-from mesh.identity import NodeIdentity  # noqa: E402
-from mesh.split.bridge import BridgeLink, BridgeServer  # noqa: E402
+from mesh.split.testing import bridged_hostfiles, spawn_ranks  # noqa: E402
 from worker.layout import read_layout  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".mlx-mesh" / "models" / "smollm2-135m"
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def even_split(layers: int, ranks: int) -> list[int]:
@@ -70,20 +56,7 @@ def run(
     if split is None:
         procs = [subprocess.Popen([*command, "--single"], env=env, stdout=subprocess.PIPE)]
     else:
-        if hostfiles is None:
-            shared = [[f"127.0.0.1:{p}"] for p in free_ports(len(split))]
-            hostfiles = dict.fromkeys(range(len(split)), shared)
-        procs = []
-        for rank in range(len(split)):
-            hostfile = prompts.parent / f"hosts-{rank}.json"
-            hostfile.write_text(json.dumps(hostfiles[rank]))
-            rank_env = {**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
-            split_arg = ",".join(map(str, split))
-            procs.append(
-                subprocess.Popen(
-                    [*command, "--split", split_arg], env=rank_env, stdout=subprocess.PIPE
-                )
-            )
+        procs = spawn_ranks(command, split, prompts.parent, env, hostfiles)
     lines = []
     for proc in procs:
         out, _ = proc.communicate(timeout=1800)
@@ -94,46 +67,6 @@ def run(
     if answers:
         answers[0]["warm_up"] = True  # each run's first prompt compiles kernels, reads weights
     return lines
-
-
-class Bridges:
-    """Two identities ("nodes"), a bridge server each, a link each way: rank 0 on a, 1 on b."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.parts: list[Any] = []
-
-    def hostfiles(self) -> dict[int, list]:
-        own = free_ports(2)
-
-        async def start() -> tuple[int, int]:
-            a, b = NodeIdentity.generate(), NodeIdentity.generate()
-            server_a = BridgeServer(a, trusted=lambda: [cert_der(b)])
-            server_b = BridgeServer(b, trusted=lambda: [cert_der(a)])
-            port_a, port_b = await server_a.start("127.0.0.1"), await server_b.start("127.0.0.1")
-            server_a.register("g", 0, own[0])
-            server_b.register("g", 1, own[1])
-            to_b = BridgeLink(a, ("127.0.0.1", port_b), cert_der(b), b.node_id, "g", 1)
-            to_a = BridgeLink(b, ("127.0.0.1", port_a), cert_der(a), a.node_id, "g", 0)
-            self.parts = [server_a, server_b, to_b, to_a]
-            return await to_b.start(), await to_a.start()
-
-        link_b, link_a = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
-        return {
-            0: [[f"127.0.0.1:{own[0]}"], [f"127.0.0.1:{link_b}"]],
-            1: [[f"127.0.0.1:{link_a}"], [f"127.0.0.1:{own[1]}"]],
-        }
-
-    def close(self) -> None:
-        async def stop() -> None:
-            for part in self.parts:
-                await part.close()
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def summarize(name: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -183,13 +116,8 @@ def measure(
     lines: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
     for _ in range(rounds):
         for name, split, bridged in configs:
-            bridges = Bridges() if bridged else None
-            try:
-                hostfiles = bridges.hostfiles() if bridges else None
+            with bridged_hostfiles() if bridged else contextlib.nullcontext() as hostfiles:
                 got = run(model, run_args, prompt_file, split, hostfiles)
-            finally:
-                if bridges:
-                    bridges.close()
             lines[name] += got
             print(
                 f"  {model.name}: {name}: {summarize(name, got)['decode_ms']:.2f} ms/token",

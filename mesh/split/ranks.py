@@ -114,7 +114,7 @@ class SplitWorkerProcess(WorkerProcess):
 
     def _write_hostfile(self) -> None:
         """Every rank's ring address: loopback only, fresh free ports."""
-        ports = _free_ports(self.plan.ranks)
+        ports = free_ports(self.plan.ranks)
         self._hostfile.parent.mkdir(parents=True, exist_ok=True)
         self._hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
 
@@ -169,7 +169,8 @@ def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free right now (all bound at once, so no repeats)."""
     socks = [socket.socket() for _ in range(count)]
     try:
         for s in socks:

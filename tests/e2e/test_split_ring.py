@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mesh.split.testing import bridged_hostfiles, free_ports, spawn_ranks
 from worker.cpu import REEXEC_MARKER
 from worker.split_rank import GROUP_BROKEN
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, run_worker_in_thread
@@ -31,16 +31,6 @@ def rank_env() -> dict[str, str]:
     """The rank processes run with this process's BLAS (no OpenBLAS restart of their own), so
     that the in-process reference does the very same arithmetic."""
     return {**os.environ, "PYTHONPATH": str(ROOT), REEXEC_MARKER: "1"}
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def run_ranks(
@@ -62,19 +52,7 @@ def run_ranks(
         "--prefill-step",
         "4",
     ]
-    env = rank_env()
-    if hostfiles is None:
-        shared = [[f"127.0.0.1:{p}"] for p in free_ports(len(split))]
-        hostfiles = dict.fromkeys(range(len(split)), shared)
-    split_arg = ",".join(map(str, split))
-    procs = []
-    for rank in range(len(split)):
-        hostfile = tmp / f"hosts-{rank}.json"
-        hostfile.write_text(json.dumps(hostfiles[rank]))
-        rank_env_ = {**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
-        procs.append(
-            subprocess.Popen([*common, "--split", split_arg], env=rank_env_, stdout=subprocess.PIPE)
-        )
+    procs = spawn_ranks(common, split, tmp, rank_env(), hostfiles)
     lines = []
     try:
         for proc in procs:
@@ -212,45 +190,8 @@ def test_ranks_on_two_nodes_talk_only_through_the_pinned_tls_bridge(
     """Two "nodes" (two identities, one bridge server each): each rank's hostfile lists its
     own loopback port and a local bridge link for the other rank, so all ring traffic crosses
     the TLS bridge; the output is still the unsplit model's."""
-    import asyncio
-    import threading
-
-    from mesh.copy.tls import cert_der
-    from mesh.identity import NodeIdentity
-    from mesh.split.bridge import BridgeLink, BridgeServer
-
     model = models["llama"]
     expected, _ = unsplit(model)
-    a, b = NodeIdentity.generate(), NodeIdentity.generate()
-    own = free_ports(2)  # rank 0 on node a, rank 1 on node b
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start() -> tuple[list, list[int]]:
-        server_a = BridgeServer(a, trusted=lambda: [cert_der(b)])
-        server_b = BridgeServer(b, trusted=lambda: [cert_der(a)])
-        port_a, port_b = await server_a.start("127.0.0.1"), await server_b.start("127.0.0.1")
-        server_a.register("g", 0, own[0])
-        server_b.register("g", 1, own[1])
-        to_b = BridgeLink(a, ("127.0.0.1", port_b), cert_der(b), b.node_id, "g", 1)
-        to_a = BridgeLink(b, ("127.0.0.1", port_a), cert_der(a), a.node_id, "g", 0)
-        return [server_a, server_b, to_b, to_a], [await to_b.start(), await to_a.start()]
-
-    parts, (link_to_b, link_to_a) = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    try:
-        hostfiles = {
-            0: [[f"127.0.0.1:{own[0]}"], [f"127.0.0.1:{link_to_b}"]],
-            1: [[f"127.0.0.1:{link_to_a}"], [f"127.0.0.1:{own[1]}"]],
-        }
+    with bridged_hostfiles() as hostfiles:
         outputs = run_ranks(model, [3, 3], tmp_path, hostfiles=hostfiles)
-        assert [line["tokens"] for line in outputs if "tokens" in line] == expected
-    finally:
-
-        async def stop() -> None:
-            for part in parts:
-                await part.close()
-
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    assert [line["tokens"] for line in outputs if "tokens" in line] == expected

@@ -1,0 +1,90 @@
+"""Split groups on one box, for tests and benches: rank processes on loopback, and two
+"nodes" (two identities) whose ranks talk only through the pinned-TLS bridge.
+
+Shared so that the end-to-end tests and ``bench/split.py`` start groups the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from mesh.copy.tls import cert_der
+from mesh.identity import NodeIdentity
+from mesh.split.bridge import BridgeLink, BridgeServer
+from mesh.split.ranks import free_ports
+
+__all__ = ["bridged_hostfiles", "free_ports", "spawn_ranks"]
+
+Hostfiles = dict[int, list[list[str]]]
+
+
+def spawn_ranks(
+    command: Sequence[str],
+    split: Sequence[int],
+    workdir: Path,
+    env: dict[str, str],
+    hostfiles: Hostfiles | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Start one ``command --split ...`` process per rank (stdout piped), rank 0 first, each
+    with its ``MLX_RANK`` and its hostfile written under ``workdir``. ``hostfiles``: each rank's
+    own (by default one shared, every rank on a fresh loopback port)."""
+    if hostfiles is None:
+        shared = [[f"127.0.0.1:{p}"] for p in free_ports(len(split))]
+        hostfiles = dict.fromkeys(range(len(split)), shared)
+    split_arg = ",".join(map(str, split))
+    procs = []
+    for rank in range(len(split)):
+        hostfile = workdir / f"hosts-{rank}.json"
+        hostfile.write_text(json.dumps(hostfiles[rank]))
+        rank_env = {**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+        procs.append(
+            subprocess.Popen([*command, "--split", split_arg], env=rank_env, stdout=subprocess.PIPE)
+        )
+    return procs
+
+
+@contextlib.contextmanager
+def bridged_hostfiles() -> Iterator[Hostfiles]:
+    """Two "nodes" (two identities, a bridge server each, a link each way, served from a loop
+    in a background thread): rank 0 on node a, rank 1 on node b. Yields the two ranks'
+    hostfiles, each listing its own loopback port and a local link for the other rank, so all
+    ring traffic crosses the TLS bridge; closes every part on exit."""
+    own = free_ports(2)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    parts: list[Any] = []
+
+    async def start() -> tuple[int, int]:
+        a, b = NodeIdentity.generate(), NodeIdentity.generate()
+        server_a = BridgeServer(a, trusted=lambda: [cert_der(b)])
+        server_b = BridgeServer(b, trusted=lambda: [cert_der(a)])
+        parts.extend([server_a, server_b])
+        port_a, port_b = await server_a.start("127.0.0.1"), await server_b.start("127.0.0.1")
+        server_a.register("g", 0, own[0])
+        server_b.register("g", 1, own[1])
+        to_b = BridgeLink(a, ("127.0.0.1", port_b), cert_der(b), b.node_id, "g", 1)
+        to_a = BridgeLink(b, ("127.0.0.1", port_a), cert_der(a), a.node_id, "g", 0)
+        parts.extend([to_b, to_a])
+        return await to_b.start(), await to_a.start()
+
+    async def stop() -> None:
+        for part in parts:
+            await part.close()
+
+    try:
+        link_to_b, link_to_a = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+        yield {
+            0: [[f"127.0.0.1:{own[0]}"], [f"127.0.0.1:{link_to_b}"]],
+            1: [[f"127.0.0.1:{link_to_a}"], [f"127.0.0.1:{own[1]}"]],
+        }
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
