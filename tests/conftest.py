@@ -30,6 +30,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights with a sliding-window layer (window 8, shorter than the prefill chunks the
+    engine tests use): its RotatingKVCache wraps during a prefill."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-sliding") / "model", sliding_window=8)
+
+
+@pytest.fixture(scope="session")
 def tiny_think_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Think template (opens ``<think>\\n`` unless enable_thinking is false), scripted output:
     thinking on → reasoning "Let me think", content "The answer is 4."; off → content only."""

@@ -13,15 +13,21 @@ deterministic for a seed; special tokens are never favoured so greedy junk runs 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from worker.engine_types import Finished, TokenChunk
+
+if TYPE_CHECKING:
+    from worker.engine import Engine, Job
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -392,3 +398,27 @@ class PrefillSpy:
         self.chunks.append(tokens)
         if self.on_chunk is not None:
             self.on_chunk(len(self.chunks))
+
+
+async def collect_logprobs(engine: Engine, job: Job) -> tuple[list[tuple[str, float]], Finished]:
+    """Drain ``job`` (submitted with ``logprobs=True``) to its terminal event: each token with
+    its logprob (equal logprobs: equal KV before it), and the ``Finished``; commits the job to
+    the prompt cache, as the app does."""
+    tokens: list[tuple[str, float]] = []
+    async for event in job.events():
+        if isinstance(event, TokenChunk):
+            tokens.extend(event.logprobs or [])
+        else:
+            assert isinstance(event, Finished), event
+            engine.commit(job)
+            return tokens, event
+    raise AssertionError("no terminal event")
+
+
+async def wait_until(predicate: Callable[[], bool], limit_s: float = 60.0) -> None:
+    """Poll ``predicate`` until it holds (an engine's stats, a job's events); fail after
+    ``limit_s`` rather than hang the test."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)

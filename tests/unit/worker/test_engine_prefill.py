@@ -6,18 +6,15 @@ chunk starts, on the engine's own thread, so the counts are exact."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from worker.engine import Engine, Job
-from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
+from worker.engine_types import EngineConfig, Finished, GenerationRequest
 from worker.sampling import SamplingParams
-from worker.testing import PrefillSpy, make_tiny_model
+from worker.testing import PrefillSpy, collect_logprobs, wait_until
 
 # Greedy, and penalised: the penalties see the prompt's last tokens, which a resumed prefill
 # must hand them as an uninterrupted one does.
@@ -25,12 +22,6 @@ GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalt
 STEP = 16  # prefill_step_size: the prompt below is 9 chunks
 PROMPT_TOKENS = 8 * STEP + 6  # all but the last token are prefilled: 8 full chunks and 5 tokens
 CANCEL_AT = 3  # the chunk during which the client leaves
-
-
-@pytest.fixture(scope="module")
-def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A window (8) shorter than a chunk: its layer's RotatingKVCache wraps during the prefill."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-sliding") / "model", sliding_window=8)
 
 
 def started(model_dir: Path, batching: bool) -> Engine:
@@ -46,25 +37,10 @@ def long_prompt(engine: Engine, tokens: int = PROMPT_TOKENS, text: str = "Line")
     return prompt[:tokens]
 
 
-async def wait_until(predicate: Callable[[], bool], limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def run(engine: Engine, prompt: list[int]) -> tuple[list[tuple[str, float]], Finished]:
     """Greedy, to the end: each token with its logprob (equal logprobs: equal KV before it)."""
     job = engine.submit(GenerationRequest(prompt, 12, GREEDY, logprobs=True))
-    tokens = []
-    async for event in job.events():
-        if isinstance(event, TokenChunk):
-            tokens.extend(event.logprobs or [])
-        else:
-            assert isinstance(event, Finished), event
-            engine.commit(job)
-            return tokens, event
-    raise AssertionError("no terminal event")
+    return await collect_logprobs(engine, job)
 
 
 async def cancel_during_chunk(engine: Engine, spy: PrefillSpy, prompt: list[int]) -> Job:

@@ -7,24 +7,17 @@ and in the engine's stats, never timed."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from worker.engine import Engine, Job
-from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
+from worker.engine_types import EngineConfig, GenerationRequest
 from worker.sampling import SamplingParams
-from worker.testing import PrefillSpy, make_tiny_model
+from worker.testing import PrefillSpy, collect_logprobs, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.2)
 STEP = 16  # prefill_step_size: the prompt below takes several chunks
-
-
-@pytest.fixture(scope="module")
-def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-sliding") / "model", sliding_window=8)
 
 
 def started(model_dir: Path, *, batching: bool = True, share: bool = True) -> Engine:
@@ -41,27 +34,8 @@ def prompt_of(engine: Engine, text: str = "Tell me about rivers") -> list[int]:
     return tokens
 
 
-async def collect(engine: Engine, job: Job) -> tuple[list[tuple[str, float]], Finished]:
-    tokens = []
-    async for event in job.events():
-        if isinstance(event, TokenChunk):
-            tokens.extend(event.logprobs or [])
-        else:
-            assert isinstance(event, Finished), event
-            engine.commit(job)
-            return tokens, event
-    raise AssertionError("no terminal event")
-
-
 def request(prompt: list[int], sampling: SamplingParams = GREEDY, n: int = 10) -> GenerationRequest:
     return GenerationRequest(prompt, n, sampling, logprobs=True)
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("batching", [True, False], ids=["batched", "sequential"])
@@ -73,12 +47,12 @@ async def test_three_samples_cost_one_prefill_and_say_what_one_request_says(
     cold, engine = started(model_dir, batching=batching), started(model_dir, batching=batching)
     try:
         prompt = prompt_of(engine)
-        expected, _ = await collect(cold, cold.submit(request(prompt)))  # a single request
+        expected, _ = await collect_logprobs(cold, cold.submit(request(prompt)))  # a single request
         spy = PrefillSpy.install(engine)
         before = engine.stats.prefills
 
         jobs = [engine.submit(request(prompt)) for _ in range(3)]
-        results = await asyncio.gather(*(collect(engine, job) for job in jobs))
+        results = await asyncio.gather(*(collect_logprobs(engine, job) for job in jobs))
 
         assert engine.stats.prefills - before == 1
         assert sum(spy.chunks) == len(prompt) - 1  # the prompt ran through the model once
@@ -104,10 +78,10 @@ async def test_sampled_siblings_differ_and_each_matches_its_seed_alone(
         def sampled(seed: int) -> GenerationRequest:
             return request(prompt, SamplingParams(temperature=1.0, seed=seed), n=16)
 
-        alone = [(await collect(cold, cold.submit(sampled(s))))[0] for s in (1, 2)]
+        alone = [(await collect_logprobs(cold, cold.submit(sampled(s))))[0] for s in (1, 2)]
         before = engine.stats.prefills
         results = await asyncio.gather(
-            *(collect(engine, engine.submit(sampled(s))) for s in (1, 2))
+            *(collect_logprobs(engine, engine.submit(sampled(s))) for s in (1, 2))
         )
         assert engine.stats.prefills - before == 1
         outputs = [[text for text, _ in tokens] for tokens, _ in results]
@@ -123,7 +97,9 @@ async def test_without_sharing_each_sample_prefills(tiny_model_dir: Path) -> Non
     engine = started(tiny_model_dir, share=False)
     try:
         prompt = prompt_of(engine)
-        await asyncio.gather(*(collect(engine, engine.submit(request(prompt))) for _ in range(3)))
+        await asyncio.gather(
+            *(collect_logprobs(engine, engine.submit(request(prompt))) for _ in range(3))
+        )
         assert engine.stats.prefills == 3 and engine.stats.shared_prefills == 0
     finally:
         engine.close()
@@ -136,11 +112,11 @@ async def test_a_prefix_shared_prompt_waits_and_runs_only_its_own_tail(
     try:
         prompt = prompt_of(engine)
         longer = [*prompt[:-1], *prompt_of(engine, "And lakes")[-8:]]
-        expected, _ = await collect(cold, cold.submit(request(longer)))
+        expected, _ = await collect_logprobs(cold, cold.submit(request(longer)))
         spy = PrefillSpy.install(engine)
         first, second = engine.submit(request(prompt)), engine.submit(request(longer))
         (_, done_first), (tokens, done) = await asyncio.gather(
-            collect(engine, first), collect(engine, second)
+            collect_logprobs(engine, first), collect_logprobs(engine, second)
         )
         assert "follows" in engine.stats.events_for(second.id)
         assert done.cached_tokens == len(prompt) - 1
@@ -165,7 +141,7 @@ async def test_cancelling_the_source_mid_prefill_leaves_its_siblings_running(
     )
     try:
         prompt = prompt_of(engine)
-        expected, _ = await collect(cold, cold.submit(request(prompt)))
+        expected, _ = await collect_logprobs(cold, cold.submit(request(prompt)))
         spy = PrefillSpy.install(engine)
         jobs: list[Job] = []
 
@@ -175,7 +151,7 @@ async def test_cancelling_the_source_mid_prefill_leaves_its_siblings_running(
 
         spy.on_chunk = on_chunk
         jobs.extend(engine.submit(request(prompt)) for _ in range(3))
-        results = await asyncio.gather(*(collect(engine, job) for job in jobs[1:]))
+        results = await asyncio.gather(*(collect_logprobs(engine, job) for job in jobs[1:]))
         spy.on_chunk = None
         assert "cancelled" in engine.stats.events_for(jobs[0].id)
         assert all(tokens == expected for tokens, _ in results)
@@ -193,7 +169,9 @@ async def test_cancelling_a_follower_leaves_the_others(tiny_model_dir: Path) -> 
         jobs = [engine.submit(request(prompt, n=30)) for _ in range(3)]
         await wait_until(lambda: "follows" in engine.stats.events_for(jobs[1].id))
         engine.cancel(jobs[1])
-        results = await asyncio.gather(collect(engine, jobs[0]), collect(engine, jobs[2]))
+        results = await asyncio.gather(
+            collect_logprobs(engine, jobs[0]), collect_logprobs(engine, jobs[2])
+        )
         assert [done.completion_tokens for _, done in results] == [30, 30]
         assert "cancelled" in engine.stats.events_for(jobs[1].id)
         assert "admitted" not in engine.stats.events_for(jobs[1].id)  # it never ran
@@ -209,7 +187,7 @@ async def test_a_sample_arriving_while_its_sibling_decodes_forks_at_once(
     cold, engine = started(tiny_model_dir), started(tiny_model_dir)
     try:
         prompt = prompt_of(engine)
-        expected, _ = await collect(cold, cold.submit(request(prompt)))
+        expected, _ = await collect_logprobs(cold, cold.submit(request(prompt)))
         first = engine.submit(request(prompt, n=200))
         seen = 0
         async for _ in first.events():
@@ -217,7 +195,7 @@ async def test_a_sample_arriving_while_its_sibling_decodes_forks_at_once(
             if seen == 5:
                 break
         before = engine.stats.prefills
-        tokens, done = await collect(engine, engine.submit(request(prompt)))
+        tokens, done = await collect_logprobs(engine, engine.submit(request(prompt)))
         assert engine.stats.prefills == before
         assert done.cached_tokens == len(prompt) - 1
         # Decoded in one batch with a sibling at another position: the same tokens, logprobs
