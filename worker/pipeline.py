@@ -110,9 +110,10 @@ def materialize(model: nn.Module, part: Slice | None = None) -> int:
     return sum(v.nbytes for _, v in leaves)
 
 
-class _Wrapper(nn.Module):
-    """A layer in disguise: attribute reads the model makes of its layers (``use_sliding``,
-    ``is_sliding``, ``self_attn``…) reach the original layer."""
+class Wrapper(nn.Module):
+    """A module in disguise, kept as ``inner``: attribute reads it does not answer itself reach
+    the original (a model's reads of its layers: ``use_sliding``, ``is_sliding``,
+    ``self_attn``…; an engine's of its model: ``layers``, ``make_cache``…)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -127,7 +128,7 @@ class _Wrapper(nn.Module):
             return getattr(self["inner"], key)
 
 
-class FirstLayer(_Wrapper):
+class FirstLayer(Wrapper):
     """The slice's first layer: its input comes from rank ``source`` (only the shape of the
     local input is used)."""
 
@@ -141,7 +142,7 @@ class FirstLayer(_Wrapper):
         return self.inner(x, *args, **kwargs)
 
 
-class LastLayer(_Wrapper):
+class LastLayer(Wrapper):
     """The slice's last layer on ranks other than 0: its output goes to rank ``target``."""
 
     def __init__(self, inner: nn.Module, group: mx.distributed.Group, *, target: int) -> None:

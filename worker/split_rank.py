@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.pipeline import Slice, materialize, slice_model
+from worker.pipeline import Slice, Wrapper, materialize, slice_model
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class StepWatch:
         threading.Thread(target=watch, name="split-step-watch", daemon=True).start()
 
 
-class LeaderModel(nn.Module):
+class LeaderModel(Wrapper):
     """Rank 0's model as the engine sees it: each forward pass is announced to the followers
     first (a new cache list is a new sequence), then run. Everything else (``layers``,
     ``make_cache``, parameters) is the wrapped model's."""
@@ -162,20 +162,11 @@ class LeaderModel(nn.Module):
     def __init__(
         self, model: nn.Module, lockstep: Lockstep, watch: StepWatch | None = None
     ) -> None:
-        super().__init__()
-        self.inner = model
+        super().__init__(model)
         object.__setattr__(self, "_lockstep", lockstep)
         object.__setattr__(self, "_watch", watch)
         object.__setattr__(self, "_sequence", 0)
         object.__setattr__(self, "_held", 0)
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            if key == "inner":
-                raise
-            return getattr(self["inner"], key)
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         if cache is None or kwargs.get("input_embeddings") is not None or inputs.shape[0] != 1:
