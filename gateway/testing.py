@@ -5,7 +5,8 @@
 - :func:`asgi_request` drives an ASGI app in-process and can disconnect at a chosen moment.
 - :func:`chat_request` parses a Chat Completions body the way the gateway does (thinking knobs
   normalised at the edge), for tests that need a ``ChatRequest`` as a client would make it.
-- :class:`ServerThread` runs an app on uvicorn on 127.0.0.1, port 0, in a background thread.
+- :class:`ServerThread` runs an app on uvicorn on 127.0.0.1, port 0, in a background thread;
+  :func:`gateway_over_worker` runs a real worker (one model) behind a real gateway that way.
 - :class:`ToolRoundTrip` answers a real agent harness (Claude Code, OpenCode) by looking at
   each request: a call of the harness's tool, then a final answer, and side answers for the
   rest; :class:`HttpRecorder` keeps every HTTP exchange the harness had with the gateway.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,3 +382,39 @@ class ServerThread:
         """Run a coroutine on the server's loop and return its result."""
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@contextlib.contextmanager
+def gateway_over_worker(
+    model_dir: Any,
+    name: str,
+    *,
+    config: Any = None,
+    make_moa: Callable[[Any], Any] | None = None,
+) -> Iterator[ServerThread]:
+    """A real worker (an engine on ``model_dir`` served as ``name``) behind a real gateway (one
+    ``WorkerClient`` in a static directory; ``config`` a ``GatewayConfig``, ``make_moa`` builds
+    its MoA from the directory), both on loopback threads. Yields the gateway's
+    :class:`ServerThread`, with ``worker_url`` and ``engine`` set for tests that look behind it;
+    stops both and closes the engine on exit."""
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.upstream import ModelInfo, StaticDirectory
+    from gateway.worker_client import WorkerClient
+    from worker.app import create_app as create_worker_app
+    from worker.engine import Engine
+
+    engine = Engine(str(model_dir), name=name)
+    engine.start()
+    try:
+        with ServerThread(create_worker_app(engine)) as worker:
+            directory = StaticDirectory()
+            directory.add(ModelInfo(id=name), WorkerClient(worker.url, name))
+            moa = make_moa(directory) if make_moa is not None else None
+            app = create_app(directory, config or GatewayConfig(), moa=moa)
+            with ServerThread(app) as front:
+                front.worker_url = worker.url  # type: ignore[attr-defined]
+                front.engine = engine  # type: ignore[attr-defined]
+                yield front
+    finally:
+        engine.close()

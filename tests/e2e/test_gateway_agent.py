@@ -14,11 +14,8 @@ from gateway.api.messages import parse
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.events import Done, ToolCallDelta
-from gateway.testing import ScriptedUpstream, ServerThread
+from gateway.testing import ScriptedUpstream, ServerThread, gateway_over_worker
 from gateway.upstream import ModelInfo, StaticDirectory
-from gateway.worker_client import WorkerClient
-from worker.app import create_app as create_worker_app
-from worker.engine import Engine
 
 FIXTURE = json.loads(
     (Path(__file__).parents[1] / "fixtures" / "agent_conversation.json").read_text()
@@ -75,16 +72,8 @@ def test_tool_not_offered_still_returns_as_tool_call():
 
 @pytest.fixture(scope="module")
 def agent_gateway(tiny_model_dir):
-    engine = Engine(str(tiny_model_dir), name="tiny")
-    engine.start()
-    try:
-        with ServerThread(create_worker_app(engine)) as worker:
-            directory = StaticDirectory()
-            directory.add(ModelInfo(id="tiny"), WorkerClient(worker.url, "tiny"))
-            with ServerThread(create_app(directory, GatewayConfig())) as front:
-                yield front
-    finally:
-        engine.close()
+    with gateway_over_worker(tiny_model_dir, "tiny") as front:
+        yield front
 
 
 def test_agent_replay_hits_prompt_cache(agent_gateway):

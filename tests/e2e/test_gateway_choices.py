@@ -11,14 +11,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.moa import MixtureOfAgents, MoaConfig
-from gateway.testing import ServerThread
-from gateway.upstream import ModelInfo, StaticDirectory
-from gateway.worker_client import WorkerClient
-from worker.app import create_app as create_worker_app
-from worker.engine import Engine
+from gateway.testing import gateway_over_worker
 
 # Long enough that the samples wait for one prefill rather than each doing its own.
 QUESTION = " ".join(f"Fact {i}: the river Nile flows north into the sea." for i in range(12))
@@ -26,20 +21,13 @@ QUESTION = " ".join(f"Fact {i}: the river Nile flows north into the sea." for i 
 
 @pytest.fixture(scope="module")
 def node(tiny_model_dir):
-    engine = Engine(str(tiny_model_dir), name="plain")
-    engine.start()
-    try:
-        with ServerThread(create_worker_app(engine)) as worker:
-            directory = StaticDirectory()
-            directory.add(ModelInfo(id="plain"), WorkerClient(worker.url, "plain"))
-            moa = MixtureOfAgents(directory, MoaConfig(max_workers=3))
-            app = create_app(directory, GatewayConfig(retry_backoff_ms=1), moa=moa)
-            with ServerThread(app) as front:
-                front.worker_url = worker.url
-                front.engine = engine
-                yield front
-    finally:
-        engine.close()
+    with gateway_over_worker(
+        tiny_model_dir,
+        "plain",
+        config=GatewayConfig(retry_backoff_ms=1),
+        make_moa=lambda directory: MixtureOfAgents(directory, MoaConfig(max_workers=3)),
+    ) as front:
+        yield front
 
 
 @pytest.fixture
