@@ -3,23 +3,13 @@
 // its events: {"type": "progress", name, total, done, resumed, by_source, dropped, elapsed_s},
 // then {"type": "done", path} or {"type": "error", message}.
 
+import { readFrames } from "./sse.js";
+
 // Call onEvent(object) for every JSON line of the response body.
 export async function readNdjson(response, onEvent) {
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, { stream: true });
-    let cut;
-    while ((cut = buffer.indexOf("\n")) >= 0) {
-      const line = buffer.slice(0, cut).trim();
-      buffer = buffer.slice(cut + 1);
-      if (line) onEvent(JSON.parse(line));
-    }
-  }
-  if (buffer.trim()) onEvent(JSON.parse(buffer));
+  await readFrames(response, "\n", (line) => {
+    if (line.trim()) onEvent(JSON.parse(line));
+  });
 }
 
 const RATE_WINDOW_S = 3;

@@ -2,6 +2,16 @@
 // cancelled with an AbortController. `onEvent({event, data})` is called for every complete event.
 
 export async function readSse(response, onEvent) {
+  await readFrames(response, "\n\n", (block) => {
+    const parsed = parseBlock(block);
+    if (parsed) onEvent(parsed);
+  });
+}
+
+// Call onFrame(text) for every piece of the response body between separators (line ends made
+// "\n" first), and once for what is left after the last one (maybe ""). Shared by the SSE
+// reader here and the NDJSON one in copy.js.
+export async function readFrames(response, separator, onFrame) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -10,15 +20,13 @@ export async function readSse(response, onEvent) {
     if (done) break;
     buffer += decoder.decode(value, { stream: true }).replace(/\r\n?/g, "\n");
     let cut;
-    while ((cut = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, cut);
-      buffer = buffer.slice(cut + 2);
-      const parsed = parseBlock(block);
-      if (parsed) onEvent(parsed);
+    while ((cut = buffer.indexOf(separator)) >= 0) {
+      const frame = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + separator.length);
+      onFrame(frame);
     }
   }
-  const tail = parseBlock(buffer);
-  if (tail) onEvent(tail);
+  onFrame(buffer);
 }
 
 function parseBlock(block) {
