@@ -118,30 +118,20 @@ def prefill_count(worker_url: str) -> int:
 @contextlib.contextmanager
 def node(model_dir: Path, name: str, shared: bool) -> Iterator[tuple[str, str]]:
     """A one-model node: (gateway URL, worker URL)."""
-    from gateway.app import create_app
-    from gateway.config import GatewayConfig
     from gateway.moa import MixtureOfAgents, MoaConfig
-    from gateway.testing import ServerThread
-    from gateway.upstream import ModelInfo, StaticDirectory
-    from gateway.worker_client import WorkerClient
-    from worker.app import create_app as create_worker_app
-    from worker.engine import Engine
+    from gateway.testing import gateway_over_worker
     from worker.engine_types import EngineConfig
 
-    engine = Engine(str(model_dir), name=name, config=EngineConfig(share_prefill=shared))
-    engine.start(timeout=600)
-    try:
-        with ServerThread(create_worker_app(engine)) as worker:
-            directory = StaticDirectory()
-            directory.add(ModelInfo(id=name), WorkerClient(worker.url, name))
-            moa = MixtureOfAgents(
-                directory, MoaConfig(first_token_timeout_s=900, total_timeout_s=1800)
-            )
-            app = create_app(directory, GatewayConfig(), moa=moa)
-            with ServerThread(app) as front:
-                yield front.url, worker.url
-    finally:
-        engine.close()
+    with gateway_over_worker(
+        model_dir,
+        name,
+        engine_config=EngineConfig(share_prefill=shared),
+        start_timeout_s=600,
+        make_moa=lambda directory: MixtureOfAgents(
+            directory, MoaConfig(first_token_timeout_s=900, total_timeout_s=1800)
+        ),
+    ) as front:
+        yield front.url, front.worker_url
 
 
 def body_for(mode: str, name: str, text: str, tokens: int) -> dict:

@@ -391,12 +391,15 @@ def gateway_over_worker(
     *,
     config: Any = None,
     make_moa: Callable[[Any], Any] | None = None,
+    engine_config: Any = None,
+    start_timeout_s: float | None = None,
 ) -> Iterator[ServerThread]:
-    """A real worker (an engine on ``model_dir`` served as ``name``) behind a real gateway (one
-    ``WorkerClient`` in a static directory; ``config`` a ``GatewayConfig``, ``make_moa`` builds
-    its MoA from the directory), both on loopback threads. Yields the gateway's
-    :class:`ServerThread`, with ``worker_url`` and ``engine`` set for tests that look behind it;
-    stops both and closes the engine on exit."""
+    """A real worker (an engine on ``model_dir`` served as ``name``, ``engine_config`` its
+    ``EngineConfig``) behind a real gateway (one ``WorkerClient`` in a static directory;
+    ``config`` a ``GatewayConfig``, ``make_moa`` builds its MoA from the directory), both on
+    loopback threads. Yields the gateway's :class:`ServerThread`, with ``worker_url`` and
+    ``engine`` set for tests and benches that look behind it; stops both and closes the engine
+    on exit."""
     from gateway.app import create_app
     from gateway.config import GatewayConfig
     from gateway.upstream import ModelInfo, StaticDirectory
@@ -404,8 +407,8 @@ def gateway_over_worker(
     from worker.app import create_app as create_worker_app
     from worker.engine import Engine
 
-    engine = Engine(str(model_dir), name=name)
-    engine.start()
+    engine = Engine(str(model_dir), name=name, config=engine_config)
+    engine.start(timeout=start_timeout_s)
     try:
         with ServerThread(create_worker_app(engine)) as worker:
             directory = StaticDirectory()
