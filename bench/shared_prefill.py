@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gateway.testing import chat_stream_chunks  # noqa: E402
 from worker import cpu  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "shared-prefill.md"
@@ -99,10 +99,7 @@ def stream_ttft(url: str, body: dict) -> tuple[float, float, int]:
     first: dict[int, float] = {}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
+        for chunk in chat_stream_chunks(response.iter_lines()):
             for choice in chunk.get("choices", []):
                 if choice["delta"].get("content"):
                     first.setdefault(choice["index"], time.perf_counter() - started)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import orjson
 
 # Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
 # every answer runs to max_tokens, no loop guard (worker/loop_guard.py).
@@ -56,6 +55,8 @@ class Run:
 
 
 def stream_once(url: str, question: str, tokens: int) -> Timing:
+    from gateway.testing import chat_stream_chunks
+
     body = {
         "messages": [{"role": "user", "content": question}],
         "max_tokens": tokens,
@@ -68,10 +69,7 @@ def stream_once(url: str, question: str, tokens: int) -> Timing:
     completion = 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
+        for chunk in chat_stream_chunks(response.iter_lines()):
             if ttft is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
                 ttft = time.perf_counter() - started
             if chunk.get("usage"):

@@ -7,6 +7,7 @@
   normalised at the edge), for tests that need a ``ChatRequest`` as a client would make it.
 - :class:`ServerThread` runs an app on uvicorn on 127.0.0.1, port 0, in a background thread;
   :func:`gateway_over_worker` runs a real worker (one model) behind a real gateway that way.
+- :func:`chat_stream_chunks` reads the JSON chunks of a Chat Completions stream (benches).
 - :class:`ToolRoundTrip` answers a real agent harness (Claude Code, OpenCode) by looking at
   each request: a call of the harness's tool, then a final answer, and side answers for the
   rest; :class:`HttpRecorder` keeps every HTTP exchange the harness had with the gateway.
@@ -421,3 +422,12 @@ def gateway_over_worker(
                 yield front
     finally:
         engine.close()
+
+
+def chat_stream_chunks(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a Chat Completions stream, from its lines (httpx's
+    ``response.iter_lines()``), as they arrive: ``data: {…}`` parsed; ``[DONE]``, blank lines
+    and comments skipped."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield orjson.loads(line[6:])
