@@ -11,6 +11,7 @@ import pytest
 from mesh.copy.tls import cert_der, make_context
 from mesh.identity import NodeIdentity
 from mesh.split.bridge import BridgeLink, BridgeServer
+from mesh.split.ranks import free_ports
 
 
 async def echo_rank(port: int = 0) -> tuple[asyncio.Server, int]:
@@ -107,7 +108,7 @@ async def test_a_rank_that_listens_late_is_waited_for(nodes) -> None:
     """A forming group dials its peers before they all listen; through the bridge the dial
     already succeeded, so the bridge waits for the rank's port instead of hanging up."""
     a, b, server, port = nodes
-    late_port = free_port()
+    (late_port,) = free_ports(1)
     server.register("g2", 1, late_port)
     link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g2", 1)
     local = await link.start()
@@ -124,11 +125,3 @@ async def test_a_rank_that_listens_late_is_waited_for(nodes) -> None:
         await link.close()
         if late is not None:
             late[0].close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
