@@ -319,7 +319,9 @@ def serve_leader(
     lockstep = Lockstep(group)
     watch = StepWatch(args.step_deadline_s, args.step_deadline_per_token_s, _exit_broken)
     watch.start()
-    config = EngineConfig(prompt_cache_bytes=0, batching=False)
+    # No forks from a running sibling's KV either (worker/shared_prefill.py): a fork copies
+    # and trims rank 0's cache, which the followers, mirroring each forward pass, never see.
+    config = EngineConfig(prompt_cache_bytes=0, batching=False, share_prefill=False)
     engine = Engine(
         args.model,
         name=args.name,
