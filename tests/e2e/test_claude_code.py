@@ -55,24 +55,23 @@ def _bash_model() -> dict:
     }
 
 
+def _claude(tmp_path: Path, env: dict[str, str], *args: str):
+    """``claude -p ARGS --allowedTools Bash`` in ``tmp_path``'s project with its HOME (one HOME
+    per test, so ``--continue`` finds the session before). -p asks nobody: a tool that is not
+    allowed is refused."""
+    project = tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    command = [CLAUDE, "-p", *args, "--allowedTools", "Bash"]
+    return run_client(command, home=tmp_path / "home", cwd=project, env=env)
+
+
 def test_bash_round_trip_then_continue(tmp_path: Path):
     model = ToolRoundTrip(**_bash_model())
-    project = tmp_path / "project"
-    project.mkdir()
-    home = tmp_path / "home"
-    allow = ["--allowedTools", "Bash"]  # -p asks nobody: a tool not allowed is refused
     with scripted_gateway(model, MODEL, tmp_path, api_key=KEY) as gateway:
         env = _environment(gateway.url)
-        first = run_client(
-            [CLAUDE, "-p", "Run the echo command.", *allow], home=home, cwd=project, env=env
-        )
+        first = _claude(tmp_path, env, "Run the echo command.")
         first_calls = len(model.requests)
-        second = run_client(
-            [CLAUDE, "-p", "--continue", "Run it once more.", *allow],
-            home=home,
-            cwd=project,
-            env=env,
-        )
+        second = _claude(tmp_path, env, "--continue", "Run it once more.")
 
     assert first.returncode == 0, first.stdout + first.stderr
     assert ANSWER in first.stdout
@@ -131,21 +130,10 @@ def test_a_session_past_the_context_is_compacted_and_goes_on(tmp_path: Path):
     # Claude Code knows nothing of a node model's context (it assumes Claude's), so it never
     # compacts ahead; the worker's 400 in Anthropic's words makes it compact and go on.
     model = OutgrownOnce(**_bash_model())
-    project = tmp_path / "project"
-    project.mkdir()
-    home = tmp_path / "home"
-    allow = ["--allowedTools", "Bash"]
     with scripted_gateway(model, MODEL, tmp_path, api_key=KEY) as gateway:
         env = _environment(gateway.url)
-        first = run_client(
-            [CLAUDE, "-p", "Run the echo command.", *allow], home=home, cwd=project, env=env
-        )
-        second = run_client(
-            [CLAUDE, "-p", "--continue", "Run it once more.", *allow],
-            home=home,
-            cwd=project,
-            env=env,
-        )
+        first = _claude(tmp_path, env, "Run the echo command.")
+        second = _claude(tmp_path, env, "--continue", "Run it once more.")
 
     assert first.returncode == 0, first.stdout + first.stderr
     assert second.returncode == 0, second.stdout + second.stderr
@@ -163,19 +151,11 @@ def test_a_model_picked_by_alias_is_the_node_model_the_environment_names(tmp_pat
     """`--model haiku` (also a subagent's `model: haiku`) asks for Anthropic's model name,
     which no node serves; ANTHROPIC_DEFAULT_HAIKU_MODEL (README) maps the alias to a node model."""
     model = ToolRoundTrip(**_bash_model())
-    project = tmp_path / "project"
-    project.mkdir()
-    allow = ["--allowedTools", "Bash"]
     with scripted_gateway(model, MODEL, tmp_path, api_key=KEY) as gateway:
         env = _environment(gateway.url)
         env.pop("ANTHROPIC_MODEL")
         env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] = MODEL
-        run = run_client(
-            [CLAUDE, "-p", "--model", "haiku", "Run the echo command.", *allow],
-            home=tmp_path / "home",
-            cwd=project,
-            env=env,
-        )
+        run = _claude(tmp_path, env, "--model", "haiku", "Run the echo command.")
     assert run.returncode == 0, run.stdout + run.stderr
     assert ANSWER in run.stdout
     exchanges = [e for e in gateway.recorder.exchanges if e.path == "/v1/messages"]
