@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 import uvicorn
+from mesh_services import quick_mesh_config
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -31,7 +32,7 @@ from mesh.service import MeshConfig, MeshService
 from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.frames import ErrorCode
 from worker.net import bind_socket, server_limits
-from worker.testing import run_worker_in_thread
+from worker.testing import run_worker_in_thread, wait_until
 
 TRIES = 100
 STEP_S = 0.004  # one decode step of the slowed tiny model
@@ -41,24 +42,8 @@ STOP_WITHIN_S = 0.5
 
 
 def _config(**kw) -> MeshConfig:
-    base = dict(
-        port=0,
-        discovery=False,
-        gossip_interval_s=0.2,
-        redial_s=0.2,
-        max_redial_backoff_s=0.5,
-        retry_backoff_s=0.05,
-        tunnel=TunnelConfig(ping_interval=0.5, ping_timeout=3.0, handshake_timeout=3.0),
-    )
-    return MeshConfig(**(base | kw))
-
-
-async def _until(predicate, within: float = 15.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
+    tunnel = TunnelConfig(ping_interval=0.5, ping_timeout=3.0, handshake_timeout=3.0)
+    return quick_mesh_config(**({"retry_backoff_s": 0.05, "tunnel": tunnel} | kw))
 
 
 def _slow_down(engine, step_s: float) -> None:
@@ -91,7 +76,7 @@ async def _stopped_within(stats, bound_s: float) -> bool:
     deadline = time.monotonic() + bound_s
     while not _idle(stats):
         if time.monotonic() > deadline:
-            await _until(lambda: _idle(stats), 30)
+            await wait_until(lambda: _idle(stats), limit_s=30)
             return False
         await asyncio.sleep(0.002)
     return True
@@ -152,7 +137,7 @@ async def forwarded(slow_worker, tmp_path: Path):
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        await _until(lambda: server.started and "tiny" in b.peers.models())
+        await wait_until(lambda: server.started and "tiny" in b.peers.models(), limit_s=15)
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine, a, b
     finally:
         server.should_exit = True
@@ -223,10 +208,12 @@ async def test_client_leaving_stops_the_peers_generation_every_time(forwarded):
             assert stats.submitted > submitted
         if not await _stopped_within(stats, STOP_WITHIN_S):
             missed.append(f"{i}:{moment}")
-        await _until(lambda: a.tunnel_server.active == 0, 5)
+        await wait_until(lambda: a.tunnel_server.active == 0, limit_s=5)
         if moment == "drop":  # both sides redial: wait until the tie-break has settled
             for _ in range(2):
-                await _until(lambda: a.node_id in b.links and "tiny" in b.peers.models(), 10)
+                await wait_until(
+                    lambda: a.node_id in b.links and "tiny" in b.peers.models(), limit_s=10
+                )
                 await asyncio.sleep(0.3)
     await asyncio.sleep(0.3)  # a job that reached the worker after its client left ends too
     assert await _stopped_within(stats, STOP_WITHIN_S)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mesh_services import quick_mesh_config
 
 from gateway.events import Done, Error, Meta, TextDelta
 from gateway.request import ChatRequest, Message
@@ -20,24 +21,12 @@ from mesh.membership.invite import decode_invite
 from mesh.membership.members import load_credentials, load_members
 from mesh.service import MembershipError, MeshConfig, MeshService
 from mesh.tunnel.config import TunnelConfig
-
-# Dead peers are noticed in ~2 s; a shorter ping timeout flakes on a loaded 2-core machine.
-FAST_TUNNEL = TunnelConfig(ping_interval=0.5, ping_timeout=1.5, handshake_timeout=3.0)
+from worker.testing import wait_until
 
 
 def _config(**kw) -> MeshConfig:
-    base = dict(
-        port=0,
-        discovery=False,
-        gossip_interval_s=0.2,
-        down_after_s=2.0,
-        drop_after_s=10.0,
-        redial_s=0.2,
-        max_redial_backoff_s=0.5,
-        retry_backoff_s=0.05,
-        tunnel=FAST_TUNNEL,
-    )
-    return MeshConfig(**(base | kw))
+    quick = {"down_after_s": 2.0, "drop_after_s": 10.0, "retry_backoff_s": 0.05}
+    return quick_mesh_config(**(quick | kw))
 
 
 def _node(home: Path, models: dict[str, ScriptedUpstream], **kw) -> MeshService:
@@ -45,14 +34,6 @@ def _node(home: Path, models: dict[str, ScriptedUpstream], **kw) -> MeshService:
     for name, upstream in models.items():
         local.add(ModelInfo(id=name, context_length=256), upstream)
     return MeshService(home, NodeIdentity.load_or_create(home), local, _config(**kw))
-
-
-async def _until(predicate, within: float = 15.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 def _request(model: str, session: str | None = None) -> ChatRequest:
@@ -99,7 +80,7 @@ async def _pair(mesh, script=None):
     a = await mesh("a", {"tiny": worker})
     token = a.create_invite(60).encode()
     b = await mesh("b", join_token=token)
-    await _until(lambda: "tiny" in b.peers.models())
+    await wait_until(lambda: "tiny" in b.peers.models(), limit_s=15)
     return a, b, worker
 
 
@@ -118,7 +99,7 @@ async def test_join_then_forward_a_request(mesh, tmp_path):
     # Both directions: A's table lists B (no models) and B lists A's model with its context.
     assert {m.id for m in b.directory.models()} == {"tiny"}
     assert b.directory.models()[0].context_length == 256
-    await _until(lambda: b.node_id in a.peers.peers)
+    await wait_until(lambda: b.node_id in a.peers.peers, limit_s=15)
     status = b.status()
     assert status["node"]["node_id"] == b.node_id
     (peer,) = status["peers"]
@@ -156,9 +137,9 @@ async def test_expired_token_is_refused(mesh):
 async def test_restarted_member_rejoins_without_token(mesh, tmp_path):
     a, b, _ = await _pair(mesh)
     await b.stop()
-    await _until(lambda: b.node_id not in a.links)
+    await wait_until(lambda: b.node_id not in a.links, limit_s=15)
     b2 = await mesh("b")  # same home: same key, same mesh; no token
-    await _until(lambda: "tiny" in b2.peers.models())
+    await wait_until(lambda: "tiny" in b2.peers.models(), limit_s=15)
     events = await _ask(b2, "tiny")
     assert isinstance(events[-1], Done)
 
@@ -179,10 +160,10 @@ async def test_stranger_with_copied_mesh_secret_is_refused(mesh, tmp_path):
 
 async def test_leave_on_clean_shutdown(mesh):
     a, b, _ = await _pair(mesh)
-    await _until(lambda: b.node_id in a.peers.peers)
+    await wait_until(lambda: b.node_id in a.peers.peers, limit_s=15)
     a.peers.drop_after_s = 1e9  # only the Leave (or SHUTDOWN close) can remove B now
     await b.stop()
-    await _until(lambda: b.node_id not in a.peers.peers)
+    await wait_until(lambda: b.node_id not in a.peers.peers, limit_s=15)
 
 
 async def test_peer_killed_before_first_byte_fails_over(mesh):
@@ -193,7 +174,7 @@ async def test_peer_killed_before_first_byte_fails_over(mesh):
     b = await mesh("b", {"tiny": stalled}, join_token=a.create_invite(60).encode())
     c_worker = ScriptedUpstream.of(*text_script("from C"), name="local")
     c = await mesh("c", {"tiny": c_worker}, join_token=a.create_invite(60).encode())
-    await _until(lambda: len(a.peers.candidates("tiny")) == 2)
+    await wait_until(lambda: len(a.peers.candidates("tiny")) == 2, limit_s=15)
     # Make B the first choice, then silence it (no close frames: like SIGKILL).
     a.peers.peers[c.node_id].outstanding = 5
     request = _request("tiny")
@@ -202,7 +183,7 @@ async def test_peer_killed_before_first_byte_fails_over(mesh):
     assert routes[0].peer == b.node_id
     a.peers.peers[c.node_id].outstanding = 0
     task = asyncio.create_task(_collect(router.stream(request, routes)))
-    await _until(lambda: stalled.active == 1)
+    await wait_until(lambda: stalled.active == 1, limit_s=15)
     _silence(b)
     events = await asyncio.wait_for(task, 10)
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
@@ -216,7 +197,7 @@ async def test_peer_killed_mid_stream_gives_error_without_retry(mesh):
     worker = ScriptedUpstream.of(TextDelta("partial"), Stall(), name="local")
     a = await mesh("a", {})
     b = await mesh("b", {"tiny": worker}, join_token=a.create_invite(60).encode())
-    await _until(lambda: "tiny" in a.peers.models())
+    await wait_until(lambda: "tiny" in a.peers.models(), limit_s=15)
     router = Router(a.directory, retry_backoff_s=0.05)
     request = _request("tiny")
     seen: list = []
@@ -274,7 +255,7 @@ async def test_lossy_link_gives_identical_output(mesh):
         via_proxy = token.model_copy(update={"addresses": [f"127.0.0.1:{proxy.port}"]})
         # The default tunnel timing: a fast ping timeout would call a lossy link dead.
         b = await mesh("b", join_token=via_proxy.encode(), tunnel=TunnelConfig())
-        await _until(lambda: "tiny" in b.peers.models())
+        await wait_until(lambda: "tiny" in b.peers.models(), limit_s=15)
         proxy.set_faults(loss=0.2)
         events = await asyncio.wait_for(_ask(b, "tiny"), 60)
         assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text
@@ -289,9 +270,9 @@ async def test_only_server_killed_before_first_byte_gives_clear_503(mesh):
     stalled = ScriptedUpstream.of(Stall(), name="local")
     a = await mesh("a", {})
     b = await mesh("b", {"tiny": stalled}, join_token=a.create_invite(60).encode())
-    await _until(lambda: "tiny" in a.peers.models())
+    await wait_until(lambda: "tiny" in a.peers.models(), limit_s=15)
     task = asyncio.create_task(_ask(a, "tiny"))
-    await _until(lambda: stalled.active == 1)
+    await wait_until(lambda: stalled.active == 1, limit_s=15)
     _silence(b)
     events = await asyncio.wait_for(task, 10)
     assert isinstance(events[-1], Error) and events[-1].status == 503
@@ -304,12 +285,12 @@ async def test_three_nodes_kill_b_then_c_serves_and_restarted_b_serves_again(mes
     b = await mesh("b", {"tiny": b_worker}, join_token=a.create_invite(60).encode())
     c_worker = ScriptedUpstream.of(*text_script("from C"), name="local")
     c = await mesh("c", {"tiny": c_worker}, join_token=a.create_invite(60).encode())
-    await _until(lambda: len(a.peers.candidates("tiny")) == 2)
+    await wait_until(lambda: len(a.peers.candidates("tiny")) == 2, limit_s=15)
     # B and C know each other too (C learned B from the member list).
-    await _until(lambda: b.node_id in c.links and c.node_id in b.links)
+    await wait_until(lambda: b.node_id in c.links and c.node_id in b.links, limit_s=15)
 
     _silence(b)  # SIGKILL: nothing more from B
-    await _until(lambda: b.node_id not in a.links)
+    await wait_until(lambda: b.node_id not in a.links, limit_s=15)
     events = await _ask(a, "tiny")
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "from C"
     await b.stop()
@@ -317,7 +298,7 @@ async def test_three_nodes_kill_b_then_c_serves_and_restarted_b_serves_again(mes
     b2 = _node(tmp_path / "b", {"tiny": b_worker})  # same home: same key, no token
     await b2.start()
     try:
-        await _until(lambda: b2.node_id in a.peers.candidates("tiny"))
+        await wait_until(lambda: b2.node_id in a.peers.candidates("tiny"), limit_s=15)
         a.peers.peers[c.node_id].outstanding = 3  # C is busy: B is the better choice now
         events = await _ask(a, "tiny")
         assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "from B"
@@ -356,7 +337,7 @@ async def test_discovery_finds_a_member_whose_address_changed(mesh, tmp_path):
 
     a = await mesh("a", {"tiny": ScriptedUpstream.of(*text_script())}, discovery=True)
     b = await mesh("b", join_token=a.create_invite(60).encode())
-    await _until(lambda: "tiny" in b.peers.models())
+    await wait_until(lambda: "tiny" in b.peers.models(), limit_s=15)
     await b.stop()
     members = load_members(tmp_path / "b")
     members.members[a.node_id].addresses = ["127.0.0.1:9"]  # A "moved"
@@ -365,7 +346,7 @@ async def test_discovery_finds_a_member_whose_address_changed(mesh, tmp_path):
     await b2.start()
     try:
         try:
-            await _until(lambda: a.node_id in b2.links, within=6)
+            await wait_until(lambda: a.node_id in b2.links, limit_s=6)
         except AssertionError:
             if not b2.dialer.found(a.node_id):
                 pytest.skip("no mDNS answers here (multicast unavailable)")
@@ -379,7 +360,7 @@ async def test_client_going_away_stops_the_peers_worker(mesh):
     worker = ScriptedUpstream.of(TextDelta("one"), Stall(), name="local")
     a = await mesh("a", {})
     b = await mesh("b", {"tiny": worker}, join_token=a.create_invite(60).encode())
-    await _until(lambda: "tiny" in a.peers.models())
+    await wait_until(lambda: "tiny" in a.peers.models(), limit_s=15)
     router = Router(a.directory, retry_backoff_s=0.05)
     request = _request("tiny")
     events = router.stream(request, router.resolve(request))
@@ -387,23 +368,25 @@ async def test_client_going_away_stops_the_peers_worker(mesh):
         if isinstance(event, TextDelta):
             break
     await events.aclose()  # what the gateway does when its client disconnects
-    await _until(lambda: worker.cancelled == 1)
-    await _until(lambda: b.tunnel_server.active == 0)
+    await wait_until(lambda: worker.cancelled == 1, limit_s=15)
+    await wait_until(lambda: b.tunnel_server.active == 0, limit_s=15)
     assert a.peers.peers[b.node_id].outstanding == 0
 
 
 async def test_a_removed_member_is_dropped_everywhere_and_cannot_come_back(mesh, tmp_path):
     a, b, _ = await _pair(mesh)
     c = await mesh("c", join_token=a.create_invite(60).encode())
-    await _until(lambda: c.node_id in b.links and c.node_id in a.links)
+    await wait_until(lambda: c.node_id in b.links and c.node_id in a.links, limit_s=15)
     with pytest.raises(MembershipError, match="cannot remove itself"):
         a.remove_member(a.node_id)
     with pytest.raises(MembershipError, match="no member"):
         a.remove_member("ffff")
     assert a.remove_member(c.node_id[:10]) == c.node_id  # a prefix is enough
     # Gossiped: B drops it too; both close its links and refuse it from now on.
-    await _until(lambda: c.node_id not in b.members.members and c.node_id in b.members.removed)
-    await _until(lambda: c.node_id not in a.links and c.node_id not in b.links)
+    await wait_until(
+        lambda: c.node_id not in b.members.members and c.node_id in b.members.removed, limit_s=15
+    )
+    await wait_until(lambda: c.node_id not in a.links and c.node_id not in b.links, limit_s=15)
     assert c.node_id not in load_members(tmp_path / "a").members  # persisted
     assert c.node_id in load_members(tmp_path / "b").removed
     await asyncio.sleep(1.0)  # C keeps redialing with its old credentials: refused each time
@@ -423,7 +406,7 @@ async def test_known_model_whose_only_server_left_is_503_then_404(mesh):
     app = create_app(b.directory)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     await a.stop()  # a clean leave: B drops A at once
-    await _until(lambda: a.node_id not in b.peers.peers)
+    await wait_until(lambda: a.node_id not in b.peers.peers, limit_s=15)
     gone = await asgi_request(app, "POST", "/v1/chat/completions", body)
     assert gone.status == 503, gone.body
     assert gone.headers["retry-after"] and gone.json()["error"]["code"] != "model_not_found"

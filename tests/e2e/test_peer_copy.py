@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from mesh.copy.tls import cert_der
 from mesh.errors import CopyRefused, DiskFull, ManifestError, PeerLost
 from mesh.identity import NodeIdentity
 from worker.store import list_models, model_path
+from worker.testing import wait_until
 
 CHUNK = 256 * 1024
 
@@ -74,14 +74,6 @@ def _same_tree(a: Path, b: Path) -> bool:
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     other = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
     return files == other and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
-
-
-async def _until(predicate, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def _fetch(peer: Peer, name: str, *sources: Peer, **kw) -> Path:
@@ -150,7 +142,7 @@ async def test_source_killed_mid_copy_resumes_from_another(peers):
     make_multi_file_model(model_path(a.home, "multi"))
     a.trust(b)
     task = asyncio.create_task(_fetch(b, "multi", a))
-    await _until(lambda: a.server.bytes_served >= 600_000)
+    await wait_until(lambda: a.server.bytes_served >= 600_000, limit_s=30)
     await a.server.close()
     with pytest.raises(PeerLost, match="went away mid-copy"):
         await task
@@ -176,7 +168,7 @@ async def test_a_source_that_dies_mid_copy_is_replaced_by_the_other(peers):
     a.trust(b)
     c.trust(b)
     task = asyncio.create_task(_fetch(b, "multi", a, c))
-    await _until(lambda: a.server.bytes_served >= 300_000)
+    await wait_until(lambda: a.server.bytes_served >= 300_000, limit_s=30)
     await a.server.close()
     path = await task
     assert _same_tree(model_path(c.home, "multi"), path)

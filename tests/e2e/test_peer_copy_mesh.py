@@ -3,14 +3,13 @@ holds what, the links pin the certificates, the admin route streams the copy's p
 
 from __future__ import annotations
 
-import asyncio
 import shutil
-import time
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
+from mesh_services import quick_mesh_config
 from starlette.applications import Starlette
 
 from gateway.upstream import StaticDirectory
@@ -20,31 +19,12 @@ from mesh.errors import CopyError
 from mesh.http import CSRF_HEADER, mesh_routes
 from mesh.identity import NodeIdentity
 from mesh.service import MeshConfig, MeshService
-from mesh.tunnel.config import TunnelConfig
 from worker.store import list_models, model_path
-
-FAST_TUNNEL = TunnelConfig(ping_interval=0.5, ping_timeout=1.5, handshake_timeout=3.0)
+from worker.testing import wait_until
 
 
 def _config(**kw) -> MeshConfig:
-    base = dict(
-        port=0,
-        discovery=False,
-        gossip_interval_s=0.2,
-        redial_s=0.2,
-        max_redial_backoff_s=0.5,
-        tunnel=FAST_TUNNEL,
-        copy=CopyConfig(port=0, chunk_size=256 * 1024),
-    )
-    return MeshConfig(**(base | kw))
-
-
-async def _until(predicate, within: float = 20.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
+    return quick_mesh_config(**({"copy": CopyConfig(port=0, chunk_size=256 * 1024)} | kw))
 
 
 @pytest.fixture
@@ -71,7 +51,7 @@ async def _trio(mesh, tiny_model_dir: Path):
     b = await mesh("b", join_token=a.create_invite(60).encode())
     c = await mesh("c", join_token=a.create_invite(60).encode())
     shutil.copytree(tiny_model_dir, model_path(c.home, "tiny"))
-    await _until(lambda: len(b.copy.sources("tiny")) == 2)
+    await wait_until(lambda: len(b.copy.sources("tiny")) == 2, limit_s=20)
     return a, b, c
 
 
@@ -83,7 +63,7 @@ async def test_two_holders_gossip_and_a_third_copies_from_both(mesh, tiny_model_
     path = await b.copy.pull("tiny", options=CopyOptions(connections_per_source=2))
     assert path == model_path(b.home, "tiny")
     assert [m.name for m in list_models(b.home)] == ["tiny"]
-    await _until(lambda: "tiny" in b.local_state().stored)
+    await wait_until(lambda: "tiny" in b.local_state().stored, limit_s=20)
     assert a.copy.server.bytes_served > 0 and c.copy.server.bytes_served > 0
 
 
@@ -99,10 +79,10 @@ async def test_a_removed_member_can_no_longer_copy(mesh, tiny_model_dir):
     a = await mesh("a")
     shutil.copytree(tiny_model_dir, model_path(a.home, "tiny"))
     b = await mesh("b", join_token=a.create_invite(60).encode())
-    await _until(lambda: b.copy.sources("tiny"))
+    await wait_until(lambda: b.copy.sources("tiny"), limit_s=20)
     sources = b.copy.sources("tiny")
     a.remove_member(b.node_id)
-    await _until(lambda: b.node_id not in a.copy.trusted())
+    await wait_until(lambda: b.node_id not in a.copy.trusted(), limit_s=20)
     from mesh.copy.client import fetch_model
 
     with pytest.raises(CopyError, match="could be reached"):
@@ -144,7 +124,7 @@ async def test_pull_route_through_the_gateway_needs_the_key_and_the_console_orig
     a = await mesh("a")
     shutil.copytree(tiny_model_dir, model_path(a.home, "tiny"))
     b = await mesh("b", join_token=a.create_invite(60).encode())
-    await _until(lambda: b.copy.sources("tiny"))
+    await wait_until(lambda: b.copy.sources("tiny"), limit_s=20)
     key = "k" * 24
     app = create_app(
         StaticDirectory(), GatewayConfig(api_key=key), extra_routes=mesh_routes(b, api_key=key)
