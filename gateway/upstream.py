@@ -113,6 +113,10 @@ class StaticDirectory:
             Route(upstream=upstream, kind=kind, peer=None if kind == "local" else upstream.name)
         )
 
+    def remove(self, model: str) -> None:
+        """Unlist ``model`` (a split model whose group waits for memory)."""
+        self.entries.pop(model, None)
+
     def models(self) -> list[ModelInfo]:
         return [info for info, _ in self.entries.values()]
 

@@ -24,6 +24,15 @@ from mesh.membership.members import Member
 DEFAULT_INTERVAL_S = 2.0
 
 
+class StageAd(BaseModel):
+    """One stage of a split model: rank ``rank`` runs layers ``[start, end)`` on ``node_id``."""
+
+    rank: int
+    node_id: str
+    start: int
+    end: int
+
+
 class ModelAd(BaseModel):
     """One model a node serves locally, as advertised to the mesh."""
 
@@ -32,6 +41,8 @@ class ModelAd(BaseModel):
     parameters: int | None = None
     context_length: int | None = None
     capabilities: dict[str, Any] = Field(default_factory=dict)
+    # A model split over several nodes (mesh/split/): its stages in layer order; empty: whole.
+    stages: list[StageAd] = Field(default_factory=list)
 
 
 class NodeState(BaseModel):
@@ -54,6 +65,12 @@ class NodeState(BaseModel):
     # copy server and the models in its store (served or not).
     copy_port: int | None = None
     stored: list[str] = Field(default_factory=list)
+    # Split serving (optional, as above): bytes of memory this node offers to ranks of models
+    # split over the mesh (``mesh up --share-memory GB``; 0: none), what its ranks use of it
+    # now, and the TCP port of its ring bridge (mesh/split/bridge.py).
+    share_memory: int = 0
+    share_memory_used: int = 0
+    bridge_port: int | None = None
 
     def content(self) -> dict:
         """Everything but ``seq``: what decides whether a change is worth publishing now."""

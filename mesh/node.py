@@ -43,7 +43,7 @@ from mesh.identity import NodeIdentity
 from mesh.node_file import remove_node_file, write_node_file
 from mesh.response_relay import MeshResponses, node_tag
 from mesh.service import MeshConfig, MeshService
-from mesh.workers import SplitOptions, WorkerOptions, WorkerSupervisor
+from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, WorkerSupervisor
 from worker.net import bind_socket, server_limits
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,8 @@ class Node:
             load_probe=self.workers.load,
             responses=self.stored_responses,
         )
+        self.workers.split_mesh = self.mesh.split
+        self.workers.on_listing = self._list_split
         self.responses = MeshResponses(
             self.stored_responses,
             links=lambda: self.mesh.links,
@@ -151,6 +153,12 @@ class Node:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _list_split(self, process: WorkerProcess, listed: bool) -> None:
+        """A split model is listed while its group runs, unlisted while it waits for memory."""
+        self.local.remove(process.name)
+        if listed and process.client is not None:
+            self.local.add(await process.client.describe(), process.client)
 
     def status(self) -> dict[str, Any]:
         """The status picture (``gateway.status``): the mesh's, plus this node's workers."""
@@ -176,7 +184,8 @@ class Node:
                 await self.mesh.start()
                 log.info("node %s in mesh %s", self.identity.short_id, self.mesh.mesh_id)
                 await self.workers.start()
-            for client in self.workers.clients.values():
+            for name, client in self.workers.clients.items():
+                self.local.remove(name)  # a split model may have listed itself already
                 self.local.add(await client.describe(), client)
             await self._serve(self.build_app())
         finally:

@@ -58,6 +58,8 @@ from mesh.membership.members import (
 )
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerEvent, PeerJoined, PeerTable, PeerWentDown
+from mesh.split.coordinator import SplitMesh
+from mesh.split.orders import SPLIT_RANK_PATH
 from mesh.tunnel.config import DEFAULT_PORT, TunnelConfig
 from mesh.tunnel.connection import PeerConnection
 from mesh.tunnel.endpoint import TunnelEndpoint
@@ -89,6 +91,11 @@ class MeshConfig:
     version: str = ""
     gateway_url: str = ""
     copy: CopyConfig | None = None  # the peer-copy server (TLS over TCP); None = not served
+    # Split serving (mesh/split/): bytes this node offers to other nodes' split ranks, and
+    # whether it runs the ring bridge (TCP, TLS, members only) at ``bridge_port`` at all.
+    share_memory_bytes: int = 0
+    bridge: bool = False
+    bridge_port: int = 0
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
 
 
@@ -145,6 +152,16 @@ class MeshService:
             peers=self.peers,
             config=self.config.copy,
         )
+        self.split = SplitMesh(
+            self.home,
+            identity,
+            links=lambda: self.links,
+            peers=self.peers,
+            trusted=self.copy.trusted,
+            copy_from=lambda node_id, name: self.copy.sources(name, only=node_id),
+            offered_bytes=self.config.share_memory_bytes,
+        )
+        self.tunnel_server.handlers[SPLIT_RANK_PATH] = self.split.serve
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: LanDiscovery | None = None
         self._stopping = False
@@ -194,10 +211,13 @@ class MeshService:
         self._remember_self()
         if self.config.copy is not None:
             await self.copy.start()
+        if self.config.bridge or self.config.share_memory_bytes:
+            await self.split.start(self.config.host, self.config.bridge_port)
         if token is not None:
             try:
                 await self._join_mesh(token)
             except BaseException:
+                await self.split.stop()
                 await self.copy.stop()
                 await self.endpoint.close()
                 raise
@@ -222,6 +242,7 @@ class MeshService:
         await asyncio.sleep(0.05)  # let the Leave frames go out before the close frames
         if self._discovery is not None:
             await self._discovery.stop()
+        await self.split.stop()
         await self.copy.stop()
         await self.endpoint.close()
         save_members(self.home, self.members)
@@ -391,6 +412,7 @@ class MeshService:
         self.dialer.on_linked(peer_id)
         conn.on_stream = lambda stream: self.tunnel_server.handle(stream, peer_id)
         conn.mark_authenticated()
+        self.split.notify()
         log.info("linked with %s at %s", short_id(peer_id), conn.peer_address)
         control = conn.control
         assert control is not None
@@ -410,6 +432,7 @@ class MeshService:
                     self._on_gossip(peer_id, Leave(node_id=peer_id))
                 else:
                     self._log_peer_events(self.peers.on_disconnected(peer_id))
+                self.split.notify()
             conn.close(ErrorCode.NO_ERROR, "link ended")
 
     @staticmethod
@@ -428,6 +451,7 @@ class MeshService:
         if isinstance(message, NodeState):
             if message.node_id == peer_id:  # a peer speaks only for itself
                 self._log_peer_events(self.peers.on_state(message, now))
+                self.split.notify()
         elif isinstance(message, Leave):
             if message.node_id == peer_id:
                 self._log_peer_events(self.peers.on_leave(peer_id, now))
@@ -516,6 +540,7 @@ class MeshService:
                     parameters=info.parameters,
                     context_length=info.context_length,
                     capabilities=info.capabilities,
+                    stages=self.split.stages(info.id),
                 )
                 for info in self.local.models()
             ],
@@ -525,6 +550,9 @@ class MeshService:
             tok_s=float(load.get("tok_s", 0.0)),
             copy_port=self.copy.port,
             stored=stored_model_names(self.home),
+            share_memory=self.split.offered_bytes,
+            share_memory_used=self.split.host.used_bytes if self.split.host else 0,
+            bridge_port=self.split.port,
         )
 
     # ------------------------------------------------------------------ discovery
@@ -562,6 +590,7 @@ class MeshService:
         me = self.local_state().model_dump(exclude={"type", "seq", "epoch"})
         me |= {"mesh_id": self.mesh_id, "members": len(self.members.members)}
         me["refused"] = dict(self.endpoint.refusals)  # strangers turned away, by reason
+        me["split"] = self.split.status()
         peers = self.peers.snapshot(now)
         for row in peers:
             conn = self.links.get(row["node_id"])

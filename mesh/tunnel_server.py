@@ -19,7 +19,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from pydantic import ValidationError
@@ -46,6 +48,8 @@ class TunnelServer:
 
     local: ModelDirectory
     responses: LocalResponses | None = None  # this node's stored Responses, for peers to fetch
+    # More paths (path → handler(stream, body, peer_id)): the split rank orders.
+    handlers: dict[str, Callable[[Any, bytes, str], Awaitable[None]]] = field(default_factory=dict)
     retry_backoff_s: float = 0.75
     max_concurrent: int = 64
     active: int = field(default=0, init=False)
@@ -79,6 +83,10 @@ class TunnelServer:
                 break
         if head.path == response_relay.RESPONSES_PATH and self.responses is not None:
             await response_relay.serve(stream, bytes(body), self.responses)
+            return
+        handler = self.handlers.get(head.path)
+        if handler is not None:
+            await handler(stream, bytes(body), peer_id)
             return
         if head.path != CHAT_PATH:
             await _refuse(stream, 404, f"unknown path {head.path}")

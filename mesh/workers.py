@@ -31,12 +31,15 @@ STABLE_RUN_S = 30.0  # a worker that ran this long before dying restarts at the 
 
 @dataclass(frozen=True)
 class SplitOptions:
-    """How a model is split (``mesh up --split N --share-memory GB``): ``ranks`` rank
-    processes on this node, planned over ``share_memory_bytes`` (0: half the machine's memory),
-    with KV cache reserved for ``context_length`` tokens (None: the model's own, at most 32k)."""
+    """How a model is split (``mesh up --split N --split-over NODES --share-memory GB``):
+    ``ranks`` ranks (0: as few as hold it), on the members that offer the most memory and then
+    on this node, or exactly on the nodes ``over`` names (``self``: one more rank here); this
+    node's ranks share ``share_memory_bytes`` (0: half the machine's memory); KV cache is
+    reserved for ``context_length`` tokens (None: the model's own, at most 32k)."""
 
     ranks: int = 2
     share_memory_bytes: int = 0
+    over: tuple[str, ...] = ()
     context_length: int | None = None
     step_deadline_s: float = 3.0
 
@@ -99,6 +102,10 @@ class WorkerProcess:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
+
+    def status(self) -> dict[str, Any]:
+        """More for ``mesh status`` (a split model's stages)."""
+        return {}
 
     def _command(self) -> list[str]:
         return [
@@ -198,6 +205,10 @@ class WorkerSupervisor:
         self.options = options
         self.models = list(models)
         self.processes: list[WorkerProcess] = []
+        # Split serving (mesh/split/): the mesh's side of it, and who lists a split model
+        # when its group forms (and unlists it while it waits for memory). Set by the node.
+        self.split_mesh: Any = None
+        self.on_listing: Any = None
 
     @property
     def clients(self) -> dict[str, WorkerClient]:
@@ -228,14 +239,16 @@ class WorkerSupervisor:
             return WorkerProcess(model, self.options)
         from mesh.split.ranks import SplitWorkerProcess
 
-        return SplitWorkerProcess(model, self.options)
+        process = SplitWorkerProcess(model, self.options, self.split_mesh)
+        process.on_listing = self.on_listing
+        return process
 
     async def stop(self) -> None:
         await asyncio.gather(*(p.stop() for p in self.processes))
 
     def status(self) -> dict[str, Any]:
         """Restarts by worker (not URLs: a worker is this node's private business)."""
-        return {p.name: {"restarts": p.restarts} for p in self.processes}
+        return {p.name: {"restarts": p.restarts, **p.status()} for p in self.processes}
 
     def locations(self) -> dict[str, Any]:
         """Where each worker runs, for ``node.json`` (read by this machine's CLI only)."""

@@ -106,13 +106,26 @@ def up_command(
     split: int = typer.Option(
         0,
         "--split",
-        help="Serve each --model split layer-wise over N rank processes (MLX distributed,"
-        " ring backend on loopback); ranks on this node only, for now.",
+        help="Serve each --model split layer-wise over N ranks (MLX distributed): on the members"
+        " that offer the most memory (--share-memory there), the rest on this node.",
+    ),
+    split_over: str | None = typer.Option(
+        None,
+        "--split-over",
+        help="Comma-separated node ids (or unique prefixes) to run the other ranks on, exactly;"
+        " 'self' for one more rank here. Implies --split.",
     ),
     share_memory: float = typer.Option(
         0.0,
         "--share-memory",
-        help="GB of memory a split may use on this node [default with --split: half of it].",
+        help="GB of memory this node offers to split ranks: members' and its own split's"
+        " [default with --split: half of it, offered to its own ranks only].",
+    ),
+    bridge_port: int | None = typer.Option(
+        None,
+        "--bridge-port",
+        help="TCP port of the split ring bridge (TLS, members only) [default: mesh port + 3;"
+        " 0 = any]. Runs with --share-memory or a split model.",
     ),
 ) -> None:
     """Start a node: one MLX worker per --model and the OpenAI/Anthropic gateway in front."""
@@ -137,11 +150,19 @@ def up_command(
         raise fail("--split takes the number of ranks, at least 2")
     if share_memory < 0:
         raise fail("--share-memory takes a size in GB")
+    over = tuple(n.strip() for n in split_over.split(",") if n.strip()) if split_over else ()
+    if split_over is not None and not over:
+        raise fail("--split-over takes node ids (or 'self'), separated by commas")
+    if over and split and split != len(over) + 1:
+        raise fail(f"--split {split} and --split-over with {len(over)} node(s) disagree")
+    splitting = bool(split or over)
     config = NodeConfig(
         home=home_dir,
         models=tuple(model),
-        split=SplitOptions(ranks=split, share_memory_bytes=int(share_memory * 1e9))
-        if split
+        split=SplitOptions(
+            ranks=split or len(over) + 1, share_memory_bytes=int(share_memory * 1e9), over=over
+        )
+        if splitting
         else None,
         host=host,
         port=port,
@@ -165,6 +186,9 @@ def up_command(
         retry_backoff_s=retry_backoff_ms / 1000,
         version=__version__,
         copy=copy_config(mesh_host, mesh_port, copy_port, copy_rate),
+        share_memory_bytes=int(share_memory * 1e9),
+        bridge=splitting or share_memory > 0,
+        bridge_port=bridge_port if bridge_port is not None else (mesh_port + 3 if mesh_port else 0),
     )
     try:
         config.check()

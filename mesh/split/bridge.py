@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0  # TLS handshake and the header line, per connection
 RANK_LISTEN_TIMEOUT_S = 120.0  # a forming group's rank may still be loading before it listens
+ROUTE_WAIT_S = 120.0  # a member's link may come before its rank's node registered the rank
 _HEADER = re.compile(rb"^ring ([A-Za-z0-9._-]{1,64}) (\d{1,4})\n$")
 _CHUNK = 1 << 16
 
@@ -87,9 +88,22 @@ class BridgeServer(_Listener):
         self.identity = identity
         self._trusted = trusted
         self._routes: dict[tuple[str, int], int] = {}
+        self._registered = asyncio.Event()  # set (and replaced) on each registration
 
     def register(self, group: str, rank: int, port: int) -> None:
         self._routes[(group, rank)] = port
+        self._registered.set()
+        self._registered = asyncio.Event()
+
+    async def _route(self, group: str, rank: int) -> int | None:
+        """The rank's port; a member's link may arrive before that rank's node registered it
+        (the ranks of a forming group start on their nodes at about the same time), and a
+        connection refused then would hang the ring's set-up, so it waits a while."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ROUTE_WAIT_S):
+                while (group, rank) not in self._routes:
+                    await self._registered.wait()
+        return self._routes.get((group, rank))
 
     def unregister(self, group: str) -> None:
         self._routes = {k: v for k, v in self._routes.items() if k[0] != group}
@@ -109,7 +123,7 @@ class BridgeServer(_Listener):
             log.info("bridge: refused a connection (%s)", type(exc).__name__)
             return
         match = _HEADER.match(header)
-        port = self._routes.get((match[1].decode(), int(match[2]))) if match else None
+        port = await self._route(match[1].decode(), int(match[2])) if match else None
         if port is None:
             log.warning("bridge: member %s asked for an unknown rank %r", peer[:8], header[:80])
             return

@@ -259,3 +259,67 @@ def _size(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+LOCAL = "self"  # in ``--split-over``: one more rank on this node
+
+
+def local_rank_id(node_id: str, k: int) -> str:
+    """The offer id of this node's k-th extra rank (k ≥ 1): the node id, ``#``, k."""
+    return f"{node_id}#{k}"
+
+
+def node_of(offer_id: str) -> str:
+    """The node an offer id belongs to (an extra local rank's id names its node)."""
+    return offer_id.split("#", 1)[0]
+
+
+def choose_offers(
+    self_id: str,
+    self_bytes: int,
+    remote: Sequence[Offer],
+    *,
+    ranks: int,
+    over: Sequence[str] = (),
+) -> tuple[list[Offer], int]:
+    """Which offers a plan may use, and its ``min_ranks`` (pure; the head is ``self_id``).
+
+    - ``over`` names the other ranks' nodes exactly (node ids or unique prefixes; ``self``
+      for one more rank here): the plan uses all of them and nothing else.
+    - else ``ranks`` ≥ 2 forces that many ranks: the members that offer the most memory
+      first, then extra ranks on this node for the rest.
+    - else (``ranks`` 0) the plan takes the fewest of all offers that hold the model.
+    This node's own offer is shared equally by the ranks it runs."""
+    by_id = {o.node_id: o for o in remote if o.node_id != self_id}
+    if over:
+        chosen: list[Offer] = []
+        extras = 0
+        for entry in over:
+            if entry.strip().lower() == LOCAL:
+                extras += 1
+                continue
+            matches = [o for n, o in by_id.items() if n.startswith(entry.strip().lower())]
+            if len(matches) != 1:
+                raise PlanError(
+                    f"--split-over {entry}: "
+                    + ("names several members; give more of the id" if matches else
+                       "no linked member with that id offers memory (--share-memory) now")
+                )  # fmt: skip
+            if matches[0] in chosen:
+                raise PlanError(f"--split-over names {entry} twice")
+            chosen.append(matches[0])
+        return _with_local(self_id, self_bytes, extras) + chosen, len(over) + 1
+    if ranks >= 2:
+        others = sorted(by_id.values(), key=lambda o: (-o.offered_bytes, o.node_id))[: ranks - 1]
+        extras = ranks - 1 - len(others)
+        return _with_local(self_id, self_bytes, extras) + others, ranks
+    return _with_local(self_id, self_bytes, 0) + list(by_id.values()), 1
+
+
+def _with_local(self_id: str, self_bytes: int, extras: int) -> list[Offer]:
+    share = self_bytes // (extras + 1)
+    head = [Offer(self_id, share, "this node")]
+    return head + [
+        Offer(local_rank_id(self_id, k), share, f"this node, rank {k}")
+        for k in range(1, extras + 1)
+    ]

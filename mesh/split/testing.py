@@ -17,7 +17,7 @@ from typing import Any
 from mesh.copy.tls import cert_der
 from mesh.identity import NodeIdentity
 from mesh.split.bridge import BridgeLink, BridgeServer
-from mesh.split.ranks import free_ports
+from mesh.split.processes import free_ports
 
 __all__ = ["bridged_hostfiles", "free_ports", "spawn_ranks"]
 

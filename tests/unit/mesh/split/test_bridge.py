@@ -10,8 +10,9 @@ import pytest
 
 from mesh.copy.tls import cert_der, make_context
 from mesh.identity import NodeIdentity
+from mesh.split import bridge
 from mesh.split.bridge import BridgeLink, BridgeServer
-from mesh.split.ranks import free_ports
+from mesh.split.processes import free_ports
 
 
 async def echo_rank(port: int = 0) -> tuple[asyncio.Server, int]:
@@ -73,7 +74,7 @@ async def test_a_members_link_carries_bytes_both_ways(nodes) -> None:
 
 
 @pytest.mark.parametrize("who", ["stranger", "wrong-rank", "plain-tcp"])
-async def test_others_get_nothing(nodes, who: str) -> None:
+async def test_others_get_nothing(nodes, who: str, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b, _, port = nodes
     if who == "plain-tcp":
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -93,6 +94,7 @@ async def test_others_get_nothing(nodes, who: str) -> None:
         writer.write(b"ring g1 1\n")
         assert await closed_without_data(reader)
         return
+    monkeypatch.setattr(bridge, "ROUTE_WAIT_S", 0.3)  # a rank never registered
     link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g1", 7)
     assert await link_closes_without_data(link)
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mesh.cli import app
-from mesh.errors import NodeError
-from mesh.split.ranks import make_local_plan
+from mesh.errors import NodeError, PlanError
+from mesh.split.ranks import SplitWorkerProcess
 from mesh.workers import SplitOptions, WorkerOptions
 from worker.testing import make_tiny_model
 
@@ -21,28 +21,28 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_local_plan_is_shown_and_splits_every_rank(
-    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    model: Path, tmp_path: Path
 ) -> None:
     options = WorkerOptions(home=tmp_path, split=SplitOptions(ranks=3, share_memory_bytes=10**9))
-    plan = make_local_plan("tiny6", model, options)
+    plan = SplitWorkerProcess(str(model), options).make_plan()
     assert plan.layer_split() == [2, 2, 2]
-    shown = capsys.readouterr().out
+    shown = plan.render()
     assert shown.startswith("tiny6: 6 layers, 4096-token context, pipeline over 3 ranks")
-    assert "local rank 2" in shown
+    assert "this node, rank 2" in shown
 
 
 def test_too_little_shared_memory_is_one_sentence(model: Path, tmp_path: Path) -> None:
     options = WorkerOptions(home=tmp_path, split=SplitOptions(ranks=2, share_memory_bytes=10**6))
-    with pytest.raises(NodeError) as caught:
-        make_local_plan("tiny6", model, options)
+    with pytest.raises(PlanError) as caught:
+        SplitWorkerProcess(str(model), options).make_plan()
     message = str(caught.value)
     assert message.startswith("tiny6 ") and "\n" not in message
 
 
 def test_a_directory_that_is_no_model_cannot_be_split(tmp_path: Path) -> None:
     options = WorkerOptions(home=tmp_path, split=SplitOptions(ranks=2))
-    with pytest.raises(NodeError, match="cannot split nothing"):
-        make_local_plan("nothing", tmp_path, options)
+    with pytest.raises(NodeError, match=f"cannot split {tmp_path.name}"):
+        SplitWorkerProcess(str(tmp_path), options)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,62 @@
+"""Rank processes: start a follower rank as a child of this node, stop one, pick ring ports.
+
+Shared by the head's group (mesh/split/ranks.py) and a member's rank host (mesh/split/host.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from pathlib import Path
+
+from mesh.workers import _die_with_parent, _forward
+
+
+async def spawn_rank(
+    python: str,
+    model_dir: Path,
+    split: list[int],
+    rank: int,
+    hostfile: Path,
+    *,
+    label: str,
+) -> tuple[asyncio.subprocess.Process, asyncio.Task[None]]:
+    """Start one follower rank (``python -m worker.split_rank``) as a child that dies with
+    this node, and the task that logs its output."""
+    command = [
+        python, "-m", "worker.split_rank",
+        "--model", str(model_dir), "--split", ",".join(map(str, split)),
+    ]  # fmt: skip
+    env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if os.uname().sysname == "Linux" else None,
+    )
+    assert process.stdout is not None
+    return process, asyncio.create_task(_forward(process.stdout, label))
+
+
+async def stop_process(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL (which also ends a stopped, SIGSTOP-ed, rank) and reap."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free right now (all bound at once, so no repeats)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
