@@ -1,0 +1,175 @@
+"""One model split across real ``mesh up`` processes on loopback (MLX ring through the bridge).
+
+B (and C) offer memory (``--share-memory``) and serve nothing; A serves the tiny model from its
+store split over them (``--split-over``). A's rank 0 serves the worker API; the other ranks run
+on B (and C), which copy only the files their layers need from A. At temperature 0 every API on
+A, and a forwarded route through B, answer as the unsplit model does; a remote rank killed or
+stopped mid-stream ends the stream with an error event in under 5 s and the group re-forms;
+B's node gone unlists the model, and B back re-forms the group. Strangers get nothing from the
+bridge."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from mesh_processes import Running, run_mesh, wait_for
+
+from mesh.copy.tls import make_context
+from mesh.identity import NodeIdentity
+from worker.store import model_path
+from worker.testing import make_tiny_model, run_worker_in_thread
+
+mx = pytest.importorskip("mlx.core")
+if not mx.distributed.is_available("ring"):
+    pytest.skip("this MLX build has no ring backend (mx.distributed)", allow_module_level=True)
+if sys.platform != "linux":
+    pytest.skip("finds rank processes with pgrep", allow_module_level=True)
+
+PROMPT = "Hi"
+CHAT = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": 6}
+
+
+def rank_pids() -> list[int]:
+    """Follower rank processes (rank 0 runs with --serve first, so it does not match)."""
+    out = subprocess.run(
+        ["pgrep", "-f", "worker.split_rank --model"], capture_output=True, text=True
+    ).stdout
+    return [int(p) for p in out.split()]
+
+
+def chat(url: str) -> str | None:
+    try:
+        response = httpx.post(
+            url + "/v1/chat/completions", json={**CHAT, "model": "tiny6"}, timeout=60
+        )
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def responses_text(url: str) -> str:
+    body = {"model": "tiny6", "input": PROMPT, "temperature": 0, "max_output_tokens": 6}
+    response = httpx.post(url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["output"][-1]["content"][0]["text"]
+
+
+def messages_text(url: str) -> str:
+    body = {**CHAT, "model": "tiny6"}
+    response = httpx.post(url + "/v1/messages", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["content"][0]["text"]
+
+
+def stream_until_signal(url: str, pid: int, sig: int) -> tuple[str, float]:
+    """A long streamed answer; ``sig`` to ``pid`` after the first token. The last SSE data
+    line, and how long after the signal the stream ended."""
+    body = {**CHAT, "model": "tiny6", "max_tokens": 100000, "stream": True}
+    sent_at, last = None, ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = line
+            if sent_at is None and line.startswith("data: {"):
+                os.kill(pid, sig)
+                sent_at = time.monotonic()
+    assert sent_at is not None
+    return last, time.monotonic() - sent_at
+
+
+def status(url: str) -> dict:
+    return httpx.get(url + "/api/status", timeout=10).json()
+
+
+def node_id(home: Path) -> str:
+    return run_mesh("id", "--home", str(home)).stdout.strip().splitlines()[-1]
+
+
+def invite(home: Path) -> str:
+    made = run_mesh("invite", "--home", str(home), "--ttl", "10m")
+    assert made.returncode == 0, made.stderr
+    return made.stdout.strip().splitlines()[-1]
+
+
+def unsplit_answer(model: Path) -> str:
+    with run_worker_in_thread(model) as (base, _):
+        answer = chat(base.removesuffix("/v1"))
+    assert answer
+    return answer
+
+
+@pytest.mark.timeout(600)
+def test_a_model_split_over_two_nodes_serves_fails_fast_and_reforms(tmp_path: Path) -> None:
+    model = make_tiny_model(model_path(tmp_path / "a", "tiny6"), num_layers=6)
+    expected = unsplit_answer(model)
+    b = Running(tmp_path / "b", "--no-worker", "--share-memory", "1")
+    a = None
+    try:
+        b_id = node_id(b.home)
+        a = Running(
+            tmp_path / "a", "--model", "tiny6", "--join", invite(b.home), "--split-over", b_id[:12]
+        )
+        assert wait_for(lambda: chat(a.url), 120, "the split model on A") == expected
+        assert responses_text(a.url) == expected
+        assert messages_text(a.url) == expected
+        assert wait_for(lambda: chat(b.url), 30, "a forwarded route through B") == expected
+
+        # The plan: rank 0 (the last layers) on A, rank 1 (the first ones) on B, which copied
+        # only what it needs into its run directory, not its store.
+        a_status = status(a.url)
+        stages = a_status["node"]["split"]["groups"]["tiny6"]
+        assert [(s["rank"], s["node_id"]) for s in stages] == [(1, b_id), (0, node_id(a.home))]
+        assert [s["rank"] for s in status(b.url)["node"]["split"]["ranks"]] == [1]
+        assert not model_path(b.home, "tiny6").exists()
+        ad = next(m for m in status(b.url)["peers"][0]["models"] if m["name"] == "tiny6")
+        assert len(ad["stages"]) == 2
+
+        # Strangers get nothing from B's bridge: the TLS handshake refuses them.
+        port = status(b.url)["node"]["bridge_port"]
+        assert stranger_is_refused(port)
+
+        for sig in (signal.SIGKILL, signal.SIGSTOP):
+            (rank,) = wait_for(rank_pids, 60, "B's rank")
+            last, took = stream_until_signal(a.url, rank, sig)
+            assert '"error"' in last and took < 5.0, (sig, last, took)
+            assert wait_for(lambda: chat(a.url), 120, "the re-formed group") == expected
+
+        # B's node gone: A cannot plan without it (--split-over names it), so the model is
+        # unlisted; B back (same home) re-forms the group.
+        b.kill()
+        wait_for(lambda: "tiny6" in status(a.url)["node"]["split"]["waiting"], 60, "unlisted")
+        assert httpx.post(
+            a.url + "/v1/chat/completions", json={**CHAT, "model": "tiny6"}
+        ).status_code in (404, 503)
+        b = Running(tmp_path / "b", "--no-worker", "--share-memory", "1")
+        assert wait_for(lambda: chat(a.url), 120, "the group re-formed with B back") == expected
+    finally:
+        out_a = a.stop() if a is not None else ""
+        print("---- node A ----\n" + out_a)
+        print("---- node B ----\n" + b.stop())
+    assert "tiny6: 6 layers" in out_a and "pipeline over 2 ranks" in out_a
+    assert wait_for(lambda: not rank_pids(), 10, "ranks to stop")
+
+
+def stranger_is_refused(port: int) -> bool:
+    """A node that is no member (its own certificate, trusting anything) gets no byte."""
+    context = make_context(NodeIdentity.generate(), [], server=False)
+    context.verify_mode = ssl.CERT_NONE  # it would talk to anyone: only the server may refuse
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            with context.wrap_socket(raw, server_hostname=None) as tls:
+                tls.sendall(b"ring x 1\n")
+                return tls.recv(1) == b""
+    except (ssl.SSLError, ConnectionError):
+        return True
