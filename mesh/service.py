@@ -156,6 +156,7 @@ class MeshService:
             self.home,
             identity,
             links=lambda: self.links,
+            members=lambda: self.members.members,
             peers=self.peers,
             trusted=self.copy.trusted,
             copy_from=lambda node_id, name: self.copy.sources(name, only=node_id),

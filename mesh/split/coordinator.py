@@ -15,7 +15,7 @@ import contextlib
 import logging
 import secrets
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from mesh.copy.client import CopySource
@@ -42,6 +42,7 @@ class SplitMesh:
         identity: NodeIdentity,
         *,
         links: Callable[[], Mapping[str, PeerConnection]],
+        members: Callable[[], Iterable[str]],
         peers: PeerTable,
         trusted: Callable[[], dict[str, bytes]],
         copy_from: Callable[[str, str], list[CopySource]],
@@ -52,6 +53,7 @@ class SplitMesh:
         self.node_id = identity.node_id
         self.offered_bytes = offered_bytes
         self._links = links
+        self._members = members
         self._peers = peers
         self._trusted = trusted
         self.bridge = BridgeServer(identity, lambda: trusted().values())
@@ -107,9 +109,15 @@ class SplitMesh:
         return out
 
     def known_members_settled(self) -> bool:
-        """Every linked member has told us its state (so its offer, if any, is known)."""
+        """Every member is linked and has told us its state (so its offer, if any, is known).
+        A member that is away keeps this False: the caller waits only so long for it."""
         states = {r.node_id for r in self._peers.up()}
-        return all(node_id in states for node_id in self._links())
+        links = self._links()
+        return all(
+            node_id in states and node_id in links
+            for node_id in self._members()
+            if node_id != self.node_id
+        )
 
     def bridge_of(self, node_id: str) -> BridgeAddress | None:
         conn = self._links().get(node_id)

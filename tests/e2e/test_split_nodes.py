@@ -173,3 +173,33 @@ def stranger_is_refused(port: int) -> bool:
                 return tls.recv(1) == b""
     except (ssl.SSLError, ConnectionError):
         return True
+
+
+@pytest.mark.timeout(600)
+def test_split_three_ways_over_the_members_that_offer_memory(tmp_path: Path) -> None:
+    """``--split 3`` with no names: the plan takes the two members that offer memory, whose
+    ranks reach each other through their own bridges (not through A)."""
+    model = make_tiny_model(model_path(tmp_path / "a", "tiny6"), num_layers=6)
+    expected = unsplit_answer(model)
+    b = Running(tmp_path / "b", "--no-worker", "--share-memory", "1")
+    nodes = [b]
+    try:
+        nodes.append(
+            Running(tmp_path / "c", "--no-worker", "--share-memory", "2", "--join", invite(b.home))
+        )
+        c = nodes[-1]
+        wait_for(lambda: len(status(c.url)["peers"]) == 1, 30, "C linked with B")
+        nodes.append(
+            Running(tmp_path / "a", "--model", "tiny6", "--join", invite(b.home), "--split", "3")
+        )
+        a = nodes[-1]
+        assert wait_for(lambda: chat(a.url), 120, "the model split three ways") == expected
+        assert wait_for(lambda: chat(c.url), 30, "a forwarded route through C") == expected
+        stages = status(a.url)["node"]["split"]["groups"]["tiny6"]
+        assert {s["node_id"] for s in stages} == {node_id(a.home), node_id(b.home), node_id(c.home)}
+        assert len(rank_pids()) == 2
+    finally:
+        outs = [n.stop() for n in reversed(nodes)]
+        for out in outs:
+            print("---- node ----\n" + out)
+    assert "pipeline over 3 ranks" in outs[0]
