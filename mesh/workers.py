@@ -10,6 +10,7 @@ to a worker goes through its one :class:`~gateway.worker_client.WorkerClient`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -235,11 +236,15 @@ class WorkerSupervisor:
             raise NodeError(str(first)) from None
 
     def _make_process(self, model: str) -> WorkerProcess:
-        if self.options.split is None:
-            return WorkerProcess(model, self.options)
-        from mesh.split.ranks import SplitWorkerProcess
+        from mesh.split.ranks import SplitWorkerProcess, split_if_too_big
 
-        process = SplitWorkerProcess(model, self.options, self.split_mesh)
+        options = self.options
+        if options.split is None and self.split_mesh is not None:
+            split = split_if_too_big(model, options)
+            options = dataclasses.replace(options, split=split) if split else options
+        if options.split is None:
+            return WorkerProcess(model, options)
+        process = SplitWorkerProcess(model, options, self.split_mesh)
         process.on_listing = self.on_listing
         return process
 

@@ -125,7 +125,7 @@ def up_command(
         None,
         "--bridge-port",
         help="TCP port of the split ring bridge (TLS, members only) [default: mesh port + 3;"
-        " 0 = any]. Runs with --share-memory or a split model.",
+        " 0 = any]. Runs on nodes that serve a model or offer memory.",
     ),
 ) -> None:
     """Start a node: one MLX worker per --model and the OpenAI/Anthropic gateway in front."""
@@ -187,7 +187,8 @@ def up_command(
         version=__version__,
         copy=copy_config(mesh_host, mesh_port, copy_port, copy_rate),
         share_memory_bytes=int(share_memory * 1e9),
-        bridge=splitting or share_memory > 0,
+        # A node serving a model may have to split it (one too big for it, mesh/split/ranks.py)
+        bridge=splitting or share_memory > 0 or (bool(model) and not no_worker),
         bridge_port=bridge_port if bridge_port is not None else (mesh_port + 3 if mesh_port else 0),
     )
     try:

@@ -323,3 +323,19 @@ def _with_local(self_id: str, self_bytes: int, extras: int) -> list[Offer]:
         Offer(local_rank_id(self_id, k), share, f"this node, rank {k}")
         for k in range(1, extras + 1)
     ]
+
+
+FIT_SHARE = 0.75  # of a node's memory a whole model may take (macOS wires ~75% for the GPU)
+
+
+def whole_model_bytes(layout: ModelLayout, context_length: int) -> int:
+    """What serving the model unsplit costs: every layer with its KV cache, and the rest."""
+    layers = sum(
+        layout.layer_bytes[i] + layout.kv_bytes(i, context_length) for i in range(layout.num_layers)
+    )
+    return layers + layout.shared_bytes
+
+
+def fits_whole(layout: ModelLayout, context_length: int, memory_bytes: int) -> bool:
+    """Whether one node with ``memory_bytes`` can serve the model unsplit."""
+    return whole_model_bytes(layout, context_length) <= memory_bytes * FIT_SHARE

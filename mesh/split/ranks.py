@@ -34,9 +34,18 @@ from mesh.split.bridge import BridgeLink
 from mesh.split.coordinator import RemoteRank, SplitMesh, new_group_id
 from mesh.split.host import open_link
 from mesh.split.orders import RankOrder
-from mesh.split.plan import Offer, SplitPlan, choose_offers, node_of, plan_split
+from mesh.split.plan import (
+    FIT_SHARE,
+    Offer,
+    SplitPlan,
+    choose_offers,
+    fits_whole,
+    node_of,
+    plan_split,
+    whole_model_bytes,
+)
 from mesh.split.processes import free_ports, spawn_rank, stop_process
-from mesh.workers import WorkerOptions, WorkerProcess
+from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, served_name
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,7 @@ FOLLOWER_GRACE_S = 2.0  # rank 0 exits by itself this soon after a follower went
 MAX_CONTEXT = 32768  # KV reserved by default: a long-context model's full window rarely fits
 SETTLE_S = 5.0  # before the first plan: time for linked members' states (their offers) to come
 REPLAN_S = 10.0  # while waiting for memory: re-plan at least this often
+MEMORY_ENV = "MLX_MESH_MEMORY_BYTES"
 
 Listing = Callable[["SplitWorkerProcess", bool], Awaitable[None]]
 
@@ -170,12 +180,12 @@ class SplitWorkerProcess(WorkerProcess):
         remote: list[Offer] = self.mesh.offers() if self.mesh is not None else []
         offers, min_ranks = choose_offers(
             self._self_id,
-            split.share_memory_bytes or _physical_memory() // 2,
+            split.share_memory_bytes or physical_memory() // 2,
             remote,
             ranks=split.ranks,
             over=split.over,
         )
-        context = split.context_length or min(self.layout.context_length or 4096, MAX_CONTEXT)
+        context = context_for(self.layout.context_length, split)
         return plan_split(
             self.name,
             self.layout,
@@ -365,5 +375,39 @@ def _split_arg(plan: SplitPlan) -> str:
     return ",".join(str(n) for n in plan.layer_split())
 
 
-def _physical_memory() -> int:
+def context_for(layout_context: int | None, options: SplitOptions | None) -> int:
+    """The context a split reserves KV cache for."""
+    wanted = options.context_length if options is not None else None
+    return wanted or min(layout_context or 4096, MAX_CONTEXT)
+
+
+def split_if_too_big(model: str, options: WorkerOptions) -> SplitOptions | None:
+    """``mesh up --model BIG`` with no split flags: a split over the mesh's offers (as few
+    ranks as hold it) when this node cannot hold the model whole, else None. Models that are
+    no local layered decoder (a hub id, say) are served whole, as before."""
+    from worker import store
+    from worker.layout import LayoutError, read_layout
+
+    path = store.resolve_model(options.home, model)
+    try:
+        layout = read_layout(path)
+    except (LayoutError, OSError):
+        return None
+    memory = physical_memory()
+    if fits_whole(layout, context_for(layout.context_length, None), memory):
+        return None
+    log.warning(
+        "%s needs %.1f GB whole, more than this node can hold (%.0f%% of %.1f GB): "
+        "splitting it over the members that offer memory",
+        served_name(model), whole_model_bytes(layout, context_for(layout.context_length, None)) / 1e9,
+        FIT_SHARE * 100, memory / 1e9,
+    )  # fmt: skip
+    return SplitOptions(ranks=0)
+
+
+def physical_memory() -> int:
+    """This machine's memory (``MLX_MESH_MEMORY_BYTES`` pretends another size, for tests)."""
+    pretend = os.environ.get(MEMORY_ENV)
+    if pretend:
+        return int(float(pretend))
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

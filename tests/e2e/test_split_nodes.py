@@ -176,27 +176,31 @@ def stranger_is_refused(port: int) -> bool:
 
 
 @pytest.mark.timeout(600)
-def test_split_three_ways_over_the_members_that_offer_memory(tmp_path: Path) -> None:
-    """``--split 3`` with no names: the plan takes the two members that offer memory, whose
-    ranks reach each other through their own bridges (not through A)."""
+def test_a_model_too_big_for_its_node_is_split_three_ways_over_the_offers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No split flag: A (pretending to have 6 MB) cannot hold the 7 MB model whole, B and C
+    offer 3 MB each, so the plan takes all three nodes; B's and C's ranks reach each other
+    through their own bridges, not through A."""
     model = make_tiny_model(model_path(tmp_path / "a", "tiny6"), num_layers=6)
     expected = unsplit_answer(model)
-    b = Running(tmp_path / "b", "--no-worker", "--share-memory", "1")
+    b = Running(tmp_path / "b", "--no-worker", "--share-memory", "0.003")
     nodes = [b]
     try:
-        nodes.append(
-            Running(tmp_path / "c", "--no-worker", "--share-memory", "2", "--join", invite(b.home))
+        c = Running(
+            tmp_path / "c", "--no-worker", "--share-memory", "0.003", "--join", invite(b.home)
         )
-        c = nodes[-1]
+        nodes.append(c)
         wait_for(lambda: len(status(c.url)["peers"]) == 1, 30, "C linked with B")
-        nodes.append(
-            Running(tmp_path / "a", "--model", "tiny6", "--join", invite(b.home), "--split", "3")
-        )
-        a = nodes[-1]
+        monkeypatch.setenv("MLX_MESH_MEMORY_BYTES", "6e6")
+        a = Running(tmp_path / "a", "--model", "tiny6", "--join", invite(b.home))
+        monkeypatch.delenv("MLX_MESH_MEMORY_BYTES")
+        nodes.append(a)
         assert wait_for(lambda: chat(a.url), 120, "the model split three ways") == expected
         assert wait_for(lambda: chat(c.url), 30, "a forwarded route through C") == expected
         stages = status(a.url)["node"]["split"]["groups"]["tiny6"]
-        assert {s["node_id"] for s in stages} == {node_id(a.home), node_id(b.home), node_id(c.home)}
+        ids = {node_id(n.home) for n in nodes}
+        assert {s["node_id"] for s in stages} == ids
         assert len(rank_pids()) == 2
     finally:
         outs = [n.stop() for n in reversed(nodes)]
