@@ -35,6 +35,12 @@ from mesh.tunnel.frames import Data, End, ErrorCode, ResponseHead
 
 log = logging.getLogger(__name__)
 
+MAX_RANKS_HERE = 4  # groups one node runs ranks for at once, whatever the members ask
+
+
+class OfferExhausted(SplitError):
+    """The order is fine, but this node's offer has no room for it now (409, not 400)."""
+
 
 @dataclass(frozen=True)
 class BridgeAddress:
@@ -89,7 +95,7 @@ class RankHost:
             order = self._check(order_from_json(body), peer_id)
         except SplitError as exc:
             log.warning("split: refused a rank order from %s: %s", short_id(peer_id), exc)
-            await _refuse(stream, 409 if "offer" in str(exc) else 400, str(exc))
+            await _refuse(stream, 409 if isinstance(exc, OfferExhausted) else 400, str(exc))
             return
         self.ranks[order.group] = order
         try:
@@ -112,9 +118,11 @@ class RankHost:
             raise SplitError("the order does not give this node exactly its one rank")
         if order.group in self.ranks:
             raise SplitError(f"group {order.group} already runs here")
+        if len(self.ranks) >= MAX_RANKS_HERE:
+            raise OfferExhausted(f"this node's offer already runs {MAX_RANKS_HERE} ranks")
         left = self.offered_bytes - self.used_bytes
         if order.need_bytes > left:
-            raise SplitError(
+            raise OfferExhausted(
                 f"this node's offer has {_mb(left)} left of {_mb(self.offered_bytes)} "
                 f"(--share-memory), the stage needs {_mb(order.need_bytes)}"
             )

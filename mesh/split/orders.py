@@ -48,7 +48,7 @@ class RankOrder(BaseModel):
     split: list[int] = Field(min_length=2, max_length=MAX_RANKS)
     nodes: list[str] = Field(min_length=2, max_length=MAX_RANKS)
     files: list[str] = Field(default_factory=list, max_length=MAX_FILES)
-    need_bytes: int = Field(ge=0)
+    need_bytes: int = Field(ge=1)
 
     @field_validator("group")
     @classmethod
@@ -56,6 +56,17 @@ class RankOrder(BaseModel):
         if not _GROUP.match(value):
             raise ValueError("a group id is 1-64 letters, digits, '.', '_' or '-'")
         return value
+
+    @field_validator("model")
+    @classmethod
+    def _store_name(cls, value: str) -> str:
+        # A store name, never a path: a member must not make this node load from anywhere.
+        from worker.store import InvalidModelNameError, check_name
+
+        try:
+            return check_name(value)
+        except InvalidModelNameError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("split")
     @classmethod

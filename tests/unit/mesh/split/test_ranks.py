@@ -20,9 +20,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("split") / "tiny6", num_layers=6)
 
 
-def test_the_local_plan_is_shown_and_splits_every_rank(
-    model: Path, tmp_path: Path
-) -> None:
+def test_the_local_plan_is_shown_and_splits_every_rank(model: Path, tmp_path: Path) -> None:
     options = WorkerOptions(home=tmp_path, split=SplitOptions(ranks=3, share_memory_bytes=10**9))
     plan = SplitWorkerProcess(str(model), options).make_plan()
     assert plan.layer_split() == [2, 2, 2]
