@@ -85,6 +85,8 @@ class SplitWorkerProcess(WorkerProcess):
         self._waiting = asyncio.Event()
         self._waiting_why = ""
         self._first: asyncio.Task[str] | None = None
+        self._broken_why = ""
+        self._remote_plan = False  # the current plan has ranks on other nodes
 
     # ---------------------------------------------------------------- the worker's hooks
 
@@ -109,8 +111,8 @@ class SplitWorkerProcess(WorkerProcess):
             await asyncio.wait([self._first, waiting], return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiting.cancel()
-        if self._first.done():
-            self.url = self._first.result()  # a failure here fails the node's start
+        if self._first.done() and (self._first.exception() is None or not self._remote_plan):
+            self.url = self._first.result()  # a failure on this node alone fails its start
             self._supervisor = asyncio.create_task(self._supervise(), name=f"split-{self.name}")
             return self.url
         self._supervisor = asyncio.create_task(self._later(), name=f"split-{self.name}")
@@ -133,6 +135,7 @@ class SplitWorkerProcess(WorkerProcess):
         """(Re-)form the group (see the module docstring) and return rank 0's URL."""
         await self._teardown()
         plan = await self._wait_for_plan()
+        self._remote_plan = any(node_of(s.node_id) != self._self_id for s in plan.stages)
         self.group = new_group_id()
         try:
             hosts = await self._open_ring(plan)
@@ -143,7 +146,7 @@ class SplitWorkerProcess(WorkerProcess):
                 if stage.rank != 0 and node_of(stage.node_id) == self._self_id:
                     await self._start_follower(plan, stage.rank)
             self.plan = plan
-            url = await super()._spawn()
+            url = await self._spawn_rank0()
         except SplitError as exc:
             await self._teardown()
             raise NodeError(f"split model {self.name}: {exc}") from None
@@ -153,7 +156,6 @@ class SplitWorkerProcess(WorkerProcess):
         if self.mesh is not None:
             self.mesh.plans[self.name] = plan
             self.mesh.waiting.pop(self.name, None)
-        self._watch = asyncio.create_task(self._watch_group(), name=f"split-{self.name}-watch")
         await self._listing(True)
         return url
 
@@ -301,10 +303,22 @@ class SplitWorkerProcess(WorkerProcess):
 
     # ---------------------------------------------------------------- the group's life
 
-    async def _watch_group(self) -> None:
-        """A rank that exits here, or a remote rank whose stream ends, breaks the group: rank 0
-        notices on its next step and exits; if it has not within the grace (idle, or wedged),
-        it is killed, and the restart loop re-forms the group."""
+    async def _spawn_rank0(self) -> str:
+        """Rank 0, raced against the other ranks: one that ends while the group forms would
+        leave rank 0 waiting for the ring for good, so that fails the forming at once."""
+        self._watch = asyncio.create_task(self._watch_group(), name=f"split-{self.name}-watch")
+        serving = asyncio.ensure_future(super()._spawn())
+        await asyncio.wait([serving, self._watch], return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():
+            return serving.result()
+        serving.cancel()
+        await asyncio.wait([serving])
+        if self.process is not None:
+            await stop_process(self.process)
+        raise SplitError(f"a rank ended while the group formed ({self._broken_why})")
+
+    async def _group_broken(self) -> str:
+        """Until a rank other than 0 ends: why."""
         waits = [asyncio.ensure_future(f.wait()) for f in self.followers]
         waits += [asyncio.ensure_future(r.wait_exited()) for r in self.remotes]
         try:
@@ -312,9 +326,16 @@ class SplitWorkerProcess(WorkerProcess):
         finally:
             for wait in waits:
                 wait.cancel()
+        result = next(iter(done)).result()
+        return f"exit status {result}" if isinstance(result, int) else (result.why or "gone")
+
+    async def _watch_group(self) -> None:
+        """A rank that exits here, or a remote rank whose stream ends, breaks the group: rank 0
+        notices on its next step and exits; if it has not within the grace (idle, or wedged),
+        it is killed, and the restart loop re-forms the group."""
+        self._broken_why = why = await self._group_broken()
         if self._stopping:
             return
-        why = next(iter(done)).result()
         log.warning("a rank of split model %s ended (%s); re-forming the group", self.name, why)
         process = self.process
         if process is None or process.returncode is not None:
