@@ -218,6 +218,9 @@ class PeerTable:
                 "in_flight": r.state.in_flight,
                 "outstanding": r.outstanding,
                 "tok_s": r.state.tok_s,
+                # memory offered for ranks of split models, and what they use (console, status)
+                "share_memory": r.state.share_memory,
+                "share_memory_used": r.state.share_memory_used,
                 "rtt_ms": None if r.rtt_s is None else round(r.rtt_s * 1000, 2),
                 "last_seen_s": round(max(0.0, now - r.last_seen), 2),
             }

@@ -2,6 +2,7 @@
 
 import { copySummary, progressLine, readNdjson } from "./copy.js";
 import { escapeHtml, renderMarkdown } from "./markdown.js";
+import { renderSplit } from "./split.js";
 import { readSse } from "./sse.js";
 import { normaliseStatus, renderNodeTable, renderTopology } from "./topology.js";
 
@@ -335,6 +336,7 @@ function onFeedEvent({ event, data }) {
     }
     renderTopology($("#topology"), payload);
     renderNodeTable($("#nodes tbody"), payload);
+    renderSplit($("#split-section"), payload);
     renderMembers($("#members tbody"), payload.members || []);
     loadMeshModels({ soon: true }); // who holds what moves with the peers
     // A peer joining or leaving changes what can be chosen: refresh the model picker then.

@@ -2,6 +2,7 @@
 // its round-trip time. Accepts the /api/status shape loosely (field names vary by version).
 
 import { escapeHtml } from "./markdown.js";
+import { formatBytes } from "./split.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -26,6 +27,8 @@ function normaliseNode(raw, isSelf) {
     gateway: raw.gateway || raw.gateway_url || null,
     models,
     load: raw.load ?? loadOf(raw),
+    // Memory offered for ranks of split models (mesh up --share-memory), and what they use now.
+    offer: Number(raw.share_memory) > 0 ? { bytes: raw.share_memory, used: raw.share_memory_used || 0 } : null,
     rttMs: typeof rtt === "number" ? rtt : null,
     // Either an absolute time (last_seen, unix s or ms) or an age (last_seen_s, seconds ago).
     lastSeen: raw.last_seen ?? (raw.last_seen_s != null ? Date.now() / 1000 - raw.last_seen_s : null),
@@ -122,6 +125,12 @@ function ago(seconds) {
   return `${Math.round(delta / 60)} min ago`;
 }
 
+function offerNote(offer) {
+  if (!offer) return "";
+  const text = `offers ${formatBytes(offer.bytes)} (${formatBytes(offer.used)} in use)`;
+  return ` <span class="muted offer">· ${escapeHtml(text)}</span>`;
+}
+
 export function renderNodeTable(tbody, status) {
   const { self, peers } = normaliseStatus(status);
   tbody.innerHTML = [self, ...peers]
@@ -130,7 +139,7 @@ export function renderNodeTable(tbody, status) {
         <td title="${escapeHtml(n.id)}">${escapeHtml(n.name)}${n.self ? " <span class=muted>(you)</span>" : ""}</td>
         <td class="${n.state === "up" ? "ok-text" : n.state === "down" ? "bad-text" : ""}">${escapeHtml(n.state)}</td>
         <td class="num">${escapeHtml(n.addresses.join(", ") || "–")}</td>
-        <td>${escapeHtml(n.models.join(", ") || "–")}</td>
+        <td>${escapeHtml(n.models.join(", ") || "–")}${offerNote(n.offer)}</td>
         <td>${escapeHtml(describeLoad(n.load))}</td>
         <td class="num">${n.self ? "–" : n.rttMs == null ? "?" : `${n.rttMs.toFixed(1)} ms`}</td>
         <td>${n.self ? "–" : ago(n.lastSeen)}</td>

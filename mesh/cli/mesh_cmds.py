@@ -17,6 +17,7 @@ import typer
 from rich.table import Table
 
 from mesh.cli.app import HomeOption, app, console, fail, resolve_home
+from mesh.cli.split_view import split_section
 
 
 def call_node(home: Path, method: str, path: str, body: dict | None = None) -> Any:
@@ -88,7 +89,7 @@ def status_command(
     home: Path | None = HomeOption,
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON status."),
 ) -> None:
-    """Show this node and every peer: models, load, RTT, last seen, state."""
+    """Show this node and every peer (models, load, RTT, last seen, state), then split models."""
     data = call_node(resolve_home(home), "GET", "/api/status")
     if as_json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
@@ -117,3 +118,7 @@ def status_command(
             f"{peer.get('last_seen_s', 0):.1f}",
         )
     console.print(table)
+    split = split_section(data)
+    if split:
+        # Plain text: model names and sentences come from peers, never rich markup.
+        console.print(split, markup=False, highlight=False)

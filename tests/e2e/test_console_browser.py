@@ -191,6 +191,117 @@ def test_topology_and_node_table_show_this_node(page) -> None:  # type: ignore[n
     assert "tiny" in page.locator("#topology .node.self").inner_html()
     assert "tiny" in page.locator("#nodes tbody").inner_text()
     assert page.locator("#live").inner_text() == "live"
+    assert page.locator("#split-section").is_hidden()  # nothing split here: no empty section
+
+
+# ---------------------------------------------------------------- a split model's stages
+
+SELF, B, C = "a" * 64, "b1" * 32, "c2" * 32
+WHY = "HUGE needs 41.0 GB and the members offer 12.0 GB: offer more with mesh up --share-memory GB."
+
+
+def split_status() -> dict:
+    """The /api/status picture of a node heading BIG, split 3 ways (layers 0-9 on B, 10-17 on
+    C, 18-23 here), waiting for memory for HUGE, and running a rank of OTHER for C."""
+    stages = [
+        {"rank": 2, "node_id": B, "start": 0, "end": 10},
+        {"rank": 1, "node_id": C, "start": 10, "end": 18},
+        {"rank": 0, "node_id": SELF, "start": 18, "end": 24},
+    ]
+    return {
+        "node": {
+            "node_id": SELF,
+            "models": [{"name": "tiny", "stages": []}, {"name": "BIG", "stages": stages}],
+            "share_memory": 4_000_000_000,
+            "share_memory_used": 1_200_000_000,
+            "split": {
+                "share_memory": 4_000_000_000,
+                "share_memory_used": 1_200_000_000,
+                "ranks": [{"group": "g1", "model": "OTHER", "rank": 1, "head": C}],
+                "groups": {"BIG": stages},
+                "waiting": {"HUGE": WHY},
+            },
+        },
+        "peers": [
+            {"node_id": B, "state": "up", "connected": True, "models": [],
+             "share_memory": 8_000_000_000, "share_memory_used": 2_500_000_000},
+            # A peer's strings are drawn as text, never as markup.
+            {"node_id": C, "state": "up", "connected": True,
+             "models": [{"name": "<img src=x onerror=alert(1)>", "stages": [
+                 {"rank": 1, "node_id": SELF, "start": 0, "end": 1},
+                 {"rank": 0, "node_id": C, "start": 1, "end": 4}]}],
+             "share_memory": 0, "share_memory_used": 0},
+        ],
+        "workers": {"BIG": {"restarts": 0}, "HUGE": {"restarts": 0, "split": {"waiting": WHY}}},
+    }  # fmt: skip
+
+
+def test_mesh_tab_draws_a_split_models_stages_and_a_waiting_one(browser) -> None:  # type: ignore[no-untyped-def]
+    picture = split_status()
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="tiny"), ScriptedUpstream.of(name="local"))
+    server = ServerThread(create_app(directory, GatewayConfig(), status=lambda: picture))
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(10_000)
+    errors: list[str] = []
+    with server:
+        page = context.new_page()
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(server.url + "/")
+        page.click("[data-tab='mesh']")
+        page.wait_for_selector("#split-section .split[data-model='BIG']")
+
+        big = page.locator(f".split[data-model='BIG'][data-head='{SELF}']")
+        stages = big.locator(".stage")
+        assert stages.count() == 3
+        # In layer order, each naming its node (this one as "this node"), layers and rank.
+        assert [stages.nth(i).get_attribute("data-node-id") for i in range(3)] == [B, C, SELF]
+        texts = [" ".join(stages.nth(i).inner_text().split()) for i in range(3)]
+        assert texts[0] == f"{B[:8]} layers 0–9 rank 2", texts
+        assert texts[1] == f"{C[:8]} layers 10–17 rank 1", texts
+        assert texts[2] == "this node layers 18–23 rank 0 · serves", texts
+        assert "24 layers over 3 ranks, served by this node" in " ".join(big.inner_text().split())
+        # Widths follow the layer counts (10 : 8 : 6).
+        widths = [stages.nth(i).bounding_box()["width"] for i in range(3)]
+        assert widths[0] > widths[1] > widths[2], widths
+
+        waiting = page.locator(".split.waiting[data-model='HUGE']")
+        assert waiting.count() == 1  # once, though both the coordinator and the worker say it
+        assert waiting.locator(".split-why").inner_text() == WHY
+        offers = page.locator("#split-offers .tag").all_inner_texts()
+        assert offers == [
+            "this node offers 4.0 GB (1.2 GB in use)",
+            f"{B[:8]} offers 8.0 GB (2.5 GB in use)",
+        ], offers
+        assert (
+            "offers 8.0 GB (2.5 GB in use)"
+            in page.locator(f"#nodes tr[data-node-id='{B}']").inner_text()
+        )
+        ranks = " ".join(page.locator("#split-ranks").inner_text().split())
+        assert ranks == f"this node runs rank 1 of OTHER for {C[:8]}", ranks
+
+        # The peer's split model: its name is text, the stage here says "this node".
+        theirs = page.locator(f".split[data-head='{C}']")
+        assert theirs.locator(".split-head b").inner_text() == "<img src=x onerror=alert(1)>"
+        assert page.locator("#split-section img").count() == 0
+        assert theirs.locator(".stage").first.inner_text().startswith("this node")
+
+        page.locator("#split-section").screenshot(
+            path=str(SCREENSHOT.with_name("mlx-mesh-console-split.png"))
+        )
+
+        # Members offer memory: HUGE's group forms, and the page follows the status feed.
+        huge = [
+            {"rank": 1, "node_id": B, "start": 0, "end": 2},
+            {"rank": 0, "node_id": SELF, "start": 2, "end": 4},
+        ]
+        picture["node"]["models"].append({"name": "HUGE", "stages": huge})
+        picture["node"]["split"]["waiting"] = {}
+        picture["workers"]["HUGE"]["split"] = {"group": "g2", "stages": []}
+        page.wait_for_selector(".split[data-model='HUGE'] .stage")
+        assert page.locator(".split.waiting").count() == 0
+    context.close()
+    assert errors == [], f"JavaScript errors on the page: {errors}"
 
 
 def test_requests_table_fills_live(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]

@@ -110,6 +110,10 @@ def test_models_and_snapshot():
     (row,) = table.snapshot(now=1.5)
     assert row["node_id"] == "a" and row["state"] == "up" and row["rtt_ms"] == 4.0
     assert row["last_seen_s"] == 1.5 and [m["name"] for m in row["models"]] == ["m1", "m2"]
+    assert row["share_memory"] == 0 and row["share_memory_used"] == 0
+    table.on_state(_state("b", share_memory=8_000_000_000, share_memory_used=2_000_000_000), 2.0)
+    row = next(r for r in table.snapshot(now=2.0) if r["node_id"] == "b")
+    assert (row["share_memory"], row["share_memory_used"]) == (8_000_000_000, 2_000_000_000)
 
 
 # --------------------------------------------------------------------------- directory
