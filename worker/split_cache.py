@@ -89,10 +89,14 @@ class CacheLedger:
         return len(self._held)
 
     def plan(self, cache: list[Any]) -> Step:
-        """The step that makes the followers' cache for ``cache`` hold what it holds now."""
+        """The step that makes the followers' cache for ``cache`` hold what it holds now
+        (raises :class:`SplitCacheError`, changing nothing, if they cannot)."""
         self._collect()
+        cache_id, source, offset = self._place(cache[0])
         drops, self._dropped = tuple(self._dropped), []
-        first = cache[0]
+        return Step(cache_id, source, offset, drops)
+
+    def _place(self, first: Any) -> tuple[int, int, int]:
         offset = int(first.offset)
         tag = first.__dict__.get(TAG)
         if tag is None or tag.ledger is not self:
@@ -103,24 +107,23 @@ class CacheLedger:
             setattr(first, TAG, tag)
             self._holders[tag.id] = 1
             self._held[tag.id] = 0
-            return Step(tag.id, NEW, 0, drops)
-        if tag.owner is None:
-            tag.owner = weakref.ref(first)
-        elif tag.owner() is not first:
+            return tag.id, NEW, 0
+        if tag.owner is not None and tag.owner() is not first:
             raise SplitCacheError("a shallow copy of a cache (shared arrays) cannot be mirrored")
         held = self._held[tag.id]
         if offset > held:
             raise SplitCacheError(f"a cache grew behind its followers' back ({offset} > {held})")
+        tag.owner = weakref.ref(first)  # a deep copy's tag: its first run
         if self._holders[tag.id] == 1:
             self._held[tag.id] = offset
-            return Step(tag.id, KEEP, offset, drops)
+            return tag.id, KEEP, offset
         # Copy on write: the other holders keep the follower cache as it is.
         source = tag.id
         self._holders[source] -= 1
         tag.id = self._new_id()
         self._holders[tag.id] = 1
         self._held[tag.id] = offset
-        return Step(tag.id, source, offset, drops)
+        return tag.id, source, offset
 
     def ran(self, step: Step, tokens: int) -> None:
         """The followers ran ``tokens`` more on ``step.cache``."""

@@ -101,6 +101,21 @@ def test_what_the_followers_cannot_reproduce_is_refused() -> None:
         FollowerCaches(fresh).prepare(ledger.plan(cache))
 
 
+def test_a_refused_step_keeps_the_drops_for_the_next() -> None:
+    ledger, follower = CacheLedger(), FollowerCaches(fresh)
+    kept, gone = fresh(), fresh()
+    run(ledger, follower, kept, [1])
+    run(ledger, follower, gone, [2])
+    del gone
+    gc.collect()
+    foreign = fresh()
+    foreign[0].tokens.append(1)
+    with pytest.raises(SplitCacheError):
+        ledger.plan(foreign)
+    step, _ = run(ledger, follower, kept, [3])
+    assert len(step.drops) == 1 and len(follower) == 1
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("new"), st.integers(0, 9)),

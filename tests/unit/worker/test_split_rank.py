@@ -1,5 +1,6 @@
-"""Rank 0's side of a split, in one process: the per-step deadline (pure core) and the caches a
-leader refuses because its followers could not mirror them."""
+"""Rank 0's side of a split, in one process: the per-step deadline (pure core), the caches a
+leader refuses because its followers could not mirror them, and the real engine's cache
+operations mirrored by an in-process follower (worker/split_cache.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from worker.engine_types import Failed, Finished, GenerationRequest
 from worker.sampling import SamplingParams
 from worker.split_cache import FollowerCaches, Step
 from worker.split_rank import LeaderModel, Lockstep, Op, SplitRankError, StepWatch, leader_config
-from worker.testing import make_tiny_model, wait_until
+from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
 
 
 def test_a_step_is_overdue_only_past_its_deadline() -> None:
@@ -118,10 +119,8 @@ class CheckedLeader(LeaderModel):
         return out
 
 
-async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) -> None:
-    """The real engine, as rank 0 runs it, with its prompt cache and shared prefills: every
-    forward pass's cache on the follower side equals rank 0's; later turns reuse the earlier
-    ones' KV; the follower keeps no more caches than rank 0 does."""
+def mirrored_engine(model_dir: Path) -> tuple[Engine, MirrorLockstep]:
+    """An engine with rank 0's settings whose model is a :class:`CheckedLeader`."""
     from mlx_lm.utils import load_tokenizer
 
     lockstep = MirrorLockstep()
@@ -131,8 +130,16 @@ async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) 
         lockstep.model = model
         return CheckedLeader(model, lockstep), load_tokenizer(Path(path)), config
 
-    engine = Engine(str(tiny_model_dir), config=leader_config([2], 1 << 30), loader=load)
+    engine = Engine(str(model_dir), config=leader_config([2], 1 << 30), loader=load)
     engine.start(timeout=60)
+    return engine, lockstep
+
+
+async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) -> None:
+    """The real engine, as rank 0 runs it, with its prompt cache and shared prefills: every
+    forward pass's cache on the follower side equals rank 0's; later turns reuse the earlier
+    ones' KV; the follower keeps no more caches than rank 0 does."""
+    engine, lockstep = mirrored_engine(tiny_model_dir)
     try:
         leader = engine._model
         greedy = SamplingParams(temperature=0.0)
@@ -157,6 +164,25 @@ async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) 
         engine.discard_prompt_cache()
         await _run(engine, GenerationRequest([1, 2, 3], 2, greedy))
         assert len(lockstep.followers) == 1
+    finally:
+        engine.close()
+
+
+async def test_rotating_caches_mirror_too(tmp_path: Path) -> None:
+    """gemma3's sliding layers (``RotatingKVCache``, window 4): past the window a cache can no
+    longer be trimmed, on rank 0 as on the followers; a next turn that extends the whole first
+    one still reuses it, and two prompts that share a long prefix still fork."""
+    engine, lockstep = mirrored_engine(make_tiny_gemma3_model(tmp_path / "g", num_layers=3))
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        job, _ = await _run(engine, GenerationRequest(list(range(5, 30)), 5, greedy))
+        _, second = await _run(engine, GenerationRequest([*job.held, 3, 4], 5, greedy))
+        assert second.cached_tokens == len(job.held)
+        shared = list(range(100, 140))
+        both = [GenerationRequest([*shared, n], 4, greedy) for n in (1, 2)]
+        for _, done in await asyncio.gather(*(_run(engine, r) for r in both)):
+            assert done.completion_tokens == 4
+        assert len(lockstep.followers) == len(engine._model.ledger)
     finally:
         engine.close()
 
