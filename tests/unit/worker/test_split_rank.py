@@ -85,6 +85,13 @@ def test_the_leader_runs_its_own_caches_and_refuses_foreign_ones(leader: LeaderM
         leader(mx.array([[1], [2]]), cache=make_prompt_cache(leader))  # a batch
 
 
+def test_rank_0_gets_the_budget_of_the_rank_with_the_most_layers() -> None:
+    """Rank 0 weighs only its own layers' KV; a follower holds the same entries for its."""
+    config = leader_config([2, 4, 1], 1200)
+    assert config.prompt_cache_bytes == 600
+    assert not config.batching and config.share_prefill
+
+
 class MirrorLockstep(Lockstep):
     """A group of one whose "follower" is in this process: it applies every announced step to
     caches of its own and runs the pass on them with the same (whole) model."""
