@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from worker.engine import Engine
-from worker.engine_types import Failed, Finished, GenerationRequest
+from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
 from worker.split_cache import FollowerCaches, Step
 from worker.split_rank import LeaderModel, Lockstep, Op, SplitRankError, StepWatch, leader_config
@@ -167,6 +167,17 @@ async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) 
         assert engine.stats.shared_prefills >= 1
         assert all(done.completion_tokens == 5 for _, done in results)
         assert len(leader.ledger) <= len(engine._store)
+        # A client that leaves mid-answer: what its cache holds is kept, and a retry of the
+        # same conversation reuses it.
+        left = list(range(200, 230))
+        job = engine.submit(GenerationRequest(left, 1000, greedy))
+        async for event in job.events():
+            if isinstance(event, TokenChunk) and event.completion_tokens >= 3:
+                engine.cancel(job)
+                break
+        await wait_until(lambda: "cache_kept" in engine.stats.events_for(job.id))
+        _, retry = await _run(engine, GenerationRequest([*left, 1], 3, greedy))
+        assert retry.cached_tokens == len(left)
         # Rank 0 lets go of everything: so do the followers, at the next step.
         engine.discard_prompt_cache()
         await _run(engine, GenerationRequest([1, 2, 3], 2, greedy))
