@@ -1,16 +1,18 @@
 """A split rank: one process of a pipeline-split model, stepping in lockstep with the others.
 
-Rank 0 leads: before each forward pass it broadcasts a command (``RESET``: a new sequence,
-fresh caches; ``FORWARD`` these tokens; ``STOP``) to every rank with an ``all_sum``, then all
-ranks run that forward pass (``worker.pipeline`` moves the activations between them). Only rank
-0 computes logits and samples; the sampled token is in its next ``FORWARD``. The other ranks
-follow (:func:`follow`) and evaluate only their caches.
+Rank 0 leads: before each forward pass it broadcasts a command (``FORWARD`` these tokens on
+this cache, or ``STOP``) to every rank with an ``all_sum``, then all ranks run that forward pass
+(``worker.pipeline`` moves the activations between them). Only rank 0 computes logits and
+samples; the sampled token is in its next ``FORWARD``. The other ranks follow (:func:`follow`)
+and evaluate only their caches. Each rank keeps a KV cache per cache rank 0 holds (a running
+request's, the prompt cache's entries): the command says which one a pass runs on and how
+rank 0's engine copied, trimmed or dropped caches since (worker/split_cache.py), so the prompt
+cache and shared prefills work as on an unsplit worker.
 
 Rank 0 either serves the normal worker HTTP API (``--serve``: the real :class:`Engine`, whose
 model is a :class:`LeaderModel` that announces each forward pass) or, for tests and benchmarks,
 runs :func:`generate` over ``--prompts`` (a JSON list of token-id lists; one ``{"tokens": …}``
-line each). Split serving is one request at a time with no prompt-cache reuse: the followers'
-caches mirror rank 0's only while rank 0's engine never copies, trims or batches them.
+line each). Split serving runs one sequence at a time (no batching: :func:`leader_config`).
 
 Started as ``python -m worker.split_rank --model DIR --split 3,3 [--serve --port N]`` with the
 ring backend's ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON file: per rank, a list of ``"ip:port"``
@@ -37,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from worker.pipeline import Slice, Wrapper, materialize, slice_model
+from worker.split_cache import KEEP, CacheLedger, FollowerCaches, SplitCacheError, Step
 
 log = logging.getLogger(__name__)
 
@@ -46,36 +49,48 @@ BROKEN_GRACE_S = 1.0  # rank 0 exits this long after the ring broke: its error e
 
 
 class SplitRankError(Exception):
-    """Rank 0 was asked for something the followers cannot mirror (a reused or batched cache)."""
+    """Rank 0 was asked for something the followers cannot mirror (a batch, a shallow copy)."""
 
 
 class Op(IntEnum):
     STOP = 0
-    RESET = 1
     FORWARD = 2
+
+
+HEADER = 6  # op, cache id, source, offset, drops, tokens
 
 
 class Lockstep:
     """The command channel of a split group: rank 0 sends, every other rank receives.
 
-    With no group (or a group of one) sending is a no-op: the same loop serves the unsplit
-    reference."""
+    A forward pass is two ``all_sum``s: a fixed header (the :class:`Step`: which follower cache,
+    copied from which, trimmed to how many tokens, how many drops and tokens follow) and one
+    payload (the drops, then the tokens). With no group (or a group of one) sending is a no-op:
+    the same loop serves the unsplit reference."""
 
     def __init__(self, group: mx.distributed.Group | None) -> None:
         self.group = group if group is not None and group.size() > 1 else None
 
-    def send(self, op: Op, tokens: Sequence[int] = ()) -> None:
+    def send(self, op: Op, step: Step | None = None, tokens: Sequence[int] = ()) -> None:
         if self.group is None:
             return
-        self._sum(mx.array([int(op), len(tokens)], dtype=mx.int32))
-        if tokens:
-            self._sum(mx.array(list(tokens), dtype=mx.int32))
+        step = step or Step(0, KEEP, 0)
+        drops = list(step.drops)
+        header = [int(op), step.cache, step.source, step.offset, len(drops), len(tokens)]
+        self._sum(mx.array(header, dtype=mx.int32))
+        if drops or tokens:
+            self._sum(mx.array([*drops, *tokens], dtype=mx.int32))
 
-    def receive(self) -> tuple[Op, list[int]]:
+    def receive(self) -> tuple[Op, Step, list[int]]:
         assert self.group is not None, "only ranks of a split group receive"
-        op, count = self._sum(mx.zeros((2,), dtype=mx.int32)).tolist()
-        tokens = self._sum(mx.zeros((count,), dtype=mx.int32)).tolist() if count else []
-        return Op(op), tokens
+        header = self._ints(mx.zeros((HEADER,), dtype=mx.int32))
+        op, cache, source, offset, drops, count = header
+        payload = self._ints(mx.zeros((drops + count,), dtype=mx.int32)) if drops + count else []
+        step = Step(cache, source, offset, tuple(payload[:drops]))
+        return Op(op), step, payload[drops:]
+
+    def _ints(self, x: mx.array) -> list[int]:
+        return [int(v) for v in self._sum(x).tolist()]  # type: ignore[union-attr, arg-type]
 
     def _sum(self, x: mx.array) -> mx.array:
         out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
@@ -156,8 +171,9 @@ class StepWatch:
 
 class LeaderModel(Wrapper):
     """Rank 0's model as the engine sees it: each forward pass is announced to the followers
-    first (a new cache list is a new sequence), then run. Everything else (``layers``,
-    ``make_cache``, parameters) is the wrapped model's."""
+    first, as a :class:`Step` of the group's :class:`CacheLedger` (worker/split_cache.py: which
+    of their caches it runs on, copied and trimmed how), then run. Everything else
+    (``layers``, ``make_cache``, parameters) is the wrapped model's."""
 
     def __init__(
         self, model: nn.Module, lockstep: Lockstep, watch: StepWatch | None = None
@@ -165,29 +181,22 @@ class LeaderModel(Wrapper):
         super().__init__(model)
         object.__setattr__(self, "_lockstep", lockstep)
         object.__setattr__(self, "_watch", watch)
-        object.__setattr__(self, "_sequence", 0)
-        object.__setattr__(self, "_held", 0)
+        object.__setattr__(self, "ledger", CacheLedger())
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         if cache is None or kwargs.get("input_embeddings") is not None or inputs.shape[0] != 1:
             raise SplitRankError("a split model runs one token sequence at a time, with a cache")
-        offset = int(cache[0].offset)
-        if getattr(cache[0], "_split_sequence", None) != self._sequence:
-            if offset:
-                raise SplitRankError("a split model cannot reuse a cache its followers lack")
-            object.__setattr__(self, "_sequence", self._sequence + 1)
-            object.__setattr__(self, "_held", 0)
-            cache[0]._split_sequence = self._sequence
-            self._lockstep.send(Op.RESET)
-        elif offset != self._held:
-            raise SplitRankError("a split model's cache was trimmed behind its followers' back")
+        try:
+            step = self.ledger.plan(cache)
+        except SplitCacheError as exc:
+            raise SplitRankError(f"a split model cannot run this cache: {exc}") from exc
         tokens = inputs[0].tolist()  # waits for the sampled token: the followers need its value
         watch = self._watch
         if watch is not None:
             watch.begin(len(tokens))
         try:
-            self._lockstep.send(Op.FORWARD, tokens)
-            object.__setattr__(self, "_held", self._held + len(tokens))
+            self._lockstep.send(Op.FORWARD, step, tokens)
+            self.ledger.ran(step, len(tokens))
             out = self.inner(inputs, cache=cache)
             # The whole pipeline's round trip, here, under the step's deadline.
             mx.eval([c.state for c in cache])
@@ -209,8 +218,7 @@ def forward(model: nn.Module, cache: list, tokens: Sequence[int]) -> mx.array:
 
 
 def generate(
-    model: nn.Module,
-    lockstep: Lockstep,
+    leader: LeaderModel,
     prompt: Sequence[int],
     *,
     max_tokens: int,
@@ -219,20 +227,17 @@ def generate(
     prefill_step: int = 512,
     timings: dict[str, float] | None = None,
 ) -> list[int]:
-    """Rank 0's side of one request, the simple loop: prefill in chunks, decode greedily (or
-    with ``sampler``) token by token. ``timings`` gets ``ttft_s`` (to the first token) and
-    ``decode_s`` (the rest)."""
+    """Rank 0's side of one request, the simple loop (a fresh cache; each pass announced by
+    ``leader``): prefill in chunks, decode greedily (or with ``sampler``) token by token.
+    ``timings`` gets ``ttft_s`` (to the first token) and ``decode_s`` (the rest)."""
     started = time.perf_counter()
     from mlx_lm.models.cache import make_prompt_cache
 
     sample = sampler or (lambda logits: mx.argmax(logits, axis=-1))
-    lockstep.send(Op.RESET)
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(leader)
     logits = None
     for i in range(0, len(prompt), prefill_step):
-        chunk = prompt[i : i + prefill_step]
-        lockstep.send(Op.FORWARD, chunk)
-        logits = forward(model, cache, chunk)
+        logits = forward(leader, cache, prompt[i : i + prefill_step])
     if logits is None:
         raise SplitRankError("an empty prompt")
     out: list[int] = []
@@ -246,26 +251,26 @@ def generate(
             timings["decode_s"] = now - started - timings["ttft_s"]
         if token in eos or len(out) >= max_tokens:
             return out
-        lockstep.send(Op.FORWARD, [token])
-        logits = forward(model, cache, [token])
+        logits = forward(leader, cache, [token])
 
 
 def follow(model: nn.Module, lockstep: Lockstep) -> None:
-    """A rank other than 0: run the forward passes rank 0 announces until it says ``STOP``.
-    Only the caches are evaluated (the send to the next rank hangs off the last one)."""
+    """A rank other than 0: run the forward passes rank 0 announces until it says ``STOP``,
+    each on the cache its step names (copied, trimmed, freed as rank 0's were:
+    worker/split_cache.py). Only the caches are evaluated (the send to the next rank hangs off
+    the last one)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    caches = FollowerCaches(lambda: make_prompt_cache(model))
     while True:
-        op, tokens = lockstep.receive()
+        op, step, tokens = lockstep.receive()
         if op is Op.STOP:
             return
-        if op is Op.RESET:
-            cache = make_prompt_cache(model)
-            mx.clear_cache()
-        else:
-            model(mx.array([tokens]), cache=cache)
-            mx.eval([c.state for c in cache])
+        cache = caches.prepare(step)
+        if step.drops:
+            mx.clear_cache()  # hand the freed caches' buffers back, as rank 0's engine does
+        model(mx.array([tokens]), cache=cache)
+        mx.eval([c.state for c in cache])
 
 
 def load_slice(
@@ -309,19 +314,17 @@ def make_leader_loader(
 def serve_leader(
     args: argparse.Namespace, group: mx.distributed.Group, split: Sequence[int]
 ) -> None:
-    """Rank 0 with ``--serve``: the real engine (one request at a time, no prompt-cache
-    reuse) behind the normal worker HTTP app."""
+    """Rank 0 with ``--serve``: the real engine behind the normal worker HTTP app, with its
+    prompt cache and shared prefills (the followers mirror every cache it keeps, copies, trims
+    and drops: worker/split_cache.py), one sequence at a time (see :func:`leader_config`)."""
     from worker.app import serve
     from worker.engine import Engine
-    from worker.engine_types import EngineConfig
     from worker.net import SECRET_ENV
 
     lockstep = Lockstep(group)
     watch = StepWatch(args.step_deadline_s, args.step_deadline_per_token_s, _exit_broken)
     watch.start()
-    # No forks from a running sibling's KV either (worker/shared_prefill.py): a fork copies
-    # and trims rank 0's cache, which the followers, mirroring each forward pass, never see.
-    config = EngineConfig(prompt_cache_bytes=0, batching=False, share_prefill=False)
+    config = leader_config(split, int(args.prompt_cache_gb * (1 << 30)))
     engine = Engine(
         args.model,
         name=args.name,
@@ -337,6 +340,23 @@ def serve_leader(
         lockstep.send(Op.STOP)
 
 
+def leader_config(split: Sequence[int], prompt_cache_bytes: int) -> Any:
+    """Rank 0's engine settings.
+
+    The prompt cache's budget is each rank's: rank 0 measures only its own layers' KV, and a
+    follower holds the same entries for its layers, so rank 0's store gets the budget scaled by
+    its share of the largest slice (a follower with twice rank 0's layers then holds about the
+    budget, rank 0 half of it).
+
+    No batching: mlx-lm's ``BatchGenerator`` merges, extends, filters and extracts its batch's
+    rows inside its own loop, where rank 0 cannot announce them to the followers (README, Split
+    serving). Concurrent requests run one after another (worker/sequential.py)."""
+    from worker.engine_types import EngineConfig
+
+    scaled = prompt_cache_bytes * split[0] // max(split)
+    return EngineConfig(prompt_cache_bytes=scaled, batching=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker.split_rank")
     parser.add_argument("--model", required=True, help="an MLX model directory")
@@ -350,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--name", default=None, help="model name to serve as")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false")
+    parser.add_argument(
+        "--prompt-cache-gb",
+        type=float,
+        default=2.0,
+        help="rank 0: each rank's prompt-cache budget (0: no reuse), as the worker's",
+    )
     parser.add_argument(
         "--step-deadline-s", type=float, default=3.0, help="rank 0: most seconds a step may take"
     )
@@ -380,13 +406,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, _, part, layer_bytes = load_slice(args.model, group, split)
     lockstep = Lockstep(group)
     if rank == 0:
+        leader = LeaderModel(model, lockstep)
         eos = eos_ids(Path(args.model))
         prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else []
         for prompt in prompts:
             timings: dict[str, float] = {}
             tokens = generate(
-                model,
-                lockstep,
+                leader,
                 prompt,
                 max_tokens=args.max_tokens,
                 eos=eos,
@@ -400,6 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             follow(model, lockstep)
         except RuntimeError as exc:  # the ring backend's only error: a peer is gone
             print(f"split rank {rank}: the group broke ({exc})", file=sys.stderr, flush=True)
+            return GROUP_BROKEN
+        except SplitCacheError as exc:  # a bug: leave, so the group is re-formed from scratch
+            print(f"split rank {rank}: {exc}", file=sys.stderr, flush=True)
             return GROUP_BROKEN
     _report(rank, part, layer_bytes)
     return 0

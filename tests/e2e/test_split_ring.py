@@ -80,13 +80,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def unsplit(model: Path) -> tuple[list[list[int]], int]:
     """The reference, in this process: the same loop, the whole model, no group."""
-    from worker.split_rank import Lockstep, eos_ids, generate, load_slice
+    from worker.split_rank import LeaderModel, Lockstep, eos_ids, generate, load_slice
 
     whole, _, _, weights = load_slice(model, None, None)
+    leader = LeaderModel(whole, Lockstep(None))
     outputs = [
-        generate(
-            whole, Lockstep(None), p, max_tokens=MAX_TOKENS, eos=eos_ids(model), prefill_step=4
-        )
+        generate(leader, p, max_tokens=MAX_TOKENS, eos=eos_ids(model), prefill_step=4)
         for p in PROMPTS
     ]
     return outputs, weights

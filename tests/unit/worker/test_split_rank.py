@@ -1,17 +1,26 @@
-"""Rank 0's side of a split, in one process: the per-step deadline (pure core) and the caches a
-leader refuses because its followers could not mirror them."""
+"""Rank 0's side of a split, in one process: the per-step deadline (pure core), the caches a
+leader refuses because its followers could not mirror them, and the real engine's cache
+operations mirrored by an in-process follower (worker/split_cache.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from worker.split_rank import LeaderModel, Lockstep, SplitRankError, StepWatch
-from worker.testing import make_tiny_model
+from worker.engine import Engine
+from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
+from worker.sampling import SamplingParams
+from worker.split_cache import FollowerCaches, Step
+from worker.split_rank import LeaderModel, Lockstep, Op, SplitRankError, StepWatch, leader_config
+from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
 
 
 def test_a_step_is_overdue_only_past_its_deadline() -> None:
@@ -61,19 +70,150 @@ def leader(tmp_path_factory: pytest.TempPathFactory) -> LeaderModel:
     return LeaderModel(model, Lockstep(None))
 
 
-def test_the_leader_runs_fresh_caches_and_refuses_foreign_ones(leader: LeaderModel) -> None:
+def test_the_leader_runs_its_own_caches_and_refuses_foreign_ones(leader: LeaderModel) -> None:
     cache = make_prompt_cache(leader)
     mx.eval(leader(mx.array([[1, 2, 3]]), cache=cache))
+    cache[0].trim(1)  # trims and copies are the followers' to mirror now
     mx.eval(leader(mx.array([[4]]), cache=cache))
-    assert cache[0].offset == 4
-    # A cache that already holds tokens but was never run by this leader (a prompt-cache hit).
+    assert cache[0].offset == 3
+    # A cache that already holds tokens but was never run by this leader.
     foreign = make_prompt_cache(leader)
     mx.eval(leader.inner(mx.array([[1, 2]]), cache=foreign))
-    with pytest.raises(SplitRankError, match="cannot reuse"):
+    with pytest.raises(SplitRankError, match="never saw"):
         leader(mx.array([[3]]), cache=foreign)
-    # The running cache trimmed behind the followers' back.
-    cache[0].trim(1)
-    with pytest.raises(SplitRankError, match="trimmed"):
-        leader(mx.array([[5]]), cache=cache)
     with pytest.raises(SplitRankError):
         leader(mx.array([[1], [2]]), cache=make_prompt_cache(leader))  # a batch
+
+
+def test_rank_0_gets_the_budget_of_the_rank_with_the_most_layers() -> None:
+    """Rank 0 weighs only its own layers' KV; a follower holds the same entries for its."""
+    config = leader_config([2, 4, 1], 1200)
+    assert config.prompt_cache_bytes == 600
+    assert not config.batching and config.share_prefill
+
+
+class MirrorLockstep(Lockstep):
+    """A group of one whose "follower" is in this process: it applies every announced step to
+    caches of its own and runs the pass on them with the same (whole) model."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.model: Any = None
+        self.followers = FollowerCaches(lambda: make_prompt_cache(self.model))
+        self.last: list[Any] = []
+
+    def send(self, op: Op, step: Step | None = None, tokens: Sequence[int] = ()) -> None:
+        if op is Op.FORWARD:
+            assert step is not None
+            self.last = self.followers.prepare(step)
+            self.model(mx.array([list(tokens)]), cache=self.last)
+            mx.eval([c.state for c in self.last])
+
+
+class CheckedLeader(LeaderModel):
+    """After every pass: the follower's cache holds exactly rank 0's keys and values."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        out = super().__call__(inputs, cache=cache, **kwargs)
+        lockstep = self._lockstep
+        mirror = lockstep.last
+        # Those rank 0 let go of were freed before the pass: no more caches than rank 0's.
+        assert len(lockstep.followers) == len(self.ledger)
+        for ours, theirs in zip(cache, mirror, strict=True):
+            assert ours.offset == theirs.offset
+            for a, b in zip(ours.state, theirs.state, strict=True):
+                assert mx.array_equal(a, b).item()
+        return out
+
+
+def mirrored_engine(model_dir: Path) -> tuple[Engine, MirrorLockstep]:
+    """An engine with rank 0's settings whose model is a :class:`CheckedLeader`."""
+    from mlx_lm.utils import load_tokenizer
+
+    lockstep = MirrorLockstep()
+
+    def load(path: str) -> tuple[Any, Any, dict[str, Any]]:
+        model, config = load_model(Path(path))
+        lockstep.model = model
+        return CheckedLeader(model, lockstep), load_tokenizer(Path(path)), config
+
+    engine = Engine(str(model_dir), config=leader_config([2], 1 << 30), loader=load)
+    engine.start(timeout=60)
+    return engine, lockstep
+
+
+async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) -> None:
+    """The real engine, as rank 0 runs it, with its prompt cache and shared prefills: every
+    forward pass's cache on the follower side equals rank 0's; later turns reuse the earlier
+    ones' KV; the follower keeps no more caches than rank 0 does."""
+    engine, lockstep = mirrored_engine(tiny_model_dir)
+    try:
+        leader = engine._model
+        greedy = SamplingParams(temperature=0.0)
+        turn1 = list(range(5, 45))
+        job, first = await _run(engine, GenerationRequest(turn1, 6, greedy))
+        assert first.cached_tokens == 0
+        held = job.held
+        # The next turn extends the first conversation: its KV is reused (a copy of it).
+        _, second = await _run(engine, GenerationRequest([*held, 7, 8, 9], 6, greedy))
+        assert second.cached_tokens == len(held)
+        # A prompt that leaves the first turn half way: a trimmed copy.
+        _, third = await _run(engine, GenerationRequest([*turn1[:20], 99, 98], 4, greedy))
+        assert third.cached_tokens == 20
+        # Two at once with one long prompt: the second forks the first's prefill.
+        shared = list(range(100, 160))
+        both = [GenerationRequest([*shared, n], 5, greedy) for n in (1, 2)]
+        results = await asyncio.gather(*(_run(engine, r) for r in both))
+        assert engine.stats.shared_prefills >= 1
+        assert all(done.completion_tokens == 5 for _, done in results)
+        assert len(leader.ledger) <= len(engine._store)
+        # A client that leaves mid-answer: what its cache holds is kept, and a retry of the
+        # same conversation reuses it.
+        left = list(range(200, 230))
+        job = engine.submit(GenerationRequest(left, 1000, greedy))
+        async for event in job.events():
+            if isinstance(event, TokenChunk) and event.completion_tokens >= 3:
+                engine.cancel(job)
+                break
+        await wait_until(lambda: "cache_kept" in engine.stats.events_for(job.id))
+        _, retry = await _run(engine, GenerationRequest([*left, 1], 3, greedy))
+        assert retry.cached_tokens == len(left)
+        # Rank 0 lets go of everything: so do the followers, at the next step.
+        engine.discard_prompt_cache()
+        await _run(engine, GenerationRequest([1, 2, 3], 2, greedy))
+        assert len(lockstep.followers) == 1
+    finally:
+        engine.close()
+
+
+async def test_rotating_caches_mirror_too(tmp_path: Path) -> None:
+    """gemma3's sliding layers (``RotatingKVCache``, window 4): past the window a cache can no
+    longer be trimmed, on rank 0 as on the followers; a next turn that extends the whole first
+    one still reuses it, and two prompts that share a long prefix still fork."""
+    engine, lockstep = mirrored_engine(make_tiny_gemma3_model(tmp_path / "g", num_layers=3))
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        job, _ = await _run(engine, GenerationRequest(list(range(5, 30)), 5, greedy))
+        _, second = await _run(engine, GenerationRequest([*job.held, 3, 4], 5, greedy))
+        assert second.cached_tokens == len(job.held)
+        shared = list(range(100, 140))
+        both = [GenerationRequest([*shared, n], 4, greedy) for n in (1, 2)]
+        for _, done in await asyncio.gather(*(_run(engine, r) for r in both)):
+            assert done.completion_tokens == 4
+        assert len(lockstep.followers) == len(engine._model.ledger)
+    finally:
+        engine.close()
+
+
+async def _run(engine: Engine, request: GenerationRequest) -> tuple[Any, Finished]:
+    """A job to its end, committed as the HTTP layer does; ``job.held``: the tokens its cache
+    holds (the prompt and what it generated)."""
+    job = engine.submit(request)
+    async for event in job.events():
+        if isinstance(event, Finished):
+            job.held = engine._pending[job.id].tokens
+            engine.commit(job)
+            await wait_until(lambda: job.id not in engine._pending)
+            return job, event
+        assert not isinstance(event, Failed), event
+    raise AssertionError("no terminal event")
