@@ -88,6 +88,11 @@ class SplitPlan:
     def by_rank(self) -> tuple[Stage, ...]:
         return tuple(sorted(self.stages, key=lambda s: s.rank))
 
+    def headroom_bytes(self) -> int:
+        """What the tightest rank has left of its offer after its stage: room for the prompt
+        cache's entries, which every rank holds for its own layers."""
+        return max(0, min(s.offered_bytes - s.total_bytes for s in self.stages))
+
     def layer_split(self) -> list[int]:
         """Layers per rank, indexed by rank: the ``split`` argument of mlx-lm's ``pipeline()``."""
         return [s.layers for s in self.by_rank()]

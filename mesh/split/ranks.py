@@ -54,6 +54,7 @@ MAX_CONTEXT = 32768  # KV reserved by default: a long-context model's full windo
 SETTLE_S = 5.0  # before the first plan: time for linked members' states (their offers) to come
 REPLAN_S = 10.0  # while waiting for memory: re-plan at least this often
 MEMORY_ENV = "MLX_MESH_MEMORY_BYTES"
+PROMPT_CACHE_BYTES = 2 << 30  # the worker's default prompt-cache budget
 
 Listing = Callable[["SplitWorkerProcess", bool], Awaitable[None]]
 
@@ -97,6 +98,7 @@ class SplitWorkerProcess(WorkerProcess):
             "--model", self.path, "--name", self.name, "--split", _split_arg(self.plan),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--step-deadline-s", str(self.options.split.step_deadline_s),
+            "--prompt-cache-gb", f"{prompt_cache_bytes(self.plan) / (1 << 30):.6f}",
         ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:
@@ -390,6 +392,12 @@ class SplitWorkerProcess(WorkerProcess):
                 ],
             }
         }
+
+
+def prompt_cache_bytes(plan: SplitPlan) -> int:
+    """Each rank's prompt-cache budget: the worker's default (2 GiB), at most what the
+    tightest rank's offer has left after its stage (the plan reserved nothing for it)."""
+    return min(PROMPT_CACHE_BYTES, plan.headroom_bytes())
 
 
 def _split_arg(plan: SplitPlan) -> str:

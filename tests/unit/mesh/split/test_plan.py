@@ -194,3 +194,12 @@ def test_the_same_offers_in_any_order_give_the_same_plan(offers: list[Offer]) ->
     )
     assert plan == reference
     assert [s.node_id for s in plan.stages] == ["b", "a", "c", "h"]
+
+
+def test_headroom_is_what_the_tightest_rank_has_left() -> None:
+    layout = make_layout([10 * MB] * 4)
+    plan = plan_split(
+        "m", layout, [Offer("a", 30 * MB), Offer("b", 25 * MB)], head="a", context_length=16
+    )
+    assert plan.headroom_bytes() == min(s.offered_bytes - s.total_bytes for s in plan.stages)
+    assert plan.headroom_bytes() == 5 * MB  # each holds two 10 MB layers
