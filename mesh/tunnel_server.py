@@ -48,8 +48,9 @@ class TunnelServer:
 
     local: ModelDirectory
     responses: LocalResponses | None = None  # this node's stored Responses, for peers to fetch
-    # More paths (path → handler(stream, body, peer_id)): the split rank orders.
-    handlers: dict[str, Callable[[Any, bytes, str], Awaitable[None]]] = field(default_factory=dict)
+    # More paths (path → handler(stream, peer_id), called after the RequestHead): the split
+    # rank orders, whose request body goes on for the stream's life.
+    handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = field(default_factory=dict)
     retry_backoff_s: float = 0.75
     max_concurrent: int = 64
     active: int = field(default=0, init=False)
@@ -71,6 +72,10 @@ class TunnelServer:
         if not isinstance(head, RequestHead):
             stream.reset(ErrorCode.PROTOCOL)
             return
+        handler = self.handlers.get(head.path)
+        if handler is not None:  # a stream of its own kind: it reads its body itself
+            await handler(stream, peer_id)
+            return
         body = bytearray()
         while True:
             frame = await stream.recv()
@@ -83,10 +88,6 @@ class TunnelServer:
                 break
         if head.path == response_relay.RESPONSES_PATH and self.responses is not None:
             await response_relay.serve(stream, bytes(body), self.responses)
-            return
-        handler = self.handlers.get(head.path)
-        if handler is not None:
-            await handler(stream, bytes(body), peer_id)
             return
         if head.path != CHAT_PATH:
             await _refuse(stream, 404, f"unknown path {head.path}")

@@ -16,7 +16,7 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,10 @@ class WorkerProcess:
         """More for ``mesh status`` (a split model's stages)."""
         return {}
 
+    def _on_output(self, line: str) -> bool:
+        """A line of the worker's output meant for the node, not the log (split rank 0's)."""
+        return False
+
     def _command(self) -> list[str]:
         return [
             self.options.python, "-m", "worker",
@@ -133,11 +137,15 @@ class WorkerProcess:
         tail: list[str] = []
         async with asyncio.timeout(self.options.ready_timeout_s):
             while line := (await process.stdout.readline()).decode(errors="replace"):
+                if self._on_output(line.rstrip()):
+                    continue
                 tail = [*tail[-20:], line.rstrip()]
                 if line.startswith("worker listening on "):
                     url = line.split()[3]
                     self.port = int(url.rsplit(":", 1)[1])
-                    self._output = asyncio.create_task(_forward(process.stdout, self.name))
+                    self._output = asyncio.create_task(
+                        _forward(process.stdout, self.name, self._on_output)
+                    )
                     if self.client is None:
                         self.client = WorkerClient(url, self.name, secret=self.secret)
                     if not await self.client.wait_ready(lambda: process.returncode is None):
@@ -281,6 +289,12 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-async def _forward(stream: asyncio.StreamReader, name: str) -> None:
+async def _forward(
+    stream: asyncio.StreamReader, name: str, on_line: Callable[[str], bool] | None = None
+) -> None:
+    """Log a child's output; ``on_line`` may take a line as a message to the node (True)."""
     while line := await stream.readline():
-        log.info("[worker %s] %s", name, line.decode(errors="replace").rstrip())
+        text = line.decode(errors="replace").rstrip()
+        if on_line is not None and on_line(text):
+            continue
+        log.info("[worker %s] %s", name, text)

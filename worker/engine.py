@@ -287,7 +287,20 @@ class Engine:
                 except Exception as exc:
                     log.exception("generation step failed")
                     self._fail_all(f"generation failed: {exc}")
+            elif not commands:
+                self._tell_idle()
         self._shutdown()
+
+    def _tell_idle(self) -> None:
+        """A model that wants to know the engine is idle (a split's rank 0 lets its other
+        ranks doze off the ring: worker/split_rank.py) hears it here, on this thread."""
+        idle = getattr(self._model, "engine_idle", None)
+        if idle is None:
+            return
+        try:
+            idle()
+        except Exception:
+            log.exception("the model's idle hook failed")
 
     def _load(self) -> None:
         import mlx.core as mx

@@ -40,11 +40,11 @@ import mlx.nn as nn
 
 from worker.pipeline import Slice, Wrapper, materialize, slice_model
 from worker.split_cache import KEEP, CacheLedger, FollowerCaches, SplitCacheError, Step
+from worker.split_signals import GROUP_BROKEN, WAKE_LINE
 
 log = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
-GROUP_BROKEN = 3  # a rank's exit status when its group broke (a peer gone, a step overdue)
 BROKEN_GRACE_S = 1.0  # rank 0 exits this long after the ring broke: its error events go out
 
 
@@ -55,6 +55,9 @@ class SplitRankError(Exception):
 class Op(IntEnum):
     STOP = 0
     FORWARD = 2
+    DOZE = 3  # nothing to do: block on stdin for a wake byte instead of in the ring
+
+
 
 
 HEADER = 6  # op, cache id, source, offset, drops, tokens
@@ -176,12 +179,54 @@ class LeaderModel(Wrapper):
     (``layers``, ``make_cache``, parameters) is the wrapped model's."""
 
     def __init__(
-        self, model: nn.Module, lockstep: Lockstep, watch: StepWatch | None = None
+        self,
+        model: nn.Module,
+        lockstep: Lockstep,
+        watch: StepWatch | None = None,
+        *,
+        doze_after_s: float = 0.0,
     ) -> None:
         super().__init__(model)
         object.__setattr__(self, "_lockstep", lockstep)
         object.__setattr__(self, "_watch", watch)
         object.__setattr__(self, "ledger", CacheLedger())
+        object.__setattr__(self, "_doze_after_s", doze_after_s)
+        object.__setattr__(self, "_last_pass", time.monotonic())
+        object.__setattr__(self, "dozing", False)
+
+    def engine_idle(self, now: float | None = None) -> None:
+        """The engine has nothing to do (it calls this between its idle waits). A follower
+        waiting in the ring's ``all_sum`` spins a whole core (MLX's ring backend polls), so
+        after ``doze_after_s`` without a pass the followers are told to doze: they block on
+        their stdin until this node's supervisor, asked by :data:`WAKE_LINE` on the next
+        pass, writes them a byte (through the rank's order stream for a rank elsewhere)."""
+        now = time.monotonic() if now is None else now
+        if self.dozing or not self._doze_after_s or self._lockstep.group is None:
+            return
+        if now - self._last_pass < self._doze_after_s:
+            return
+        self._guarded(lambda: self._lockstep.send(Op.DOZE), tokens=0)
+        object.__setattr__(self, "dozing", True)
+
+    def _wake(self) -> None:
+        if self.dozing:
+            print(WAKE_LINE, flush=True)
+            object.__setattr__(self, "dozing", False)
+
+    def _guarded(self, send: Callable[[], None], tokens: int) -> None:
+        """A collective under the step's deadline, a broken ring reported as such."""
+        watch = self._watch
+        if watch is not None:
+            watch.begin(tokens)
+        try:
+            send()
+        except RuntimeError as exc:  # the ring backend's error: a peer is gone
+            if watch is not None:
+                watch.broken(f"the split group broke ({exc})", grace_s=BROKEN_GRACE_S)
+            raise SplitRankError(f"the split group broke: {exc}") from exc
+        finally:
+            if watch is not None:
+                watch.end()
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         if cache is None or kwargs.get("input_embeddings") is not None or inputs.shape[0] != 1:
@@ -191,6 +236,8 @@ class LeaderModel(Wrapper):
         except SplitCacheError as exc:
             raise SplitRankError(f"a split model cannot run this cache: {exc}") from exc
         tokens = inputs[0].tolist()  # waits for the sampled token: the followers need its value
+        self._wake()
+        object.__setattr__(self, "_last_pass", time.monotonic())
         watch = self._watch
         if watch is not None:
             watch.begin(len(tokens))
@@ -266,6 +313,10 @@ def follow(model: nn.Module, lockstep: Lockstep) -> None:
         op, step, tokens = lockstep.receive()
         if op is Op.STOP:
             return
+        if op is Op.DOZE:
+            if not sys.stdin.buffer.read(1):  # the node that started this rank is gone
+                raise RuntimeError("stdin closed while dozing")
+            continue
         cache = caches.prepare(step)
         if step.drops:
             mx.clear_cache()  # hand the freed caches' buffers back, as rank 0's engine does
@@ -298,15 +349,22 @@ def make_leader_loader(
     split: Sequence[int],
     lockstep: Lockstep,
     watch: StepWatch | None = None,
+    *,
+    doze_after_s: float = 0.0,
+    made: list[LeaderModel] | None = None,
 ) -> Callable[[str], tuple[Any, Any, dict[str, Any]]]:
-    """The engine's loader on rank 0: its slice, wrapped in a :class:`LeaderModel`."""
+    """The engine's loader on rank 0: its slice, wrapped in a :class:`LeaderModel` (appended
+    to ``made``, for the caller's shutdown)."""
 
     def load(path: str) -> tuple[Any, Any, dict[str, Any]]:
         from mlx_lm.utils import load_tokenizer
 
         model, config, _, _ = load_slice(path, group, split)
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
-        return LeaderModel(model, lockstep, watch), tokenizer, config
+        leader = LeaderModel(model, lockstep, watch, doze_after_s=doze_after_s)
+        if made is not None:
+            made.append(leader)
+        return leader, tokenizer, config
 
     return load
 
@@ -325,19 +383,20 @@ def serve_leader(
     watch = StepWatch(args.step_deadline_s, args.step_deadline_per_token_s, _exit_broken)
     watch.start()
     config = leader_config(split, int(args.prompt_cache_gb * (1 << 30)))
-    engine = Engine(
-        args.model,
-        name=args.name,
-        config=config,
-        loader=make_leader_loader(group, split, lockstep, watch),
+    leaders: list[LeaderModel] = []
+    loader = make_leader_loader(
+        group, split, lockstep, watch, doze_after_s=args.doze_after_s, made=leaders
     )
+    engine = Engine(args.model, name=args.name, config=config, loader=loader)
     engine.start()
     try:
         secret = os.environ.pop(SECRET_ENV, None) or None
         serve(engine, args.host, args.port, secret=secret, warm_up=args.warm_up)
     finally:
         engine.close()
-        lockstep.send(Op.STOP)
+        # Dozing followers are not in the ring (their supervisor ends them): no STOP to send.
+        if not any(leader.dozing for leader in leaders):
+            lockstep.send(Op.STOP)
 
 
 def leader_config(split: Sequence[int], prompt_cache_bytes: int) -> Any:
@@ -370,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--name", default=None, help="model name to serve as")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false")
+    parser.add_argument(
+        "--doze-after-s",
+        type=float,
+        default=0.0,
+        help="rank 0: idle seconds before the followers doze off the ring; only for a group "
+        "whose supervisor wakes them on rank 0's WAKE_LINE, as mesh up's does [0: never]",
+    )
     parser.add_argument(
         "--prompt-cache-gb",
         type=float,

@@ -28,11 +28,12 @@ from mesh.split.host import BridgeAddress, RankHost
 from mesh.split.orders import SPLIT_RANK_PATH, RankOrder, RankReport, report_from_json
 from mesh.split.plan import Offer, SplitPlan
 from mesh.tunnel.connection import PeerConnection
-from mesh.tunnel.frames import Body, BodyEnd, Data, End, RequestHead, ResponseHead
+from mesh.tunnel.frames import Body, Data, End, ErrorCode, RequestHead, ResponseHead
 
 log = logging.getLogger(__name__)
 
-ORDER_TIMEOUT_S = 10.0  # the member's first answer (accepted or refused)
+ORDER_TIMEOUT_S = 10.0  # the member's first answer (accepted or refused), and the order itself
+WAKE = b"wake"
 
 
 class SplitMesh:
@@ -150,15 +151,22 @@ class SplitMesh:
 
     # ---------------------------------------------------------------- orders
 
-    async def serve(self, stream, body: bytes, peer_id: str) -> None:
-        """A member's rank order (the tunnel server's handler for ``SPLIT_RANK_PATH``)."""
-        if self.host is None:
-            await stream.send(
-                ResponseHead(status=409, headers={"x-error": "this node offers no memory"})
-            )
-            await stream.send(End())
+    async def serve(self, stream, peer_id: str) -> None:
+        """A member's rank order (the tunnel server's handler for ``SPLIT_RANK_PATH``): the
+        order is the first Body frame; the ones after it wake the rank (orders.py)."""
+        try:
+            async with asyncio.timeout(ORDER_TIMEOUT_S):
+                first = await stream.recv()
+        except (MeshError, TimeoutError) as exc:
+            log.info("split: no rank order from %s (%s)", short_id(peer_id), exc)
+            stream.reset()
             return
-        await self.host.serve(stream, body, peer_id)
+        if self.host is None or not isinstance(first, Body):
+            why = "this node offers no memory" if self.host is None else "no rank order"
+            await stream.send(ResponseHead(status=409, headers={"x-error": why}))
+            await stream.send(End(code=ErrorCode.REJECTED, message=why))
+            return
+        await self.host.serve(stream, first.data, peer_id)
 
     async def order(self, order: RankOrder) -> RemoteRank:
         """Send ``order`` to the node that is to run its rank; its acceptance, or a
@@ -182,14 +190,16 @@ class RemoteRank:
         self.order = order
         self._stream = stream
         self.last: RankReport | None = None
+        self._wakes: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def open(cls, conn: PeerConnection, node_id: str, order: RankOrder) -> RemoteRank:
         try:
             stream = await conn.open_stream()
             await stream.send(RequestHead(id=order.group, path=SPLIT_RANK_PATH, deadline=None))
+            # No BodyEnd: the request goes on for the group's life, its Body frames after the
+            # order wake the rank (a dozing rank waits on its stdin, worker/split_rank.py).
             await stream.send(Body(order.model_dump_json().encode()))
-            await stream.send(BodyEnd())
             async with asyncio.timeout(ORDER_TIMEOUT_S):
                 head = await stream.recv()
         except (MeshError, TimeoutError) as exc:
@@ -228,6 +238,18 @@ class RemoteRank:
             pass
         return report
 
+    def wake(self) -> None:
+        """Ask the member to wake its dozing rank (a Body frame on the order stream)."""
+        task = asyncio.ensure_future(self._send_wake())
+        self._wakes.add(task)
+        task.add_done_callback(self._wakes.discard)
+
+    async def _send_wake(self) -> None:
+        with contextlib.suppress(MeshError):
+            await self._stream.send(Body(WAKE))
+
     def close(self) -> None:
         """End the group on the member's side (it kills the rank)."""
+        for task in self._wakes:
+            task.cancel()
         self._stream.reset()

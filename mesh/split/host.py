@@ -30,8 +30,8 @@ from mesh.errors import CopyError, MeshError, SplitError
 from mesh.identity import NodeIdentity, short_id
 from mesh.split.bridge import BridgeLink, BridgeServer
 from mesh.split.orders import RankOrder, RankReport, order_from_json
-from mesh.split.processes import free_ports, spawn_rank, stop_process
-from mesh.tunnel.frames import Data, End, ErrorCode, ResponseHead
+from mesh.split.processes import free_ports, spawn_rank, stop_process, wake
+from mesh.tunnel.frames import Body, Data, End, ErrorCode, ResponseHead
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class RankHost:
                 "split: running rank %d of %s for %s (group %s)",
                 order.rank, order.model, short_id(order.nodes[0]), order.group,
             )  # fmt: skip
-            ended = asyncio.ensure_future(stream.wait_broken())
+            ended = asyncio.ensure_future(_listen(stream, process))
             exited = asyncio.ensure_future(process.wait())
             try:
                 await asyncio.wait([ended, exited], return_when=asyncio.FIRST_COMPLETED)
@@ -225,6 +225,14 @@ async def open_link(
     link = BridgeLink(identity, (address.host, address.port), address.cert, node_id, group, rank)
     await link.start()
     return link
+
+
+async def _listen(stream, process: asyncio.subprocess.Process) -> None:
+    """The head's side of the order stream until it ends (the head ended the group, or the
+    link is gone): each Body frame wakes the dozing rank."""
+    with contextlib.suppress(MeshError):
+        while isinstance(await stream.recv(), Body):
+            wake(process)
 
 
 async def _report(stream, report: RankReport) -> None:

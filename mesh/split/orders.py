@@ -4,11 +4,12 @@ host's reports back. Sans-IO.
 One tunnel stream per remote rank, opened by the head (the node that serves the model and
 runs rank 0) to the member that is to run the rank, and kept open for the group's life::
 
-    → RequestHead{path=/mesh/v1/split/rank} Body(RankOrder JSON) BodyEnd
+    → RequestHead{path=/mesh/v1/split/rank} Body(RankOrder JSON)
     ← ResponseHead{200} Data({"state": "loading"}) Data({"state": "running"}) ...
+    → Body(b"wake") ...                     wake the dozing rank (its stdin gets a byte)
     ← Data({"state": "exited", "code": N, "why": "..."}) End        the rank process ended
-    ← ResponseHead{4xx/503, x-error} End(REJECTED)                   refused, in one sentence
-    → End                                                            the head ended the group
+    ← ResponseHead{4xx/409, x-error} End(REJECTED)                   refused, in one sentence
+    → reset (or BodyEnd)                                             the head ended the group
 
 The stream is the rank's lease: when it ends for any reason (the head ended the group, the
 link is lost) the host kills the rank; when the rank exits the host ends the stream, and the

@@ -32,6 +32,7 @@ async def spawn_rank(
     env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
     process = await asyncio.create_subprocess_exec(
         *command,
+        stdin=asyncio.subprocess.PIPE,  # a dozing rank waits on it for a wake byte
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         env=env,
@@ -40,6 +41,13 @@ async def spawn_rank(
     )
     assert process.stdout is not None
     return process, asyncio.create_task(_forward(process.stdout, label))
+
+
+def wake(process: asyncio.subprocess.Process) -> None:
+    """Wake a dozing rank (worker/split_rank.py: it blocks on stdin between requests)."""
+    if process.stdin is not None and process.returncode is None:
+        with contextlib.suppress(OSError, RuntimeError):
+            process.stdin.write(b"w")
 
 
 async def stop_process(process: asyncio.subprocess.Process) -> None:

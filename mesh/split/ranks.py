@@ -44,8 +44,9 @@ from mesh.split.plan import (
     plan_split,
     whole_model_bytes,
 )
-from mesh.split.processes import free_ports, spawn_rank, stop_process
+from mesh.split.processes import free_ports, spawn_rank, stop_process, wake
 from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, served_name
+from worker.split_signals import WAKE_LINE
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ SETTLE_S = 5.0  # before the first plan: time for linked members' states (their 
 REPLAN_S = 10.0  # while waiting for memory: re-plan at least this often
 MEMORY_ENV = "MLX_MESH_MEMORY_BYTES"
 PROMPT_CACHE_BYTES = 2 << 30  # the worker's default prompt-cache budget
+DOZE_AFTER_S = 1.0  # idle this long, the other ranks leave the ring's busy wait (_on_output)
 
 Listing = Callable[["SplitWorkerProcess", bool], Awaitable[None]]
 
@@ -99,10 +101,22 @@ class SplitWorkerProcess(WorkerProcess):
             "--host", "127.0.0.1", "--port", str(self.port),
             "--step-deadline-s", str(self.options.split.step_deadline_s),
             "--prompt-cache-gb", f"{prompt_cache_bytes(self.plan) / (1 << 30):.6f}",
+            "--doze-after-s", str(DOZE_AFTER_S),
         ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:
         return {**super()._env(), "MLX_RANK": "0", "MLX_HOSTFILE": str(self._hostfile)}
+
+    def _on_output(self, line: str) -> bool:
+        """Rank 0 asks for its dozing ranks to be woken: a byte on each local one's stdin, a
+        wake on each remote one's order stream."""
+        if line != WAKE_LINE:
+            return False
+        for follower in self.followers:
+            wake(follower)
+        for remote in self.remotes:
+            remote.wake()
+        return True
 
     async def start(self) -> str:
         """Form the group; if it must wait for members to offer memory, start serving

@@ -88,6 +88,18 @@ def stream_until_signal(url: str, pid: int, sig: int) -> tuple[str, float]:
     return last, time.monotonic() - sent_at
 
 
+def cpu_seconds_over(pid: int, seconds: float) -> float:
+    """CPU time ``pid`` used in the next ``seconds``."""
+
+    def used() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = used()
+    time.sleep(seconds)
+    return used() - before
+
+
 def status(url: str) -> dict:
     return httpx.get(url + "/api/status", timeout=10).json()
 
@@ -124,6 +136,12 @@ def test_a_model_split_over_two_nodes_serves_fails_fast_and_reforms(tmp_path: Pa
         assert responses_text(a.url) == expected
         assert messages_text(a.url) == expected
         assert wait_for(lambda: chat(b.url), 30, "a forwarded route through B") == expected
+
+        # Idle, B's rank dozes on its stdin instead of spinning in the ring (MLX's ring polls:
+        # a whole core), and the next request wakes it through its order stream.
+        (rank,) = rank_pids()
+        assert wait_for(lambda: cpu_seconds_over(rank, 1.0) < 0.2, 30, "B's rank to doze")
+        assert chat(a.url) == expected
 
         # The plan: rank 0 (the last layers) on A, rank 1 (the first ones) on B, which copied
         # only what it needs into its run directory, not its store.

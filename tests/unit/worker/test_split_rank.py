@@ -20,6 +20,7 @@ from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
 from worker.split_cache import FollowerCaches, Step
 from worker.split_rank import LeaderModel, Lockstep, Op, SplitRankError, StepWatch, leader_config
+from worker.split_signals import WAKE_LINE
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
 
 
@@ -217,3 +218,35 @@ async def _run(engine: Engine, request: GenerationRequest) -> tuple[Any, Finishe
             return job, event
         assert not isinstance(event, Failed), event
     raise AssertionError("no terminal event")
+
+
+class RecordingLockstep(Lockstep):
+    """A "group" that only records what rank 0 sends."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.group = object()  # type: ignore[assignment]
+        self.sent: list[Op] = []
+
+    def send(self, op: Op, step: Step | None = None, tokens: Sequence[int] = ()) -> None:
+        self.sent.append(op)
+
+
+def test_idle_followers_doze_once_and_the_next_pass_wakes_them(
+    leader: LeaderModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lockstep = RecordingLockstep()
+    dozy = LeaderModel(leader.inner, lockstep, doze_after_s=1.0)
+    start = time.monotonic()
+    dozy.engine_idle(now=start + 0.5)
+    assert lockstep.sent == []  # not idle long enough
+    dozy.engine_idle(now=start + 1.5)
+    dozy.engine_idle(now=start + 2.5)
+    assert lockstep.sent == [Op.DOZE] and dozy.dozing  # once, however long it idles
+    assert WAKE_LINE not in capsys.readouterr().out
+    mx.eval(dozy(mx.array([[1, 2]]), cache=make_prompt_cache(dozy)))
+    assert capsys.readouterr().out.splitlines() == [WAKE_LINE]  # before the pass's command
+    assert lockstep.sent == [Op.DOZE, Op.FORWARD] and not dozy.dozing
+    never = LeaderModel(leader.inner, RecordingLockstep())  # doze_after_s=0: never dozes
+    never.engine_idle(now=time.monotonic() + 3600)
+    assert not never.dozing
