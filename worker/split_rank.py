@@ -23,6 +23,7 @@ strings) in the environment, no ``mlx.launch``. Every rank prints one ``{"rank",
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,8 @@ class LeaderModel(Wrapper):
             return
         if now - self._last_pass < self._doze_after_s:
             return
-        self._guarded(lambda: self._lockstep.send(Op.DOZE), tokens=0)
+        with self._guarded(tokens=0):
+            self._lockstep.send(Op.DOZE)
         object.__setattr__(self, "dozing", True)
 
     def _wake(self) -> None:
@@ -213,13 +215,14 @@ class LeaderModel(Wrapper):
             print(WAKE_LINE, flush=True)
             object.__setattr__(self, "dozing", False)
 
-    def _guarded(self, send: Callable[[], None], tokens: int) -> None:
-        """A collective under the step's deadline, a broken ring reported as such."""
+    @contextlib.contextmanager
+    def _guarded(self, tokens: int) -> Iterator[None]:
+        """The group's collectives of one step, under its deadline; a broken ring reported."""
         watch = self._watch
         if watch is not None:
             watch.begin(tokens)
         try:
-            send()
+            yield
         except RuntimeError as exc:  # the ring backend's error: a peer is gone
             if watch is not None:
                 watch.broken(f"the split group broke ({exc})", grace_s=BROKEN_GRACE_S)
@@ -238,22 +241,12 @@ class LeaderModel(Wrapper):
         tokens = inputs[0].tolist()  # waits for the sampled token: the followers need its value
         self._wake()
         object.__setattr__(self, "_last_pass", time.monotonic())
-        watch = self._watch
-        if watch is not None:
-            watch.begin(len(tokens))
-        try:
+        with self._guarded(len(tokens)):
             self._lockstep.send(Op.FORWARD, step, tokens)
             self.ledger.ran(step, len(tokens))
             out = self.inner(inputs, cache=cache)
             # The whole pipeline's round trip, here, under the step's deadline.
             mx.eval([c.state for c in cache])
-        except RuntimeError as exc:  # the ring backend's error: a peer is gone
-            if watch is not None:
-                watch.broken(f"the split group broke ({exc})", grace_s=BROKEN_GRACE_S)
-            raise SplitRankError(f"the split group broke: {exc}") from exc
-        finally:
-            if watch is not None:
-                watch.end()
         return out
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from mesh.identity import NodeIdentity
 from mesh.split.bridge import BridgeLink, BridgeServer
 from mesh.split.processes import free_ports
 
-__all__ = ["bridged_hostfiles", "free_ports", "spawn_ranks"]
+__all__ = ["bridged_hostfiles", "free_ports", "spawn_ranks", "stream_until_signal"]
 
 Hostfiles = dict[int, list[list[str]]]
 
@@ -88,3 +90,20 @@ def bridged_hostfiles() -> Iterator[Hostfiles]:
         asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def stream_until_signal(client: Any, body: dict[str, Any], pid: int, sig: int) -> tuple[str, float]:
+    """Stream ``body`` (a long Chat Completions answer) through ``client`` (an
+    ``httpx.Client`` on a gateway) and send ``sig`` to ``pid`` (a rank) after the first token:
+    the last SSE data line, and how long after the signal the stream ended."""
+    sent_at = None
+    last = ""
+    with client.stream("POST", "/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = line
+            if sent_at is None and line.startswith("data: {"):
+                os.kill(pid, sig)
+                sent_at = time.monotonic()
+    assert sent_at is not None, "the stream never started"
+    return last, time.monotonic() - sent_at

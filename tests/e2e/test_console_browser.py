@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from split_pictures import SELF, WHY, B, C, split_node
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -196,32 +197,11 @@ def test_topology_and_node_table_show_this_node(page) -> None:  # type: ignore[n
 
 # ---------------------------------------------------------------- a split model's stages
 
-SELF, B, C = "a" * 64, "b1" * 32, "c2" * 32
-WHY = "HUGE needs 41.0 GB and the members offer 12.0 GB: offer more with mesh up --share-memory GB."
-
 
 def split_status() -> dict:
-    """The /api/status picture of a node heading BIG, split 3 ways (layers 0-9 on B, 10-17 on
-    C, 18-23 here), waiting for memory for HUGE, and running a rank of OTHER for C."""
-    stages = [
-        {"rank": 2, "node_id": B, "start": 0, "end": 10},
-        {"rank": 1, "node_id": C, "start": 10, "end": 18},
-        {"rank": 0, "node_id": SELF, "start": 18, "end": 24},
-    ]
+    """The split picture (tests/split_pictures.py) with peers whose strings are hostile."""
     return {
-        "node": {
-            "node_id": SELF,
-            "models": [{"name": "tiny", "stages": []}, {"name": "BIG", "stages": stages}],
-            "share_memory": 4_000_000_000,
-            "share_memory_used": 1_200_000_000,
-            "split": {
-                "share_memory": 4_000_000_000,
-                "share_memory_used": 1_200_000_000,
-                "ranks": [{"group": "g1", "model": "OTHER", "rank": 1, "head": C}],
-                "groups": {"BIG": stages},
-                "waiting": {"HUGE": WHY},
-            },
-        },
+        "node": split_node(),
         "peers": [
             {"node_id": B, "state": "up", "connected": True, "models": [],
              "share_memory": 8_000_000_000, "share_memory_used": 2_500_000_000},

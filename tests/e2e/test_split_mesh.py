@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 
+from mesh.split import testing as split_testing
 from worker.cpu import REEXEC_MARKER
 from worker.testing import make_tiny_model, run_worker_in_thread
 
@@ -59,20 +60,8 @@ def answer(client: httpx.Client, model: str) -> str | None:
 
 
 def stream_until_signal(client: httpx.Client, model: str, pid: int, sig: int) -> tuple[str, float]:
-    """Stream a long answer, send ``sig`` to ``pid`` after the first tokens; the last SSE data
-    line and how long after the signal the stream ended."""
     body = {**CHAT, "model": model, "max_tokens": 100000, "stream": True}
-    sent_at = None
-    last = ""
-    with client.stream("POST", "/v1/chat/completions", json=body, timeout=30) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = line
-            if sent_at is None and line.startswith("data: {"):
-                os.kill(pid, sig)
-                sent_at = time.monotonic()
-    assert sent_at is not None
-    return last, time.monotonic() - sent_at
+    return split_testing.stream_until_signal(client, body, pid, sig)
 
 
 def test_mesh_up_split_serves_fails_fast_and_reforms(tmp_path: Path) -> None:

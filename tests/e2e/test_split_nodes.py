@@ -25,6 +25,7 @@ from mesh_processes import Running, run_mesh, wait_for
 
 from mesh.copy.tls import make_context
 from mesh.identity import NodeIdentity
+from mesh.split import testing as split_testing
 from worker.store import model_path
 from worker.testing import make_tiny_model, run_worker_in_thread
 
@@ -73,19 +74,9 @@ def messages_text(url: str) -> str:
 
 
 def stream_until_signal(url: str, pid: int, sig: int) -> tuple[str, float]:
-    """A long streamed answer; ``sig`` to ``pid`` after the first token. The last SSE data
-    line, and how long after the signal the stream ended."""
     body = {**CHAT, "model": "tiny6", "max_tokens": 100000, "stream": True}
-    sent_at, last = None, ""
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = line
-            if sent_at is None and line.startswith("data: {"):
-                os.kill(pid, sig)
-                sent_at = time.monotonic()
-    assert sent_at is not None
-    return last, time.monotonic() - sent_at
+    with httpx.Client(base_url=url) as client:
+        return split_testing.stream_until_signal(client, body, pid, sig)
 
 
 def cpu_seconds_over(pid: int, seconds: float) -> float:

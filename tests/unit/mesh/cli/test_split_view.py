@@ -5,37 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from split_pictures import SELF, STAGES, WHY, B, C, split_node
 from typer.testing import CliRunner
 
 from mesh.cli import app, mesh_cmds
 from mesh.cli.split_view import split_section
-
-SELF, B, C = "a" * 64, "b1" * 32, "c2" * 32
-WHY = "HUGE needs 41.0 GB and the members offer 12.0 GB: offer more with mesh up --share-memory GB."
-STAGES = [
-    {"rank": 2, "node_id": B, "start": 0, "end": 10},
-    {"rank": 1, "node_id": C, "start": 10, "end": 18},
-    {"rank": 0, "node_id": SELF, "start": 18, "end": 24},
-]
 
 
 def picture() -> dict[str, Any]:
     """A node heading BIG over three nodes, waiting for memory for HUGE, running a rank of
     OTHER for C; B offers memory, C serves a split model of its own with a stage here."""
     return {
-        "node": {
-            "node_id": SELF,
-            "models": [{"name": "tiny", "stages": []}, {"name": "BIG", "stages": STAGES}],
-            "share_memory": 4_000_000_000,
-            "share_memory_used": 1_200_000_000,
-            "split": {
-                "share_memory": 4_000_000_000,
-                "share_memory_used": 1_200_000_000,
-                "ranks": [{"group": "g1", "model": "OTHER", "rank": 1, "head": C}],
-                "groups": {"BIG": STAGES},
-                "waiting": {"HUGE": WHY},
-            },
-        },
+        "node": split_node(),
         "peers": [
             {"node_id": B, "state": "up", "models": [], "share_memory": 8_000_000_000,
              "share_memory_used": 2_500_000_000},
