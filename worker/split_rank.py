@@ -59,18 +59,20 @@ class Op(IntEnum):
     DOZE = 3  # nothing to do: block on stdin for a wake byte instead of in the ring
 
 
-
-
 HEADER = 6  # op, cache id, source, offset, drops, tokens
+INLINE = 10  # payload ints carried in the header's all_sum (a decode step's token and drops)
 
 
 class Lockstep:
     """The command channel of a split group: rank 0 sends, every other rank receives.
 
-    A forward pass is two ``all_sum``s: a fixed header (the :class:`Step`: which follower cache,
-    copied from which, trimmed to how many tokens, how many drops and tokens follow) and one
-    payload (the drops, then the tokens). With no group (or a group of one) sending is a no-op:
-    the same loop serves the unsplit reference."""
+    A forward pass is one ``all_sum`` of a fixed size: the header (the :class:`Step`: which
+    follower cache, copied from which, trimmed to how many tokens, how many drops and tokens
+    follow) and up to :data:`INLINE` payload ints (the drops, then the tokens) – a decode step.
+    A longer payload (a prefill chunk) takes a second ``all_sum``. Every collective is a round
+    trip around the ring (over the network between nodes), so a decoded token pays one, not
+    two. With no group (or a group of one) sending is a no-op: the same loop serves the
+    unsplit reference."""
 
     def __init__(self, group: mx.distributed.Group | None) -> None:
         self.group = group if group is not None and group.size() > 1 else None
@@ -78,20 +80,16 @@ class Lockstep:
     def send(self, op: Op, step: Step | None = None, tokens: Sequence[int] = ()) -> None:
         if self.group is None:
             return
-        step = step or Step(0, KEEP, 0)
-        drops = list(step.drops)
-        header = [int(op), step.cache, step.source, step.offset, len(drops), len(tokens)]
-        self._sum(mx.array(header, dtype=mx.int32))
-        if drops or tokens:
-            self._sum(mx.array([*drops, *tokens], dtype=mx.int32))
+        first, rest = pack(op, step or Step(0, KEEP, 0), tokens)
+        self._sum(mx.array(first, dtype=mx.int32))
+        if rest:
+            self._sum(mx.array(rest, dtype=mx.int32))
 
     def receive(self) -> tuple[Op, Step, list[int]]:
         assert self.group is not None, "only ranks of a split group receive"
-        header = self._ints(mx.zeros((HEADER,), dtype=mx.int32))
-        op, cache, source, offset, drops, count = header
-        payload = self._ints(mx.zeros((drops + count,), dtype=mx.int32)) if drops + count else []
-        step = Step(cache, source, offset, tuple(payload[:drops]))
-        return Op(op), step, payload[drops:]
+        first = self._ints(mx.zeros((HEADER + INLINE,), dtype=mx.int32))
+        rest = more_to_receive(first)
+        return unpack(first, self._ints(mx.zeros((rest,), dtype=mx.int32)) if rest else [])
 
     def _ints(self, x: mx.array) -> list[int]:
         return [int(v) for v in self._sum(x).tolist()]  # type: ignore[union-attr, arg-type]
@@ -100,6 +98,29 @@ class Lockstep:
         out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
         mx.eval(out)
         return out
+
+
+def pack(op: Op, step: Step, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A command as the ints of its first ``all_sum`` (header and, when short, the payload)
+    and of its second (the payload, when it did not fit inline; else empty)."""
+    drops = list(step.drops)
+    header = [int(op), step.cache, step.source, step.offset, len(drops), len(tokens)]
+    payload = [*drops, *tokens]
+    if len(payload) <= INLINE:
+        return header + payload + [0] * (INLINE - len(payload)), []
+    return header + [0] * INLINE, payload
+
+
+def more_to_receive(first: Sequence[int]) -> int:
+    """How many payload ints a second ``all_sum`` carries after ``first`` (0: none)."""
+    count = first[4] + first[5]
+    return count if count > INLINE else 0
+
+
+def unpack(first: Sequence[int], rest: Sequence[int]) -> tuple[Op, Step, list[int]]:
+    op, cache, source, offset, drops, count = first[:HEADER]
+    payload = list(rest) if rest else list(first[HEADER : HEADER + drops + count])
+    return Op(op), Step(cache, source, offset, tuple(payload[:drops])), payload[drops:]
 
 
 class StepWatch:

@@ -12,6 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -19,7 +21,19 @@ from worker.engine import Engine
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
 from worker.split_cache import FollowerCaches, Step
-from worker.split_rank import LeaderModel, Lockstep, Op, SplitRankError, StepWatch, leader_config
+from worker.split_rank import (
+    HEADER,
+    INLINE,
+    LeaderModel,
+    Lockstep,
+    Op,
+    SplitRankError,
+    StepWatch,
+    leader_config,
+    more_to_receive,
+    pack,
+    unpack,
+)
 from worker.split_signals import WAKE_LINE
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
 
@@ -250,3 +264,22 @@ def test_idle_followers_doze_once_and_the_next_pass_wakes_them(
     never = LeaderModel(leader.inner, RecordingLockstep())  # doze_after_s=0: never dozes
     never.engine_idle(now=time.monotonic() + 3600)
     assert not never.dozing
+
+
+@given(
+    op=st.sampled_from([Op.FORWARD, Op.DOZE, Op.STOP]),
+    cache=st.integers(0, 1 << 20),
+    source=st.integers(-1, 1 << 20),
+    offset=st.integers(0, 1 << 20),
+    drops=st.lists(st.integers(1, 1 << 20), max_size=12),
+    tokens=st.lists(st.integers(0, 1 << 17), max_size=40),
+)
+def test_a_command_packs_into_one_collective_when_short_and_unpacks_the_same(
+    op: Op, cache: int, source: int, offset: int, drops: list[int], tokens: list[int]
+) -> None:
+    step = Step(cache, source, offset, tuple(drops))
+    first, rest = pack(op, step, tokens)
+    assert len(first) == HEADER + INLINE  # every rank receives a first message of one size
+    assert (rest == []) == (len(drops) + len(tokens) <= INLINE)  # a decode step: one round trip
+    assert more_to_receive(first) == len(rest)
+    assert unpack(first, rest) == (op, step, tokens)
