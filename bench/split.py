@@ -367,7 +367,7 @@ EXPLANATION = [
     "## What this says, and what a LAN of Macs should expect",
     "",
     "- On one box a split is never faster: the ranks share the same cores and memory "
-    "bandwidth, and a decode step adds the lockstep command (two small `all_sum`s) and one "
+    "bandwidth, and a decode step adds the lockstep command (one small `all_sum`) and one "
     "activation hop per rank boundary to the same arithmetic. Pipeline parallelism does not "
     "speed up one stream at all: the stages run one after another. What it buys is room: "
     "each rank holds only its layers (the memory table), so a model that no single machine "
