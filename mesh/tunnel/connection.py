@@ -155,6 +155,7 @@ class PeerConnection:
         self._handshake_done = False
         self._streams: dict[int, TunnelStream] = {}
         self._deferred: dict[int, _Held] = {}  # stream id → writes waiting for the flush
+        self._flush_hooks: dict[int, Callable[[], None]] = {}  # stream id → its before_flush
         self._held: list[TunnelStream] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_stream_id = 0 if is_client else 1
@@ -318,8 +319,20 @@ class PeerConnection:
             self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
         self._protocol.transmit_soon(nbytes, defer=defer)
 
+    def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
+        self._flush_hooks[stream_id] = callback
+        self._protocol.transmit_soon(0, defer=True)  # a flush is due, even if nothing is held
+
     def _flush_deferred(self) -> None:
-        """Hand the held writes to aioquic (the protocol's ``flush``)."""
+        """Hand the held writes to aioquic (the protocol's ``flush``): first the streams'
+        ``before_flush`` callbacks write what they gathered, then every held write goes."""
+        if self._flush_hooks:
+            hooks, self._flush_hooks = self._flush_hooks, {}
+            for stream_id, hook in hooks.items():
+                try:
+                    hook()
+                except Exception:  # a bug in one sender must not stop the others' flush
+                    log.exception("stream %d: its before_flush callback failed", stream_id)
         if not self._deferred:
             return
         deferred, self._deferred = self._deferred, {}
@@ -332,6 +345,7 @@ class PeerConnection:
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         if send:
             self._deferred.pop(stream_id, None)
+            self._flush_hooks.pop(stream_id, None)
             self._quic.reset_stream(stream_id, int(code))
         if receive:
             with contextlib.suppress(ValueError):  # never sent nor received: nothing to stop
@@ -340,6 +354,7 @@ class PeerConnection:
 
     def _stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
+        self._flush_hooks.pop(stream_id, None)
 
     def _lost_error(self) -> ConnectionLost | None:
         return self._lost
@@ -443,6 +458,7 @@ class PeerConnection:
 
     def _on_stop_sending(self, event: events.StopSendingReceived) -> None:
         self._deferred.pop(event.stream_id, None)  # aioquic reset our side: they cannot go
+        self._flush_hooks.pop(event.stream_id, None)
         stream = self._streams.get(event.stream_id)
         if stream is not None:
             stream._on_stop_sending(event.error_code)
@@ -581,6 +597,7 @@ class PeerConnection:
             self._ready.set_exception(err_type(f"connection failed: {error}"))
         streams, self._streams, self._held = list(self._streams.values()), {}, []
         self._deferred.clear()
+        self._flush_hooks.clear()
         for stream in streams:
             stream._on_connection_lost(error)
         for waiter in self._pings.values():

@@ -53,6 +53,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._held = 0  # bytes the connection holds for the next flush
         self._last_flush = 0.0
         self._flush_timer: asyncio.TimerHandle | None = None
+        self._flushing = False
         if not is_client:
             request_client_certificate(quic)
         self.conn = PeerConnection(registry, self, is_client, pin)
@@ -75,6 +76,8 @@ class TunnelProtocol(QuicConnectionProtocol):
         if not defer:
             self._transmit_soon()
             return
+        if self._flushing:
+            return  # a before_flush callback's write: the flush under way takes it
         self._held += nbytes
         if self._held >= FLUSH_BYTES:
             self.flush()
@@ -84,12 +87,18 @@ class TunnelProtocol(QuicConnectionProtocol):
 
     def flush(self) -> None:
         """Hand every held write to aioquic and send."""
+        # The streams' before_flush callbacks write what they gathered as held writes: this
+        # flush takes them along (no timer, no early flush for them).
+        self._flushing = True
+        try:
+            self.conn._flush_deferred()
+        finally:
+            self._flushing = False
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
         self._held = 0
         self._last_flush = self._loop.time()
-        self.conn._flush_deferred()
         self.transmit()
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:

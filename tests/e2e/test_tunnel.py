@@ -15,7 +15,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
-from gateway.events import TextDelta
+from gateway.events import Done, TextDelta
 from gateway.request import ChatRequest, Message
 from gateway.testing import ScriptedUpstream, Sleep, Stall
 from gateway.upstream import ModelInfo, StaticDirectory
@@ -507,6 +507,30 @@ async def test_a_relayed_first_token_is_never_held_and_cancel_still_reaches_the_
                 pass
         assert event == TextDelta("first")
     await eventually(lambda: engine.cancelled == 1)
+
+
+async def test_a_free_engines_tokens_are_relayed_merged_whole_and_in_order(pair) -> None:
+    a, b = pair
+    tokens = [f" t{i}" for i in range(300)]
+    steps: list = []
+    for token in tokens:
+        steps += [Sleep(0), TextDelta(token)]  # one token per loop turn: faster than flushes
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), ScriptedUpstream.of(*steps, Done("stop")))
+    serve_with(b, TunnelServer(directory).handle)
+    conn = await dial(a, b)
+
+    async def connect() -> PeerConnection:
+        return conn
+
+    peer = PeerUpstream(name=b.identity.node_id, connect=connect)
+    request = ChatRequest(model="m", messages=[Message(role="user", content="x")])
+    events = [event async for event in peer.stream(request)]
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas) == "".join(tokens)
+    assert deltas[0] == TextDelta(tokens[0])  # the first token alone, at once
+    assert len(deltas) < len(tokens) // 4  # the rest shared events, not just datagrams
+    assert events[-1] == Done("stop")
 
 
 async def test_500_concurrent_streams_leave_no_state(pair) -> None:
