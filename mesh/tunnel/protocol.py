@@ -34,6 +34,9 @@ from mesh.tunnel.pins import Pin, request_client_certificate
 # of a busy connection each add a STREAM frame per datagram (aioquic and our reader pay per
 # frame too), so a datagram of one-token frames saves little.
 FLUSH_BYTES = 16 * 1024
+# How long the answer to a received datagram (its ACK, mostly) may wait to share a transmit:
+# aioquic delays ACKs by 1 ms itself (K_GRANULARITY), so this adds nothing to them.
+REPLY_DELAY = 0.001
 
 
 class TunnelProtocol(QuicConnectionProtocol):
@@ -54,6 +57,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         self._last_flush = 0.0
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flushing = False
+        self._reply_timer: asyncio.TimerHandle | None = None
         if not is_client:
             request_client_certificate(quic)
         self.conn = PeerConnection(registry, self, is_client, pin)
@@ -61,6 +65,9 @@ class TunnelProtocol(QuicConnectionProtocol):
         self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
 
     def transmit(self) -> None:
+        if self._reply_timer is not None:  # this transmit is the one it waited for
+            self._reply_timer.cancel()
+            self._reply_timer = None
         transport = self._transport
         if transport is None or transport.is_closing():
             # Our socket is gone (endpoint stopped, or the test killed it): let aioquic run
@@ -102,8 +109,18 @@ class TunnelProtocol(QuicConnectionProtocol):
         self.transmit()
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self.last_heard = self._loop.time()
-        super().datagram_received(data, addr)
+        now = self.last_heard = self._loop.time()
+        if not self.conn.handshake_done:
+            super().datagram_received(data, addr)  # the handshake answers at once
+            return
+        # aioquic transmits after every datagram received, though what a datagram asks for
+        # (its ACK) is due only ack_delay later – most of those transmits send nothing and
+        # still cost aioquic a pass over every stream. One transmit REPLY_DELAY later
+        # answers every datagram received meanwhile (any other transmit does it sooner).
+        self._quic.receive_datagram(data, addr, now=now)  # type: ignore[arg-type]
+        self._process_events()
+        if self._reply_timer is None:
+            self._reply_timer = self._loop.call_at(now + REPLY_DELAY, self.transmit)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         self.conn.handle_event(event)
@@ -113,6 +130,9 @@ class TunnelProtocol(QuicConnectionProtocol):
         if self._flush_timer is not None:  # nothing held can be sent any more
             self._flush_timer.cancel()
             self._flush_timer = None
+        if self._reply_timer is not None:
+            self._reply_timer.cancel()
+            self._reply_timer = None
         if self._is_client and self._transport is not None:
             self._transport.close()
         self.conn._registry.forget(self.conn)
