@@ -126,7 +126,9 @@ class TunnelServer:
         if pump.cancelled():
             return  # the requester left: nobody to send End to
         pump.result()  # a send that failed because the requester stopped reading raises here
-        await stream.send(End())
+        # Deferred: on a busy connection End shares the next flush with the other streams'
+        # tokens (a datagram and its ACK fewer per response); alone, it goes at once.
+        await stream.send(End(), defer=True)
 
     async def _pump(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
         # aclosing: however the pump ends, the upstream is closed before it returns.

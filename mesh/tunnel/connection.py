@@ -303,6 +303,8 @@ class PeerConnection:
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         nbytes = len(data)
+        if defer and end_stream and data and not self._others_held(stream_id):
+            defer = False  # an End nobody else waits with goes at once: its stream is done
         if defer:
             # Held here until the flush: one aioquic write (and one STREAM frame) per stream
             # per datagram, not one per token – aioquic's bookkeeping costs per write.
@@ -318,6 +320,11 @@ class PeerConnection:
                 data = b"".join(held.chunks)
             self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
         self._protocol.transmit_soon(nbytes, defer=defer)
+
+    def _others_held(self, stream_id: int) -> bool:
+        """Whether streams other than ``stream_id`` wait for the next flush."""
+        deferred, hooks = self._deferred, self._flush_hooks
+        return len(deferred) > (stream_id in deferred) or len(hooks) > (stream_id in hooks)
 
     def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
         self._flush_hooks[stream_id] = callback

@@ -110,7 +110,8 @@ class TunnelStream:
 
         ``defer``: the frame may wait up to ``TunnelConfig.flush_delay`` to share a datagram
         with the frames after it (a response's tokens after the first); any frame sent without
-        it takes the waiting ones along at once.
+        it takes the waiting ones along at once. A deferred ``End`` waits only for a flush that
+        other streams' writes wait for too (a busy connection); else it goes at once.
 
         Raises ``ClosedError`` after our own finish/reset, ``StreamReset`` if the peer stopped
         the stream, ``ConnectionLost`` if the connection died. Sending ``End`` finishes."""
@@ -122,7 +123,7 @@ class TunnelStream:
             await self.wait_credit()
         end = type(frame) is End
         self._sent += len(data)
-        self._host._stream_write(self.stream_id, data, end, defer and not end)  # End: at once
+        self._host._stream_write(self.stream_id, data, end, defer)
         if end:
             self._finish_local()
 

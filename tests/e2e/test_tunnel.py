@@ -445,6 +445,56 @@ async def test_a_held_frame_leaves_with_the_next_urgent_one_or_after_flush_delay
         assert await stream.recv() == End()
 
 
+async def test_a_deferred_end_goes_at_once_alone_and_with_the_flush_on_a_busy_connection(
+    pair,
+) -> None:
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    first_seen, other_held, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def answering(stream: TunnelStream) -> None:
+        head = await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        if head.path == "/busy":  # a stream whose tokens wait for the flush
+            await stream.send(Data(b"first"), defer=True)  # a quiet connection: goes at once
+            await first_seen.wait()
+            await stream.send(Data(b"held"), defer=True)  # held for 30 s
+            other_held.set()
+            await release.wait()
+            await stream.send(Data(b"z" * (20 * 1024)), defer=True)  # FLUSH_BYTES: a flush
+            await stream.send(End())
+            return
+        await stream.send(Data(head.path.encode()))
+        await stream.send(End(), defer=True)
+
+    serve_with(b, answering)
+    conn = await dial(a, b)
+    # Nothing else waits for a flush: the deferred End goes at once (flush_delay is 30 s).
+    alone = await asyncio.wait_for(request(conn, "/alone"), 5)
+    assert alone == [ResponseHead(status=200), Data(b"/alone"), End()]
+    busy = await conn.open_stream()
+    await busy.send(RequestHead(id="1", path="/busy"))
+    await busy.send(BodyEnd())
+    assert await asyncio.wait_for(busy.recv(), 5) == ResponseHead(status=200)
+    assert await asyncio.wait_for(busy.recv(), 5) == Data(b"first")
+    first_seen.set()
+    await asyncio.wait_for(other_held.wait(), 5)
+    stream = await conn.open_stream()
+    async with stream:
+        await stream.send(RequestHead(id="2", path="/shared"))
+        await stream.send(BodyEnd())
+        assert await asyncio.wait_for(stream.recv(), 5) == ResponseHead(status=200)
+        assert await asyncio.wait_for(stream.recv(), 5) == Data(b"/shared")
+        with pytest.raises(TimeoutError):  # its End waits with the other stream's token
+            await asyncio.wait_for(stream.recv(), 0.3)
+        release.set()  # the other stream's writes fill a flush: the End leaves with them
+        assert await asyncio.wait_for(stream.recv(), 5) == End()
+    async with busy:
+        rest = [frame async for frame in busy]
+    assert rest[0] == Data(b"held") and rest[-1] == End()
+
+
 async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> None:
     a, b = pair
     a.config = b.config = replace(FAST, flush_delay=30.0)
