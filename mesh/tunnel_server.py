@@ -148,8 +148,8 @@ class TunnelServer:
                         # The first content event (the client's TTFT) goes at once, with all
                         # before it; the others may wait a moment to share a datagram, and
                         # plain deltas waiting for the same flush become one (delta_merge.py).
-                        urgent = commit.feed(event)
-                        if not urgent and mergeable(event):
+                        # (Before the commit a delta commits: no merging there.)
+                        if commit.committed and mergeable(event):
                             if not merge.pending:  # a new merge: credit for it, and a flush
                                 await stream.wait_credit()
                                 stream.before_flush(send_merged)
@@ -157,6 +157,7 @@ class TunnelServer:
                             if closed is not None:
                                 stream.send_held(Data(_encode(closed)))
                             continue
+                        urgent = commit.feed(event)
                         send_merged()  # what was gathered goes before this event
                         await stream.send(Data(_encode(event)), defer=not urgent)
                     send_merged()

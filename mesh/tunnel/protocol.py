@@ -15,7 +15,14 @@ would cut everyone's coalescing short. A connection whose last flush is older th
 ``flush_delay`` holds nothing for longer than a loop turn: a real engine's tokens come
 10–150 ms apart, so none of them waits; only a connection carrying hundreds of tokens a second
 coalesces, each token waiting at most ``flush_delay`` (5 ms, a third of a 60 Hz frame).
-aioquic's own sends (ACKs, pings, retransmissions) are untouched.
+Right before a flush the streams' ``before_flush`` callbacks run: the tunnel server writes the
+deltas it merged while the flush was pending (``mesh/delta_merge.py``). A deferred ``End``
+waits only for a flush that other streams' writes wait for too; alone it goes at once.
+
+Replies. aioquic's protocol transmits after every datagram received, though what one asks for
+(its ACK) is due only 1 ms later; after the handshake one transmit ``REPLY_DELAY`` (that same
+1 ms) after a datagram answers all those received meanwhile. aioquic's own sends (ACKs, pings,
+retransmissions) are otherwise untouched.
 """
 
 from __future__ import annotations
