@@ -9,10 +9,11 @@ changes; nothing to negotiate). Pure; the tunnel server drives it (``tunnel_serv
 
 Rules – the client sees the same text in the same order, never later:
 
-- only plain ``TextDelta`` and ``ReasoningDelta`` merge: a delta with a per-token field (a
-  ``logprob``: MoA scores each one) and any other event never do;
-- only neighbours of one kind: any other event (a delta of another kind, a tool call, usage,
-  the terminal) closes the merge, which is sent before it;
+- only plain ``TextDelta`` merge: a delta with a per-token field (a ``logprob``: MoA scores
+  each one) never does, nor a ``ReasoningDelta`` (the Responses API counts reasoning deltas
+  as its ``reasoning_tokens``), nor any other event;
+- only neighbours: any other event (a reasoning or tool-call delta, usage, the terminal)
+  closes the merge, which is sent before it;
 - never the first content event: the caller sends it at once (the client's TTFT);
 - at most ``max_chars`` per merged delta.
 
@@ -22,15 +23,14 @@ only a connection carrying hundreds of tokens a second sees merged deltas.
 
 from __future__ import annotations
 
-from gateway.events import Event, ReasoningDelta, TextDelta
+from gateway.events import Event, TextDelta
 
 MAX_CHARS = 4096
 
 
 def mergeable(event: Event) -> bool:
-    """Whether ``event`` may be merged with its neighbours of the same kind."""
-    kind = type(event)
-    return (kind is TextDelta and event.logprob is None) or kind is ReasoningDelta  # type: ignore[union-attr]
+    """Whether ``event`` may be merged with its neighbours (a plain text delta)."""
+    return type(event) is TextDelta and event.logprob is None  # type: ignore[union-attr]
 
 
 class DeltaMerge:
@@ -38,33 +38,30 @@ class DeltaMerge:
 
     def __init__(self, max_chars: int = MAX_CHARS) -> None:
         self._max = max_chars
-        self._kind: type[TextDelta] | type[ReasoningDelta] | None = None
         self._parts: list[str] = []
         self._chars = 0
 
     @property
     def pending(self) -> bool:
         """Something is gathered (the caller then has a flush to wait for)."""
-        return self._kind is not None
+        return bool(self._parts)
 
-    def add(self, delta: TextDelta | ReasoningDelta) -> TextDelta | ReasoningDelta | None:
+    def add(self, delta: TextDelta) -> TextDelta | None:
         """Gather ``delta`` (``mergeable`` must be true of it). Returns the merged delta it
-        could not join – another kind, or ``max_chars`` reached –, to be sent now, before it."""
-        kind, text = type(delta), delta.text
+        could not join (``max_chars`` reached), to be sent now, before it."""
+        text = delta.text
         closed = None
-        if self._kind is not kind or self._chars + len(text) > self._max:
+        if self._chars + len(text) > self._max and self._parts:
             closed = self.take()
-            self._kind = kind
         self._parts.append(text)
         self._chars += len(text)
         return closed
 
-    def take(self) -> TextDelta | ReasoningDelta | None:
+    def take(self) -> TextDelta | None:
         """The merged delta of everything gathered (None if nothing is); empties the merge."""
-        kind = self._kind
-        if kind is None:
-            return None
         parts = self._parts
+        if not parts:
+            return None
         text = parts[0] if len(parts) == 1 else "".join(parts)
-        self._kind, self._parts, self._chars = None, [], 0
-        return kind(text)
+        self._parts, self._chars = [], 0
+        return TextDelta(text)

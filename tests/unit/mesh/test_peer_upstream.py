@@ -123,8 +123,9 @@ async def test_events_cross_the_tunnel_unchanged():
 
 
 async def test_back_to_back_deltas_merge_but_never_the_first_nor_across_other_events():
-    """Deltas that wait for the same flush become one; the first content event goes alone,
-    a delta with a logprob is never merged, and other events keep their place."""
+    """Text deltas that wait for the same flush become one; the first content event goes
+    alone, a delta with a logprob or a reasoning delta is never merged, and other events keep
+    their place."""
     script = [
         Usage(prompt_tokens=3, completion_tokens=0),  # an early prompt count: not content
         TextDelta("first"),
@@ -132,7 +133,7 @@ async def test_back_to_back_deltas_merge_but_never_the_first_nor_across_other_ev
         TextDelta("b"),
         TextDelta("c", logprob=-1.0),
         TextDelta("d"),
-        ReasoningDelta("r"),
+        ReasoningDelta("r"),  # counted as reasoning tokens: never merged
         ReasoningDelta("s"),
         TextDelta("e"),
         ToolCallDelta(index=0, id="call_0", name="f", arguments=""),
@@ -151,7 +152,8 @@ async def test_back_to_back_deltas_merge_but_never_the_first_nor_across_other_ev
         TextDelta("ab"),
         TextDelta("c", logprob=-1.0),
         TextDelta("d"),
-        ReasoningDelta("rs"),
+        ReasoningDelta("r"),
+        ReasoningDelta("s"),
         TextDelta("e"),
         ToolCallDelta(index=0, id="call_0", name="f", arguments=""),
         TextDelta("gh"),
