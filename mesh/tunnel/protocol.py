@@ -20,9 +20,9 @@ deltas it merged while the flush was pending (``mesh/delta_merge.py``). A deferr
 waits only for a flush that other streams' writes wait for too; alone it goes at once.
 
 Replies. aioquic's protocol transmits after every datagram received, though what one asks for
-(its ACK) is due only 1 ms later; after the handshake one transmit ``REPLY_DELAY`` (that same
-1 ms) after a datagram answers all those received meanwhile. aioquic's own sends (ACKs, pings,
-retransmissions) are otherwise untouched.
+(its ACK) is due only 1 ms later; after the handshake, when aioquic's next deadline is within
+``REPLY_DELAY`` (that same 1 ms), one transmit then answers all the datagrams received
+meanwhile. aioquic's own sends (ACKs, pings, retransmissions) are otherwise untouched.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from mesh.tunnel.pins import Pin, request_client_certificate
 # of a busy connection each add a STREAM frame per datagram (aioquic and our reader pay per
 # frame too), so a datagram of one-token frames saves little.
 FLUSH_BYTES = 16 * 1024
-# How long the answer to a received datagram (its ACK, mostly) may wait to share a transmit:
+# The answer to a received datagram waits for aioquic's next deadline when that is this close:
 # aioquic delays ACKs by 1 ms itself (K_GRANULARITY), so this adds nothing to them.
 REPLY_DELAY = 0.001
 
@@ -120,14 +120,22 @@ class TunnelProtocol(QuicConnectionProtocol):
         if not self.conn.handshake_done:
             super().datagram_received(data, addr)  # the handshake answers at once
             return
-        # aioquic transmits after every datagram received, though what a datagram asks for
-        # (its ACK) is due only ack_delay later – most of those transmits send nothing and
-        # still cost aioquic a pass over every stream. One transmit REPLY_DELAY later
-        # answers every datagram received meanwhile (any other transmit does it sooner).
+        # aioquic transmits after every datagram received, though what a datagram that
+        # carries frames asks for (its ACK) is due only ack_delay later: those transmits
+        # send nothing and still cost aioquic a pass over every stream. When aioquic's next
+        # deadline is that close (an ACK is due), one transmit then answers every datagram
+        # received meanwhile (any other transmit does it sooner). A datagram that asks for
+        # nothing due soon (an ACK of ours) gets its transmit now, as aioquic does: waking
+        # up later just for it would cost more than it saves.
         self._quic.receive_datagram(data, addr, now=now)  # type: ignore[arg-type]
         self._process_events()
-        if self._reply_timer is None:
-            self._reply_timer = self._loop.call_at(now + REPLY_DELAY, self.transmit)
+        if self._reply_timer is not None:
+            return
+        due = self._quic.get_timer()
+        if due is not None and due <= now + REPLY_DELAY:
+            self._reply_timer = self._loop.call_at(due, self.transmit)
+        else:
+            self.transmit()
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         self.conn.handle_event(event)
