@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.events import Done, TextDelta, Usage  # noqa: E402
 from gateway.request import ChatRequest, Message  # noqa: E402
+from gateway.router import Router  # noqa: E402
 from gateway.testing import ScriptedUpstream, Sleep  # noqa: E402
 from gateway.upstream import ModelInfo, StaticDirectory  # noqa: E402
 from mesh.identity import NodeIdentity  # noqa: E402
@@ -216,6 +217,11 @@ async def bench_forwarding(tokens: int, runs: int, levels: list[int], total: int
     engine = _engine(tokens)
     base = await _measure_stream(lambda: engine.stream(request), runs)
     base_sps = await _throughput(lambda: engine.stream(request), levels, total)
+    # The serving side's own path without any tunnel: the engine behind its Router.
+    alone = StaticDirectory()
+    alone.add(ModelInfo(id="m"), engine)
+    router, routes = Router(alone), alone.routes("m", None)
+    router_sps = (await _streams_per_second(lambda: router.stream(request, routes), 16, total))[0]
     paced_base = {}
     for gap, n, streams in PACED:
         paced = _engine(n, gap)
@@ -279,6 +285,7 @@ async def bench_forwarding(tokens: int, runs: int, levels: list[int], total: int
         "paced_base": paced_base,
         "paced_cand": paced_cand,
         "short_sps": short_sps,
+        "router_sps": router_sps,
     }
 
 
@@ -437,6 +444,12 @@ def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
     lines.append(
         f"| streams/s, 16 in flight, {SHORT}-token streams | – | {fwd['short_sps']:.1f} | – |"
     )
+    if b16:
+        router16 = fwd["router_sps"]
+        lines.append(
+            f"| streams/s, 16 in flight, the engine behind the serving side's router, no "
+            f"tunnel | {b16:.1f} | {router16:.1f} | {router16 / b16:.3f}× |"
+        )
     paced_rows = []
     for gap, _n, _ in PACED:
         ((_, pb_cpu, pb_tok, _), b_wakes), ((_, pc_cpu, pc_tok, pc_ev), dgrams, c_wakes) = (
@@ -552,6 +565,8 @@ def _explained(args, fwd, b_us, c_us, quic_us, ctok, cevents, paced_rows) -> lis
                 f"the per-token cost ({per_token * 1e6:.1f} µs against the direct "
                 f"{1e6 / (b16 * tokens):.1f} µs) "
                 + ("is the rest." if per_token * tokens < budget else "alone exceeds it.")
+                + f" The serving side's router over the engine, with no tunnel at all, "
+                f"already runs at {fwd['router_sps'] / b16:.2f}× the direct rate."
             ),
         ]
     lines += [
