@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.events import Done, Error, Meta, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest, Message
@@ -380,3 +382,46 @@ def test_events_cross_the_tunnel_unchanged_and_none_defaults_stay_home(event) ->
     wire = _encode(event)
     assert _decode_event(wire) == event
     assert b"null" not in wire  # a None that is the default is not sent
+
+
+_relayed_steps = st.lists(
+    st.one_of(
+        st.builds(TextDelta, st.text(max_size=3)),
+        st.builds(TextDelta, st.text(max_size=3), st.floats(-5.0, 0.0)),  # with a logprob
+        st.builds(ReasoningDelta, st.text(max_size=3)),
+        st.builds(Usage, st.integers(0, 9), st.integers(0, 9)),
+        st.just(Sleep(0)),  # a loop turn: the tokens before it have been flushed
+    ),
+    max_size=30,
+)
+
+
+def _canonical(events: list) -> list:
+    """``events`` with neighbouring plain text deltas joined: what merging may change."""
+    out: list = []
+    for event in events:
+        plain = type(event) is TextDelta and event.logprob is None
+        if plain and out and type(out[-1]) is TextDelta and out[-1].logprob is None:
+            out[-1] = TextDelta(out[-1].text + event.text)
+        else:
+            out.append(event)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(_relayed_steps)
+def test_relayed_events_keep_their_order_text_and_first_delta_whatever_merges(steps) -> None:
+    script = [*steps, Done("stop")]
+
+    async def relay() -> list:
+        _, _, connection, upstream = _setup(*script)
+        events = [e for e in await _collect(upstream) if not isinstance(e, Meta)]
+        await connection.join()
+        return events
+
+    got = asyncio.run(relay())
+    sent = [step for step in script if not isinstance(step, Sleep)]
+    assert _canonical(got) == _canonical(sent)
+    content = [e for e in sent if not isinstance(e, Usage)]
+    assert next(e for e in got if not isinstance(e, Usage)) == content[0]  # never merged
+    assert len(got) <= len(sent)
