@@ -319,7 +319,20 @@ class PeerConnection:
                 held.chunks.append(data)
                 data = b"".join(held.chunks)
             self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
+            self._send_held_fins()
         self._protocol.transmit_soon(nbytes, defer=defer)
+
+    def _send_held_fins(self) -> None:
+        """Bare FINs held for the flush (``finish()`` after a response's End) ride with a
+        datagram that leaves now: they carry no data, and alone each would cost a datagram
+        (and its processing at the peer) of its own, just as the next request starts."""
+        fins = [sid for sid, held in self._deferred.items() if held.fin and held.chunks == [b""]]
+        for stream_id in fins:
+            del self._deferred[stream_id]
+            try:
+                self._quic.send_stream_data(stream_id, b"", end_stream=True)
+            except (RuntimeError, ValueError):  # reset or finished meanwhile
+                log.debug("stream %d: dropped a FIN held for a stream that ended", stream_id)
 
     def _others_held(self, stream_id: int) -> bool:
         """Whether streams other than ``stream_id`` wait for the next flush."""
@@ -330,9 +343,10 @@ class PeerConnection:
         self._flush_hooks[stream_id] = callback
         self._protocol.transmit_soon(0, defer=True)  # a flush is due, even if nothing is held
 
-    def _flush_deferred(self) -> None:
+    def _flush_deferred(self) -> bool:
         """Hand the held writes to aioquic (the protocol's ``flush``): first the streams'
-        ``before_flush`` callbacks write what they gathered, then every held write goes."""
+        ``before_flush`` callbacks write what they gathered, then every held write goes.
+        False when nothing was held (a FIN that left with another datagram, a reset)."""
         if self._flush_hooks:
             hooks, self._flush_hooks = self._flush_hooks, {}
             for stream_id, hook in hooks.items():
@@ -341,13 +355,14 @@ class PeerConnection:
                 except Exception:  # a bug in one sender must not stop the others' flush
                     log.exception("stream %d: its before_flush callback failed", stream_id)
         if not self._deferred:
-            return
+            return False
         deferred, self._deferred = self._deferred, {}
         for stream_id, held in deferred.items():
             try:
                 self._quic.send_stream_data(stream_id, b"".join(held.chunks), held.fin)
             except (RuntimeError, ValueError):  # reset or finished meanwhile: nobody reads it
                 log.debug("stream %d: dropped writes held for a stream that ended", stream_id)
+        return True
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         if send:

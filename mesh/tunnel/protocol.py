@@ -105,15 +105,16 @@ class TunnelProtocol(QuicConnectionProtocol):
         # flush takes them along (no timer, no early flush for them).
         self._flushing = True
         try:
-            self.conn._flush_deferred()
+            flushed = self.conn._flush_deferred()
         finally:
             self._flushing = False
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
         self._held = 0
-        self._last_flush = self._loop.time()
-        self.transmit()
+        if flushed:  # else what it was armed for already left (a FIN with a request)
+            self._last_flush = self._loop.time()
+            self.transmit()
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         now = self.last_heard = self._loop.time()

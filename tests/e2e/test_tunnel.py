@@ -495,6 +495,24 @@ async def test_a_deferred_end_goes_at_once_alone_and_with_the_flush_on_a_busy_co
     assert rest[0] == Data(b"held") and rest[-1] == End()
 
 
+async def test_a_held_fin_leaves_with_the_next_urgent_datagram(pair) -> None:
+    """The requester's FIN after a response's End is held for the flush; the next request
+    takes it along instead of a datagram of its own a moment later."""
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    conn = await dial(a, b)
+    await eventually(lambda: b.connection_for(a.identity.node_id) is not None)
+    server = b.connection_for(a.identity.node_id)
+    assert server is not None
+    await request(conn, "/1")  # a quiet connection: its FIN goes with the first flush at once
+    await eventually(lambda: server.active_streams == 0)
+    await request(conn, "/2")  # this FIN is held: the last flush was just now
+    await asyncio.sleep(0.2)
+    assert server.active_streams == 1  # stream 2 waits for the requester's FIN
+    await request(conn, "/3")  # urgent: stream 2's FIN rides along (stream 3's is held)
+    await eventually(lambda: server.active_streams == 1 and 8 not in server._streams)
+
+
 async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> None:
     a, b = pair
     a.config = b.config = replace(FAST, flush_delay=30.0)
