@@ -513,6 +513,53 @@ async def test_a_held_fin_leaves_with_the_next_urgent_datagram(pair) -> None:
     await eventually(lambda: server.active_streams == 1 and 8 not in server._streams)
 
 
+async def test_before_flush_writes_at_the_flush_and_a_reset_drops_it(pair) -> None:
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    warm_seen, registered = asyncio.Event(), asyncio.Event()
+    called: list[str] = []
+
+    async def gathering(stream: TunnelStream) -> None:
+        head = await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        # The first, deferred on a quiet connection, goes at once – and that flush makes the
+        # next one 30 s away; the second goes at once, being urgent.
+        await stream.send(Data(b"warm"), defer=head.path == "/reset")
+        await warm_seen.wait()
+
+        def write() -> None:
+            called.append(head.path)
+            stream.send_held(Data(b"gathered"))
+
+        stream.before_flush(write)  # held: flush_delay is 30 s
+        registered.set()
+        if head.path == "/reset":
+            await stream.wait_broken()
+            return
+        await stream.send(Data(b"z" * (20 * 1024)), defer=True)  # FLUSH_BYTES: a flush now
+        await stream.send(End())
+
+    serve_with(b, gathering)
+    conn = await dial(a, b)
+    for path in ("/reset", "/flush"):
+        warm_seen.clear()
+        registered.clear()
+        stream = await conn.open_stream()
+        async with stream:  # /reset leaves early: reset with CANCELLED
+            await stream.send(RequestHead(id=path, path=path))
+            await stream.send(BodyEnd())
+            assert await asyncio.wait_for(stream.recv(), 5) == ResponseHead(status=200)
+            assert await asyncio.wait_for(stream.recv(), 5) == Data(b"warm")
+            warm_seen.set()
+            await asyncio.wait_for(registered.wait(), 5)
+            if path == "/flush":
+                rest = [frame async for frame in stream]
+                assert rest == [Data(b"z" * (20 * 1024)), Data(b"gathered"), End()]
+    assert called == ["/flush"]  # the reset stream's callback was dropped, never called
+    assert not conn.is_closed
+
+
 async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> None:
     a, b = pair
     a.config = b.config = replace(FAST, flush_delay=30.0)
