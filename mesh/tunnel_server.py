@@ -159,7 +159,8 @@ class TunnelServer:
                             continue
                         urgent = commit.feed(event)
                         send_merged()  # what was gathered goes before this event
-                        await stream.send(Data(_encode(event)), defer=not urgent)
+                        # The first token leaves now (push), not behind a loop turn's work.
+                        await stream.send(Data(_encode(event)), defer=not urgent, push=urgent)
                     send_merged()
             except TimeoutError:
                 send_merged()
