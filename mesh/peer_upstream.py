@@ -142,7 +142,7 @@ class PeerUpstream(Upstream):
         )
         await stream.send(head)
         await stream.send(Body(request.model_dump_json().encode()))
-        await stream.send(BodyEnd(), push=True)  # the request leaves now, not a turn later
+        await stream.send(BodyEnd())
         first = await stream.recv()
         if isinstance(first, End):
             reply.complete = True

@@ -159,8 +159,7 @@ class TunnelServer:
                             continue
                         urgent = commit.feed(event)
                         send_merged()  # what was gathered goes before this event
-                        # The first token leaves now (push), not behind a loop turn's work.
-                        await stream.send(Data(_encode(event)), defer=not urgent, push=urgent)
+                        await stream.send(Data(_encode(event)), defer=not urgent)
                     send_merged()
             except TimeoutError:
                 send_merged()

@@ -27,8 +27,7 @@ API for the integrator::
     stream = await conn.open_stream()
     async with stream:                        # leaving early resets the stream with CANCELLED
         await stream.send(RequestHead(id=..., path="/v1/chat/completions", deadline=30.0))
-        await stream.send(Body(payload)); await stream.send(BodyEnd(), push=True)  # push:
-                                              # the datagram leaves now, not a loop turn later
+        await stream.send(Body(payload)); await stream.send(BodyEnd())
         async for frame in stream:            # ResponseHead, Data*, End; then iteration stops
             ...                               # EOF without End raises IncompleteResponse
 

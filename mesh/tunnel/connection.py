@@ -96,8 +96,6 @@ class QuicLink(Protocol):
 
     def transmit_soon(self, nbytes: int, *, defer: bool) -> None: ...
 
-    def push(self) -> None: ...
-
     def _transmit_soon(self) -> None: ...
 
     def terminated(self) -> None: ...
@@ -335,9 +333,6 @@ class PeerConnection:
                 self._quic.send_stream_data(stream_id, b"", end_stream=True)
             except (RuntimeError, ValueError):  # reset or finished meanwhile
                 log.debug("stream %d: dropped a FIN held for a stream that ended", stream_id)
-
-    def _stream_push(self) -> None:
-        self._protocol.push()
 
     def _others_held(self, stream_id: int) -> bool:
         """Whether streams other than ``stream_id`` wait for the next flush."""

@@ -99,14 +99,6 @@ class TunnelProtocol(QuicConnectionProtocol):
             due = max(self._last_flush + self._flush_delay, self._loop.time())
             self._flush_timer = self._loop.call_at(due, self.flush)
 
-    def push(self) -> None:
-        """Send what aioquic holds now, not on the next loop turn: the transmit that
-        ``_transmit_soon`` queued would only find nothing left."""
-        queued = self._transmit_task
-        if queued is not None:
-            queued.cancel()
-        self.transmit()
-
     def flush(self) -> None:
         """Hand every held write to aioquic and send."""
         # The streams' before_flush callbacks write what they gathered as held writes: this

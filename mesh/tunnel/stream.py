@@ -62,9 +62,6 @@ class StreamHost(Protocol):
     def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` right before the next flush of deferred writes."""
 
-    def _stream_push(self) -> None:
-        """Send what was written (not deferred) now."""
-
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None: ...
     def _stream_done(self, stream_id: int) -> None: ...
     def _lost_error(self) -> ConnectionLost | None: ...
@@ -108,17 +105,13 @@ class TunnelStream:
         """Bytes we sent that the peer's reader has not consumed yet (bounded by the window)."""
         return max(0, self._sent - (self._send_limit - self._window))
 
-    async def send(self, frame: Frame, *, defer: bool = False, push: bool = False) -> None:
+    async def send(self, frame: Frame, *, defer: bool = False) -> None:
         """Send one frame; waits while the peer's reader is a window behind (backpressure).
 
         ``defer``: the frame may wait up to ``TunnelConfig.flush_delay`` to share a datagram
         with the frames after it (a response's tokens after the first); any frame sent without
         it takes the waiting ones along at once. A deferred ``End`` waits only for a flush that
         other streams' writes wait for too (a busy connection); else it goes at once.
-
-        ``push``: the datagram leaves before ``send`` returns, not on the next loop turn
-        (behind whatever else is queued there): for the last frame of a burst someone waits
-        for – a request's ``BodyEnd``, a response's first token.
 
         Raises ``ClosedError`` after our own finish/reset, ``StreamReset`` if the peer stopped
         the stream, ``ConnectionLost`` if the connection died. Sending ``End`` finishes."""
@@ -131,8 +124,6 @@ class TunnelStream:
         end = type(frame) is End
         self._sent += len(data)
         self._host._stream_write(self.stream_id, data, end, defer)
-        if push:
-            self._host._stream_push()
         if end:
             self._finish_local()
 

@@ -44,9 +44,6 @@ class PipeHost:
         # No datagrams to fill here: the "flush" is the next loop iteration.
         asyncio.get_running_loop().call_soon(callback)
 
-    def _stream_push(self) -> None:
-        pass  # written bytes are already on their way (call_soon)
-
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         peer = self.peer
         if peer is None:

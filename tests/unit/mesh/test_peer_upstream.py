@@ -38,9 +38,6 @@ class _PipeHost:
     def _stream_before_flush(self, stream_id: int, callback) -> None:
         asyncio.get_running_loop().call_soon(callback)
 
-    def _stream_push(self) -> None:
-        pass
-
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         loop = asyncio.get_running_loop()
         if send:
