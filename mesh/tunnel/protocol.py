@@ -11,7 +11,8 @@ once – one write per stream, datagrams as full as they get. A write without ``
 (requests, the first token, ``End``, credit, resets) goes to aioquic and out this loop turn,
 taking its own stream's held writes along first (order within a stream is kept) but leaving
 the other streams' held: a busy connection starts and ends streams all the time, and each
-would cut everyone's coalescing short. A connection whose last flush is older than
+would cut everyone's coalescing short. Only their bare FINs (a requester done with a
+response) ride along: no data to coalesce, and alone each would cost a datagram. A connection whose last flush is older than
 ``flush_delay`` holds nothing for longer than a loop turn: a real engine's tokens come
 10–150 ms apart, so none of them waits; only a connection carrying hundreds of tokens a second
 coalesces, each token waiting at most ``flush_delay`` (5 ms, a third of a 60 Hz frame).
