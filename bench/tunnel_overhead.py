@@ -5,7 +5,9 @@
    peer – ``PeerUpstream`` → QUIC tunnel on loopback → ``TunnelServer`` → engine. Both
    endpoints live in this process, so "CPU per token" is the whole round trip's cost
    (requester + responder + aioquic both ways). Then streams per second with 1, 16 and 64
-   streams in flight at once, over the same two paths.
+   streams in flight at once, over the same two paths; short streams (the per-stream cost);
+   and engines paced like real ones (a token every 2 and 10 ms), where merging and
+   coalescing have little or nothing to work with.
 2. Raw streams. Baseline: the same frame codec over one asyncio TCP connection on loopback.
    Candidate: tunnel streams (one QUIC stream per request). Round trip of an empty request,
    and bulk DATA throughput on one stream.
@@ -13,11 +15,12 @@
 Writes bench/results/tunnel.md.
 
     python bench/tunnel_overhead.py [--tokens 256] [--runs 20] [--rtt-runs 200] [--bulk-mb 16]
-        [--concurrency 1 16 64] [--conc-streams 128] [--before-results FILE]
+        [--concurrency 1 16 64] [--conc-streams 128] [--out FILE]
+        [--before-results [LABEL=]FILE ...]
 
-``--before-results``: the file an older commit's copy of this script wrote, run back to back
-with this one on the same box; its tables are quoted (the shared box's load moves every
-absolute figure, so a before/after is only fair at the same load).
+``--before-results [LABEL=]FILE ...``: files older commits' copies of this script wrote, run
+back to back with this one on the same box; their tables are quoted under LABEL (the shared
+box's load moves every absolute figure, so a before/after is only fair at the same load).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.events import Done, TextDelta, Usage  # noqa: E402
 from gateway.request import ChatRequest, Message  # noqa: E402
+from gateway.router import Router  # noqa: E402
 from gateway.testing import ScriptedUpstream, Sleep  # noqa: E402
 from gateway.upstream import ModelInfo, StaticDirectory  # noqa: E402
 from mesh.identity import NodeIdentity  # noqa: E402
@@ -56,20 +60,6 @@ from mesh.tunnel_server import TunnelServer  # noqa: E402
 
 CHUNK = 16 * 1024
 
-# The same benchmark at commit 7aebcbc, before coalescing (one datagram per token): each
-# figure against the direct path of that run, so it compares with this run's ratio column.
-BEFORE = {
-    "ttft50": "+1.14 ms",
-    "ttft95": "+5.59 ms",
-    "cpu": "182.4 µs (62.18×)",
-    1: "23.8 (0.038×)",
-    16: "75.9 (0.071×)",
-    64: "98.8 (0.082×)",
-    "rtt50": "0.44 ms (7.57×)",
-    "rtt95": "1.52 ms (10.36×)",
-    "bulk": "11.4 MiB/s (0.023×)",
-    "bulk_cpu": "12.4 MiB (0.016×)",
-}
 TARGETS = {"cpu_us": 30.0, "sps16": 0.3, "ttft_ms": 2.0}
 
 
@@ -106,10 +96,38 @@ class AioquicMeter:
         return conn._quic._packet_number - self._start.get(id(conn), 0)
 
 
-def _engine(tokens: int) -> ScriptedUpstream:
+TOKEN = " tok"
+
+
+class WakeMeter:
+    """Times the event loop slept (a select that waited ≥ 0.1 ms for something to happen):
+    each wake-up costs CPU of its own, and a paced stream's cost is mostly its wake-ups."""
+
+    def __init__(self) -> None:
+        self.sleeps = 0
+        self._selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+        self._select = self._selector.select
+
+    def __enter__(self) -> WakeMeter:
+        def select(timeout=None):
+            start = time.perf_counter()
+            ready = self._select(timeout)
+            if time.perf_counter() - start >= 1e-4:
+                self.sleeps += 1
+            return ready
+
+        self._selector.select = select
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._selector.select = self._select
+
+
+def _engine(tokens: int, gap_s: float = 0.0) -> ScriptedUpstream:
+    """``tokens`` tokens, ``gap_s`` apart (0: one per loop turn, a free-running engine)."""
     steps: list = []
     for _ in range(tokens):
-        steps += [Sleep(0), TextDelta(" tok")]
+        steps += [Sleep(gap_s), TextDelta(TOKEN)]
     return ScriptedUpstream.of(*steps, Usage(5, tokens), Done("stop"), name="bench")
 
 
@@ -117,10 +135,13 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-async def _measure_stream(make_stream: Callable[[], object], runs: int) -> tuple[list, float, int]:
-    """TTFTs (s), CPU seconds and tokens over ``runs`` streams."""
+async def _measure_stream(
+    make_stream: Callable[[], object], runs: int
+) -> tuple[list, float, int, int]:
+    """TTFTs (s), CPU seconds, tokens and text events over ``runs`` streams. Tokens are
+    counted in the text, not as events: the relay merges a free-running engine's deltas."""
     ttfts: list[float] = []
-    tokens = 0
+    chars = events = 0
     cpu0 = time.process_time()
     for _ in range(runs):
         start = time.perf_counter()
@@ -130,8 +151,9 @@ async def _measure_stream(make_stream: Callable[[], object], runs: int) -> tuple
                 if first:
                     ttfts.append(time.perf_counter() - start)
                     first = False
-                tokens += 1
-    return ttfts, time.process_time() - cpu0, tokens
+                chars += len(event.text)
+                events += 1
+    return ttfts, time.process_time() - cpu0, chars // len(TOKEN), events
 
 
 async def _pair() -> tuple[TunnelEndpoint, TunnelEndpoint, PeerConnection]:
@@ -181,14 +203,40 @@ async def _throughput(make_stream, levels: list[int], total: int) -> dict[int, t
     return {c: await _streams_per_second(make_stream, c, total) for c in levels}
 
 
+# Engines paced like real ones (a token every gap): (gap s, tokens per stream, streams).
+PACED = [(0.002, 64, 3), (0.010, 32, 3)]
+SHORT = 8  # tokens per stream of the short streams that tell a stream's fixed cost
+
+
+def _paced_request(gap: float) -> ChatRequest:
+    return ChatRequest(model=f"paced-{gap}", messages=[Message(role="user", content="x")])
+
+
 async def bench_forwarding(tokens: int, runs: int, levels: list[int], total: int) -> dict:
     request = ChatRequest(model="m", messages=[Message(role="user", content="x")])
     engine = _engine(tokens)
     base = await _measure_stream(lambda: engine.stream(request), runs)
     base_sps = await _throughput(lambda: engine.stream(request), levels, total)
+    # The serving side's own path without any tunnel: the engine behind its Router.
+    alone = StaticDirectory()
+    alone.add(ModelInfo(id="m"), engine)
+    router, routes = Router(alone), alone.routes("m", None)
+    router_sps = (await _streams_per_second(lambda: router.stream(request, routes), 16, total))[0]
+    paced_base = {}
+    for gap, n, streams in PACED:
+        paced = _engine(n, gap)
+        with WakeMeter() as wakes:
+            measured = await _measure_stream(
+                lambda paced=paced, gap=gap: paced.stream(_paced_request(gap)), streams
+            )
+        paced_base[gap] = (measured, wakes.sleeps)
 
     directory = StaticDirectory()
     directory.add(ModelInfo(id="m"), _engine(tokens))
+    for gap, n, _ in PACED:
+        directory.add(ModelInfo(id=f"paced-{gap}"), _engine(n, gap))
+    directory.add(ModelInfo(id="short"), _engine(SHORT))
+    short = ChatRequest(model="short", messages=[Message(role="user", content="x")])
     server = TunnelServer(directory)
     a = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
     b = TunnelEndpoint(NodeIdentity.generate(), "127.0.0.1", 0)
@@ -213,6 +261,18 @@ async def bench_forwarding(tokens: int, runs: int, levels: list[int], total: int
         cand = await _measure_stream(lambda: peer.stream(request), runs)
         quic = {"cpu": meter.cpu, "down": meter.datagrams(served), "up": meter.datagrams(conn)}
         cand_sps = await _throughput(lambda: peer.stream(request), levels, total)
+        # A fresh one, as the directory makes per request: its attempt counter starts at 0.
+        peer = PeerUpstream(name=b.identity.node_id, connect=connect, self_id=a.identity.node_id)
+        short_sps = (await _streams_per_second(lambda: peer.stream(short), 16, total))[0]
+        paced_cand = {}
+        for gap, _, streams in PACED:
+            meter.reset()
+            with WakeMeter() as wakes:
+                measured = await _measure_stream(
+                    lambda gap=gap: peer.stream(_paced_request(gap)), streams
+                )
+            dgrams = meter.datagrams(served) + meter.datagrams(conn)
+            paced_cand[gap] = (measured, dgrams, wakes.sleeps)
     finally:
         await a.close()
         await b.close()
@@ -222,6 +282,10 @@ async def bench_forwarding(tokens: int, runs: int, levels: list[int], total: int
         "base_sps": base_sps,
         "cand_sps": cand_sps,
         "quic": quic,
+        "paced_base": paced_base,
+        "paced_cand": paced_cand,
+        "short_sps": short_sps,
+        "router_sps": router_sps,
     }
 
 
@@ -343,7 +407,7 @@ def _verdict(met: bool) -> str:
 
 
 def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
-    (bt, bcpu, btok), (ct, ccpu, ctok) = fwd["base"], fwd["cand"]
+    (bt, bcpu, btok, _), (ct, ccpu, ctok, cevents) = fwd["base"], fwd["cand"]
     b_us, c_us = bcpu / btok * 1e6, ccpu / ctok * 1e6
     added50 = _pct(ct, 50) - _pct(bt, 50)
     quic = fwd["quic"]
@@ -355,49 +419,69 @@ def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
         "# Tunnel overhead",
         "",
         f"Python {platform.python_version()}, loopback, both tunnel ends in one process. "
-        f"Forwarding: {args.tokens} tokens × {args.runs} streams. Raw: {args.rtt_runs} "
-        f"sequential empty requests; {mb} MiB bulk on one stream ({CHUNK // 1024} KiB DATA). "
-        f"Streams/s: {args.conc_streams} streams of {args.tokens} tokens per level. "
-        "Ratios are against the direct path measured in the same run; the before column is "
-        "this benchmark at commit 7aebcbc (one datagram per token), against its own run's "
-        "direct path.",
+        f"Forwarding: {args.tokens} tokens × {args.runs} streams from a free-running scripted "
+        "engine (a token per loop turn). Paced: the same engine with a token every 2 or "
+        f"10 ms, like a real one. Raw: {args.rtt_runs} sequential empty requests; {mb} MiB "
+        f"bulk on one stream ({CHUNK // 1024} KiB DATA). Streams/s: {args.conc_streams} "
+        f"streams of {args.tokens} tokens per level. Tokens are counted in the text received "
+        "(the relay merges deltas). Ratios are against the direct path measured in the same "
+        "run; before/after comparisons are the back-to-back runs quoted at the end.",
         "",
-        "| forwarding | direct engine | via peer tunnel | added / ratio | before (7aebcbc) |",
-        "|---|---|---|---|---|",
-        f"| TTFT p50 | {_ms(_pct(bt, 50))} | {_ms(_pct(ct, 50))} | +{_ms(added50)} | "
-        f"{BEFORE['ttft50']} |",
+        "| forwarding | direct engine | via peer tunnel | added / ratio |",
+        "|---|---|---|---|",
+        f"| TTFT p50 | {_ms(_pct(bt, 50))} | {_ms(_pct(ct, 50))} | +{_ms(added50)} |",
         f"| TTFT p95 | {_ms(_pct(bt, 95))} | {_ms(_pct(ct, 95))} | "
-        f"+{_ms(_pct(ct, 95) - _pct(bt, 95))} | {BEFORE['ttft95']} |",
-        f"| CPU per token | {b_us:.1f} µs | {c_us:.1f} µs | {c_us / b_us:.2f}× | {BEFORE['cpu']} |",
+        f"+{_ms(_pct(ct, 95) - _pct(bt, 95))} |",
+        f"| CPU per token | {b_us:.1f} µs | {c_us:.1f} µs | {c_us / b_us:.2f}× |",
     ]
     for c, (b_sps, b_failed) in fwd["base_sps"].items():
         c_sps, c_failed = fwd["cand_sps"][c]
         failed = f" ({b_failed}/{c_failed} failed)" if b_failed or c_failed else ""
         lines.append(
             f"| streams/s, {c} in flight | {b_sps:.1f} | {c_sps:.1f} | "
-            f"{c_sps / b_sps:.3f}×{failed} | {BEFORE.get(c, '–')} |"
+            f"{c_sps / b_sps:.3f}×{failed} |"
+        )
+    lines.append(
+        f"| streams/s, 16 in flight, {SHORT}-token streams | – | {fwd['short_sps']:.1f} | – |"
+    )
+    if b16:
+        router16 = fwd["router_sps"]
+        lines.append(
+            f"| streams/s, 16 in flight, the engine behind the serving side's router, no "
+            f"tunnel | {b16:.1f} | {router16:.1f} | {router16 / b16:.3f}× |"
+        )
+    paced_rows = []
+    for gap, _n, _ in PACED:
+        ((_, pb_cpu, pb_tok, _), b_wakes), ((_, pc_cpu, pc_tok, pc_ev), dgrams, c_wakes) = (
+            fwd["paced_base"][gap],
+            fwd["paced_cand"][gap],
+        )
+        pb_us, pc_us = pb_cpu / pb_tok * 1e6, pc_cpu / pc_tok * 1e6
+        paced_rows.append(
+            (gap, pc_us, dgrams / pc_tok, pc_ev / pc_tok, pb_us, b_wakes / pb_tok, c_wakes / pc_tok)
+        )
+        lines.append(
+            f"| CPU per token, a token every {gap * 1000:.0f} ms | {pb_us:.1f} µs | "
+            f"{pc_us:.1f} µs | {pc_us / pb_us:.2f}× |"
         )
     lines += [
         "",
-        "| raw streams | TCP + same codec | QUIC tunnel stream | ratio | before (7aebcbc) |",
-        "|---|---|---|---|---|",
+        "| raw streams | TCP + same codec | QUIC tunnel stream | ratio |",
+        "|---|---|---|---|",
     ]
     for q in (50, 95):
         tcp, quic_rtt = _pct(raw["tcp_rtt"], q), _pct(raw["quic_rtt"], q)
-        lines.append(
-            f"| request RTT p{q} | {_ms(tcp)} | {_ms(quic_rtt)} | {quic_rtt / tcp:.2f}× | "
-            f"{BEFORE[f'rtt{q}']} |"
-        )
+        lines.append(f"| request RTT p{q} | {_ms(tcp)} | {_ms(quic_rtt)} | {quic_rtt / tcp:.2f}× |")
     (tcp_wall, tcp_cpu), (quic_wall, quic_cpu) = raw["tcp_bulk"], raw["quic_bulk"]
     tcp_mbs, quic_mbs = mb / tcp_wall, mb / quic_wall
     lines.append(
         f"| bulk throughput (wall) | {tcp_mbs:.0f} MiB/s | {quic_mbs:.1f} MiB/s | "
-        f"{quic_mbs / tcp_mbs:.3f}× | {BEFORE['bulk']} |"
+        f"{quic_mbs / tcp_mbs:.3f}× |"
     )
     tcp_cpu_mbs, quic_cpu_mbs = mb / tcp_cpu, mb / quic_cpu
     lines.append(
         f"| bulk per CPU-second (both ends) | {tcp_cpu_mbs:.0f} MiB | {quic_cpu_mbs:.1f} MiB | "
-        f"{quic_cpu_mbs / tcp_cpu_mbs:.3f}× | {BEFORE['bulk_cpu']} |"
+        f"{quic_cpu_mbs / tcp_cpu_mbs:.3f}× |"
     )
     lines += [
         "",
@@ -410,65 +494,89 @@ def report(args: argparse.Namespace, fwd: dict, raw: dict) -> str:
         f"| TTFT added ≤ {TARGETS['ttft_ms']:.0f} ms p50 | +{_ms(added50)} | "
         f"{_verdict(added50 * 1000 <= TARGETS['ttft_ms'])} |",
         "",
-        f"Where a relayed token's {c_us:.1f} µs go (sequential streams): {quic_us:.1f} µs "
-        f"inside aioquic (both ends: datagrams built, encrypted, sent, received, parsed, "
-        f"timers); {quic['down'] / ctok * 100:.1f} datagrams per 100 tokens toward the "
-        f"requester and {quic['up'] / ctok * 100:.1f} back (ACKs, requests). The rest is "
-        "Python on both ends: the serving side's router and the engine itself, one "
-        "tunnel frame and one JSON event per token each way, and the event loop.",
-        "",
-        "What remains, and why:",
-        "",
-        f"- CPU per token is {c_us / b_us:.1f}× the direct path's here. The shared box's "
-        "load inflates CPU time itself (the direct path measured 2.9 µs when the before "
-        f"figures were taken, {b_us:.1f} µs in this run); at this run's ratio the relay would "
-        f"cost ≈ {c_us / b_us * 2.9:.0f} µs per token on the box as it was then – an "
-        "estimate, not a measurement. Of what is left, aioquic is "
-        f"{quic_us / c_us:.0%}: ~250 µs of pure Python per datagram, now paid once per "
-        f"{ctok / max(quic['down'], 1):.0f} tokens (1200-byte datagrams, the size every "
-        "path takes, WireGuard overlays included).",
-        f"- Streams/s at 16 in flight: the baseline is a free engine (a token per loop turn), "
-        "so the ratio is the relay's whole per-token cost against the engine's. The relay's "
-        f"Python outside aioquic (the engine's own share included) is "
-        f"{c_us - quic_us:.1f} µs per token, so even a free "
-        f"transport would reach only ≈ {b_us / max(c_us - quic_us, 1e-9):.2f}× – below 0.3× "
-        "whatever the tunnel does. At 16 in flight each stream also adds a STREAM frame to "
-        "every datagram with only a few tokens in it (16 streams share the loop), and the "
-        "wall-clock rates here include waiting for a CPU on the loaded box.",
-        "- TTFT: the added time is the request's own CPU before its first token (the request "
-        "parsed and routed on the serving side, two datagrams each way, both ends on one "
-        "shared core); nothing on that path waits for coalescing (the first token and the "
-        "request are never held). Compare it with the back-to-back before run below, made at "
-        "the same load.",
-    ]
-    top = max(fwd["cand_sps"])
-    relayed = fwd["cand_sps"][top][0] * args.tokens
-    lines += [
-        "",
-        "Streams/s: the direct engine is a free scripted one (a token per loop turn, nothing "
-        "else), so its rate is the event loop's ceiling, not a model's, and the relay's "
-        "per-token Python (a frame and a JSON event each way, the serving side's router) "
-        "alone is several times the engine's own cost. Via the peer, "
-        f"{top} in flight relay {relayed:,.0f} tokens/s with both tunnel ends sharing one "
-        "process (one core), i.e. "
-        f"{1e6 / relayed if relayed else 0:.0f} µs of wall time per token. A real engine "
-        "decodes 7–8 tokens/s per stream on this box's CPU and 20–100 on a Mac's GPU: at "
-        "100 tokens/s a stream costs the relay about "
-        f"{c_us * 100 / 1e4:.2f}% of a core, and a whole core relays "
-        f"{1e6 / c_us if c_us else 0:,.0f} tokens/s – the relay is not the bottleneck.",
+        *_explained(args, fwd, b_us, c_us, quic_us, ctok, cevents, paced_rows),
         "",
         f"Load average during the run: {_loadavg()} (shared machine: wall-clock numbers "
-        "include waiting for a CPU; CPU numbers do not). The tunnel carries requests and "
-        "token streams, never bulk data; pure-Python QUIC (aioquic) costs per datagram.",
+        "include waiting for a CPU, and CPU numbers grow with the load too). The tunnel "
+        "carries requests and token streams, never bulk data; pure-Python QUIC (aioquic) "
+        "costs per datagram.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def _quoted_before(before: str) -> str:
+def _explained(args, fwd, b_us, c_us, quic_us, ctok, cevents, paced_rows) -> list[str]:
+    """Where the time goes and why a target is missed, in this run's own numbers."""
+    quic = fwd["quic"]
+    tokens = args.tokens
+    b16, c16 = fwd["base_sps"].get(16, (0, 0))[0], fwd["cand_sps"].get(16, (0, 0))[0]
+    lines = [
+        f"Where a relayed token's {c_us:.1f} µs go (free engine, one stream at a time): "
+        f"{quic_us:.1f} µs inside aioquic (both ends: datagrams built, encrypted, sent, "
+        f"received, parsed, timers), {quic['down'] / ctok * 100:.1f} datagrams per 100 tokens "
+        f"toward the requester and {quic['up'] / ctok * 100:.1f} back (the request, ACKs); "
+        f"the deltas arrived as {cevents / ctok * 100:.1f} events per 100 tokens (those that "
+        "wait for one flush leave as one). The rest is Python on both ends: per token the "
+        "engine and its loop turn (as on the direct path, "
+        f"{b_us:.1f} µs) and the serving side's router and pump; per stream the request, "
+        "its head and End frames, the tasks that serve it.",
+        "",
+    ]
+    for gap, us, dgrams, events, direct_us, direct_wakes, wakes in paced_rows:
+        lines.append(
+            f"- A token every {gap * 1000:.0f} ms: {us:.1f} µs per token, {dgrams:.2f} "
+            f"datagrams per token (both ways), {events:.2f} events per token, the process "
+            f"slept and woke {wakes:.2f} times per token (the direct path: {direct_wakes:.2f}, "
+            f"{direct_us:.1f} µs per token: on this VM a process woken from sleep runs slowly "
+            "at first, and the relay's work per token – its datagrams through aioquic, its "
+            "event through both ends – runs cold after each wake-up, several times its "
+            "free-running cost). "
+            + (
+                "Each token is a datagram of its own and its ACK 1 ms later: nothing to merge "
+                "or coalesce."
+                if gap >= 0.005
+                else "Tokens that wait for the same 5 ms flush share a datagram and an event."
+            )
+        )
+    slow_us = paced_rows[-1][1] if paced_rows else c_us
+    lines += [
+        f"- In absolute terms, at the slowest pace's per-token cost, a stream of 8 tokens/s "
+        f"(this box's CPU decode) costs the relay {slow_us * 8 / 1e4:.1f}% of a core and one "
+        f"of 100 tokens/s (a Mac's GPU) {slow_us * 100 / 1e4:.0f}%; free-running, a whole "
+        f"core relays {1e6 / c_us if c_us else 0:,.0f} tokens/s.",
+    ]
+    if b16 and c16 and fwd["short_sps"]:
+        w_long, w_short = 1 / c16, 1 / fwd["short_sps"]
+        per_token = (w_long - w_short) / (tokens - SHORT)
+        per_stream = w_short - SHORT * per_token
+        budget = tokens / (b16 * tokens) / TARGETS["sps16"]  # wall time a stream may take
+        lines += [
+            f"- Streams/s at 16 in flight: the direct baseline is a free engine, {b16:.0f} "
+            f"streams/s ({1e6 / (b16 * tokens):.1f} µs of wall time per token: the event "
+            f"loop's ceiling). Via the peer a {tokens}-token stream takes {w_long * 1e3:.2f} "
+            f"ms of the one core's time and a {SHORT}-token one {w_short * 1e3:.2f} ms: "
+            f"{per_stream * 1e3:.2f} ms per stream (its request, its head and first token, "
+            f"their ACKs, and the Python that serves it) plus {per_token * 1e6:.1f} µs per "
+            f"token (against the direct {1e6 / (b16 * tokens):.1f} µs). {TARGETS['sps16']}× "
+            f"the direct rate allows {budget * 1e3:.2f} ms per stream: the per-stream cost is "
+            f"{per_stream / budget:.0%} of it and the tokens' "
+            f"{per_token * tokens * 1e3:.2f} ms {per_token * tokens / budget:.0%}. The "
+            f"serving side's router over the engine, with no tunnel at all, runs at "
+            f"{fwd['router_sps'] / b16:.2f}× the direct rate.",
+        ]
+    lines += [
+        "- TTFT: the added time is the request's own CPU before its first token (the request "
+        "parsed and routed on the serving side, a datagram each way, both ends on one "
+        "shared core); nothing on that path waits for coalescing (the request and the first "
+        "token are never held).",
+    ]
+    return lines
+
+
+def _quoted_before(label: str, before: str) -> str:
     """The tables and load line of an older run's results, under a heading of their own."""
     blocks = [b.strip() for b in before.split("\n\n")]
     kept = [b for b in blocks if b.startswith(("|", "Load average"))]
-    return "\n## Before, run back to back on the same box\n\n" + "\n\n".join(kept) + "\n"
+    return f"\n## Before: {label}, run back to back on the same box\n\n" + "\n\n".join(kept) + "\n"
 
 
 async def main_async(args: argparse.Namespace) -> str:
@@ -486,11 +594,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--conc-streams", type=int, default=128)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tunnel.md")
-    parser.add_argument("--before-results", type=Path, default=None)
+    parser.add_argument("--before-results", nargs="+", default=[], metavar="[LABEL=]FILE")
     args = parser.parse_args()
     text = asyncio.run(main_async(args))
-    if args.before_results is not None:
-        text += _quoted_before(args.before_results.read_text())
+    for spec in args.before_results:
+        label, _, path = spec.rpartition("=")
+        text += _quoted_before(label or path, Path(path).read_text())
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -26,12 +26,13 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from gateway.events import Error, Event, event_to_dict
+from gateway.events import Error, Event, TextDelta, event_to_dict
 from gateway.request import ChatRequest
 from gateway.responses.state import LocalResponses
 from gateway.router import CommitTracker, Router
 from gateway.upstream import ModelDirectory
 from mesh import response_relay
+from mesh.delta_merge import DeltaMerge, mergeable
 from mesh.errors import MeshError
 from mesh.identity import short_id
 from mesh.peer_upstream import CHAT_PATH
@@ -134,20 +135,43 @@ class TunnelServer:
         if pump.cancelled():
             return  # the requester left: nobody to send End to
         pump.result()  # a send that failed because the requester stopped reading raises here
-        await stream.send(End())
+        # Deferred: on a busy connection End shares the next flush with the other streams'
+        # tokens (a datagram and its ACK fewer per response); alone, it goes at once.
+        await stream.send(End(), defer=True)
 
     async def _pump(self, stream, request: ChatRequest, routes, deadline: float | None) -> None:
         # aclosing: however the pump ends, the upstream is closed before it returns.
         async with contextlib.aclosing(self._router.stream(request, routes)) as events:
             commit = CommitTracker(streaming=True)
+            merge = DeltaMerge()
+
+            def send_merged() -> None:  # the stream's before_flush: what was gathered goes
+                delta = merge.take()
+                if delta is not None:
+                    with contextlib.suppress(MeshError):  # the stream is gone, its reader too
+                        stream.send_held(Data(_encode(delta)))
+
             try:
                 async with asyncio.timeout(deadline):
                     async for event in events:
                         # The first content event (the client's TTFT) goes at once, with all
-                        # before it; the others may wait a moment to share a datagram.
+                        # before it; the others may wait a moment to share a datagram, and
+                        # plain deltas waiting for the same flush become one (delta_merge.py).
+                        # (Before the commit a delta commits: no merging there.)
+                        if commit.committed and mergeable(event):
+                            if not merge.pending:  # a new merge: credit for it, and a flush
+                                await stream.wait_credit()
+                                stream.before_flush(send_merged)
+                            closed = merge.add(event)  # type: ignore[arg-type]
+                            if closed is not None:
+                                stream.send_held(Data(_encode(closed)))
+                            continue
                         urgent = commit.feed(event)
+                        send_merged()  # what was gathered goes before this event
                         await stream.send(Data(_encode(event)), defer=not urgent)
+                    send_merged()
             except TimeoutError:
+                send_merged()
                 await stream.send(Data(_encode(Error(kind="timeout", message="deadline passed"))))
 
 
@@ -155,6 +179,8 @@ def _encode(event: Event) -> bytes:
     """The event's JSON for one Data frame, without the fields that are None by default (the
     reader's ``event_from_dict`` fills them in again): a token's ``"logprob":null`` alone was
     a third of its frame, and the tunnel's cost grows with the datagrams a stream fills."""
+    if type(event) is TextDelta and event.logprob is None:  # most events: the short way
+        return orjson.dumps({"t": "text", "text": event.text})
     out = event_to_dict(event)
     for name in _none_by_default(type(event)):
         if out[name] is None:

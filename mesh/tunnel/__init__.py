@@ -35,6 +35,8 @@ API for the integrator::
     head = await stream.recv()                # RequestHead, Body*, BodyEnd
     await stream.send(ResponseHead(status=200)); await stream.send(Data(b"..."))
     await stream.send(Data(b"..."), defer=True)   # a later token: may share a datagram
+    stream.before_flush(write_gathered)       # called right before that datagram is built,
+    stream.send_held(Data(b"..."))            #   which writes what it gathered (no waiting)
     await stream.send(End())                  # or End(code=ErrorCode.REJECTED, message=...)
     error = await stream.wait_broken()        # race against long work: the requester left
     # a handler that returns without sending End gets its stream reset with INTERNAL
@@ -73,7 +75,9 @@ Behaviour:
   connection with PROTOCOL.
 * Coalescing: a frame sent with ``defer=True`` may wait up to ``flush_delay`` (5 ms) to share
   datagrams with the frames after it; any other frame is sent at once and takes them along
-  (see ``protocol.py``). Readers take what arrived with ``recv_batch()``, one wake-up per
+  (see ``protocol.py``); a deferred ``End`` waits only on a busy connection. A sender that
+  gathers pieces (the tunnel server merging a response's tokens) writes them from a
+  ``before_flush`` callback. Readers take what arrived with ``recv_batch()``, one wake-up per
   datagram rather than per frame.
 
 Large transfers (model weights) never go through the tunnel: it carries requests, token

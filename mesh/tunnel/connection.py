@@ -155,6 +155,7 @@ class PeerConnection:
         self._handshake_done = False
         self._streams: dict[int, TunnelStream] = {}
         self._deferred: dict[int, _Held] = {}  # stream id → writes waiting for the flush
+        self._flush_hooks: dict[int, Callable[[], None]] = {}  # stream id → its before_flush
         self._held: list[TunnelStream] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_stream_id = 0 if is_client else 1
@@ -302,6 +303,8 @@ class PeerConnection:
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         nbytes = len(data)
+        if defer and end_stream and data and not self._others_held(stream_id):
+            defer = False  # an End nobody else waits with goes at once: its stream is done
         if defer:
             # Held here until the flush: one aioquic write (and one STREAM frame) per stream
             # per datagram, not one per token – aioquic's bookkeeping costs per write.
@@ -316,22 +319,55 @@ class PeerConnection:
                 held.chunks.append(data)
                 data = b"".join(held.chunks)
             self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
+            self._send_held_fins()
         self._protocol.transmit_soon(nbytes, defer=defer)
 
-    def _flush_deferred(self) -> None:
-        """Hand the held writes to aioquic (the protocol's ``flush``)."""
+    def _send_held_fins(self) -> None:
+        """Bare FINs held for the flush (``finish()`` after a response's End) ride with a
+        datagram that leaves now: they carry no data, and alone each would cost a datagram
+        (and its processing at the peer) of its own, just as the next request starts."""
+        fins = [sid for sid, held in self._deferred.items() if held.fin and held.chunks == [b""]]
+        for stream_id in fins:
+            del self._deferred[stream_id]
+            try:
+                self._quic.send_stream_data(stream_id, b"", end_stream=True)
+            except (RuntimeError, ValueError):  # reset or finished meanwhile
+                log.debug("stream %d: dropped a FIN held for a stream that ended", stream_id)
+
+    def _others_held(self, stream_id: int) -> bool:
+        """Whether streams other than ``stream_id`` wait for the next flush."""
+        deferred, hooks = self._deferred, self._flush_hooks
+        return len(deferred) > (stream_id in deferred) or len(hooks) > (stream_id in hooks)
+
+    def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
+        self._flush_hooks[stream_id] = callback
+        self._protocol.transmit_soon(0, defer=True)  # a flush is due, even if nothing is held
+
+    def _flush_deferred(self) -> bool:
+        """Hand the held writes to aioquic (the protocol's ``flush``): first the streams'
+        ``before_flush`` callbacks write what they gathered, then every held write goes.
+        False when nothing was held (a FIN that left with another datagram, a reset)."""
+        if self._flush_hooks:
+            hooks, self._flush_hooks = self._flush_hooks, {}
+            for stream_id, hook in hooks.items():
+                try:
+                    hook()
+                except Exception:  # a bug in one sender must not stop the others' flush
+                    log.exception("stream %d: its before_flush callback failed", stream_id)
         if not self._deferred:
-            return
+            return False
         deferred, self._deferred = self._deferred, {}
         for stream_id, held in deferred.items():
             try:
                 self._quic.send_stream_data(stream_id, b"".join(held.chunks), held.fin)
             except (RuntimeError, ValueError):  # reset or finished meanwhile: nobody reads it
                 log.debug("stream %d: dropped writes held for a stream that ended", stream_id)
+        return True
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         if send:
             self._deferred.pop(stream_id, None)
+            self._flush_hooks.pop(stream_id, None)
             self._quic.reset_stream(stream_id, int(code))
         if receive:
             with contextlib.suppress(ValueError):  # never sent nor received: nothing to stop
@@ -340,6 +376,7 @@ class PeerConnection:
 
     def _stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
+        self._flush_hooks.pop(stream_id, None)
 
     def _lost_error(self) -> ConnectionLost | None:
         return self._lost
@@ -443,6 +480,7 @@ class PeerConnection:
 
     def _on_stop_sending(self, event: events.StopSendingReceived) -> None:
         self._deferred.pop(event.stream_id, None)  # aioquic reset our side: they cannot go
+        self._flush_hooks.pop(event.stream_id, None)
         stream = self._streams.get(event.stream_id)
         if stream is not None:
             stream._on_stop_sending(event.error_code)
@@ -581,6 +619,7 @@ class PeerConnection:
             self._ready.set_exception(err_type(f"connection failed: {error}"))
         streams, self._streams, self._held = list(self._streams.values()), {}, []
         self._deferred.clear()
+        self._flush_hooks.clear()
         for stream in streams:
             stream._on_connection_lost(error)
         for waiter in self._pings.values():

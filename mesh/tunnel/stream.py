@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from mesh.errors import (
@@ -35,6 +35,7 @@ from mesh.errors import (
 from mesh.tunnel.frames import (
     HEADER_SIZE,
     MAX_PAYLOAD,
+    Data,
     End,
     ErrorCode,
     Frame,
@@ -57,6 +58,9 @@ class StreamHost(Protocol):
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         """Queue ``data``; ``defer``: it may wait a moment to share a datagram (a token)."""
+
+    def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` right before the next flush of deferred writes."""
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None: ...
     def _stream_done(self, stream_id: int) -> None: ...
@@ -106,7 +110,8 @@ class TunnelStream:
 
         ``defer``: the frame may wait up to ``TunnelConfig.flush_delay`` to share a datagram
         with the frames after it (a response's tokens after the first); any frame sent without
-        it takes the waiting ones along at once.
+        it takes the waiting ones along at once. A deferred ``End`` waits only for a flush that
+        other streams' writes wait for too (a busy connection); else it goes at once.
 
         Raises ``ClosedError`` after our own finish/reset, ``StreamReset`` if the peer stopped
         the stream, ``ConnectionLost`` if the connection died. Sending ``End`` finishes."""
@@ -114,15 +119,41 @@ class TunnelStream:
             raise ValueError("Window frames belong to the tunnel's flow control")
         data = encode(frame)
         self._raise_if_unsendable()
+        if self._sent >= self._send_limit and not self._remote_finished:
+            await self.wait_credit()
+        end = type(frame) is End
+        self._sent += len(data)
+        self._host._stream_write(self.stream_id, data, end, defer)
+        if end:
+            self._finish_local()
+
+    async def wait_credit(self) -> None:
+        """Wait until the peer's reader leaves room for another frame (what ``send`` waits
+        for first); raises like ``send``. For a sender that gathers a frame for
+        ``send_held``: it waits here when it begins gathering."""
+        self._raise_if_unsendable()
         while self._sent >= self._send_limit and not self._remote_finished:
             self._writable.clear()
             await self._writable.wait()
             self._raise_if_unsendable()
-        end = type(frame) is End
+
+    def send_held(self, frame: Data) -> None:
+        """Send ``frame`` deferred, now, without waiting for credit: for a ``before_flush``
+        callback, which cannot wait. Its sender waited with ``wait_credit`` when it began
+        gathering the frame, so the window is overshot by at most what one flush gathers (the
+        reader allows a frame's worth). Raises like ``send``."""
+        data = encode(frame)
+        self._raise_if_unsendable()
         self._sent += len(data)
-        self._host._stream_write(self.stream_id, data, end, defer and not end)  # End: at once
-        if end:
-            self._finish_local()
+        self._host._stream_write(self.stream_id, data, False, True)
+
+    def before_flush(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once, right before the connection next hands its held writes to
+        aioquic (at most ``flush_delay`` from now): the moment a sender that gathers small
+        pieces into one frame – a response's tokens into one event – sends it, with
+        ``send_held``. One callback per stream: registering again replaces it. Dropped when
+        the stream is reset or the connection lost."""
+        self._host._stream_before_flush(self.stream_id, callback)
 
     async def recv(self) -> Frame | None:
         """Next frame, or ``None`` once the terminal frame (End / BodyEnd) was handed out.

@@ -14,6 +14,7 @@ by one half reach the other on the next loop iteration, like a network would del
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from mesh.errors import ConnectionLost
 from mesh.tunnel.frames import StreamRole
@@ -38,6 +39,10 @@ class PipeHost:
         peer = self.peer
         if peer is not None:
             asyncio.get_running_loop().call_soon(peer._on_data, data, end_stream)
+
+    def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
+        # No datagrams to fill here: the "flush" is the next loop iteration.
+        asyncio.get_running_loop().call_soon(callback)
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         peer = self.peer

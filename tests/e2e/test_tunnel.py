@@ -15,7 +15,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
-from gateway.events import TextDelta
+from gateway.events import Done, TextDelta
 from gateway.request import ChatRequest, Message
 from gateway.testing import ScriptedUpstream, Sleep, Stall
 from gateway.upstream import ModelInfo, StaticDirectory
@@ -445,6 +445,121 @@ async def test_a_held_frame_leaves_with_the_next_urgent_one_or_after_flush_delay
         assert await stream.recv() == End()
 
 
+async def test_a_deferred_end_goes_at_once_alone_and_with_the_flush_on_a_busy_connection(
+    pair,
+) -> None:
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    first_seen, other_held, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def answering(stream: TunnelStream) -> None:
+        head = await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        if head.path == "/busy":  # a stream whose tokens wait for the flush
+            await stream.send(Data(b"first"), defer=True)  # a quiet connection: goes at once
+            await first_seen.wait()
+            await stream.send(Data(b"held"), defer=True)  # held for 30 s
+            other_held.set()
+            await release.wait()
+            await stream.send(Data(b"z" * (20 * 1024)), defer=True)  # FLUSH_BYTES: a flush
+            await stream.send(End())
+            return
+        await stream.send(Data(head.path.encode()))
+        await stream.send(End(), defer=True)
+
+    serve_with(b, answering)
+    conn = await dial(a, b)
+    # Nothing else waits for a flush: the deferred End goes at once (flush_delay is 30 s).
+    alone = await asyncio.wait_for(request(conn, "/alone"), 5)
+    assert alone == [ResponseHead(status=200), Data(b"/alone"), End()]
+    busy = await conn.open_stream()
+    await busy.send(RequestHead(id="1", path="/busy"))
+    await busy.send(BodyEnd())
+    assert await asyncio.wait_for(busy.recv(), 5) == ResponseHead(status=200)
+    assert await asyncio.wait_for(busy.recv(), 5) == Data(b"first")
+    first_seen.set()
+    await asyncio.wait_for(other_held.wait(), 5)
+    stream = await conn.open_stream()
+    async with stream:
+        await stream.send(RequestHead(id="2", path="/shared"))
+        await stream.send(BodyEnd())
+        assert await asyncio.wait_for(stream.recv(), 5) == ResponseHead(status=200)
+        assert await asyncio.wait_for(stream.recv(), 5) == Data(b"/shared")
+        with pytest.raises(TimeoutError):  # its End waits with the other stream's token
+            await asyncio.wait_for(stream.recv(), 0.3)
+        release.set()  # the other stream's writes fill a flush: the End leaves with them
+        assert await asyncio.wait_for(stream.recv(), 5) == End()
+    async with busy:
+        rest = [frame async for frame in busy]
+    assert rest[0] == Data(b"held") and rest[-1] == End()
+
+
+async def test_a_held_fin_leaves_with_the_next_urgent_datagram(pair) -> None:
+    """The requester's FIN after a response's End is held for the flush; the next request
+    takes it along instead of a datagram of its own a moment later."""
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    conn = await dial(a, b)
+    await eventually(lambda: b.connection_for(a.identity.node_id) is not None)
+    server = b.connection_for(a.identity.node_id)
+    assert server is not None
+    await request(conn, "/1")  # a quiet connection: its FIN goes with the first flush at once
+    await eventually(lambda: server.active_streams == 0)
+    await request(conn, "/2")  # this FIN is held: the last flush was just now
+    await asyncio.sleep(0.2)
+    assert server.active_streams == 1  # stream 2 waits for the requester's FIN
+    await request(conn, "/3")  # urgent: stream 2's FIN rides along (stream 3's is held)
+    await eventually(lambda: server.active_streams == 1 and 8 not in server._streams)
+
+
+async def test_before_flush_writes_at_the_flush_and_a_reset_drops_it(pair) -> None:
+    a, b = pair
+    a.config = b.config = replace(FAST, flush_delay=30.0)
+    warm_seen, registered = asyncio.Event(), asyncio.Event()
+    called: list[str] = []
+
+    async def gathering(stream: TunnelStream) -> None:
+        head = await stream.recv()
+        await stream.recv()
+        await stream.send(ResponseHead(status=200))
+        # The first, deferred on a quiet connection, goes at once – and that flush makes the
+        # next one 30 s away; the second goes at once, being urgent.
+        await stream.send(Data(b"warm"), defer=head.path == "/reset")
+        await warm_seen.wait()
+
+        def write() -> None:
+            called.append(head.path)
+            stream.send_held(Data(b"gathered"))
+
+        stream.before_flush(write)  # held: flush_delay is 30 s
+        registered.set()
+        if head.path == "/reset":
+            await stream.wait_broken()
+            return
+        await stream.send(Data(b"z" * (20 * 1024)), defer=True)  # FLUSH_BYTES: a flush now
+        await stream.send(End())
+
+    serve_with(b, gathering)
+    conn = await dial(a, b)
+    for path in ("/reset", "/flush"):
+        warm_seen.clear()
+        registered.clear()
+        stream = await conn.open_stream()
+        async with stream:  # /reset leaves early: reset with CANCELLED
+            await stream.send(RequestHead(id=path, path=path))
+            await stream.send(BodyEnd())
+            assert await asyncio.wait_for(stream.recv(), 5) == ResponseHead(status=200)
+            assert await asyncio.wait_for(stream.recv(), 5) == Data(b"warm")
+            warm_seen.set()
+            await asyncio.wait_for(registered.wait(), 5)
+            if path == "/flush":
+                rest = [frame async for frame in stream]
+                assert rest == [Data(b"z" * (20 * 1024)), Data(b"gathered"), End()]
+    assert called == ["/flush"]  # the reset stream's callback was dropped, never called
+    assert not conn.is_closed
+
+
 async def test_a_reset_drops_held_frames_and_the_connection_goes_on(pair) -> None:
     a, b = pair
     a.config = b.config = replace(FAST, flush_delay=30.0)
@@ -507,6 +622,30 @@ async def test_a_relayed_first_token_is_never_held_and_cancel_still_reaches_the_
                 pass
         assert event == TextDelta("first")
     await eventually(lambda: engine.cancelled == 1)
+
+
+async def test_a_free_engines_tokens_are_relayed_merged_whole_and_in_order(pair) -> None:
+    a, b = pair
+    tokens = [f" t{i}" for i in range(300)]
+    steps: list = []
+    for token in tokens:
+        steps += [Sleep(0), TextDelta(token)]  # one token per loop turn: faster than flushes
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="m"), ScriptedUpstream.of(*steps, Done("stop")))
+    serve_with(b, TunnelServer(directory).handle)
+    conn = await dial(a, b)
+
+    async def connect() -> PeerConnection:
+        return conn
+
+    peer = PeerUpstream(name=b.identity.node_id, connect=connect)
+    request = ChatRequest(model="m", messages=[Message(role="user", content="x")])
+    events = [event async for event in peer.stream(request)]
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas) == "".join(tokens)
+    assert deltas[0] == TextDelta(tokens[0])  # the first token alone, at once
+    assert len(deltas) < len(tokens) // 4  # the rest shared events, not just datagrams
+    assert events[-1] == Done("stop")
 
 
 async def test_500_concurrent_streams_leave_no_state(pair) -> None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gateway.events import Done, Error, Meta, TextDelta, Usage
+from gateway.events import Done, Error, Meta, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest, Message
-from gateway.testing import Raise, ScriptedUpstream, Stall, text_script
+from gateway.testing import Raise, ScriptedUpstream, Sleep, Stall, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.errors import ConnectError, ConnectionLost
 from mesh.peer_upstream import PeerUpstream
@@ -32,6 +34,9 @@ class _PipeHost:
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         asyncio.get_running_loop().call_soon(self.peer._on_data, data, end_stream)
+
+    def _stream_before_flush(self, stream_id: int, callback) -> None:
+        asyncio.get_running_loop().call_soon(callback)
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -98,19 +103,83 @@ async def _collect(upstream: PeerUpstream, request: ChatRequest | None = None) -
     return [event async for event in upstream.stream(request or _request())]
 
 
+def _paced(script: list) -> list:
+    """``script`` with a loop turn before each event, like an engine's decode steps: every
+    event comes after the previous flush (in the pipe: the next loop iteration)."""
+    return [step for event in script for step in (Sleep(0), event)]
+
+
 async def test_events_cross_the_tunnel_unchanged():
-    script = text_script("Hello mesh", chunk=2)
-    worker, server, connection, upstream = _setup(*script)
+    script = text_script("Hello mesh", chunk=2, reasoning="hmm")
+    worker, server, connection, upstream = _setup(*_paced(script))
     events = await _collect(upstream)
     await connection.join()
     meta = [e for e in events if isinstance(e, Meta)]
     content = [e for e in events if not isinstance(e, Meta)]
-    assert content == script
+    assert content == script  # paced tokens are never merged
     # The serving side's route headers arrive renamed so ours (x-route=peer) win.
     assert meta and meta[0].headers["x-peer-route"] == "local"
     assert "x-route" not in meta[0].headers
     assert worker.requests[0] == _request()
     assert server.served == 1 and server.active == 0
+
+
+async def test_back_to_back_deltas_merge_but_never_the_first_nor_across_other_events():
+    """Text deltas that wait for the same flush become one; the first content event goes
+    alone, a delta with a logprob or a reasoning delta is never merged, and other events keep
+    their place."""
+    script = [
+        Usage(prompt_tokens=3, completion_tokens=0),  # an early prompt count: not content
+        TextDelta("first"),
+        TextDelta("a"),
+        TextDelta("b"),
+        TextDelta("c", logprob=-1.0),
+        TextDelta("d"),
+        ReasoningDelta("r"),  # counted as reasoning tokens: never merged
+        ReasoningDelta("s"),
+        TextDelta("e"),
+        ToolCallDelta(index=0, id="call_0", name="f", arguments=""),
+        TextDelta("g"),
+        TextDelta("h"),
+        Usage(prompt_tokens=3, completion_tokens=9),
+        TextDelta("i"),
+        Done("stop"),
+    ]
+    _, _, connection, upstream = _setup(*script)  # no loop turn between them: a free engine
+    events = [e for e in await _collect(upstream) if not isinstance(e, Meta)]
+    await connection.join()
+    assert events == [
+        Usage(prompt_tokens=3, completion_tokens=0),
+        TextDelta("first"),
+        TextDelta("ab"),
+        TextDelta("c", logprob=-1.0),
+        TextDelta("d"),
+        ReasoningDelta("r"),
+        ReasoningDelta("s"),
+        TextDelta("e"),
+        ToolCallDelta(index=0, id="call_0", name="f", arguments=""),
+        TextDelta("gh"),
+        Usage(prompt_tokens=3, completion_tokens=9),
+        TextDelta("i"),
+        Done("stop"),
+    ]
+
+
+async def test_merged_deltas_leave_at_the_flush_while_the_engine_is_still_busy():
+    """A merge waits for the stream's next flush, not for the next event: an engine that
+    stalls after a burst of tokens has the burst delivered."""
+    burst = [TextDelta("first"), TextDelta("x"), TextDelta("y")]
+    _, _, connection, upstream = _setup(*burst, Stall())
+    events = upstream.stream(_request())
+    seen = []
+    async with asyncio.timeout(5):
+        while len("".join(e.text for e in seen)) < len("firstxy"):
+            event = await anext(events)
+            if isinstance(event, TextDelta):
+                seen.append(event)
+    assert seen == [TextDelta("first"), TextDelta("xy")]
+    await events.aclose()
+    await connection.join()
 
 
 async def test_model_not_served_there_is_retryable():
@@ -313,3 +382,46 @@ def test_events_cross_the_tunnel_unchanged_and_none_defaults_stay_home(event) ->
     wire = _encode(event)
     assert _decode_event(wire) == event
     assert b"null" not in wire  # a None that is the default is not sent
+
+
+_relayed_steps = st.lists(
+    st.one_of(
+        st.builds(TextDelta, st.text(max_size=3)),
+        st.builds(TextDelta, st.text(max_size=3), st.floats(-5.0, 0.0)),  # with a logprob
+        st.builds(ReasoningDelta, st.text(max_size=3)),
+        st.builds(Usage, st.integers(0, 9), st.integers(0, 9)),
+        st.just(Sleep(0)),  # a loop turn: the tokens before it have been flushed
+    ),
+    max_size=30,
+)
+
+
+def _canonical(events: list) -> list:
+    """``events`` with neighbouring plain text deltas joined: what merging may change."""
+    out: list = []
+    for event in events:
+        plain = type(event) is TextDelta and event.logprob is None
+        if plain and out and type(out[-1]) is TextDelta and out[-1].logprob is None:
+            out[-1] = TextDelta(out[-1].text + event.text)
+        else:
+            out.append(event)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(_relayed_steps)
+def test_relayed_events_keep_their_order_text_and_first_delta_whatever_merges(steps) -> None:
+    script = [*steps, Done("stop")]
+
+    async def relay() -> list:
+        _, _, connection, upstream = _setup(*script)
+        events = [e for e in await _collect(upstream) if not isinstance(e, Meta)]
+        await connection.join()
+        return events
+
+    got = asyncio.run(relay())
+    sent = [step for step in script if not isinstance(step, Sleep)]
+    assert _canonical(got) == _canonical(sent)
+    content = [e for e in sent if not isinstance(e, Usage)]
+    assert next(e for e in got if not isinstance(e, Usage)) == content[0]  # never merged
+    assert len(got) <= len(sent)
