@@ -169,6 +169,9 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], formed
         f"- From `mesh up` on A to the model listed: {formed_s:.0f} s, including B copying the "
         "files its layers need from A (peer copy), both ranks loading their slices and the "
         "ring forming through the bridge.",
+        "- The same prompt every time: after the warm-up each TTFT is a prompt-cache hit (all "
+        "of the prompt but its last token reused), on every rank of a split as on the whole "
+        "model – split rank 0 keeps the prompt cache, its other ranks mirror it.",
         "- Every rank shares this box's two cores, so a split is slower here; "
         "[split.md](split.md) isolates what the ring and the bridge add per token and says "
         "what a LAN of Macs should expect. The forwarded row adds the tunnel hop on top.",
