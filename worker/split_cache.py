@@ -165,17 +165,6 @@ class CacheLedger:
             setattr(cache[0], FRESH, _Fresh(self))
         return cache
 
-    def owns(self, caches: list[list[Any]]) -> bool:
-        """Whether a merge of ``caches`` is this ledger's to record."""
-        for cache in caches:
-            first = cache[0].__dict__
-            tag, fresh = first.get(TAG), first.get(FRESH)
-            if (tag is not None and tag.ledger is self) or (
-                fresh is not None and fresh.ledger() is self
-            ):
-                return True
-        return False
-
     def merged(self, caches: list[list[Any]], batch: list[Any]) -> None:
         """mlx-lm merged ``caches`` into ``batch``: tag it, give its first layer the recording
         class, log where each row came from (a follower cache read at this offset, or new)."""
@@ -326,8 +315,9 @@ def _recording(cls: type) -> type:
             tag(self).ledger._extracted(tag(self), int(idx), cache)
             return cache
 
-        def prepare(self, *, left_padding: Any = None, lengths: Any = None,
-                    right_padding: Any = None) -> Any:  # fmt: skip
+        def prepare(
+            self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None
+        ) -> Any:
             parts = [
                 _ints(v) if v is not None else None for v in (left_padding, lengths, right_padding)
             ]
@@ -422,54 +412,59 @@ class FollowerCaches:
             i = self._apply(ops, i)
 
     def _apply(self, ops: tuple[int, ...], i: int) -> int:
-        """Apply the operation at ``ops[i]``; the index of the next one."""
-        kind, batch_id = ops[i], ops[i + 1]
-        if kind == MERGE:
-            rows = ops[i + 2]
-            pairs = ops[i + 3 : i + 3 + 2 * rows]
-            merge = _recorders[0] if _recorders else _merge
-            sources = [self._view(pairs[2 * r], pairs[2 * r + 1]) for r in range(rows)]
-            self._batches[batch_id] = merge(sources)
-            return i + 3 + 2 * rows
-        batch = self._batch(batch_id)
-        if kind == COPY:
-            self._batches[ops[i + 2]] = copy.deepcopy(batch)
-            return i + 3
-        if kind == EXTEND:
-            for layer, other in zip(batch, self._batch(ops[i + 2]), strict=True):
-                layer.extend(other)
-            return i + 3
-        if kind == EXTRACT:
-            self._caches[ops[i + 3]] = [layer.extract(ops[i + 2]) for layer in batch]
-            return i + 4
-        if kind == PREPARE:
-            return self._prepare(batch, ops, i)
-        calls: dict[int, tuple[str, int]] = {FILTER: ("filter", 1), FINALIZE: ("finalize", 0)}
-        calls[TRIM] = ("trim", 1)
-        if kind not in calls:
-            raise SplitCacheError(f"unknown batch operation {kind}: out of step with rank 0")
-        name, argc = calls[kind]
-        args: list[Any] = []
-        if kind == FILTER:
-            n = ops[i + 2]
-            args, end = [list(ops[i + 3 : i + 3 + n])], i + 3 + n
-        else:
-            args, end = list(ops[i + 2 : i + 2 + argc]), i + 2 + argc
-        for layer in batch:
-            getattr(layer, name)(*args)
-        return end
+        """Apply the operation at ``ops[i]`` (its kind, its batch id, its arguments); the index
+        of the next one."""
+        apply = _REPLAY.get(ops[i])
+        if apply is None:
+            raise SplitCacheError(f"unknown batch operation {ops[i]}: out of step with rank 0")
+        return apply(self, ops[i + 1], ops, i + 2)
 
-    @staticmethod
-    def _prepare(batch: list[Any], ops: tuple[int, ...], i: int) -> int:
-        rows, flags = ops[i + 2], ops[i + 3]
-        at, kwargs = i + 4, {}
+    def _merge(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        rows = ops[at]
+        pairs = ops[at + 1 : at + 1 + 2 * rows]
+        sources = [self._view(pairs[2 * r], pairs[2 * r + 1]) for r in range(rows)]
+        self._batches[batch_id] = _original_merge()(sources)
+        return at + 1 + 2 * rows
+
+    def _copy(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        self._batches[ops[at]] = copy.deepcopy(self._batch(batch_id))
+        return at + 1
+
+    def _filter(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        keep = list(ops[at + 1 : at + 1 + ops[at]])
+        for layer in self._batch(batch_id):
+            layer.filter(keep)
+        return at + 1 + len(keep)
+
+    def _extend(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        for layer, other in zip(self._batch(batch_id), self._batch(ops[at]), strict=True):
+            layer.extend(other)
+        return at + 1
+
+    def _extract(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        self._caches[ops[at + 1]] = [layer.extract(ops[at]) for layer in self._batch(batch_id)]
+        return at + 2
+
+    def _prepare(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        rows, flags = ops[at], ops[at + 1]
+        at, kwargs = at + 2, {}
         for bit, name in enumerate(("left_padding", "lengths", "right_padding")):
             if flags & (1 << bit):
                 kwargs[name] = list(ops[at : at + rows])
                 at += rows
-        for layer in batch:
+        for layer in self._batch(batch_id):
             layer.prepare(**kwargs)
         return at
+
+    def _finalize(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        for layer in self._batch(batch_id):
+            layer.finalize()
+        return at
+
+    def _trim(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        for layer in self._batch(batch_id):
+            layer.trim(ops[at])
+        return at + 1
 
     def _view(self, source: int, offset: int) -> list[Any]:
         """A batch row's source as rank 0 merged it: new, or a follower cache's first
@@ -522,8 +517,22 @@ class FollowerCaches:
             raise SplitCacheError(f"no cache {cache_id} here: out of step with rank 0") from None
 
 
-def _merge(caches: list[list[Any]]) -> list[Any]:
+_REPLAY: dict[int, Callable[[FollowerCaches, int, tuple[int, ...], int], int]] = {
+    MERGE: FollowerCaches._merge,
+    COPY: FollowerCaches._copy,
+    FILTER: FollowerCaches._filter,
+    EXTEND: FollowerCaches._extend,
+    EXTRACT: FollowerCaches._extract,
+    PREPARE: FollowerCaches._prepare,
+    FINALIZE: FollowerCaches._finalize,
+    TRIM: FollowerCaches._trim,
+}
+
+
+def _original_merge() -> Callable[[list[list[Any]]], list[Any]]:
+    """mlx-lm's own ``_merge_caches`` (a follower in rank 0's process must not record)."""
     import importlib
 
-    merged: list[Any] = importlib.import_module("mlx_lm.generate")._merge_caches(caches)
-    return merged
+    if _recorders:
+        return _recorders[0]  # type: ignore[no-any-return]
+    return importlib.import_module("mlx_lm.generate")._merge_caches  # type: ignore[no-any-return]
