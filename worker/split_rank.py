@@ -70,7 +70,11 @@ class Op(IntEnum):
 
 
 HEADER = 7  # op, cache id, source, offset, drops, batch ops, tokens
-INLINE = 10  # payload ints carried in the header's all_sum (a decode step's token and drops)
+# Payload ints carried in the header's all_sum: a decode step's tokens (one per row of a full
+# batch: the engine's completion_batch_size is 16) and a few drops; a step that also changes
+# the batch (a row joining or leaving) may take a second. All the ints of one all_sum cost one
+# round trip.
+INLINE = 25
 
 
 class Lockstep:

@@ -361,19 +361,27 @@ def test_idle_followers_doze_once_and_the_next_pass_wakes_them(
 
 
 @given(
-    op=st.sampled_from([Op.FORWARD, Op.DOZE, Op.STOP]),
+    op=st.sampled_from([Op.FORWARD, Op.BATCH, Op.DOZE, Op.STOP]),
     cache=st.integers(0, 1 << 20),
     source=st.integers(-1, 1 << 20),
     offset=st.integers(0, 1 << 20),
     drops=st.lists(st.integers(1, 1 << 20), max_size=12),
+    ops=st.lists(st.integers(-2, 1 << 20), max_size=20),
     tokens=st.lists(st.integers(0, 1 << 17), max_size=40),
 )
 def test_a_command_packs_into_one_collective_when_short_and_unpacks_the_same(
-    op: Op, cache: int, source: int, offset: int, drops: list[int], tokens: list[int]
+    op: Op,
+    cache: int,
+    source: int,
+    offset: int,
+    drops: list[int],
+    ops: list[int],
+    tokens: list[int],
 ) -> None:
-    step = Step(cache, source, offset, tuple(drops))
+    step = Step(cache, source, offset, tuple(drops), tuple(ops))
     first, rest = pack(op, step, tokens)
     assert len(first) == HEADER + INLINE  # every rank receives a first message of one size
-    assert (rest == []) == (len(drops) + len(tokens) <= INLINE)  # a decode step: one round trip
+    short = len(drops) + len(ops) + len(tokens) <= INLINE
+    assert (rest == []) == short  # a decode step: one round trip
     assert more_to_receive(first) == len(rest)
     assert unpack(first, rest) == (op, step, tokens)
