@@ -28,8 +28,10 @@ from worker.split_cache import (
     FILTER,
     FINALIZE,
     MERGE,
+    NEW,
     PREPARE,
     FollowerCaches,
+    SplitCacheError,
     Step,
 )
 from worker.split_rank import (
@@ -312,6 +314,18 @@ def test_every_batch_operation_of_mlx_lms_generator_is_mirrored(tiny_model_dir: 
     kinds = {MERGE, COPY, FILTER, EXTEND, EXTRACT, PREPARE, FINALIZE}
     assert kinds <= set(seen), sorted(set(seen))
     assert lockstep.widest >= 3
+
+
+def test_a_follower_out_of_step_with_rank_0s_batch_says_so(leader: LeaderModel) -> None:
+    followers = FollowerCaches(lambda: make_prompt_cache(leader.inner))
+    two_new = (MERGE, 7, 2, NEW, 0, NEW, 0)
+    assert len(followers.prepare_batch(Step(7, 2, 0, (), two_new))) == len(leader.layers)
+    with pytest.raises(SplitCacheError, match="is 2x0 here, 2x5 on rank 0"):
+        followers.prepare_batch(Step(7, 2, 5))
+    with pytest.raises(SplitCacheError, match="no batch 8"):
+        followers.prepare_batch(Step(8, 1, 0))
+    with pytest.raises(SplitCacheError, match="unknown batch operation 99"):
+        followers.prepare_batch(Step(7, 2, 0, (), (99, 7)))
 
 
 async def _run(engine: Engine, request: GenerationRequest) -> tuple[Any, Finished]:
