@@ -23,8 +23,20 @@ applies with :class:`FollowerCaches`. Drops ride on the next step, so a follower
 cache longer than rank 0 does by more than the time to its next forward pass, and never holds
 one rank 0 has dropped when it computes.
 
-Shallow copies (``copy.copy`` of a layer cache, which shares the tag and the arrays: the batched
-engine's, immediately merged into a batch) cannot be mirrored and are refused.
+Shallow copies (``copy.copy`` of a layer cache, which shares the tag and the arrays) cannot be
+run on and are refused; merging one into a batch (the batched engine's, which only reads it) is
+fine.
+
+Batches (mlx-lm's ``BatchGenerator``: ``BatchKVCache``, ``BatchRotatingKVCache``) are mirrored
+by replaying, not by diffing: mlx-lm builds a batch's cache with ``generate._merge_caches``
+(wrapped on rank 0 by :func:`record_batches`) and changes it only through the batch cache's own
+methods (``filter``, ``extend``, ``extract``, ``prepare``, ``finalize``, ``trim``, and
+``copy.deepcopy`` when it splits a prefill batch), each called on every layer alike. Rank 0
+gives each batch's first layer a recording subclass (its ``__class__`` swapped) that logs those
+calls as ints (the batch by id, a merged or extracted sequence by its follower cache id), and
+the log rides on the next step; a follower makes the same calls, in the same order, on its own
+layers' caches, so its batch rows, padding and offsets equal rank 0's. Only caches this ledger
+made or ran are merged (:meth:`CacheLedger.mark_fresh`); anyone else's merges are untouched.
 """
 
 from __future__ import annotations
@@ -39,6 +51,18 @@ from typing import Any
 NEW = -1  # Step.source: start from a fresh cache
 KEEP = -2  # Step.source: run on the cache as it is (trimmed to the offset)
 TAG = "_split_tag"  # the attribute of a cache's first layer that holds its CacheTag
+BATCH_TAG = "_split_batch"  # the attribute of a batch cache's first layer: its BatchTag
+FRESH = "_split_fresh"  # a new cache's first layer: made for this ledger (a _Fresh)
+
+# Batch operations, as logged (ints: the log rides in the lockstep's all_sum).
+MERGE = 1  # MERGE batch n (source offset)*n: source a cache id or NEW
+COPY = 2  # COPY batch new: copy.deepcopy
+FILTER = 3  # FILTER batch n index*n
+EXTEND = 4  # EXTEND batch other
+EXTRACT = 5  # EXTRACT batch index cache: a new follower cache
+PREPARE = 6  # PREPARE batch n flags left*n? lengths*n? right*n? (flags: 1, 2, 4)
+FINALIZE = 7  # FINALIZE batch
+TRIM = 8  # TRIM batch n
 
 
 class SplitCacheError(Exception):
@@ -49,10 +73,12 @@ class SplitCacheError(Exception):
 class Step:
     """One forward pass, as the followers apply it to their caches before running it."""
 
-    cache: int  # the follower cache id the tokens run on
-    source: int  # NEW, KEEP, or the id to copy ``cache`` from first
-    offset: int  # tokens the cache holds before this pass (the follower trims to it)
-    drops: tuple[int, ...] = ()  # ids rank 0 holds no longer: freed first
+    cache: int  # the follower cache id (or batch id) the tokens run on
+    source: int  # NEW, KEEP, or the id to copy ``cache`` from first; a batch's: its rows
+    offset: int  # tokens the cache holds before this pass (the follower trims to it); a
+    # batch's: its columns (the follower checks them)
+    drops: tuple[int, ...] = ()  # ids rank 0 holds no longer: freed after the ops
+    ops: tuple[int, ...] = ()  # batch operations since the last step: replayed first
 
 
 class CacheTag:
@@ -72,6 +98,33 @@ class CacheTag:
         self.ledger._dead.append(self.id)
 
 
+class BatchTag:
+    """Which follower batch a rank-0 batch cache mirrors (on its first layer object)."""
+
+    def __init__(self, ledger: CacheLedger, batch_id: int) -> None:
+        self.ledger = ledger
+        self.id = batch_id
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BatchTag:
+        return self.ledger._batch_copied(self)
+
+    def __del__(self) -> None:
+        self.ledger._dead.append(self.id)
+
+
+class _Fresh:
+    """Marks a new cache's first layer as made for ``ledger`` (copies share the mark)."""
+
+    def __init__(self, ledger: CacheLedger) -> None:
+        self.ledger = weakref.ref(ledger)
+
+    def __copy__(self) -> _Fresh:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Fresh:
+        return self
+
+
 class CacheLedger:
     """Rank 0's record of the followers' caches: who holds each id and how many tokens the
     follower cache has. Owned by the engine's thread (``plan``/``ran``); tags die anywhere."""
@@ -81,6 +134,7 @@ class CacheLedger:
         self._held: dict[int, int] = {}  # tokens in the follower cache
         self._dead: deque[int] = deque()  # ids of tags that died, not yet counted
         self._dropped: list[int] = []  # ids nobody holds, for the next step to free
+        self._log: list[int] = []  # batch operations since the last step
         self._next = 0
 
     def __len__(self) -> int:
@@ -93,8 +147,75 @@ class CacheLedger:
         (raises :class:`SplitCacheError`, changing nothing, if they cannot)."""
         self._collect()
         cache_id, source, offset = self._place(cache[0])
+        return Step(cache_id, source, offset, *self._take())
+
+    def plan_batch(self, cache: list[Any], rows: int) -> Step:
+        """The step of a forward pass on a batch cache: its id, its ``rows`` (``source``), its
+        columns before the pass (``offset``, the followers check theirs), and the batch
+        operations since the last step, which the followers replay first."""
+        self._collect()
+        tag = cache[0].__dict__.get(BATCH_TAG)
+        if tag is None or tag.ledger is not self:
+            raise SplitCacheError("a batch whose making its followers never saw")
+        return Step(tag.id, rows, batch_columns(cache[0]), *self._take())
+
+    def mark_fresh(self, cache: list[Any]) -> list[Any]:
+        """Mark a new cache as this ledger's: merging it into a batch is then recorded."""
+        if cache:
+            setattr(cache[0], FRESH, _Fresh(self))
+        return cache
+
+    def merged(self, caches: list[list[Any]], batch: list[Any]) -> None:
+        """mlx-lm merged ``caches`` into ``batch``: tag it, give its first layer the recording
+        class, log where each row came from (a follower cache read at this offset, or new)."""
+        sources: list[int] = []
+        for cache in caches:
+            first = cache[0]
+            offset = int(first.offset)
+            tag = first.__dict__.get(TAG)
+            if tag is None or tag.ledger is not self:
+                if offset:
+                    raise SplitCacheError("a batch row that holds tokens its followers never saw")
+                sources += [NEW, 0]
+                continue
+            held = self._held[tag.id]
+            if offset > held:
+                raise SplitCacheError(
+                    f"a cache grew behind its followers' back ({offset} > {held})"
+                )
+            sources += [tag.id, offset]
+        batch_id = self._new_batch()
+        first = batch[0]
+        first.__class__ = _recording(type(first))
+        setattr(first, BATCH_TAG, BatchTag(self, batch_id))
+        self._log += [MERGE, batch_id, len(caches), *sources]
+
+    def _take(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         drops, self._dropped = tuple(self._dropped), []
-        return Step(cache_id, source, offset, drops)
+        ops, self._log = tuple(self._log), []
+        return drops, ops
+
+    def _new_batch(self) -> int:
+        batch_id = self._new_id()
+        self._holders[batch_id] = 1
+        self._held[batch_id] = 0
+        return batch_id
+
+    def _batch_copied(self, tag: BatchTag) -> BatchTag:
+        copied = BatchTag(self, self._new_batch())
+        self._log += [COPY, tag.id, copied.id]
+        return copied
+
+    def _extracted(self, batch: BatchTag, index: int, cache: Any) -> None:
+        tag = CacheTag(self, self._new_id())
+        tag.owner = weakref.ref(cache)
+        setattr(cache, TAG, tag)
+        self._holders[tag.id] = 1
+        self._held[tag.id] = int(cache.offset)
+        self._log += [EXTRACT, batch.id, index, tag.id]
+
+    def _record(self, *ints: int) -> None:
+        self._log += ints
 
     def _place(self, first: Any) -> tuple[int, int, int]:
         offset = int(first.offset)
@@ -150,22 +271,231 @@ class CacheLedger:
                 self._dropped.append(cache_id)
 
 
+def batch_columns(first: Any) -> int:
+    """A batch cache's columns (its rows' common length, padding included)."""
+    return int(getattr(first, "_idx", 0))
+
+
+def batch_rows(first: Any) -> int:
+    """A batch cache's rows."""
+    return int(first.offset.shape[0])
+
+
+def _ints(values: Any) -> list[int]:
+    return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
+_RECORDING: dict[type, type] = {}
+
+
+def _recording(cls: type) -> type:
+    """``cls`` (a batch cache class) whose every change is logged to its ledger first."""
+    if cls in _RECORDING or cls in _RECORDING.values():
+        return _RECORDING.get(cls, cls)
+
+    def tag(cache: Any) -> BatchTag:
+        found: BatchTag = cache.__dict__[BATCH_TAG]
+        return found
+
+    class Recording(cls):  # type: ignore[misc, valid-type]
+        def filter(self, batch_indices: Any) -> Any:
+            keep = _ints(batch_indices)
+            tag(self).ledger._record(FILTER, tag(self).id, len(keep), *keep)
+            return super().filter(batch_indices)
+
+        def extend(self, other: Any) -> Any:
+            theirs = other.__dict__.get(BATCH_TAG)
+            if theirs is None or theirs.ledger is not tag(self).ledger:
+                raise SplitCacheError("extending a batch with one its followers never saw")
+            tag(self).ledger._record(EXTEND, tag(self).id, theirs.id)
+            return super().extend(other)
+
+        def extract(self, idx: int) -> Any:
+            cache = super().extract(idx)
+            tag(self).ledger._extracted(tag(self), int(idx), cache)
+            return cache
+
+        def prepare(
+            self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None
+        ) -> Any:
+            parts = [
+                _ints(v) if v is not None else None for v in (left_padding, lengths, right_padding)
+            ]
+            given = [p for p in parts if p is not None]
+            flags = sum(1 << i for i, p in enumerate(parts) if p is not None)
+            rows = len(given[0]) if given else 0
+            values = [v for p in given for v in p]
+            tag(self).ledger._record(PREPARE, tag(self).id, rows, flags, *values)
+            return super().prepare(
+                left_padding=left_padding, lengths=lengths, right_padding=right_padding
+            )
+
+        def finalize(self) -> Any:
+            tag(self).ledger._record(FINALIZE, tag(self).id)
+            return super().finalize()
+
+        def trim(self, n: int) -> Any:
+            tag(self).ledger._record(TRIM, tag(self).id, int(n))
+            return super().trim(n)
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
+    _RECORDING[cls] = Recording
+    return Recording
+
+
+_recorders: list[Any] = []  # mlx-lm's own _merge_caches, once wrapped
+
+
+def record_batches() -> None:
+    """Wrap mlx-lm's ``generate._merge_caches`` (once per process, on rank 0): a merge of a
+    ledger's caches is recorded by that ledger; any other merge is left alone."""
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")  # the package's name is a function
+    if _recorders:
+        return
+    merge = generate._merge_caches
+    _recorders.append(merge)
+
+    def recorded(caches: list[list[Any]]) -> list[Any]:
+        ledger = _ledger_of(caches)
+        batch = merge(caches)
+        if ledger is not None and batch:
+            ledger.merged(caches, batch)
+        return batch
+
+    setattr(generate, "_merge_caches", recorded)  # noqa: B010 (a module mypy cannot see)
+
+
+def _ledger_of(caches: list[list[Any]]) -> CacheLedger | None:
+    for cache in caches:
+        first = cache[0].__dict__ if cache else {}
+        if (tag := first.get(TAG)) is not None:
+            return tag.ledger  # type: ignore[no-any-return]
+        if (fresh := first.get(FRESH)) is not None:
+            return fresh.ledger()  # type: ignore[no-any-return]
+    return None
+
+
 class FollowerCaches:
-    """A follower's caches by id, changed only as rank 0's steps say."""
+    """A follower's caches and batches by id, changed only as rank 0's steps say."""
 
     def __init__(self, make: Callable[[], list[Any]]) -> None:
         self._make = make
         self._caches: dict[int, list[Any]] = {}
+        self._batches: dict[int, list[Any]] = {}
 
     def __len__(self) -> int:
-        return len(self._caches)
+        return len(self._caches) + len(self._batches)
 
-    def prepare(self, step: Step) -> list[Any]:
-        """Apply ``step``'s drops, copy and trim; the cache its tokens run on."""
+    def prepare_batch(self, step: Step) -> list[Any]:
+        """Replay ``step``'s batch operations, apply its drops; the batch it runs on."""
+        self._replay(step.ops)
+        self._drop(step.drops)
+        batch = self._batch(step.cache)
+        shape = (batch_rows(batch[0]), batch_columns(batch[0])) if batch else (0, 0)
+        if shape != (step.source, step.offset):
+            raise SplitCacheError(
+                f"batch {step.cache} is {shape[0]}x{shape[1]} here, "
+                f"{step.source}x{step.offset} on rank 0"
+            )
+        return batch
+
+    def _drop(self, ids: tuple[int, ...]) -> None:
+        for cache_id in ids:
+            self._caches.pop(cache_id, None)
+            self._batches.pop(cache_id, None)
+
+    def _replay(self, ops: tuple[int, ...]) -> None:
+        i = 0
+        while i < len(ops):
+            i = self._apply(ops, i)
+
+    def _apply(self, ops: tuple[int, ...], i: int) -> int:
+        """Apply the operation at ``ops[i]`` (its kind, its batch id, its arguments); the index
+        of the next one."""
+        apply = _REPLAY.get(ops[i])
+        if apply is None:
+            raise SplitCacheError(f"unknown batch operation {ops[i]}: out of step with rank 0")
+        return apply(self, ops[i + 1], ops, i + 2)
+
+    def _merge(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        rows = ops[at]
+        pairs = ops[at + 1 : at + 1 + 2 * rows]
+        sources = [self._view(pairs[2 * r], pairs[2 * r + 1]) for r in range(rows)]
+        self._batches[batch_id] = _original_merge()(sources)
+        return at + 1 + 2 * rows
+
+    def _copy(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        self._batches[ops[at]] = copy.deepcopy(self._batch(batch_id))
+        return at + 1
+
+    def _filter(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        keep = list(ops[at + 1 : at + 1 + ops[at]])
+        for layer in self._batch(batch_id):
+            layer.filter(keep)
+        return at + 1 + len(keep)
+
+    def _extend(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        for layer, other in zip(self._batch(batch_id), self._batch(ops[at]), strict=True):
+            layer.extend(other)
+        return at + 1
+
+    def _extract(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        self._caches[ops[at + 1]] = [layer.extract(ops[at]) for layer in self._batch(batch_id)]
+        return at + 2
+
+    def _prepare(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        rows, flags = ops[at], ops[at + 1]
+        at, kwargs = at + 2, {}
+        for bit, name in enumerate(("left_padding", "lengths", "right_padding")):
+            if flags & (1 << bit):
+                kwargs[name] = list(ops[at : at + rows])
+                at += rows
+        for layer in self._batch(batch_id):
+            layer.prepare(**kwargs)
+        return at
+
+    def _finalize(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        for layer in self._batch(batch_id):
+            layer.finalize()
+        return at
+
+    def _trim(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
+        for layer in self._batch(batch_id):
+            layer.trim(ops[at])
+        return at + 1
+
+    def _view(self, source: int, offset: int) -> list[Any]:
+        """A batch row's source as rank 0 merged it: new, or a follower cache's first
+        ``offset`` tokens (a shallow copy, trimmed: merging only reads it)."""
         from mlx_lm.models.cache import trim_prompt_cache
 
-        for cache_id in step.drops:
-            self._caches.pop(cache_id, None)
+        if source == NEW:
+            return self._make()
+        view = [copy.copy(layer) for layer in self._cache(source)]
+        excess = int(view[0].offset) - offset
+        if excess > 0:
+            trim_prompt_cache(view, excess)
+        if int(view[0].offset) != offset:
+            raise SplitCacheError(
+                f"cache {source} holds {view[0].offset} tokens, rank 0's {offset}"
+            )
+        return view
+
+    def _batch(self, batch_id: int) -> list[Any]:
+        try:
+            return self._batches[batch_id]
+        except KeyError:
+            raise SplitCacheError(f"no batch {batch_id} here: out of step with rank 0") from None
+
+    def prepare(self, step: Step) -> list[Any]:
+        """Replay ``step``'s batch operations, apply its drops, copy and trim; the cache its
+        tokens run on."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        self._replay(step.ops)
+        self._drop(step.drops)
         if step.source == NEW:
             self._caches[step.cache] = self._make()
         elif step.source != KEEP:
@@ -185,3 +515,24 @@ class FollowerCaches:
             return self._caches[cache_id]
         except KeyError:
             raise SplitCacheError(f"no cache {cache_id} here: out of step with rank 0") from None
+
+
+_REPLAY: dict[int, Callable[[FollowerCaches, int, tuple[int, ...], int], int]] = {
+    MERGE: FollowerCaches._merge,
+    COPY: FollowerCaches._copy,
+    FILTER: FollowerCaches._filter,
+    EXTEND: FollowerCaches._extend,
+    EXTRACT: FollowerCaches._extract,
+    PREPARE: FollowerCaches._prepare,
+    FINALIZE: FollowerCaches._finalize,
+    TRIM: FollowerCaches._trim,
+}
+
+
+def _original_merge() -> Callable[[list[list[Any]]], list[Any]]:
+    """mlx-lm's own ``_merge_caches`` (a follower in rank 0's process must not record)."""
+    import importlib
+
+    if _recorders:
+        return _recorders[0]  # type: ignore[no-any-return]
+    return importlib.import_module("mlx_lm.generate")._merge_caches  # type: ignore[no-any-return]

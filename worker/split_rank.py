@@ -12,7 +12,7 @@ cache and shared prefills work as on an unsplit worker.
 Rank 0 either serves the normal worker HTTP API (``--serve``: the real :class:`Engine`, whose
 model is a :class:`LeaderModel` that announces each forward pass) or, for tests and benchmarks,
 runs :func:`generate` over ``--prompts`` (a JSON list of token-id lists; one ``{"tokens": …}``
-line each). Split serving runs one sequence at a time (no batching: :func:`leader_config`).
+line each). Split serving batches concurrent requests as the unsplit worker does.
 
 Started as ``python -m worker.split_rank --model DIR --split 3,3 [--serve --port N]`` with the
 ring backend's ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON file: per rank, a list of ``"ip:port"``
@@ -40,7 +40,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from worker.pipeline import Slice, Wrapper, materialize, slice_model
-from worker.split_cache import KEEP, CacheLedger, FollowerCaches, SplitCacheError, Step
+from worker.split_cache import (
+    BATCH_TAG,
+    KEEP,
+    CacheLedger,
+    FollowerCaches,
+    SplitCacheError,
+    Step,
+    record_batches,
+)
 from worker.split_signals import GROUP_BROKEN, WAKE_LINE
 
 log = logging.getLogger(__name__)
@@ -50,25 +58,32 @@ BROKEN_GRACE_S = 1.0  # rank 0 exits this long after the ring broke: its error e
 
 
 class SplitRankError(Exception):
-    """Rank 0 was asked for something the followers cannot mirror (a batch, a shallow copy)."""
+    """Rank 0 was asked for something the followers cannot mirror (a foreign cache or batch, a
+    shallow copy run on)."""
 
 
 class Op(IntEnum):
     STOP = 0
     FORWARD = 2
     DOZE = 3  # nothing to do: block on stdin for a wake byte instead of in the ring
+    BATCH = 4  # a forward pass on a batch: the step names it, its rows and columns
 
 
-HEADER = 6  # op, cache id, source, offset, drops, tokens
-INLINE = 10  # payload ints carried in the header's all_sum (a decode step's token and drops)
+HEADER = 7  # op, cache id, source, offset, drops, batch ops, tokens
+# Payload ints carried in the header's all_sum: a decode step's tokens (one per row of a full
+# batch: the engine's completion_batch_size is 16) and a few drops; a step that also changes
+# the batch (a row joining or leaving) may take a second. All the ints of one all_sum cost one
+# round trip.
+INLINE = 25
 
 
 class Lockstep:
     """The command channel of a split group: rank 0 sends, every other rank receives.
 
     A forward pass is one ``all_sum`` of a fixed size: the header (the :class:`Step`: which
-    follower cache, copied from which, trimmed to how many tokens, how many drops and tokens
-    follow) and up to :data:`INLINE` payload ints (the drops, then the tokens) – a decode step.
+    follower cache, copied from which, trimmed to how many tokens, how many drops, batch
+    operations and tokens follow) and up to :data:`INLINE` payload ints (the drops, the batch
+    operations, then the tokens: a batch's rows one after another) – a decode step.
     A longer payload (a prefill chunk) takes a second ``all_sum``. Every collective is a round
     trip around the ring (over the network between nodes), so a decoded token pays one, not
     two. With no group (or a group of one) sending is a no-op: the same loop serves the
@@ -103,9 +118,9 @@ class Lockstep:
 def pack(op: Op, step: Step, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
     """A command as the ints of its first ``all_sum`` (header and, when short, the payload)
     and of its second (the payload, when it did not fit inline; else empty)."""
-    drops = list(step.drops)
-    header = [int(op), step.cache, step.source, step.offset, len(drops), len(tokens)]
-    payload = [*drops, *tokens]
+    drops, ops = list(step.drops), list(step.ops)
+    header = [int(op), step.cache, step.source, step.offset, len(drops), len(ops), len(tokens)]
+    payload = [*drops, *ops, *tokens]
     if len(payload) <= INLINE:
         return header + payload + [0] * (INLINE - len(payload)), []
     return header + [0] * INLINE, payload
@@ -113,14 +128,15 @@ def pack(op: Op, step: Step, tokens: Sequence[int]) -> tuple[list[int], list[int
 
 def more_to_receive(first: Sequence[int]) -> int:
     """How many payload ints a second ``all_sum`` carries after ``first`` (0: none)."""
-    count = first[4] + first[5]
+    count = first[4] + first[5] + first[6]
     return count if count > INLINE else 0
 
 
 def unpack(first: Sequence[int], rest: Sequence[int]) -> tuple[Op, Step, list[int]]:
-    op, cache, source, offset, drops, count = first[:HEADER]
-    payload = list(rest) if rest else list(first[HEADER : HEADER + drops + count])
-    return Op(op), Step(cache, source, offset, tuple(payload[:drops])), payload[drops:]
+    op, cache, source, offset, drops, ops, count = first[:HEADER]
+    payload = list(rest) if rest else list(first[HEADER : HEADER + drops + ops + count])
+    step = Step(cache, source, offset, tuple(payload[:drops]), tuple(payload[drops : drops + ops]))
+    return Op(op), step, payload[drops + ops :]
 
 
 class StepWatch:
@@ -197,8 +213,10 @@ class StepWatch:
 class LeaderModel(Wrapper):
     """Rank 0's model as the engine sees it: each forward pass is announced to the followers
     first, as a :class:`Step` of the group's :class:`CacheLedger` (worker/split_cache.py: which
-    of their caches it runs on, copied and trimmed how), then run. Everything else
-    (``layers``, ``make_cache``, parameters) is the wrapped model's."""
+    of their caches it runs on, copied and trimmed how; for a batch, which batch and how
+    mlx-lm's ``BatchGenerator`` merged, filtered, extended or split batches since), then run.
+    Its caches (:meth:`make_cache`) are marked as its ledger's, so their batches are recorded.
+    Everything else (``layers``, parameters) is the wrapped model's."""
 
     def __init__(
         self,
@@ -215,6 +233,12 @@ class LeaderModel(Wrapper):
         object.__setattr__(self, "_doze_after_s", doze_after_s)
         object.__setattr__(self, "_last_pass", time.monotonic())
         object.__setattr__(self, "dozing", False)
+        record_batches()
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return self.ledger.mark_fresh(make_prompt_cache(self.inner))
 
     def engine_idle(self, now: float | None = None) -> None:
         """The engine has nothing to do (it calls this between its idle waits). A follower
@@ -253,18 +277,26 @@ class LeaderModel(Wrapper):
                 watch.end()
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
-        if cache is None or kwargs.get("input_embeddings") is not None or inputs.shape[0] != 1:
-            raise SplitRankError("a split model runs one token sequence at a time, with a cache")
+        if cache is None or kwargs.get("input_embeddings") is not None:
+            raise SplitRankError("a split model runs token sequences, with a cache")
+        batched = BATCH_TAG in cache[0].__dict__
+        if not batched and inputs.shape[0] != 1:
+            raise SplitRankError("a split model runs a batch only on a batch cache")
         try:
-            step = self.ledger.plan(cache)
+            if batched:
+                step = self.ledger.plan_batch(cache, int(inputs.shape[0]))
+            else:
+                step = self.ledger.plan(cache)
         except SplitCacheError as exc:
             raise SplitRankError(f"a split model cannot run this cache: {exc}") from exc
-        tokens = inputs[0].tolist()  # waits for the sampled token: the followers need its value
+        # Waits for the sampled tokens: the followers need their values.
+        tokens = [int(t) for row in inputs.tolist() for t in row]  # type: ignore[union-attr, arg-type]
         self._wake()
         object.__setattr__(self, "_last_pass", time.monotonic())
         with self._guarded(len(tokens)):
-            self._lockstep.send(Op.FORWARD, step, tokens)
-            self.ledger.ran(step, len(tokens))
+            self._lockstep.send(Op.BATCH if batched else Op.FORWARD, step, tokens)
+            if not batched:
+                self.ledger.ran(step, len(tokens))
             out = self.inner(inputs, cache=cache)
             # The whole pipeline's round trip, here, under the step's deadline.
             mx.eval([c.state for c in cache])
@@ -331,10 +363,15 @@ def follow(model: nn.Module, lockstep: Lockstep) -> None:
             if not sys.stdin.buffer.read(1):  # the node that started this rank is gone
                 raise RuntimeError("stdin closed while dozing")
             continue
-        cache = caches.prepare(step)
+        if op is Op.BATCH:
+            cache = caches.prepare_batch(step)
+            inputs = mx.array(tokens).reshape(step.source, -1)
+        else:
+            cache = caches.prepare(step)
+            inputs = mx.array([tokens])
         if step.drops:
             mx.clear_cache()  # hand the freed caches' buffers back, as rank 0's engine does
-        model(mx.array([tokens]), cache=cache)
+        model(inputs, cache=cache)
         mx.eval([c.state for c in cache])
 
 
@@ -388,7 +425,7 @@ def serve_leader(
 ) -> None:
     """Rank 0 with ``--serve``: the real engine behind the normal worker HTTP app, with its
     prompt cache and shared prefills (the followers mirror every cache it keeps, copies, trims
-    and drops: worker/split_cache.py), one sequence at a time (see :func:`leader_config`)."""
+    and drops: worker/split_cache.py), batching as the unsplit worker (:func:`leader_config`)."""
     from worker.app import serve
     from worker.engine import Engine
     from worker.net import SECRET_ENV
@@ -421,13 +458,12 @@ def leader_config(split: Sequence[int], prompt_cache_bytes: int) -> Any:
     its share of the largest slice (a follower with twice rank 0's layers then holds about the
     budget, rank 0 half of it).
 
-    No batching: mlx-lm's ``BatchGenerator`` merges, extends, filters and extracts its batch's
-    rows inside its own loop, where rank 0 cannot announce them to the followers (README, Split
-    serving). Concurrent requests run one after another (worker/sequential.py)."""
+    Batching as on an unsplit worker: what mlx-lm's ``BatchGenerator`` does to its batches'
+    caches is recorded on rank 0 and replayed by the followers (worker/split_cache.py)."""
     from worker.engine_types import EngineConfig
 
     scaled = prompt_cache_bytes * split[0] // max(split)
-    return EngineConfig(prompt_cache_bytes=scaled, batching=False)
+    return EngineConfig(prompt_cache_bytes=scaled)
 
 
 def build_parser() -> argparse.ArgumentParser:

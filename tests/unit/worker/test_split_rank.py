@@ -5,6 +5,7 @@ operations mirrored by an in-process follower (worker/split_cache.py)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,19 @@ from mlx_lm.utils import load_model
 from worker.engine import Engine
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
-from worker.split_cache import FollowerCaches, Step
+from worker.split_cache import (
+    COPY,
+    EXTEND,
+    EXTRACT,
+    FILTER,
+    FINALIZE,
+    MERGE,
+    NEW,
+    PREPARE,
+    FollowerCaches,
+    SplitCacheError,
+    Step,
+)
 from worker.split_rank import (
     HEADER,
     INLINE,
@@ -104,7 +117,7 @@ def test_rank_0_gets_the_budget_of_the_rank_with_the_most_layers() -> None:
     """Rank 0 weighs only its own layers' KV; a follower holds the same entries for its."""
     config = leader_config([2, 4, 1], 1200)
     assert config.prompt_cache_bytes == 600
-    assert not config.batching and config.share_prefill
+    assert config.batching and config.share_prefill
 
 
 class MirrorLockstep(Lockstep):
@@ -116,12 +129,22 @@ class MirrorLockstep(Lockstep):
         self.model: Any = None
         self.followers = FollowerCaches(lambda: make_prompt_cache(self.model))
         self.last: list[Any] = []
+        self.batches = 0  # batched passes
+        self.widest = 0  # most rows in one
 
     def send(self, op: Op, step: Step | None = None, tokens: Sequence[int] = ()) -> None:
+        assert step is not None or op not in (Op.FORWARD, Op.BATCH)
         if op is Op.FORWARD:
             assert step is not None
             self.last = self.followers.prepare(step)
             self.model(mx.array([list(tokens)]), cache=self.last)
+            mx.eval([c.state for c in self.last])
+        elif op is Op.BATCH:
+            assert step is not None
+            self.batches += 1
+            self.widest = max(self.widest, step.source)
+            self.last = self.followers.prepare_batch(step)
+            self.model(mx.array(list(tokens)).reshape(step.source, -1), cache=self.last)
             mx.eval([c.state for c in self.last])
 
 
@@ -135,10 +158,17 @@ class CheckedLeader(LeaderModel):
         # Those rank 0 let go of were freed before the pass: no more caches than rank 0's.
         assert len(lockstep.followers) == len(self.ledger)
         for ours, theirs in zip(cache, mirror, strict=True):
-            assert ours.offset == theirs.offset
-            for a, b in zip(ours.state, theirs.state, strict=True):
-                assert mx.array_equal(a, b).item()
+            assert _same(ours.state, theirs.state)
         return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal cache states: arrays element for element, the rest as values."""
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, mx.array):
+        return isinstance(b, mx.array) and bool(mx.array_equal(a, b).item())
+    return bool(a == b)
 
 
 def mirrored_engine(model_dir: Path) -> tuple[Engine, MirrorLockstep]:
@@ -180,6 +210,7 @@ async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) 
         both = [GenerationRequest([*shared, n], 5, greedy) for n in (1, 2)]
         results = await asyncio.gather(*(_run(engine, r) for r in both))
         assert engine.stats.shared_prefills >= 1
+        assert lockstep.widest == 2  # they ran as one batch
         assert all(done.completion_tokens == 5 for _, done in results)
         assert len(leader.ledger) <= len(engine._store)
         # A client that leaves mid-answer: what its cache holds is kept, and a retry of the
@@ -215,9 +246,86 @@ async def test_rotating_caches_mirror_too(tmp_path: Path) -> None:
         both = [GenerationRequest([*shared, n], 4, greedy) for n in (1, 2)]
         for _, done in await asyncio.gather(*(_run(engine, r) for r in both)):
             assert done.completion_tokens == 4
-        assert len(lockstep.followers) == len(engine._model.ledger)
+        # The caches rank 0 extracted from a batch after its last pass reach the followers
+        # with the next pass (CheckedLeader compares the counts at every pass).
+        await _run(engine, GenerationRequest([1, 2], 1, greedy))
+        assert lockstep.batches and lockstep.widest == 2  # the two forks ran as one batch
     finally:
         engine.close()
+
+
+def test_every_batch_operation_of_mlx_lms_generator_is_mirrored(tiny_model_dir: Path) -> None:
+    """mlx-lm's ``BatchGenerator`` driven directly, as the engine may: prompts of different
+    lengths prefilled together in small chunks (right padding, then rolled into left padding),
+    prefill batches split into generation, rows joining a running batch and leaving it, a
+    cancelled row, a fork extracted from a running row, a finished row's cache reused. After
+    every pass the follower's batch equals rank 0's (CheckedLeader), logs of every kind."""
+    import importlib
+
+    import mlx_lm.models.cache as mc
+
+    generate = importlib.import_module("mlx_lm.generate")
+    lockstep = MirrorLockstep()
+    model, _ = load_model(tiny_model_dir)
+    lockstep.model = model
+    leader = CheckedLeader(model, lockstep)
+    seen: list[int] = []
+    replay = lockstep.followers._apply
+
+    def apply(ops: tuple[int, ...], i: int) -> int:
+        seen.append(ops[i])
+        return replay(ops, i)
+
+    lockstep.followers._apply = apply  # type: ignore[method-assign]
+    gen = generate.BatchGenerator(
+        leader, completion_batch_size=4, prefill_batch_size=2, prefill_step_size=5
+    )
+    prompts = [list(range(3, 3 + n)) for n in (7, 12, 3, 9, 16)]
+    live = set(gen.insert([prompts[0]], max_tokens=[6]))
+    finished: list[list[Any]] = []
+    reused, forked = False, -10
+    for step in range(80):
+        if step == 2:
+            live |= set(gen.insert(prompts[1:3], max_tokens=[9, 4]))
+        if finished and not reused:
+            reused = True
+            reuse = [copy.copy(c) for c in finished[0]]  # as the engine's copy_cache does
+            mc.trim_prompt_cache(reuse, 2)
+            live |= set(gen.insert([prompts[3]], max_tokens=[5], caches=[reuse]))
+            live |= set(gen.insert([prompts[4]], max_tokens=[7]))
+            forked = step + 3
+        if step == forked:
+            running = [u for u in gen._generation_batch.uids if u in live]
+            cache, _ = gen.extract_cache(running[:1])[running[0]]
+            fork = [copy.copy(c) for c in cache]
+            mc.trim_prompt_cache(fork, 1)
+            live |= set(gen.insert([prompts[2]], max_tokens=[3], caches=[fork]))
+        if step == forked + 2:
+            victim = max(live)
+            gen.remove([victim], return_prompt_caches=True)
+            live.discard(victim)
+        for response in gen.next()[1]:
+            if response.finish_reason is not None:
+                finished.append(response.prompt_cache)
+                live.discard(response.uid)
+        if not live:
+            break
+    assert not live
+    kinds = {MERGE, COPY, FILTER, EXTEND, EXTRACT, PREPARE, FINALIZE}
+    assert kinds <= set(seen), sorted(set(seen))
+    assert lockstep.widest >= 3
+
+
+def test_a_follower_out_of_step_with_rank_0s_batch_says_so(leader: LeaderModel) -> None:
+    followers = FollowerCaches(lambda: make_prompt_cache(leader.inner))
+    two_new = (MERGE, 7, 2, NEW, 0, NEW, 0)
+    assert len(followers.prepare_batch(Step(7, 2, 0, (), two_new))) == len(leader.layers)
+    with pytest.raises(SplitCacheError, match="is 2x0 here, 2x5 on rank 0"):
+        followers.prepare_batch(Step(7, 2, 5))
+    with pytest.raises(SplitCacheError, match="no batch 8"):
+        followers.prepare_batch(Step(8, 1, 0))
+    with pytest.raises(SplitCacheError, match="unknown batch operation 99"):
+        followers.prepare_batch(Step(7, 2, 0, (), (99, 7)))
 
 
 async def _run(engine: Engine, request: GenerationRequest) -> tuple[Any, Finished]:
@@ -267,19 +375,27 @@ def test_idle_followers_doze_once_and_the_next_pass_wakes_them(
 
 
 @given(
-    op=st.sampled_from([Op.FORWARD, Op.DOZE, Op.STOP]),
+    op=st.sampled_from([Op.FORWARD, Op.BATCH, Op.DOZE, Op.STOP]),
     cache=st.integers(0, 1 << 20),
     source=st.integers(-1, 1 << 20),
     offset=st.integers(0, 1 << 20),
     drops=st.lists(st.integers(1, 1 << 20), max_size=12),
+    ops=st.lists(st.integers(-2, 1 << 20), max_size=20),
     tokens=st.lists(st.integers(0, 1 << 17), max_size=40),
 )
 def test_a_command_packs_into_one_collective_when_short_and_unpacks_the_same(
-    op: Op, cache: int, source: int, offset: int, drops: list[int], tokens: list[int]
+    op: Op,
+    cache: int,
+    source: int,
+    offset: int,
+    drops: list[int],
+    ops: list[int],
+    tokens: list[int],
 ) -> None:
-    step = Step(cache, source, offset, tuple(drops))
+    step = Step(cache, source, offset, tuple(drops), tuple(ops))
     first, rest = pack(op, step, tokens)
     assert len(first) == HEADER + INLINE  # every rank receives a first message of one size
-    assert (rest == []) == (len(drops) + len(tokens) <= INLINE)  # a decode step: one round trip
+    short = len(drops) + len(ops) + len(tokens) <= INLINE
+    assert (rest == []) == short  # a decode step: one round trip
     assert more_to_receive(first) == len(rest)
     assert unpack(first, rest) == (op, step, tokens)
