@@ -32,6 +32,7 @@ from mesh.split.bridge import BridgeLink, BridgeServer
 from mesh.split.orders import RankOrder, RankReport, order_from_json
 from mesh.split.processes import free_ports, spawn_rank, stop_process, wake
 from mesh.tunnel.frames import Body, Data, End, ErrorCode, ResponseHead
+from worker.split_signals import LOCKSTEP_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,11 @@ class RankHost:
             self.bridge.unregister(order.group)
 
     def _check(self, order: RankOrder, peer_id: str) -> RankOrder:
+        if order.lockstep != LOCKSTEP_VERSION:
+            raise SplitError(
+                f"the head speaks split lockstep version {order.lockstep}, this node "
+                f"{LOCKSTEP_VERSION}: run the same mlx-mesh version on both"
+            )
         if order.nodes[0] != peer_id:
             raise SplitError("only the node that runs rank 0 may order a group's ranks")
         if order.nodes[order.rank] != self.node_id or order.nodes.count(self.node_id) != 1:

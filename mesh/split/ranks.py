@@ -46,7 +46,7 @@ from mesh.split.plan import (
 )
 from mesh.split.processes import free_ports, spawn_rank, stop_process, wake
 from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, served_name
-from worker.split_signals import WAKE_LINE
+from worker.split_signals import LOCKSTEP_VERSION, WAKE_LINE
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +281,7 @@ class SplitWorkerProcess(WorkerProcess):
                 nodes=nodes,
                 files=self._files_for(stage.start, stage.end),
                 need_bytes=stage.total_bytes,
+                lockstep=LOCKSTEP_VERSION,
             )
             for stage in remote
         ]

@@ -16,6 +16,7 @@ from mesh.split.bridge import BridgeServer
 from mesh.split.host import RankHost
 from mesh.split.orders import BadOrder, order_from_json
 from mesh.tunnel.frames import End, ResponseHead
+from worker.split_signals import LOCKSTEP_VERSION
 
 HEAD = "h" * 64
 
@@ -37,6 +38,7 @@ def order(me: str, **changes: object) -> bytes:
         "nodes": [HEAD, me],
         "files": ["config.json", "model.safetensors"],
         "need_bytes": 10_000_000,
+        "lockstep": LOCKSTEP_VERSION,
     }
     return orjson.dumps(body | changes)
 
@@ -61,6 +63,7 @@ def host(tmp_path: Path) -> RankHost:
         ({"nodes": [HEAD, HEAD]}, HEAD, 400, "exactly its one rank"),
         ({"need_bytes": 60_000_000}, HEAD, 409, "offer has 50 MB left"),
         ({"split": [3]}, HEAD, 400, "bad rank order"),
+        ({"lockstep": 1}, HEAD, 400, "same mlx-mesh version"),
     ],
 )
 async def test_refusals_are_one_sentence_and_start_nothing(
