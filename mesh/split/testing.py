@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -21,7 +22,7 @@ from mesh.identity import NodeIdentity
 from mesh.split.bridge import BridgeLink, BridgeServer
 from mesh.split.processes import free_ports
 
-__all__ = ["bridged_hostfiles", "free_ports", "spawn_ranks", "stream_until_signal"]
+__all__ = ["bridged_hostfiles", "free_ports", "serve_split", "spawn_ranks", "stream_until_signal"]
 
 Hostfiles = dict[int, list[list[str]]]
 
@@ -49,6 +50,21 @@ def spawn_ranks(
             subprocess.Popen([*command, "--split", split_arg], env=rank_env, stdout=subprocess.PIPE)
         )
     return procs
+
+
+def serve_split(
+    model: Path, split: Sequence[int], workdir: Path, env: dict[str, str]
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """A split group on loopback whose rank 0 serves the worker API (warm-up on, as ``mesh
+    up`` runs it): its ``/v1`` URL once it listens, and the rank processes, rank 0 first."""
+    (port,) = free_ports(1)
+    command = [sys.executable, "-m", "worker.split_rank", "--model", str(model), "--serve"]
+    procs = spawn_ranks([*command, "--port", str(port)], split, workdir, env)
+    assert procs[0].stdout is not None
+    for line in procs[0].stdout:
+        if b"worker listening on" in line:
+            return f"http://127.0.0.1:{port}/v1", procs
+    raise RuntimeError(f"rank 0 did not start (exit {procs[0].wait(30)})")
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ every answer at temperature 0 is the unsplit batching worker's, request for requ
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from mesh.split.testing import free_ports, spawn_ranks
+from mesh.split.testing import serve_split
 from worker.cpu import REEXEC_MARKER
 from worker.split_rank import GROUP_BROKEN, leader_config
 from worker.testing import make_tiny_model, run_worker_in_thread
@@ -94,18 +93,10 @@ def test_a_split_batches_concurrent_requests_with_the_unsplit_answers(
 ) -> None:
     with run_worker_in_thread(model, config=leader_config([1], 2 << 30)) as (base, _):
         expected, _ = at_once(base, model.name)
-    (port,) = free_ports(1)
     env = {**os.environ, "PYTHONPATH": str(ROOT), REEXEC_MARKER: "1"}
-    command = [sys.executable, "-m", "worker.split_rank", "--model", str(model), "--serve"]
-    procs = spawn_ranks([*command, "--port", str(port)], [2, 2], tmp_path, env)
+    url, procs = serve_split(model, [2, 2], tmp_path, env)
     try:
-        assert procs[0].stdout is not None
-        for line in procs[0].stdout:
-            if b"worker listening on" in line:
-                break
-        else:
-            raise AssertionError(f"rank 0 did not start (exit {procs[0].wait(30)})")
-        got, positions = at_once(f"http://127.0.0.1:{port}/v1", model.name)
+        got, positions = at_once(url, model.name)
     finally:
         procs[0].terminate()
         codes = [proc.wait(timeout=30) for proc in procs]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mesh.split.testing import free_ports, spawn_ranks
+from mesh.split import testing as split_testing
 from worker.cpu import REEXEC_MARKER
 from worker.split_rank import GROUP_BROKEN, leader_config
 from worker.testing import make_tiny_model, run_worker_in_thread
@@ -76,16 +75,8 @@ def script(base: str, name: str) -> dict[str, Any]:
 
 
 def serve_split(model: Path, split: list[int], tmp: Path) -> tuple[str, list[subprocess.Popen]]:
-    """A split group whose rank 0 serves the worker API (warm-up on, as ``mesh up`` runs it)."""
-    (port,) = free_ports(1)
     env = {**os.environ, "PYTHONPATH": str(ROOT), REEXEC_MARKER: "1"}
-    command = [sys.executable, "-m", "worker.split_rank", "--model", str(model), "--serve"]
-    procs = spawn_ranks([*command, "--port", str(port)], split, tmp, env)
-    assert procs[0].stdout is not None
-    for line in procs[0].stdout:
-        if b"worker listening on" in line:
-            return f"http://127.0.0.1:{port}/v1", procs
-    raise AssertionError(f"rank 0 did not start (exit {procs[0].wait(30)})")
+    return split_testing.serve_split(model, split, tmp, env)
 
 
 @pytest.fixture(scope="module")
