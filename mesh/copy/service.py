@@ -103,9 +103,9 @@ class PeerCopy:
             conn = links.get(node_id)
             if name not in state.stored or not state.copy_port or node_id not in trusted:
                 continue
-            if conn is None or conn.peer_address is None:
+            host = conn.peer_host if conn is not None else None
+            if host is None:
                 continue
-            host = conn.peer_address[0].removeprefix("::ffff:")
             found.append(CopySource(node_id, host, state.copy_port, trusted[node_id]))
         if only is None:
             return found

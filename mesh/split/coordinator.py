@@ -26,7 +26,7 @@ from mesh.peers import PeerTable
 from mesh.split.bridge import BridgeServer
 from mesh.split.host import BridgeAddress, RankHost
 from mesh.split.orders import SPLIT_RANK_PATH, RankOrder, RankReport, report_from_json
-from mesh.split.plan import Offer, SplitPlan
+from mesh.split.plan import Offer, SplitPlan, node_of
 from mesh.tunnel.connection import PeerConnection
 from mesh.tunnel.frames import Body, Data, End, ErrorCode, RequestHead, ResponseHead
 
@@ -124,18 +124,18 @@ class SplitMesh:
         conn = self._links().get(node_id)
         record = self._peers.peers.get(node_id)
         cert = self._trusted().get(node_id)
-        address = conn.peer_address if conn is not None and not conn.is_closed else None
+        host = conn.peer_host if conn is not None and not conn.is_closed else None
         port = record.state.bridge_port if record is not None else None
-        if address is None or not port or cert is None:
+        if host is None or not port or cert is None:
             return None
-        return BridgeAddress(address[0].removeprefix("::ffff:"), int(port), cert)
+        return BridgeAddress(host, int(port), cert)
 
     def stages(self, model: str) -> list[StageAd]:
         plan = self.plans.get(model)
         if plan is None:
             return []
         return [
-            StageAd(rank=s.rank, node_id=s.node_id.split("#")[0], start=s.start, end=s.end)
+            StageAd(rank=s.rank, node_id=node_of(s.node_id), start=s.start, end=s.end)
             for s in plan.stages
         ]
 

@@ -179,6 +179,13 @@ class PeerConnection:
         return (addr[0], addr[1]) if addr else None
 
     @property
+    def peer_host(self) -> str | None:
+        """The peer's IP as a TCP side channel dials it (peer copy, the split ring bridge):
+        an IPv4-mapped IPv6 address of a dual-stack socket as plain IPv4."""
+        address = self.peer_address
+        return address[0].removeprefix("::ffff:") if address is not None else None
+
+    @property
     def is_closed(self) -> bool:
         return self._lost is not None
 
