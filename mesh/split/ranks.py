@@ -438,12 +438,13 @@ def split_if_too_big(model: str, options: WorkerOptions) -> SplitOptions | None:
     except (LayoutError, OSError):
         return None
     memory = physical_memory()
-    if fits_whole(layout, context_for(layout.context_length, None), memory):
+    context = context_for(layout.context_length, None)
+    if fits_whole(layout, context, memory):
         return None
     log.warning(
         "%s needs %.1f GB whole, more than this node can hold (%.0f%% of %.1f GB): "
         "splitting it over the members that offer memory",
-        served_name(model), whole_model_bytes(layout, context_for(layout.context_length, None)) / 1e9,
+        served_name(model), whole_model_bytes(layout, context) / 1e9,
         FIT_SHARE * 100, memory / 1e9,
     )  # fmt: skip
     return SplitOptions(ranks=0)
