@@ -1,6 +1,6 @@
 """Split serving on one box: the same model whole vs split over 2 (and 3) rank processes.
 
-Baseline: the model unsplit in one process (``python -m worker.split_rank --single``, the same
+Baseline: the model unsplit in one process (``python -m worker.split.rank --single``, the same
 lockstep loop with no group). Candidates: split over 2 ranks on the ring backend, directly on
 loopback and through the TLS bridge (mesh/split/bridge.py, both "nodes" on this box), and over
 3 ranks directly. Per configuration, the same prompts (random token ids) are answered greedily:
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mesh.split.testing import bridged_hostfiles, free_ports, spawn_ranks  # noqa: E402
-from worker.layout import read_layout  # noqa: E402
+from worker.split.layout import read_layout  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".mlx-mesh" / "models" / "smollm2-135m"
 
@@ -57,7 +57,7 @@ def run(
     hostfiles: dict[int, list] | None = None,
 ) -> list[dict[str, Any]]:
     command = [
-        sys.executable, "-m", "worker.split_rank", "--model", str(model),
+        sys.executable, "-m", "worker.split.rank", "--model", str(model),
         "--prompts", str(prompts), "--max-tokens", str(args.max_tokens),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -193,7 +193,7 @@ def measure_prompt_cache(
         name = f"split {len(split)} ranks (rank 0 serves), ring on loopback"
         # A loaded shared box can take longer than the default step deadline for a cold
         # prefill chunk; a bench measures, it does not fail over.
-        command = [sys.executable, "-m", "worker.split_rank", "--serve", *serve,
+        command = [sys.executable, "-m", "worker.split.rank", "--serve", *serve,
                    "--step-deadline-s", "300"]  # fmt: skip
         procs = spawn_ranks(command, split, work, env)
     try:
@@ -275,7 +275,7 @@ def write_cache_report(args: argparse.Namespace, results: list[dict[str, Any]]) 
         "A hit computes only the tokens after the cached prefix (the new user turn and the "
         "template around it), so its TTFT is about one decode step plus that short prefill, "
         "on a split as unsplit: every rank starts from its own copy of the first turn's KV "
-        "(worker/split_cache.py), and the ranks' caches never leave their process. The "
+        "(worker/split/cache.py), and the ranks' caches never leave their process. The "
         "longer the conversation, the larger the saving: an agent's next turn re-sends "
         "everything before it.",
         "",
@@ -316,7 +316,7 @@ def write_report(
         f"`python bench/split.py --runs {args.runs} --rounds {args.rounds} --prompt-tokens "
         f"{args.prompt_tokens} --max-tokens {args.max_tokens}` on {platform.platform()} "
         f"({os.cpu_count()} CPUs, shared with other work: read the ratios, not the absolute "
-        "times). Every configuration runs the same lockstep loop (worker/split_rank.py), "
+        "times). Every configuration runs the same lockstep loop (worker/split/rank.py), "
         "greedy; the baseline is the unsplit model in one process. Medians over every prompt "
         f"after each run's warm-up prompt, the configurations interleaved {args.rounds} times.",
         "",

@@ -119,9 +119,9 @@ class ModelResult:
 
 async def _one(engine: Any, prompt: list[int], tokens: int, schema: dict[str, Any] | None) -> Timed:
     from worker.engine_types import Finished, GenerationRequest, TokenChunk
-    from worker.grammar_processor import make_grammar_processor
-    from worker.json_grammar import json_grammar
     from worker.sampling import SamplingParams
+    from worker.structured.json_grammar import json_grammar
+    from worker.structured.processor import make_grammar_processor
 
     started = time.perf_counter()
     processors: tuple[TimedProcessor, ...] = ()
@@ -178,8 +178,8 @@ def _prompt(engine: Any, round_: int) -> list[int]:
 
 async def measure(path: Path, name: str, rounds: int, tokens: int) -> ModelResult:
     from worker.engine import Engine
-    from worker.grammar_processor import grammar_tokenizer, make_grammar_processor
-    from worker.json_grammar import json_grammar
+    from worker.structured.json_grammar import json_grammar
+    from worker.structured.processor import grammar_tokenizer, make_grammar_processor
 
     engine = Engine(str(path), name=name)
     engine.start(timeout=600)

@@ -30,23 +30,23 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from worker import tool_listing
 from worker.engine import Engine, Job
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
-from worker.grammar_processor import GrammarProcessor
 from worker.net import bind_socket, server_limits
 from worker.output import DeltaAssembler
 from worker.sampling import SamplingParams
 from worker.schemas import ChatCompletionRequest, describe_validation_error, openai_usage
-from worker.structured_output import (
+from worker.structured.processor import GrammarProcessor
+from worker.structured.response_format import (
     OutputFormatError,
     agrammar_processor,
     answer_prompt,
     output_grammar,
 )
 from worker.thinking import normalize_thinking
-from worker.tool_listing import Listing
-from worker.tool_parsing import ToolCallSplitter, parse_json_span
+from worker.tools import listing as tool_listing
+from worker.tools.listing import Listing
+from worker.tools.parsing import ToolCallSplitter, parse_json_span
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def _fitted_prompt(
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
 ) -> tuple[tuple[list[int], bool], Listing]:
-    """The prompt with the tools listed as fully as the context allows (worker.tool_listing)."""
+    """The prompt with the tools listed as fully as the context allows (worker.tools.listing)."""
     if not tools:
         return engine.render_prompt(messages, None, template_kwargs), "full"
     sizes: dict[str, int] = {}

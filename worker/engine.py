@@ -56,8 +56,8 @@ from worker.loop_guard import LoopGuard
 from worker.prompt_cache import PromptCacheStore, copy_cache
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
 from worker.shared_prefill import Share, SharePolicy, Source, plan_share
-from worker.tool_listing import Listing, listed
-from worker.tool_prompt import generic_messages, renders_tools
+from worker.tools.listing import Listing, listed
+from worker.tools.prompt import generic_messages, renders_tools
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class Engine:
     ) -> None:
         self.model_path = model_path
         # (model, tokenizer, config) from a path, on the owner thread; mlx_lm.load by default.
-        # A split rank 0 passes its own (worker/split_rank.py: lazy, only its layers).
+        # A split rank 0 passes its own (worker/split/rank.py: lazy, only its layers).
         self._loader = loader
         self.name = name or model_path.rstrip("/").split("/")[-1]
         self.config = config or EngineConfig()
@@ -205,7 +205,7 @@ class Engine:
     @functools.cached_property
     def tool_calling(self) -> str:
         """ "native" when the chat template shows the model tools and past calls, else
-        "generic" (worker.tool_prompt writes them into the prompt as text)."""
+        "generic" (worker.tools.prompt writes them into the prompt as text)."""
         tok = self.tokenizer
         if not tok.has_chat_template:
             return "generic"
@@ -226,7 +226,7 @@ class Engine:
     ) -> tuple[list[int], bool]:
         """Prompt tokens through the chat template, and whether generation starts in a think
         block (the template opened ``<think>``), the tools shown as ``listing``
-        (:mod:`worker.tool_listing`). Raises jinja errors for bad conversations."""
+        (:mod:`worker.tools.listing`). Raises jinja errors for bad conversations."""
         tok = self.tokenizer
         if self.tool_calling == "generic" and (tools or _has_tool_turns(messages)):
             messages, tools = generic_messages(messages, tools, listing), None
@@ -293,7 +293,7 @@ class Engine:
 
     def _tell_idle(self) -> None:
         """A model that wants to know the engine is idle (a split's rank 0 lets its other
-        ranks doze off the ring: worker/split_rank.py) hears it here, on this thread."""
+        ranks doze off the ring: worker/split/rank.py) hears it here, on this thread."""
         idle = getattr(self._model, "engine_idle", None)
         if idle is None:
             return

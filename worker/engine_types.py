@@ -57,7 +57,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     request_id: str | None = None
-    # Run after the sampling ones, each request its own (a grammar's, worker/grammar_processor.py).
+    # Run after the sampling ones, each request its own (a grammar's, worker/structured/processor.py).
     logits_processors: tuple[Any, ...] = ()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.thinking import ThinkSplitter
-from worker.tool_parsing import ParsedToolCall, ToolCallSplitter
+from worker.tools.parsing import ParsedToolCall, ToolCallSplitter
 
 
 class DeltaAssembler:

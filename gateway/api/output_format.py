@@ -7,7 +7,7 @@
 - Messages: ``output_config.format`` ``{"type": "json_schema", "schema"}`` (also the beta's
   top-level ``output_format``).
 
-Each schema is compiled here (worker/json_grammar.py, no model needed), so a keyword the grammar
+Each schema is compiled here (worker/structured/json_grammar.py, no model needed), so a keyword the grammar
 cannot enforce is a 400 in the client's API shape that names it
 (``text.format.schema.properties.tags.uniqueItems``) before any worker is asked. The worker
 compiles it again for its vocabulary and answers 400 itself for what only that shows.
@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.errors import RequestInvalid, validated
 from gateway.request import OutputFormat
-from worker.json_grammar import SchemaError, json_grammar
 from worker.schemas import ResponseFormat
+from worker.structured.json_grammar import SchemaError, json_grammar
 
 
 def _checked(schema: dict[str, Any] | None, at: str, name: str | None = None) -> OutputFormat:

@@ -6,7 +6,7 @@ node runs the rank, the stage fits what is left of the offer), gets the model's 
 store's copy, or only the files the rank needs, copied from the head with peer copy), opens the
 ring's loopback ports through the bridge (its own rank registered with this node's
 :class:`~mesh.split.bridge.BridgeServer`, a :class:`~mesh.split.bridge.BridgeLink` for every
-rank on another node), and starts ``python -m worker.split_rank`` as a child that dies with the
+rank on another node), and starts ``python -m worker.split.rank`` as a child that dies with the
 node. The stream is the lease: it ends → the rank is killed; the rank exits → the stream ends.
 """
 
@@ -32,7 +32,7 @@ from mesh.split.bridge import BridgeLink, BridgeServer
 from mesh.split.orders import RankOrder, RankReport, order_from_json
 from mesh.split.processes import free_ports, spawn_rank, stop_process, wake
 from mesh.tunnel.frames import Body, Data, End, ErrorCode, ResponseHead
-from worker.split_signals import LOCKSTEP_VERSION
+from worker.split.signals import LOCKSTEP_VERSION
 
 log = logging.getLogger(__name__)
 

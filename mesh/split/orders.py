@@ -50,7 +50,7 @@ class RankOrder(BaseModel):
     nodes: list[str] = Field(min_length=2, max_length=MAX_RANKS)
     files: list[str] = Field(default_factory=list, max_length=MAX_FILES)
     need_bytes: int = Field(ge=1)
-    # The lockstep wire the head's rank 0 speaks (worker/split_signals.py); 1: an older head.
+    # The lockstep wire the head's rank 0 speaks (worker/split/signals.py); 1: an older head.
     lockstep: int = 1
 
     @field_validator("group")

@@ -1,6 +1,6 @@
 """The split plan (pure): which node runs which contiguous layers of one model.
 
-Input: the model's :class:`~worker.layout.ModelLayout` (bytes per layer, shared bytes, KV cost
+Input: the model's :class:`~worker.split.layout.ModelLayout` (bytes per layer, shared bytes, KV cost
 per token), the nodes that offer memory, and the context length to reserve KV cache for. Output:
 a :class:`SplitPlan` (stages in layer order, each a rank on one node) or a :class:`PlanError`
 whose message is one sentence a person can act on.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mesh.errors import PlanError
-from worker.layout import ModelLayout
+from worker.split.layout import ModelLayout
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ async def spawn_rank(
     *,
     label: str,
 ) -> tuple[asyncio.subprocess.Process, asyncio.Task[None]]:
-    """Start one follower rank (``python -m worker.split_rank``) as a child that dies with
+    """Start one follower rank (``python -m worker.split.rank``) as a child that dies with
     this node, and the task that logs its output."""
     command = [
-        python, "-m", "worker.split_rank",
+        python, "-m", "worker.split.rank",
         "--model", str(model_dir), "--split", ",".join(map(str, split)),
     ]  # fmt: skip
     env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}

@@ -1,7 +1,7 @@
 """A split model's group, led from this node (the head) and supervised as one worker.
 
 :class:`SplitWorkerProcess` is a :class:`~mesh.workers.WorkerProcess` whose child is rank 0 of
-a pipeline split (``python -m worker.split_rank --serve``: the normal worker HTTP API, so the
+a pipeline split (``python -m worker.split.rank --serve``: the normal worker HTTP API, so the
 gateway sees one more worker). Each forming of the group:
 
 1. plans the split over this node's share and the members that offer memory (gossip, via
@@ -46,7 +46,7 @@ from mesh.split.plan import (
 )
 from mesh.split.processes import free_ports, spawn_rank, stop_process, wake
 from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, served_name
-from worker.split_signals import LOCKSTEP_VERSION, WAKE_LINE
+from worker.split.signals import LOCKSTEP_VERSION, WAKE_LINE
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class SplitWorkerProcess(WorkerProcess):
         super().__init__(model, options)
         assert options.split is not None
         from worker import store
-        from worker.layout import LayoutError, read_layout
+        from worker.split.layout import LayoutError, read_layout
 
         self.path = store.resolve_model(options.home, model)
         try:
@@ -96,7 +96,7 @@ class SplitWorkerProcess(WorkerProcess):
     def _command(self) -> list[str]:
         assert self.options.split is not None and self.plan is not None
         return [
-            self.options.python, "-m", "worker.split_rank", "--serve",
+            self.options.python, "-m", "worker.split.rank", "--serve",
             "--model", self.path, "--name", self.name, "--split", _split_arg(self.plan),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--step-deadline-s", str(self.options.split.step_deadline_s),
@@ -430,7 +430,7 @@ def split_if_too_big(model: str, options: WorkerOptions) -> SplitOptions | None:
     ranks as hold it) when this node cannot hold the model whole, else None. Models that are
     no local layered decoder (a hub id, say) are served whole, as before."""
     from worker import store
-    from worker.layout import LayoutError, read_layout
+    from worker.split.layout import LayoutError, read_layout
 
     path = store.resolve_model(options.home, model)
     try:

@@ -33,7 +33,7 @@ def test_default_model_says_paris(tmp_path: Path) -> None:
     assert "Paris" in answer, answer
 
     # SmolLM2's template drops tools and tool calls: the worker uses the generic tool prompt.
-    from worker.tool_prompt import generic_messages, renders_tools
+    from worker.tools.prompt import generic_messages, renders_tools
 
     def render(messages, tools):
         return tokenizer.apply_chat_template(

@@ -1,4 +1,4 @@
-"""Rank 0 of a split group batches concurrent requests (worker/split_cache.py replays
+"""Rank 0 of a split group batches concurrent requests (worker/split/cache.py replays
 mlx-lm's batch-cache operations on the followers): over 2 real rank processes (MLX ring backend
 on loopback), four streamed requests at once decode side by side, not one after another, and
 every answer at temperature 0 is the unsplit batching worker's, request for request."""
@@ -15,7 +15,7 @@ import pytest
 
 from mesh.split.testing import serve_split
 from worker.cpu import REEXEC_MARKER
-from worker.split_rank import GROUP_BROKEN, leader_config
+from worker.split.rank import GROUP_BROKEN, leader_config
 from worker.testing import make_tiny_model, run_worker_in_thread
 
 mx = pytest.importorskip("mlx.core")

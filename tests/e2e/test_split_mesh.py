@@ -42,7 +42,7 @@ def wait_for(predicate, timeout: float, what: str):
 def followers(worker_pid: int) -> list[int]:
     """The node's rank processes other than rank 0 (children of the node, not the worker)."""
     out = subprocess.run(
-        ["pgrep", "-f", "worker.split_rank --model"], capture_output=True, text=True
+        ["pgrep", "-f", "worker.split.rank --model"], capture_output=True, text=True
     ).stdout
     return [int(p) for p in out.split() if int(p) != worker_pid]
 

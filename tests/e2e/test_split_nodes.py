@@ -42,7 +42,7 @@ CHAT = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "ma
 def rank_pids() -> list[int]:
     """Follower rank processes (rank 0 runs with --serve first, so it does not match)."""
     out = subprocess.run(
-        ["pgrep", "-f", "worker.split_rank --model"], capture_output=True, text=True
+        ["pgrep", "-f", "worker.split.rank --model"], capture_output=True, text=True
     ).stdout
     return [int(p) for p in out.split()]
 

@@ -1,5 +1,5 @@
 """Rank 0 of a split group keeps the prompt cache and shared prefills of an unsplit worker
-(worker/split_cache.py): over 2 and 3 real rank processes (MLX ring backend on loopback), a
+(worker/split/cache.py): over 2 and 3 real rank processes (MLX ring backend on loopback), a
 conversation's second turn reuses the first turn's KV (``cached_tokens`` in its usage), several
 requests at once share one prefill, and every answer at temperature 0 is the unsplit worker's
 with the same settings, request for request."""
@@ -17,7 +17,7 @@ import pytest
 
 from mesh.split import testing as split_testing
 from worker.cpu import REEXEC_MARKER
-from worker.split_rank import GROUP_BROKEN, leader_config
+from worker.split.rank import GROUP_BROKEN, leader_config
 from worker.testing import make_tiny_model, run_worker_in_thread
 
 mx = pytest.importorskip("mlx.core")

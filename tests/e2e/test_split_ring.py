@@ -14,7 +14,7 @@ import pytest
 
 from mesh.split.testing import bridged_hostfiles, free_ports, spawn_ranks
 from worker.cpu import REEXEC_MARKER
-from worker.split_rank import GROUP_BROKEN
+from worker.split.rank import GROUP_BROKEN
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, run_worker_in_thread
 
 mx = pytest.importorskip("mlx.core")
@@ -36,13 +36,13 @@ def rank_env() -> dict[str, str]:
 def run_ranks(
     model: Path, split: list[int], tmp: Path, hostfiles: dict[int, list] | None = None
 ) -> list[dict]:
-    """Run one ``worker.split_rank`` process per rank; every JSON line, rank 0's first.
+    """Run one ``worker.split.rank`` process per rank; every JSON line, rank 0's first.
     ``hostfiles``: each rank's own hostfile (by default one shared, all on loopback)."""
     (tmp / "prompts.json").write_text(json.dumps(PROMPTS))
     common = [
         sys.executable,
         "-m",
-        "worker.split_rank",
+        "worker.split.rank",
         "--model",
         str(model),
         "--prompts",
@@ -80,7 +80,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def unsplit(model: Path) -> tuple[list[list[int]], int]:
     """The reference, in this process: the same loop, the whole model, no group."""
-    from worker.split_rank import LeaderModel, Lockstep, eos_ids, generate, load_slice
+    from worker.split.rank import LeaderModel, Lockstep, eos_ids, generate, load_slice
 
     whole, _, _, weights = load_slice(model, None, None)
     leader = LeaderModel(whole, Lockstep(None))
@@ -93,7 +93,7 @@ def unsplit(model: Path) -> tuple[list[list[int]], int]:
 
 # Three uneven ranks of gemma3 here, ~10 s on 2 cores (the rank processes' start-up, importing
 # mlx-lm, is most of it); llama over two ranks is tests/e2e/test_split_mesh.py, through the
-# gateway. Add ("llama", [1, 4, 1]) etc. locally when changing worker/pipeline.py.
+# gateway. Add ("llama", [1, 4, 1]) etc. locally when changing worker/split/pipeline.py.
 @pytest.mark.parametrize(("arch", "split"), [("gemma3", [2, 1, 3])])
 def test_split_output_is_token_identical_to_unsplit(
     models: dict[str, Path], arch: str, split: list[int], tmp_path: Path
@@ -152,7 +152,7 @@ def test_rank_0_serves_the_worker_api_like_an_unsplit_worker(
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
     env = {**rank_env(), "MLX_HOSTFILE": str(hostfile)}
-    command = [sys.executable, "-m", "worker.split_rank", "--model", str(model), "--split", "3,3"]
+    command = [sys.executable, "-m", "worker.split.rank", "--model", str(model), "--split", "3,3"]
     follower = subprocess.Popen(command, env={**env, "MLX_RANK": "1"}, stdout=subprocess.PIPE)
     leader = subprocess.Popen(
         [*command, "--serve", "--port", str(port), "--no-warm-up"],

@@ -18,7 +18,7 @@ from worker.convert.llama import LLAMA
 from worker.convert.progress import NullProgress, Progress
 from worker.convert.quant import GROUP_SIZE, QuantizedTensor, convert_tensor
 from worker.convert.tokenizer import build_tokenizer
-from worker.layout import write_index
+from worker.split.layout import write_index
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (LLAMA, GEMMA3)}
 

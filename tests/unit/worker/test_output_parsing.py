@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from worker.output import DeltaAssembler
 from worker.sampling import StopMatcher
-from worker.tool_parsing import MAX_TOOL_NAME, ToolCallSplitter, clamp_tool_name
+from worker.tools.parsing import MAX_TOOL_NAME, ToolCallSplitter, clamp_tool_name
 
 
 def run_stop(chunks: list[str], stops: list[str]) -> tuple[str, bool]:

@@ -16,7 +16,7 @@ from mesh.split.bridge import BridgeServer
 from mesh.split.host import RankHost
 from mesh.split.orders import BadOrder, order_from_json
 from mesh.tunnel.frames import End, ResponseHead
-from worker.split_signals import LOCKSTEP_VERSION
+from worker.split.signals import LOCKSTEP_VERSION
 
 HEAD = "h" * 64
 

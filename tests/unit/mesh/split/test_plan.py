@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mesh.errors import PlanError
 from mesh.split.plan import Offer, SplitPlan, plan_split
-from worker.layout import ModelLayout
+from worker.split.layout import ModelLayout
 
 MB = 1_000_000
 

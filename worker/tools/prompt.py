@@ -4,7 +4,7 @@ Some models' templates (SmolLM2's, many base-model templates) drop ``tools`` and
 calls without a word, so the model never learns it has tools. :func:`renders_tools` finds out by
 rendering a probe; where it fails, :func:`generic_messages` puts the tools into the system
 message and writes past calls and results as text, in the Hermes/Qwen convention the tool parser
-already reads by default (:mod:`worker.tool_parsing`)::
+already reads by default (:mod:`worker.tools.parsing`)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -19,8 +19,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from worker.tool_listing import Listing, first_sentence, listed, top_level
-from worker.tool_parsing import DEFAULT_END, DEFAULT_START
+from worker.tools.listing import Listing, first_sentence, listed, top_level
+from worker.tools.parsing import DEFAULT_END, DEFAULT_START
 
 _PROBE_TOOL = "zz_probe_tool_7f3a"
 _PROBE_CALL = "zz_probe_call_7f3a"
@@ -62,7 +62,7 @@ def renders_tools(render: Render) -> bool:
 
 def tools_section(tools: list[dict[str, Any]], listing: Listing = "full") -> str:
     """The system message's tools part, the tools shown as ``listing`` has them
-    (:mod:`worker.tool_listing`): JSON Schema, or one signature line each."""
+    (:mod:`worker.tools.listing`): JSON Schema, or one signature line each."""
     if listing == "names":
         lines, form = [_signature(tool) for tool in tools], "name(parameter: type, optional?: type)"
     else:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.json_grammar import SchemaError, json_grammar, locate
+from worker.structured.json_grammar import SchemaError, json_grammar, locate
 
 STRING = {"type": "string", "maxLength": 8}
 SUPPORTED: dict[str, dict[str, Any]] = {

@@ -1,6 +1,6 @@
 """Rank 0's side of a split, in one process: the per-step deadline (pure core), the caches a
 leader refuses because its followers could not mirror them, and the real engine's cache
-operations mirrored by an in-process follower (worker/split_cache.py)."""
+operations mirrored by an in-process follower (worker/split/cache.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from mlx_lm.utils import load_model
 from worker.engine import Engine
 from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
-from worker.split_cache import (
+from worker.split.cache import (
     COPY,
     EXTEND,
     EXTRACT,
@@ -34,7 +34,7 @@ from worker.split_cache import (
     SplitCacheError,
     Step,
 )
-from worker.split_rank import (
+from worker.split.rank import (
     HEADER,
     INLINE,
     LeaderModel,
@@ -47,7 +47,7 @@ from worker.split_rank import (
     pack,
     unpack,
 )
-from worker.split_signals import WAKE_LINE
+from worker.split.signals import WAKE_LINE
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
 
 

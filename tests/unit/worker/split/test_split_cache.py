@@ -1,4 +1,4 @@
-"""The followers' caches stay in step with rank 0's (worker/split_cache.py): whatever rank 0
+"""The followers' caches stay in step with rank 0's (worker/split/cache.py): whatever rank 0
 copies, trims, runs and drops, the cache a follower runs each step on holds the same tokens, and
 it holds no cache rank 0 let go of."""
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import trim_prompt_cache
 
-from worker.split_cache import KEEP, NEW, CacheLedger, FollowerCaches, SplitCacheError
+from worker.split.cache import KEEP, NEW, CacheLedger, FollowerCaches, SplitCacheError
 
 
 class Layer:

@@ -25,7 +25,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from worker.json_grammar import SchemaError, is_panic
+from worker.structured.json_grammar import SchemaError, is_panic
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 Rank 0 leads: before each forward pass it broadcasts a command (``FORWARD`` these tokens on
 this cache, or ``STOP``) to every rank with an ``all_sum``, then all ranks run that forward pass
-(``worker.pipeline`` moves the activations between them). Only rank 0 computes logits and
+(``worker.split.pipeline`` moves the activations between them). Only rank 0 computes logits and
 samples; the sampled token is in its next ``FORWARD``. The other ranks follow (:func:`follow`)
 and evaluate only their caches. Each rank keeps a KV cache per cache rank 0 holds (a running
 request's, the prompt cache's entries): the command says which one a pass runs on and how
-rank 0's engine copied, trimmed or dropped caches since (worker/split_cache.py), so the prompt
+rank 0's engine copied, trimmed or dropped caches since (worker/split/cache.py), so the prompt
 cache and shared prefills work as on an unsplit worker.
 
 Rank 0 either serves the normal worker HTTP API (``--serve``: the real :class:`Engine`, whose
@@ -14,7 +14,7 @@ model is a :class:`LeaderModel` that announces each forward pass) or, for tests 
 runs :func:`generate` over ``--prompts`` (a JSON list of token-id lists; one ``{"tokens": …}``
 line each). Split serving batches concurrent requests as the unsplit worker does.
 
-Started as ``python -m worker.split_rank --model DIR --split 3,3 [--serve --port N]`` with the
+Started as ``python -m worker.split.rank --model DIR --split 3,3 [--serve --port N]`` with the
 ring backend's ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON file: per rank, a list of ``"ip:port"``
 strings) in the environment, no ``mlx.launch``. Every rank prints one ``{"rank", "slice",
 "layer_bytes", "active_bytes", "peak_rss_bytes"}`` line when it is done.
@@ -39,8 +39,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker.pipeline import Slice, Wrapper, materialize, slice_model
-from worker.split_cache import (
+from worker.split.cache import (
     BATCH_TAG,
     KEEP,
     CacheLedger,
@@ -49,7 +48,8 @@ from worker.split_cache import (
     Step,
     record_batches,
 )
-from worker.split_signals import GROUP_BROKEN, WAKE_LINE
+from worker.split.pipeline import Slice, Wrapper, materialize, slice_model
+from worker.split.signals import GROUP_BROKEN, WAKE_LINE
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class StepWatch:
 
 class LeaderModel(Wrapper):
     """Rank 0's model as the engine sees it: each forward pass is announced to the followers
-    first, as a :class:`Step` of the group's :class:`CacheLedger` (worker/split_cache.py: which
+    first, as a :class:`Step` of the group's :class:`CacheLedger` (worker/split/cache.py: which
     of their caches it runs on, copied and trimmed how; for a batch, which batch and how
     mlx-lm's ``BatchGenerator`` merged, filtered, extended or split batches since), then run.
     Its caches (:meth:`make_cache`) are marked as its ledger's, so their batches are recorded.
@@ -350,7 +350,7 @@ def generate(
 def follow(model: nn.Module, lockstep: Lockstep) -> None:
     """A rank other than 0: run the forward passes rank 0 announces until it says ``STOP``,
     each on the cache its step names (copied, trimmed, freed as rank 0's were:
-    worker/split_cache.py). Only the caches are evaluated (the send to the next rank hangs off
+    worker/split/cache.py). Only the caches are evaluated (the send to the next rank hangs off
     the last one)."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -425,7 +425,7 @@ def serve_leader(
 ) -> None:
     """Rank 0 with ``--serve``: the real engine behind the normal worker HTTP app, with its
     prompt cache and shared prefills (the followers mirror every cache it keeps, copies, trims
-    and drops: worker/split_cache.py), batching as the unsplit worker (:func:`leader_config`)."""
+    and drops: worker/split/cache.py), batching as the unsplit worker (:func:`leader_config`)."""
     from worker.app import serve
     from worker.engine import Engine
     from worker.net import SECRET_ENV
@@ -459,7 +459,7 @@ def leader_config(split: Sequence[int], prompt_cache_bytes: int) -> Any:
     budget, rank 0 half of it).
 
     Batching as on an unsplit worker: what mlx-lm's ``BatchGenerator`` does to its batches'
-    caches is recorded on rank 0 and replayed by the followers (worker/split_cache.py)."""
+    caches is recorded on rank 0 and replayed by the followers (worker/split/cache.py)."""
     from worker.engine_types import EngineConfig
 
     scaled = prompt_cache_bytes * split[0] // max(split)
@@ -467,7 +467,7 @@ def leader_config(split: Sequence[int], prompt_cache_bytes: int) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m worker.split_rank")
+    parser = argparse.ArgumentParser(prog="python -m worker.split.rank")
     parser.add_argument("--model", required=True, help="an MLX model directory")
     parser.add_argument("--split", help="layers per rank, by rank: 3,3 (rank 0 runs the last)")
     parser.add_argument("--prompts", help="rank 0: a JSON file, a list of token-id lists")

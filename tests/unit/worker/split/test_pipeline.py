@@ -11,7 +11,14 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from worker.pipeline import PipelineError, SkippedLayer, Slice, decoder_of, materialize, slice_model
+from worker.split.pipeline import (
+    PipelineError,
+    SkippedLayer,
+    Slice,
+    decoder_of,
+    materialize,
+    slice_model,
+)
 from worker.testing import make_tiny_gemma3_model, make_tiny_model
 
 

@@ -7,8 +7,8 @@ import json
 import jinja2
 
 from worker.testing import chat_template
-from worker.tool_parsing import ToolCallSplitter
-from worker.tool_prompt import generic_messages, renders_tools
+from worker.tools.parsing import ToolCallSplitter
+from worker.tools.prompt import generic_messages, renders_tools
 
 # A ChatML template like SmolLM2's: no tools, no tool calls (it drops both silently).
 _PLAIN = (

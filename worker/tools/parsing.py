@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.tool_stream import ArgumentStreamer
+from worker.tools.stream import ArgumentStreamer
 
 MAX_TOOL_NAME = 200
 DEFAULT_START = "<tool_call>"

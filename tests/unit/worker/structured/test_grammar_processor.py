@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
-from worker.grammar_processor import grammar_tokenizer, make_grammar_processor
-from worker.json_grammar import json_grammar
+from worker.structured.json_grammar import json_grammar
+from worker.structured.processor import grammar_tokenizer, make_grammar_processor
 
 WORD = {"type": "string", "maxLength": 6}
 PERSON = {

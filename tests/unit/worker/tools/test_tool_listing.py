@@ -1,4 +1,4 @@
-"""Tool listings shortened to fit the context (worker.tool_listing, worker.tool_prompt)."""
+"""Tool listings shortened to fit the context (worker.tools.listing, worker.tools.prompt)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker import tool_listing
-from worker.tool_listing import first_sentence, listed, reserve, top_level
-from worker.tool_prompt import tools_section
+from worker.tools import listing as tool_listing
+from worker.tools.listing import first_sentence, listed, reserve, top_level
+from worker.tools.prompt import tools_section
 
 BASH = {
     "type": "function",

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from worker.schemas import ResponseFormat
-from worker.structured_output import (
+from worker.structured.response_format import (
     OutputFormatError,
     agrammar_processor,
     answer_prompt,

@@ -6,7 +6,7 @@ against a byte-level tokenizer, so unsupported keywords (``uniqueItems``, ``not`
 bad references and unsatisfiable schemas are refused here with a ``SchemaError`` that names
 where in the schema the problem is. The gateway calls it to answer 400 in each API's shape;
 the worker calls it too (it also serves clients directly) and then builds the matcher with the
-model's own tokenizer (worker/grammar_processor.py).
+model's own tokenizer (worker/structured/processor.py).
 
 The JSON is written on one line with ``", "`` and ``": "`` between items, and no other
 whitespace: the way models usually write it, and a grammar that allowed free whitespace

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from worker.grammar_processor import GrammarProcessor, GrammarUnavailable, make_grammar_processor
-from worker.json_grammar import SchemaError, json_grammar
 from worker.schemas import ResponseFormat
+from worker.structured.json_grammar import SchemaError, json_grammar
+from worker.structured.processor import GrammarProcessor, GrammarUnavailable, make_grammar_processor
 
 _SCHEMA_PARAM = "response_format.json_schema.schema"
 

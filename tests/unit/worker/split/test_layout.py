@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.layout import INDEX_FILE, LayoutError, layout_of, read_layout, write_index
+from worker.split.layout import INDEX_FILE, LayoutError, layout_of, read_layout, write_index
 from worker.testing import make_tiny_gemma3_model, make_tiny_model
 
 

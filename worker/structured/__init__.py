@@ -1,0 +1,1 @@
+"""Structured output in the worker: JSON schemas compiled to grammars that mask the logits."""
