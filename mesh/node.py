@@ -43,6 +43,7 @@ from mesh.identity import NodeIdentity
 from mesh.node_file import remove_node_file, write_node_file
 from mesh.response_relay import MeshResponses, node_tag
 from mesh.service import MeshConfig, MeshService
+from mesh.split.ranks import SplitProcesses
 from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, WorkerSupervisor
 from worker.net import bind_socket, server_limits
 
@@ -140,8 +141,7 @@ class Node:
             load_probe=self.workers.load,
             responses=self.stored_responses,
         )
-        self.workers.split_mesh = self.mesh.split
-        self.workers.on_listing = self._list_split
+        self.workers.make_process = SplitProcesses(self.mesh.split, self._list_split)
         self.responses = MeshResponses(
             self.stored_responses,
             links=lambda: self.mesh.links,

@@ -10,18 +10,17 @@ to a worker goes through its one :class:`~gateway.worker_client.WorkerClient`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import secrets
-import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.worker_client import WorkerClient
+from mesh.children import child_preexec, forward_output
 from mesh.errors import NodeError
 from worker.net import SECRET_ENV
 
@@ -131,7 +130,7 @@ class WorkerProcess:
             stderr=asyncio.subprocess.STDOUT,
             env=self._env(),
             start_new_session=True,  # Ctrl-C reaches the node, which stops the worker in order
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=child_preexec(),
         )
         assert process.stdout is not None
         tail: list[str] = []
@@ -144,7 +143,7 @@ class WorkerProcess:
                     url = line.split()[3]
                     self.port = int(url.rsplit(":", 1)[1])
                     self._output = asyncio.create_task(
-                        _forward(process.stdout, self.name, self._on_output)
+                        forward_output(process.stdout, self.name, self._on_output)
                     )
                     if self.client is None:
                         self.client = WorkerClient(url, self.name, secret=self.secret)
@@ -207,6 +206,13 @@ class WorkerProcess:
             await self.client.aclose()
 
 
+class ProcessFactory(Protocol):
+    """Makes the supervised process that serves ``model`` (a :class:`WorkerProcess`, or one
+    that overrides its hooks, such as a split group's rank 0)."""
+
+    def __call__(self, model: str, options: WorkerOptions, /) -> WorkerProcess: ...
+
+
 class WorkerSupervisor:
     """The node's worker processes, one per model: started together, stopped together."""
 
@@ -214,10 +220,9 @@ class WorkerSupervisor:
         self.options = options
         self.models = list(models)
         self.processes: list[WorkerProcess] = []
-        # Split serving (mesh/split/): the mesh's side of it, and who lists a split model
-        # when its group forms (and unlists it while it waits for memory). Set by the node.
-        self.split_mesh: Any = None
-        self.on_listing: Any = None
+        # What makes each model's process: a plain worker here; the node injects split
+        # serving's factory (mesh/split/ranks.py), which may split a model over ranks.
+        self.make_process: ProcessFactory = WorkerProcess
 
     @property
     def clients(self) -> dict[str, WorkerClient]:
@@ -229,7 +234,7 @@ class WorkerSupervisor:
         then calls :meth:`stop`). Raises ``NodeError`` in words."""
         for model in self.models:
             check_model_available(self.options.home, model)
-            process = self._make_process(model)
+            process = self.make_process(model, self.options)
             if any(p.name == process.name for p in self.processes):
                 raise NodeError(f"two --model options serve the same name {process.name!r}")
             self.processes.append(process)
@@ -242,19 +247,6 @@ class WorkerSupervisor:
             if isinstance(first, TimeoutError):
                 raise NodeError("a worker did not become ready in time") from None
             raise NodeError(str(first)) from None
-
-    def _make_process(self, model: str) -> WorkerProcess:
-        from mesh.split.ranks import SplitWorkerProcess, split_if_too_big
-
-        options = self.options
-        if options.split is None and self.split_mesh is not None:
-            split = split_if_too_big(model, options)
-            options = dataclasses.replace(options, split=split) if split else options
-        if options.split is None:
-            return WorkerProcess(model, options)
-        process = SplitWorkerProcess(model, options, self.split_mesh)
-        process.on_listing = self.on_listing
-        return process
 
     async def stop(self) -> None:
         await asyncio.gather(*(p.stop() for p in self.processes))
@@ -279,22 +271,3 @@ class WorkerSupervisor:
             total["in_flight"] += int(data.get("in_flight", 0))
             total["tok_s"] += float(data.get("tokens_per_second", 0.0))
         return total
-
-
-def _die_with_parent() -> None:
-    """Linux: the worker gets SIGTERM if the node dies, even by SIGKILL (no orphans)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-async def _forward(
-    stream: asyncio.StreamReader, name: str, on_line: Callable[[str], bool] | None = None
-) -> None:
-    """Log a child's output; ``on_line`` may take a line as a message to the node (True)."""
-    while line := await stream.readline():
-        text = line.decode(errors="replace").rstrip()
-        if on_line is not None and on_line(text):
-            continue
-        log.info("[worker %s] %s", name, text)

@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from mesh.workers import _die_with_parent, _forward
+from mesh.children import child_preexec, forward_output
 
 
 async def spawn_rank(
@@ -37,14 +37,14 @@ async def spawn_rank(
         stderr=asyncio.subprocess.STDOUT,
         env=env,
         start_new_session=True,
-        preexec_fn=_die_with_parent if os.uname().sysname == "Linux" else None,
+        preexec_fn=child_preexec(),
     )
     assert process.stdout is not None
-    return process, asyncio.create_task(_forward(process.stdout, label))
+    return process, asyncio.create_task(forward_output(process.stdout, label))
 
 
 def wake(process: asyncio.subprocess.Process) -> None:
-    """Wake a dozing rank (worker/split_rank.py: it blocks on stdin between requests)."""
+    """Wake a dozing rank (worker/split/rank.py: it blocks on stdin between requests)."""
     if process.stdin is not None and process.returncode is None:
         with contextlib.suppress(OSError, RuntimeError):
             process.stdin.write(b"w")

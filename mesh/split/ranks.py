@@ -15,7 +15,7 @@ gateway sees one more worker). Each forming of the group:
 
 No ``mlx.launch``, no SSH: the mesh writes every rank's ``MLX_RANK`` and hostfile. The group
 lives and dies as one: rank 0 exits when a peer is gone or a step misses its deadline
-(worker/split_rank.py); a local rank that exits or a remote rank whose stream ends takes rank 0
+(worker/split/rank.py); a local rank that exits or a remote rank whose stream ends takes rank 0
 down; the worker's restart loop then re-forms the group, re-planned over who offers now.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -407,6 +408,26 @@ class SplitWorkerProcess(WorkerProcess):
                 ],
             }
         }
+
+
+class SplitProcesses:
+    """The node's :class:`~mesh.workers.ProcessFactory` when it can split: a model given split
+    options, or one too big for this node (:func:`split_if_too_big`), is served by a
+    :class:`SplitWorkerProcess` over ``mesh``; any other by a plain worker."""
+
+    def __init__(self, mesh: SplitMesh | None, on_listing: Listing | None = None) -> None:
+        self.mesh = mesh
+        self.on_listing = on_listing
+
+    def __call__(self, model: str, options: WorkerOptions, /) -> WorkerProcess:
+        if options.split is None and self.mesh is not None:
+            split = split_if_too_big(model, options)
+            options = dataclasses.replace(options, split=split) if split else options
+        if options.split is None:
+            return WorkerProcess(model, options)
+        process = SplitWorkerProcess(model, options, self.mesh)
+        process.on_listing = self.on_listing
+        return process
 
 
 def prompt_cache_bytes(plan: SplitPlan) -> int:
