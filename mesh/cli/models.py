@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -77,6 +78,29 @@ def pull_command(
     except (StoreError, PullError, ConvertError) as exc:
         raise fail(str(exc)) from exc
     console.print(f"[green]pulled[/] {name} → {path}")
+
+
+def locate_store_model(
+    home: Path, default_home: Path, name: str, pull: Callable[[str], Path]
+) -> tuple[str, str | None]:
+    """What ``mesh up --home HOME --model NAME`` serves when NAME is not in HOME's store: the
+    copy in the default store (``~/.mlx-mesh``) when it has one, else a registry model pulled
+    into HOME. Returns the ``--model`` value to use and the one line that says which (None
+    when nothing was looked up: a stored name, a directory, a hub id or an unknown name)."""
+    from worker.store import REGISTRY, StoreError, check_name, model_path
+
+    try:
+        here = model_path(home, name)
+    except StoreError:
+        return name, None  # a directory or a hub id
+    if here.is_dir() or Path(name).expanduser().is_dir():
+        return name, None
+    fallback = model_path(default_home, check_name(name))
+    if fallback.is_dir() and fallback.resolve() != here.resolve():
+        return str(fallback), f"{name} is not in {home / 'models'}: serving {fallback}"
+    if name in REGISTRY:
+        return name, f"{name} is not in {home / 'models'}: pulled it → {pull(name)}"
+    return name, None
 
 
 @models_app.command("convert")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from mesh.cli.app import HomeOption, app, fail, read_secret, resolve_home
+from mesh.cli.app import HomeOption, app, err_console, fail, read_secret, resolve_home
 
 if TYPE_CHECKING:
     from mesh.copy.server import CopyConfig
@@ -158,7 +158,7 @@ def up_command(
     splitting = bool(split or over)
     config = NodeConfig(
         home=home_dir,
-        models=tuple(model),
+        models=tuple(model if no_worker else (_located(home_dir, name) for name in model)),
         split=SplitOptions(
             ranks=split or len(over) + 1, share_memory_bytes=int(share_memory * 1e9), over=over
         )
@@ -196,6 +196,28 @@ def up_command(
         run_mesh_node(config, mesh_config)
     except (NodeError, MeshError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _located(home: Path, name: str) -> str:
+    """A store name missing from ``--home``'s store: the default store's copy, else pulled
+    (with its progress bar); one line says which."""
+    from mesh.cli.models import locate_store_model
+    from mesh.cli.progress import RichProgress
+    from worker.convert import ConvertError
+    from worker.pull import PullError
+    from worker.store import StoreError, pull_model
+
+    def pull(model: str) -> Path:
+        with RichProgress(err_console) as progress:
+            return pull_model(home, model, progress)
+
+    try:
+        located, said = locate_store_model(home, resolve_home(None), name, pull)
+    except (StoreError, PullError, ConvertError) as exc:
+        raise fail(str(exc)) from exc
+    if said:
+        err_console.print(said, soft_wrap=True, highlight=False)
+    return located
 
 
 def copy_config(

@@ -235,3 +235,21 @@ def test_up_reads_secrets_from_a_file_or_stdin_and_lists_allowed_hosts(tmp_path,
 def test_up_refuses_a_key_file_it_cannot_read(tmp_path):
     result = runner.invoke(app, ["up", "--no-worker", "--api-key", f"@{tmp_path / 'missing'}"])
     assert result.exit_code == 1 and "cannot read the API key" in result.output
+
+
+def test_up_with_a_fresh_home_serves_the_default_stores_copy_in_one_line(tmp_path, monkeypatch):
+    """`mesh up --home DIR --model smollm2-135m` on a fresh DIR: the model sits in the default
+    store ($MLX_MESH_HOME here), so the node serves that copy and says so, instead of failing
+    with "not in DIR/models"."""
+    default = tmp_path / "default"
+    stored = default / "models" / "smollm2-135m"
+    stored.mkdir(parents=True)
+    monkeypatch.setenv("MLX_MESH_HOME", str(default))
+    started: list = []
+    monkeypatch.setattr("mesh.node.run_mesh_node", lambda config, mesh: started.append(config))
+    result = runner.invoke(
+        app, ["up", "--home", str(tmp_path / "fresh"), "--model", "smollm2-135m"]
+    )
+    assert result.exit_code == 0, result.output
+    assert started[0].models == (str(stored),)
+    assert f"serving {stored}" in " ".join(result.output.split())
