@@ -46,6 +46,7 @@ class _Listener:
     def __init__(self) -> None:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
         self.port = 0
 
     async def _listen(self, host: str, port: int) -> int:
@@ -54,6 +55,7 @@ class _Listener:
         return self.port
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -68,6 +70,12 @@ class _Listener:
         self._tasks.add(task)
         try:
             await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            # close() ended it: an expected end. A connection task that ends cancelled makes
+            # asyncio's stream callback log a full traceback, so it ends normally instead.
+            if not self._closing:
+                raise
+            log.info("bridge: a connection ended with its listener")
         finally:
             self._tasks.discard(task)
             writer.close()

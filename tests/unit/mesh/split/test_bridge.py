@@ -127,3 +127,23 @@ async def test_a_rank_that_listens_late_is_waited_for(nodes) -> None:
         await link.close()
         if late is not None:
             late[0].close()
+
+
+async def test_closing_a_link_mid_pipe_logs_one_line_not_a_traceback(nodes, caplog) -> None:
+    """A link and the server closed while bytes flow end their connections as expected ends:
+    no asyncio "Exception in callback" traceback, only the bridge's own lines."""
+    a, b, server, port = nodes
+    link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g1", 1)
+    local = await link.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", local)
+    writer.write(b"ping")
+    async with asyncio.timeout(10):
+        assert await reader.readexactly(4) == b"ping"  # piping on both nodes now
+    with caplog.at_level("DEBUG"):
+        await link.close()
+        await server.close()
+        await asyncio.sleep(0.05)  # the stream protocol's done-callbacks run
+    writer.close()
+    tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert tracebacks == []
+    assert not [r for r in caplog.records if r.levelno >= 40]
