@@ -119,6 +119,9 @@ _CODEC = MessageCodec(HandshakeMessage, HandshakeInputError, "handshake message"
 message_from_dict = _CODEC.from_dict
 
 
+INVITE_RETRY_S = 300.0  # a joiner whose Welcome was lost may present its used invite this long
+
+
 class AuthFailure(enum.StrEnum):
     """Why a handshake was refused (sent in ``Denied`` and logged; the tunnel closes AUTH_FAILED)."""
 
@@ -126,6 +129,7 @@ class AuthFailure(enum.StrEnum):
     WRONG_MESH = "wrong_mesh"
     BAD_IDENTITY = "bad_identity"  # node id is not the hash of the key / key mismatch
     NOT_A_MEMBER = "not_a_member"
+    REMOVED = "removed"  # removed from the mesh: refused whatever invite or secret it shows
     BAD_SIGNATURE = "bad_signature"
     BAD_INVITE = "bad_invite"  # unknown secret
     INVITE_EXPIRED = "invite_expired"
@@ -227,6 +231,8 @@ class ServerHandshake(_Handshake):
             return self._refuse(AuthFailure.BAD_IDENTITY)
         if self.peer_node_id is not None and hello.node_id != self.peer_node_id:
             return self._refuse(AuthFailure.BAD_IDENTITY)
+        if hello.node_id in self.store.removed:
+            return self._refuse(AuthFailure.REMOVED)
         if hello.mode == "member":
             known = self.store.members.get(hello.node_id)
             if known is None:
@@ -287,11 +293,13 @@ class ServerHandshake(_Handshake):
             if not secret_matches(secret, digest):
                 continue
             if record.used_by is not None:
-                # The same joiner retrying after a lost Welcome is not a reuse.
-                return None if record.used_by == joiner else AuthFailure.INVITE_USED
+                # The same joiner retrying soon after a lost Welcome is not a reuse; the same
+                # token shown again later is (one use, however long the token would live).
+                retry = record.used_by == joiner and self.now < record.used_at + INVITE_RETRY_S
+                return None if retry else AuthFailure.INVITE_USED
             if self.now >= record.expires_at:
                 return AuthFailure.INVITE_EXPIRED
-            record.used_by = joiner
+            record.used_by, record.used_at = joiner, self.now
             return None
         return AuthFailure.BAD_INVITE
 

@@ -33,6 +33,7 @@ class Member(BaseModel):
 class InviteRecord(BaseModel):
     expires_at: float
     used_by: str | None = None
+    used_at: float = 0.0  # when ``used_by`` joined with it (0: before this field existed)
 
 
 class MeshCredentials(BaseModel):
@@ -50,8 +51,9 @@ class MemberStore(BaseModel):
     """Members, removed members and outstanding invites. :func:`save_members` writes it.
 
     A removed member leaves a tombstone (node id → Unix time of the removal) that travels in
-    gossip, so no member's stale copy brings it back. Only a newer first-hand entry – the node
-    joined again with a fresh invite – outranks the tombstone."""
+    gossip and is kept for good: no member's copy brings it back, and the handshake refuses
+    the node id whatever invite or secret it shows. A machine that should come back joins
+    under a new identity (its ``identity/`` deleted) with a fresh invite."""
 
     members: dict[str, Member] = Field(default_factory=dict)
     invites: dict[str, InviteRecord] = Field(default_factory=dict)  # secret digest → record
@@ -59,9 +61,8 @@ class MemberStore(BaseModel):
 
     def add_member(self, member: Member) -> bool:
         """Add or refresh one member; True when something changed. A key never changes."""
-        if self.removed.get(member.node_id, float("-inf")) >= member.updated_at:
-            return False  # removed after this entry was made: stays out
-        self.removed.pop(member.node_id, None)
+        if member.node_id in self.removed:
+            return False  # removed: stays out
         known = self.members.get(member.node_id)
         if known is not None and known.public_key != member.public_key:
             return False
@@ -83,10 +84,7 @@ class MemberStore(BaseModel):
         """Fold another member's view in: its tombstones first, then its members."""
         changed = False
         for node_id, when in (removed or {}).items():
-            known = self.members.get(node_id)
-            if known is not None and known.updated_at > when:
-                continue  # it joined again after that removal
-            if known is not None or self.removed.get(node_id, float("-inf")) < when:
+            if node_id in self.members or node_id not in self.removed:
                 self.remove(node_id, when)
                 changed = True
         for member in members:

@@ -15,7 +15,7 @@ from gateway.request import ChatRequest, Message
 from gateway.router import Router
 from gateway.testing import ScriptedUpstream, Stall, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
-from mesh.errors import ConnectError
+from mesh.errors import ConnectError, MeshError
 from mesh.identity import NodeIdentity
 from mesh.membership.invite import decode_invite
 from mesh.membership.members import load_credentials, load_members
@@ -394,6 +394,33 @@ async def test_a_removed_member_is_dropped_everywhere_and_cannot_come_back(mesh,
     rows = a.member_rows()
     assert [r["node_id"] for r in rows] == [a.node_id, b.node_id] and rows[0]["self"]
     assert a.status()["members"] == rows
+
+
+async def test_a_removed_member_that_wipes_its_mesh_files_cannot_rejoin_with_its_invite(
+    mesh, tmp_path
+):
+    """The audit's repro: remove C, then on C delete mesh.json and members.json (identity
+    kept) and start it with the invite it joined with. It must stay out, on every member,
+    also after the members restart."""
+    a, b, _ = await _pair(mesh)
+    invite = a.create_invite(60)
+    token = invite.encode()
+    c = await mesh("c", join_token=token)
+    await wait_until(lambda: c.node_id in b.links and c.node_id in a.links, limit_s=15)
+    assert a.remove_member(c.node_id) == c.node_id
+    await wait_until(lambda: c.node_id in b.members.removed, limit_s=15)
+    await c.stop()
+    for name in ("mesh.json", "members.json"):
+        (tmp_path / "c" / name).unlink()
+    with pytest.raises(MeshError, match="removed"):
+        await mesh("c", join_token=token)
+    assert c.node_id not in a.members.members and c.node_id not in b.members.members
+    await a.stop()  # the inviter restarts: the tombstone and the used invite are on disk
+    a = await mesh("a", {"tiny": ScriptedUpstream.of(*text_script("x"), name="local")})
+    moved = a.create_invite(60).addresses  # the same token, at A's new port
+    with pytest.raises(MeshError, match="removed"):
+        await mesh("c", join_token=invite.model_copy(update={"addresses": moved}).encode())
+    assert c.node_id not in a.members.members and c.node_id in a.members.removed
 
 
 async def test_known_model_whose_only_server_left_is_503_then_404(mesh):

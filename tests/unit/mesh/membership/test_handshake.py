@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from mesh.errors import HandshakeInputError
 from mesh.identity import node_id_of as node_id_for
 from mesh.membership.handshake import (
+    INVITE_RETRY_S,
     AuthFailure,
     Challenge,
     ClientHandshake,
@@ -32,6 +33,7 @@ from mesh.membership.invite import (
     decode_invite,
     make_invite,
     parse_ttl,
+    secret_digest,
 )
 from mesh.membership.members import (
     Member,
@@ -231,6 +233,47 @@ def test_join_retry_by_same_joiner_is_not_reuse(mesh, server_key, store):
         client = ClientHandshake(me=joiner, mesh_id=mesh.mesh_id, expected_peer=None, invite=token)
         _run(client, server)
         assert client.state is HandshakeState.ACCEPTED
+
+
+def test_an_invite_is_one_use_even_for_its_joiner_after_the_retry_window(
+    mesh, server_key, store, tmp_path
+):
+    """Past the lost-Welcome window, the joiner's own token is a reuse too – also after the
+    inviter restarted (the use is in members.json)."""
+    token = _invite(mesh, server_key, store)
+    joiner = KeySigner()
+    server = _server(server_key, mesh, store)
+    _run(ClientHandshake(me=joiner, mesh_id=mesh.mesh_id, expected_peer=None, invite=token), server)
+    assert server.state is HandshakeState.ACCEPTED
+    save_members(tmp_path, store)
+    reloaded = load_members(tmp_path)
+    later = NOW + INVITE_RETRY_S + 1
+    failure = _join_failure(mesh, server_key, reloaded, token, now=later, joiner=joiner)
+    assert failure is AuthFailure.INVITE_USED
+
+
+def test_a_removed_node_is_refused_with_its_old_invite_a_fresh_one_or_the_secret(
+    mesh, server_key, store, tmp_path
+):
+    """Removed B wiped mesh.json and members.json, kept its identity, and shows the invite it
+    joined with: refused, within the retry window too; a fresh invite or the mesh secret
+    (member mode) do no better, and all of it holds across the member's restart."""
+    old = _invite(mesh, server_key, store)
+    b = KeySigner()
+    server = _server(server_key, mesh, store)
+    _run(ClientHandshake(me=b, mesh_id=mesh.mesh_id, expected_peer=None, invite=old), server)
+    assert server.state is HandshakeState.ACCEPTED
+    assert store.remove(b.node_id, now=NOW + 1)
+    save_members(tmp_path, store)
+    store = load_members(tmp_path)  # the member restarted
+    assert _join_failure(mesh, server_key, store, old, now=NOW + 2, joiner=b) is AuthFailure.REMOVED
+    fresh = _invite(mesh, server_key, store)
+    assert _join_failure(mesh, server_key, store, fresh, joiner=b) is AuthFailure.REMOVED
+    server = _server(server_key, mesh, store)
+    client = _member_client(b, mesh, server_key.node_id)
+    _run(client, server)
+    assert server.failure is AuthFailure.REMOVED and b.node_id not in store.members
+    assert store.invites[secret_digest(fresh.secret)].used_by is None  # not spent on it
 
 
 def test_join_other_mesh_refused(mesh, server_key, store):
@@ -466,7 +509,7 @@ def test_a_removed_member_stays_out_of_every_merge_of_older_copies():
     assert key.node_id not in store.members
 
 
-def test_a_tombstone_travels_but_a_later_rejoin_wins():
+def test_a_tombstone_travels_and_holds_against_later_entries():
     key = KeySigner()
     here, there = MemberStore(), MemberStore()
     here.add_member(_member(key, at=100.0))
@@ -475,7 +518,7 @@ def test_a_tombstone_travels_but_a_later_rejoin_wins():
     assert there.merge(list(here.members.values()), here.removed)
     assert key.node_id not in there.members and there.removed[key.node_id] == 200.0
     assert not there.merge([], here.removed)  # the same news again changes nothing
-    rejoined = _member(key, at=300.0)  # a fresh invite, first-hand
-    assert here.add_member(rejoined) and key.node_id not in here.removed
-    assert there.merge([rejoined], {key.node_id: 200.0})
-    assert key.node_id in there.members
+    rejoined = _member(key, at=300.0)  # newer than the removal, first-hand or gossiped
+    assert not here.add_member(rejoined) and key.node_id in here.removed
+    assert not there.merge([rejoined], {key.node_id: 200.0})
+    assert key.node_id not in there.members
