@@ -322,10 +322,14 @@ class MeshService:
         return node_id
 
     def _cut_off(self, node_id: str) -> None:
-        """A node that is no longer a member: close its link, stop routing and dialing it."""
+        """A node that is no longer a member: close its link (its tunnel streams, split rank
+        orders among them) and its open copy and ring-bridge connections, all at once; stop
+        routing and dialing it."""
         conn = self.links.get(node_id)
         if conn is not None:
             conn.close(ErrorCode.AUTH_FAILED, "removed from the mesh")
+        self.copy.server.drop_member(node_id)
+        self.split.bridge.drop_member(node_id)
         self._log_peer_events(self.peers.on_leave(node_id, time.monotonic()))
         self.dialer.on_left(node_id)
 

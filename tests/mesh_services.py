@@ -3,6 +3,7 @@ find each other fast."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from mesh.service import MeshConfig
@@ -23,3 +24,16 @@ def quick_mesh_config(**overrides: Any) -> MeshConfig:
         tunnel=FAST_TUNNEL,
     )
     return MeshConfig(**(base | overrides))
+
+
+async def echo_rank(port: int = 0) -> tuple[asyncio.Server, int]:
+    """A stand-in ring rank: a loopback server that echoes what it reads."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", port)
+    return server, server.sockets[0].getsockname()[1]

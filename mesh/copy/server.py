@@ -123,6 +123,7 @@ class CopyServer:
         )
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self._by_member: dict[str, set[ssl.SSLSocket]] = defaultdict(set)
         self._context: tuple[frozenset[bytes], ssl.SSLContext] | None = None
         self._manifests: dict[str, tuple[tuple, ModelManifest]] = {}
         self._manifest_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -155,6 +156,18 @@ class CopyServer:
                 conn.shutdown(socket.SHUT_RDWR)  # the serving thread's read fails at once
         await asyncio.gather(*self._handlers, return_exceptions=True)
         self._threads.shutdown(wait=False)
+
+    def drop_member(self, node_id: str) -> int:
+        """A member was removed: end its open connections now (a connection made before the
+        removal must not keep serving). Returns how many were open."""
+        with self._lock:
+            open_now = list(self._by_member.pop(node_id, ()))
+        for tls in open_now:
+            with contextlib.suppress(OSError):
+                tls.shutdown(socket.SHUT_RDWR)  # the serving thread's read or write fails now
+        if open_now:
+            log.warning("copy: closed %d connection(s) of removed %s", len(open_now), node_id[:12])
+        return len(open_now)
 
     def _ssl_context(self, trusted: dict[str, bytes]) -> ssl.SSLContext:
         key = frozenset(trusted.values())
@@ -205,6 +218,7 @@ class CopyServer:
             busy = self._active[node_id] >= self.config.max_connections_per_member
             if not busy:
                 self._active[node_id] += 1
+                self._by_member[node_id].add(tls)
         if busy:
             self.refusals["busy"] += 1
             tls.sendall(refusal("busy", "too many copy connections from this member"))
@@ -221,10 +235,13 @@ class CopyServer:
                     raise
                 tls.settimeout(self.config.reply_timeout_s)
                 request = parse_request(recv_exactly(tls, header_length(prefix)))
+                if node_id not in self.trusted():  # removed while this connection was open
+                    raise AuthFailed(f"{short_id(node_id)} is no longer a member")
                 self._dispatch[type(request)](request, tls, node_id, block)
         finally:
             with self._lock:
                 self._active[node_id] -= 1
+                self._by_member.get(node_id, set()).discard(tls)
 
     # ------------------------------------------------------------------ requests
 

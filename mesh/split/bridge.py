@@ -46,6 +46,7 @@ class _Listener:
     def __init__(self) -> None:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ended: set[asyncio.Task[None]] = set()  # connections this side ended on purpose
         self._closing = False
         self.port = 0
 
@@ -71,13 +72,14 @@ class _Listener:
         try:
             await self._serve(reader, writer)
         except asyncio.CancelledError:
-            # close() ended it: an expected end. A connection task that ends cancelled makes
-            # asyncio's stream callback log a full traceback, so it ends normally instead.
-            if not self._closing:
+            # close() or drop_member() ended it: an expected end. A connection task that ends
+            # cancelled makes asyncio's stream callback log a full traceback, so it ends normally.
+            if not (self._closing or task in self._ended):
                 raise
-            log.info("bridge: a connection ended with its listener")
+            log.info("bridge: a connection ended by this node")
         finally:
             self._tasks.discard(task)
+            self._ended.discard(task)
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -97,6 +99,18 @@ class BridgeServer(_Listener):
         self._trusted = trusted
         self._routes: dict[tuple[str, int], int] = {}
         self._registered = asyncio.Event()  # set (and replaced) on each registration
+        self._by_member: dict[str, set[asyncio.Task[None]]] = {}
+
+    def drop_member(self, node_id: str) -> int:
+        """A member was removed: end its connections now (one opened before the removal must
+        not keep piping). Returns how many were open."""
+        tasks = self._by_member.pop(node_id, set())
+        for task in tasks:
+            self._ended.add(task)
+            task.cancel()
+        if tasks:
+            log.warning("bridge: closed %d connection(s) of removed %s", len(tasks), node_id[:12])
+        return len(tasks)
 
     def register(self, group: str, rank: int, port: int) -> None:
         self._routes[(group, rank)] = port
@@ -141,7 +155,13 @@ class BridgeServer(_Listener):
             log.warning("bridge: rank port %d did not answer (%s)", port, exc)
             return
         _nodelay(local_writer)
-        await _pipe(reader, writer, local_reader, local_writer)
+        task = asyncio.current_task()
+        assert task is not None
+        self._by_member.setdefault(peer, set()).add(task)
+        try:
+            await _pipe(reader, writer, local_reader, local_writer)
+        finally:
+            self._by_member.get(peer, set()).discard(task)
 
 
 class BridgeLink(_Listener):

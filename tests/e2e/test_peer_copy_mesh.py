@@ -3,22 +3,28 @@ holds what, the links pin the certificates, the admin route streams the copy's p
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import socket
+import ssl
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-from mesh_services import quick_mesh_config
+from mesh_services import echo_rank, quick_mesh_config
 from starlette.applications import Starlette
 
 from gateway.upstream import StaticDirectory
 from mesh.copy.client import CopyOptions
+from mesh.copy.protocol import ManifestRequest, pack
 from mesh.copy.server import CopyConfig
+from mesh.copy.tls import cert_der, make_context
 from mesh.errors import CopyError
 from mesh.http import CSRF_HEADER, mesh_routes
 from mesh.identity import NodeIdentity
 from mesh.service import MeshConfig, MeshService
+from mesh.split.bridge import BridgeLink
 from worker.store import list_models, model_path
 from worker.testing import wait_until
 
@@ -146,3 +152,56 @@ async def test_pull_route_through_the_gateway_needs_the_key_and_the_console_orig
     assert response.status_code == 200
     assert orjson.loads(response.text.splitlines()[-1])["type"] == "done"
     assert [m.name for m in list_models(b.home)] == ["tiny"]
+
+
+def _open_copy_connection(b: MeshService, a: MeshService) -> ssl.SSLSocket:
+    """B's own copy connection to A, served once (a manifest), then held open."""
+    context = make_context(b.identity, [cert_der(a.identity)], server=False)
+    raw = socket.create_connection(("127.0.0.1", a.copy.port), timeout=10)
+    tls = context.wrap_socket(raw)
+    tls.sendall(pack(ManifestRequest(name="tiny")))
+    assert tls.recv(1)  # served: A's reply starts
+    return tls
+
+
+def _ends_within(tls: ssl.SSLSocket, seconds: float) -> bool:
+    """Whether A ends the connection within ``seconds`` (reading what it still had sent)."""
+    tls.settimeout(seconds)
+    try:
+        while tls.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except (OSError, ssl.SSLError):
+        pass
+    return True
+
+
+async def test_removal_closes_every_connection_the_member_held_open(mesh, tiny_model_dir):
+    """Tunnel, peer copy and ring bridge connections B opened before its removal all end at
+    once on A (the audit saw a copy connection serve a whole model 52 s after removal)."""
+    a = await mesh("a", bridge=True)
+    shutil.copytree(tiny_model_dir, model_path(a.home, "tiny"))
+    b = await mesh("b", join_token=a.create_invite(60).encode())
+    await wait_until(lambda: b.node_id in a.links and a.node_id in b.links, limit_s=20)
+    copy = await asyncio.to_thread(_open_copy_connection, b, a)
+    rank, rank_port = await echo_rank()
+    a.split.bridge.register("g1", 1, rank_port)
+    link = BridgeLink(
+        b.identity, ("127.0.0.1", a.split.port), cert_der(a.identity), a.node_id, "g1", 1
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", await link.start())
+    writer.write(b"ping")
+    async with asyncio.timeout(10):
+        assert await reader.readexactly(4) == b"ping"  # piping through A's bridge
+    try:
+        a.remove_member(b.node_id)
+        await wait_until(lambda: b.node_id not in a.links, limit_s=5)
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # the bridge connection ended
+        assert await asyncio.to_thread(_ends_within, copy, 5.0)  # and the copy connection
+    finally:
+        copy.close()
+        writer.close()
+        await link.close()
+        rank.close()

@@ -7,23 +7,13 @@ import asyncio
 import ssl
 
 import pytest
+from mesh_services import echo_rank
 
 from mesh.copy.tls import cert_der, make_context
 from mesh.identity import NodeIdentity
 from mesh.split import bridge
 from mesh.split.bridge import BridgeLink, BridgeServer
 from mesh.split.processes import free_ports
-
-
-async def echo_rank(port: int = 0) -> tuple[asyncio.Server, int]:
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(echo, "127.0.0.1", port)
-    return server, server.sockets[0].getsockname()[1]
 
 
 async def closed_without_data(reader: asyncio.StreamReader) -> bool:
