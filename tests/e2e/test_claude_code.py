@@ -33,7 +33,7 @@ ANSWER = f"The command printed {MARK}."
 
 
 def _environment(url: str) -> dict[str, str]:
-    """What the README tells a user to set, plus the switches that keep a test run off the
+    """What docs/agents.md tells a user to set, plus the switches that keep a test run off the
     internet (telemetry, error reports, the self-updater); none of them changes the requests."""
     return {
         "ANTHROPIC_BASE_URL": url,
@@ -148,8 +148,9 @@ def test_a_session_past_the_context_is_compacted_and_goes_on(tmp_path: Path):
 
 
 def test_a_model_picked_by_alias_is_the_node_model_the_environment_names(tmp_path: Path):
-    """`--model haiku` (also a subagent's `model: haiku`) asks for Anthropic's model name,
-    which no node serves; ANTHROPIC_DEFAULT_HAIKU_MODEL (README) maps the alias to a node model."""
+    """`--model haiku` (also a subagent's `model: haiku`) asks for Anthropic's model name, which
+    no node serves; ANTHROPIC_DEFAULT_HAIKU_MODEL (docs/agents.md) maps the alias to a node
+    model."""
     model = ToolRoundTrip(**_bash_model())
     with scripted_gateway(model, MODEL, tmp_path, api_key=KEY) as gateway:
         env = _environment(gateway.url)

@@ -30,7 +30,7 @@ ANSWER = f"The command printed {MARK}."
 
 
 def opencode_config(url: str) -> dict:
-    """The README's opencode.json."""
+    """The opencode.json of docs/agents.md."""
     return {
         "$schema": "https://opencode.ai/config.json",
         "provider": {
