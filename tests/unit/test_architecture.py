@@ -44,9 +44,7 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(
-    tree: ast.Module, module: str, is_package: bool, modules: Collection[str]
-) -> set[str]:
+def _imports(tree: ast.Module, module: str, is_package: bool, modules: Collection[str]) -> set[str]:
     """Modules a module imports anywhere in its body, but for ``if TYPE_CHECKING:`` blocks."""
     found: set[str] = set()
     todo: list[ast.AST] = list(tree.body)
