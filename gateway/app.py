@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from gateway import info_api
-from gateway.api import chat, count_tokens, messages, responses
+from gateway.api import chat, count_tokens, messages, messages_sse, responses
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
@@ -69,9 +69,9 @@ RESPONSES = ApiSpec(
 MESSAGES = ApiSpec(
     "messages",
     messages.parse,
-    messages.MessagesStreamEncoder,
-    messages.message_body,
-    messages.error_body,
+    messages_sse.MessagesStreamEncoder,
+    messages_sse.message_body,
+    messages_sse.error_body,
 )
 
 

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,25 +39,22 @@ from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
 from mesh.errors import AddressError, ConnectError, MembershipError, MeshError
 from mesh.gossip import (
     GossipMessage,
-    GossipPublisher,
     Leave,
     Members,
     ModelAd,
     NodeState,
     gossip_from_dict,
 )
+from mesh.gossiper import Gossiper, LoadProbe, gossip_frame, log_peer_events
 from mesh.identity import NodeIdentity, short_id
-from mesh.membership.invite import InviteError, InviteToken, decode_invite, make_invite
+from mesh.membership.invite import InviteToken
 from mesh.membership.members import (
-    Member,
     MeshCredentials,
     load_credentials,
-    load_members,
-    save_credentials,
-    save_members,
 )
 from mesh.peer_upstream import PeerUpstream
-from mesh.peers import PeerEvent, PeerJoined, PeerTable, PeerWentDown
+from mesh.peers import PeerTable
+from mesh.roster import Roster, decode_join_token
 from mesh.split.coordinator import SplitMesh
 from mesh.split.orders import SPLIT_RANK_PATH
 from mesh.tunnel.config import DEFAULT_PORT, TunnelConfig
@@ -67,8 +64,6 @@ from mesh.tunnel.frames import Control, ErrorCode
 from mesh.tunnel_server import TunnelServer
 
 log = logging.getLogger(__name__)
-
-LoadProbe = Callable[[], Awaitable[dict[str, Any]]]
 
 
 @dataclass
@@ -115,7 +110,6 @@ class MeshService:
         self.node_id = identity.node_id
         self.local = local
         self.config = config or MeshConfig()
-        self.load_probe = load_probe
         self.peers = PeerTable(
             self.node_id,
             down_after_s=self.config.down_after_s,
@@ -128,12 +122,18 @@ class MeshService:
         self.endpoint = TunnelEndpoint(
             identity, self.config.host, self.config.port, config=self.config.tunnel
         )
-        self.members = load_members(self.home)
+        self.roster = Roster(self.home, identity)
+        self.members = self.roster.members
         self.admission = Admission(identity, self.home, self.members)
         self.links: dict[str, PeerConnection] = {}  # authenticated connections by peer id
-        self._publisher = GossipPublisher(self.node_id, interval_s=self.config.gossip_interval_s)
-        self._last_state: NodeState | None = None
-        self._load: dict[str, Any] = {}
+        self.gossip = Gossiper(
+            self.node_id,
+            links=lambda: self.links,
+            peers=self.peers,
+            state=self.local_state,
+            interval_s=self.config.gossip_interval_s,
+            load_probe=load_probe,
+        )
         self.dialer = Dialer(
             self.node_id,
             members=lambda: self.members.members.values(),
@@ -182,19 +182,9 @@ class MeshService:
         return self.credentials.mesh_id if self.credentials else ""
 
     async def start(self) -> None:
-        token = self._decode_token(self.config.join_token)
+        token = decode_join_token(self.config.join_token)
         self.admission.credentials = load_credentials(self.home)
-        if token is not None and self.credentials is not None:
-            if self.credentials.mesh_id != token.mesh_id:
-                raise MembershipError(
-                    f"{self.home} already belongs to mesh {self.credentials.mesh_id}; "
-                    "use a fresh --home to join another mesh"
-                )
-            token = None  # already a member: rejoin by key, not by token
-        if token is None and self.credentials is None:
-            self.admission.credentials = MeshCredentials.create()
-            save_credentials(self.home, self.admission.credentials)
-            log.info("created mesh %s", self.mesh_id)
+        self.admission.credentials, token = self.roster.settle_credentials(self.credentials, token)
         self.endpoint.on_connection = self._on_connection
         try:
             await self.endpoint.start()
@@ -209,7 +199,7 @@ class MeshService:
         self.admission.addresses = self.config.advertise or default_addresses(
             self.config.host, self.endpoint.port
         )
-        self._remember_self()
+        self.roster.remember_self(self.addresses)
         if self.config.copy is not None:
             await self.copy.start()
         if self.config.bridge or self.config.share_memory_bytes:
@@ -223,7 +213,7 @@ class MeshService:
                 await self.endpoint.close()
                 raise
         loop = asyncio.get_running_loop()
-        self._tasks += [loop.create_task(self._gossip_loop()), loop.create_task(self.dialer.run())]
+        self._tasks += [loop.create_task(self.gossip.run()), loop.create_task(self.dialer.run())]
         if self.config.discovery:
             await self._start_discovery()
 
@@ -246,79 +236,25 @@ class MeshService:
         await self.split.stop()
         await self.copy.stop()
         await self.endpoint.close()
-        save_members(self.home, self.members)
-
-    def _decode_token(self, text: str | None) -> InviteToken | None:
-        if not text:
-            return None
-        try:
-            token = decode_invite(text)
-        except InviteError as exc:
-            raise MembershipError(str(exc)) from exc
-        if token.is_expired(time.time()):
-            raise MembershipError("the invite token has expired; ask for a new one")
-        return token
-
-    def _remember_self(self) -> None:
-        me = Member(
-            node_id=self.node_id,
-            public_key=self.identity.public_key_bytes.hex(),
-            fingerprint=self.identity.cert_fingerprint,
-            addresses=self.addresses,
-            updated_at=time.time(),
-        )
-        self.members.add_member(me)
-        save_members(self.home, self.members)
+        self.roster.save()
 
     # ------------------------------------------------------------------ invites and joining
 
     def create_invite(self, ttl_s: float) -> InviteToken:
         """A one-use token for a newcomer; remembered (as a digest) until it expires."""
-        now = time.time()
-        token = make_invite(
-            mesh_id=self.mesh_id,
-            inviter=self.node_id,
-            fingerprint=self.identity.cert_fingerprint,
-            addresses=self.addresses,
-            now=now,
-            ttl_s=ttl_s,
-        )
-        self.members.prune_invites(now)
-        self.members.remember_invite(token)
-        save_members(self.home, self.members)
-        return token
+        return self.roster.create_invite(self.mesh_id, self.addresses, ttl_s)
 
     def member_rows(self) -> list[dict[str, Any]]:
         """``mesh members list``: every member with its addresses and whether it is linked."""
-        rows = [
-            {
-                "node_id": m.node_id,
-                "addresses": m.addresses,
-                "self": m.node_id == self.node_id,
-                "connected": m.node_id in self.links,
-            }
-            for m in self.members.members.values()
-        ]
-        return sorted(rows, key=lambda row: (not row["self"], row["node_id"]))
+        return self.roster.rows(self.links)
 
     def remove_member(self, node: str) -> str:
         """Remove a member by node id (or a unique prefix of one): persisted, gossiped, its
         link closed and its pin forgotten; it can come back only with a fresh invite. Returns
         the full node id; raises ``MembershipError`` in words."""
-        wanted = node.strip().lower()
-        matches = [n for n in self.members.members if wanted and n.startswith(wanted)]
-        if not matches:
-            raise MembershipError(f"no member {node!r} in mesh {self.mesh_id}")
-        if len(matches) > 1:
-            raise MembershipError(f"{node!r} names {len(matches)} members; give more of the id")
-        (node_id,) = matches
-        if node_id == self.node_id:
-            raise MembershipError("a node cannot remove itself; remove it from another member")
-        self.members.remove(node_id, time.time())
-        save_members(self.home, self.members)
-        log.warning("removed member %s from mesh %s", short_id(node_id), self.mesh_id)
+        node_id = self.roster.remove(node, self.mesh_id)
         self._cut_off(node_id)
-        self._spawn(self._broadcast(_gossip(self._members_message())))
+        self._spawn(self.gossip.broadcast(gossip_frame(self.roster.message())))
         return node_id
 
     def _cut_off(self, node_id: str) -> None:
@@ -330,11 +266,8 @@ class MeshService:
             conn.close(ErrorCode.AUTH_FAILED, "removed from the mesh")
         self.copy.server.drop_member(node_id)
         self.split.bridge.drop_member(node_id)
-        self._log_peer_events(self.peers.on_leave(node_id, time.monotonic()))
+        log_peer_events(self.peers.on_leave(node_id, time.monotonic()))
         self.dialer.on_left(node_id)
-
-    def _members_message(self) -> Members:
-        return Members(members=list(self.members.members.values()), removed=self.members.removed)
 
     async def _join_mesh(self, token: InviteToken) -> None:
         self.admission.join = token
@@ -409,7 +342,7 @@ class MeshService:
             return
         if not conn.is_client and peer_id not in self.links:
             # Tell the others about a (maybe new) member, so it can reach them too.
-            self._spawn(self._broadcast(_gossip(self._members_message())))
+            self._spawn(self.gossip.broadcast(gossip_frame(self.roster.message())))
         await self._run_link(conn, peer_id)
 
     async def _run_link(self, conn: PeerConnection, peer_id: str) -> None:
@@ -422,9 +355,9 @@ class MeshService:
         control = conn.control
         assert control is not None
         try:
-            await control.send(_gossip(self._members_message()))
-            if self._last_state is not None:
-                await control.send(_gossip(self._last_state))
+            await control.send(gossip_frame(self.roster.message()))
+            if self.gossip.last_state is not None:
+                await control.send(gossip_frame(self.gossip.last_state))
             while (frame := await control.recv()) is not None:
                 if isinstance(frame, Control) and frame.kind == "gossip":
                     self._on_gossip(peer_id, gossip_from_dict(frame.body))
@@ -436,41 +369,23 @@ class MeshService:
                 if conn.close_code == ErrorCode.SHUTDOWN:  # its Leave may not have made it
                     self._on_gossip(peer_id, Leave(node_id=peer_id))
                 else:
-                    self._log_peer_events(self.peers.on_disconnected(peer_id))
+                    log_peer_events(self.peers.on_disconnected(peer_id))
                 self.split.notify()
             conn.close(ErrorCode.NO_ERROR, "link ended")
-
-    @staticmethod
-    def _log_peer_events(events: list[PeerEvent]) -> None:
-        """The peer table's verdicts, as a person reading the log wants them."""
-        for event in events:
-            if isinstance(event, PeerJoined):
-                log.info("peer %s joined", short_id(event.node_id))
-            elif isinstance(event, PeerWentDown):
-                log.info("peer %s is down: %s", short_id(event.node_id), event.reason)
-            else:
-                log.info("peer %s dropped: %s", short_id(event.node_id), event.reason)
 
     def _on_gossip(self, peer_id: str, message: GossipMessage) -> None:
         now = time.monotonic()
         if isinstance(message, NodeState):
             if message.node_id == peer_id:  # a peer speaks only for itself
-                self._log_peer_events(self.peers.on_state(message, now))
+                log_peer_events(self.peers.on_state(message, now))
                 self.split.notify()
         elif isinstance(message, Leave):
             if message.node_id == peer_id:
-                self._log_peer_events(self.peers.on_leave(peer_id, now))
+                log_peer_events(self.peers.on_leave(peer_id, now))
                 self.dialer.on_left(peer_id)
         elif isinstance(message, Members):
-            if self.node_id in message.removed and self.node_id not in self.members.removed:
-                log.error("this node was removed from mesh %s by a member", self.mesh_id)
-            others = [m for m in message.members if m.node_id != self.node_id]
-            removed = {k: v for k, v in message.removed.items() if k != self.node_id}
-            if self.members.merge(others, removed):
-                save_members(self.home, self.members)
-                for node_id in removed:
-                    if node_id not in self.members.members:
-                        self._cut_off(node_id)
+            for node_id in self.roster.merge(message, self.mesh_id):
+                self._cut_off(node_id)
 
     def _peer_upstream(self, node_id: str) -> PeerUpstream:
         async def connect() -> PeerConnection:
@@ -494,45 +409,8 @@ class MeshService:
         self._tasks.append(task)
         task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
 
-    async def _gossip_loop(self) -> None:
-        probe_at = 0.0
-        while True:
-            now = time.monotonic()
-            if self.load_probe is not None and now >= probe_at:
-                probe_at = now + self.config.gossip_interval_s
-                try:
-                    async with asyncio.timeout(1.0):
-                        self._load = await self.load_probe()
-                except (OSError, TimeoutError, ValueError) as exc:
-                    log.debug("load probe failed: %s", exc)
-            try:
-                await self._gossip_round(now)
-            except Exception:
-                # One bad round (a bug) must not silence this node for good: peers would
-                # mark it down. Log it with its traceback and try again next round.
-                log.exception("gossip round failed")
-            await asyncio.sleep(min(0.5, self.config.gossip_interval_s / 2))
-
-    async def _gossip_round(self, now: float) -> None:
-        state = self._publisher.poll(self.local_state(), now)
-        if state is not None:
-            self._last_state = state
-            await self._broadcast(_gossip(state))
-        for peer_id, conn in list(self.links.items()):
-            if conn.rtt is not None:
-                self.peers.on_rtt(peer_id, conn.rtt)
-        self._log_peer_events(self.peers.tick(now))
-
-    async def _broadcast(self, frame: Control) -> None:
-        for peer_id, conn in list(self.links.items()):
-            try:
-                async with asyncio.timeout(1.0):
-                    await conn.control.send(frame)
-            except (MeshError, TimeoutError) as exc:
-                log.debug("gossip to %s failed: %s", short_id(peer_id), exc)
-
     def local_state(self) -> NodeState:
-        load = self._load
+        load = self.gossip.load
         return NodeState(
             node_id=self.node_id,
             version=self.config.version,
@@ -603,7 +481,3 @@ class MeshService:
             if conn is not None and conn.rtt is not None:
                 row["rtt_ms"] = round(conn.rtt * 1000, 2)
         return {"node": me, "peers": peers, "members": self.member_rows()}
-
-
-def _gossip(message: GossipMessage) -> Control:
-    return Control(kind="gossip", body=message.model_dump())

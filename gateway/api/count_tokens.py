@@ -9,13 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.errors import RequestInvalid, validated
-from gateway.api.messages import (
-    ConversationBody,
-    error_body,
-    messages_of,
-    tool_choice_of,
-    tools_of,
-)
+from gateway.api.messages import ConversationBody, messages_of, tool_choice_of, tools_of
+from gateway.api.messages_sse import error_body
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest

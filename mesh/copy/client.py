@@ -8,7 +8,8 @@ goes back to the queue for the others. A copy that stops (peer gone, disk full, 
 the partial directory; the next fetch of the same manifest re-hashes what is there and fetches
 only what is missing. When every chunk of every file is in and verified, the files are synced
 and the directory is renamed into ``<home>/models/<name>`` in one step: the store never holds
-half a model, and ``.partial`` is never listed or loaded.
+half a model, and ``.partial`` is never listed or loaded. That on-disk side (resume, verified
+writes, seal, install) is ``partial.py``; this module is the transport and the chunk queue.
 
 A file is exactly the concatenation of its chunks (``iter_chunks`` covers every byte once), so
 when each chunk hashed right the file is the bytes the manifest names: the whole file is not
@@ -29,30 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hashlib
 import logging
 import os
-import shutil
 import socket
 import ssl
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from mesh.copy import partial
 from mesh.copy.manifest import (
     Chunk,
     ModelManifest,
-    iter_chunks,
     manifest_from_json,
-    verify_chunk,
     verify_digest,
 )
+from mesh.copy.progress import CopyProgress, ProgressSink
 from mesh.copy.protocol import (
     IO_BLOCK,
     PREFIX_SIZE,
@@ -74,12 +72,12 @@ from mesh.errors import (
     PeerLost,
 )
 from mesh.identity import NodeIdentity, short_id
-from worker.store import model_path, models_dir
+from worker.store import model_path
 
 log = logging.getLogger(__name__)
 
-PARTIAL_DIR = ".partial"
 _MiB = 1024 * 1024
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -90,31 +88,6 @@ class CopySource:
     host: str
     port: int
     cert_der: bytes
-
-
-@dataclass
-class CopyProgress:
-    """Where a copy stands (what the CLI and the console draw)."""
-
-    name: str
-    total_bytes: int = 0
-    done_bytes: int = 0  # verified and written, including what a resumed copy found on disk
-    resumed_bytes: int = 0
-    by_source: dict[str, int] = field(default_factory=dict)  # node id → bytes it sent
-    dropped: dict[str, str] = field(default_factory=dict)  # node id → why it was dropped
-    started_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def active_sources(self) -> list[str]:
-        return [s for s in self.by_source if s not in self.dropped]
-
-
-ProgressSink = Callable[[CopyProgress], None]
-_T = TypeVar("_T")
-
-
-def partial_dir(home: Path, name: str) -> Path:
-    return models_dir(home) / PARTIAL_DIR / name
 
 
 # ---------------------------------------------------------------------------- one connection
@@ -154,7 +127,9 @@ class _Connection:
     async def request(self, message: ManifestRequest) -> bytes:
         return await self._in_thread(self._request, pack(message))
 
-    async def fetch_chunk(self, request: ChunkRequest, chunk: Chunk, out: _PartialFiles) -> None:
+    async def fetch_chunk(
+        self, request: ChunkRequest, chunk: Chunk, out: partial.PartialFiles
+    ) -> None:
         """Fetch ``chunk`` into its partial file, hashing it as it streams, all on this
         connection's thread; ``ChunkMismatch`` if the bytes are not the chunk's."""
         await self._in_thread(self._fetch_chunk, pack(request), chunk, out)
@@ -183,7 +158,7 @@ class _Connection:
         assert self._sock is not None
         return recv_exactly(self._sock, length)
 
-    def _fetch_chunk(self, frame: bytes, chunk: Chunk, out: _PartialFiles) -> None:
+    def _fetch_chunk(self, frame: bytes, chunk: Chunk, out: partial.PartialFiles) -> None:
         length = self._reply(frame)
         if length != chunk.length:
             raise ChunkMismatch(
@@ -259,64 +234,6 @@ def _why(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------- the copy
 
 
-class _PartialFiles:
-    """The partial files of one copy, written by the connections' threads.
-
-    Counts the chunks each file still lacks: the thread that writes a file's last chunk syncs
-    it to disk, so the fsyncs overlap the transfer of the other files. :meth:`close` stops all
-    writing: a connection's thread can outlive its cancelled task by one block, and its
-    not-yet-verified bytes must not land after a later pull of the same model checked them."""
-
-    def __init__(self, root: Path, progress: CopyProgress) -> None:
-        self.root = root
-        self.progress = progress
-        self.unwritten: Counter[str] = Counter()
-        self.synced: set[str] = set()
-        self._lock = threading.Lock()
-        self._write_lock = threading.Lock()
-        self._closed = False
-
-    def close(self) -> None:
-        """No write starts after this returns, and none is under way (waits for one block)."""
-        with self._write_lock:
-            self._closed = True
-
-    def open(self, chunk: Chunk) -> int:
-        return os.open(self.root / chunk.path, os.O_WRONLY)
-
-    def write(self, fd: int, data: memoryview, offset: int) -> None:
-        with self._write_lock:
-            if self._closed:
-                raise CopyError(f"the copy of {self.progress.name} was stopped")
-            try:
-                done = 0
-                while done < len(data):  # pwrite may write less than asked
-                    done += os.pwrite(fd, data[done:], offset + done)
-            except OSError as exc:
-                raise self._full(exc) from None
-
-    def written(self, chunk: Chunk, fd: int) -> None:
-        """``chunk`` is in its file and verified; sync the file if that was its last."""
-        with self._lock:
-            self.unwritten[chunk.path] -= 1
-            last = self.unwritten[chunk.path] == 0
-        if last:
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                raise self._full(exc) from None
-            self.synced.add(chunk.path)
-
-    def _full(self, exc: OSError) -> OSError | DiskFull:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            return exc
-        p = self.progress
-        return DiskFull(
-            f"the disk filled up while copying {p.name} ({p.done_bytes / _MiB:.0f} of "
-            f"{p.total_bytes / _MiB:.0f} MiB kept; free space and pull again to resume)"
-        )
-
-
 @dataclass
 class CopyOptions:
     connections_per_source: int = 3
@@ -338,49 +255,22 @@ class _Copy:
     ) -> None:
         self.home, self.identity, self.manifest = home, identity, manifest
         self.sources, self.progress, self.sink, self.options = sources, progress, sink, options
-        self.root = partial_dir(home, manifest.name) / "files"
+        self.root = partial.partial_dir(home, manifest.name) / "files"
         self.pending: deque[Chunk] = deque()
         self.in_flight = 0
         self.changed = asyncio.Condition()
         self.fatal: CopyError | None = None
         self.verified: set[tuple[str, int]] = set()  # (path, chunk index) hashed right
-        self.files = _PartialFiles(self.root, progress)
+        self.files = partial.PartialFiles(self.root, progress)
         self.threads = ThreadPoolExecutor(
             len(sources) * options.connections_per_source, thread_name_prefix="copy"
         )
 
-    # -- the partial directory
-
     def prepare(self) -> None:
         """Create/size the partial files and queue every chunk not already there and valid."""
-        for entry in self.manifest.files:
-            path = self.root / entry.path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            existed = path.exists()
-            with open(path, "ab") as fh:
-                fh.truncate(entry.size)
-            if not existed:
-                self.pending.extend(c for c in iter_chunks(_only(self.manifest, entry.path)))
-                continue
-            with open(path, "rb") as fh:
-                for chunk in iter_chunks(_only(self.manifest, entry.path)):
-                    data = os.pread(fh.fileno(), chunk.length, chunk.offset)
-                    try:
-                        verify_chunk(chunk, data)
-                    except ChunkMismatch:
-                        self.pending.append(chunk)
-                    else:
-                        self.verified.add((chunk.path, chunk.index))
-                        self.progress.resumed_bytes += chunk.length
-        self.progress.done_bytes = self.progress.resumed_bytes
-        self.files.unwritten.update(c.path for c in self.pending)
-        need = sum(c.length for c in self.pending)
-        free = shutil.disk_usage(self.root).free
-        if need > free:
-            raise DiskFull(
-                f"not enough disk space for {self.manifest.name}: {need / _MiB:.0f} MiB more "
-                f"needed, {free / _MiB:.0f} MiB free in {models_dir(self.home)}"
-            )
+        pending, verified = partial.prepare(self.home, self.manifest, self.files)
+        self.pending.extend(pending)
+        self.verified.update(verified)
 
     # -- workers
 
@@ -470,31 +360,9 @@ class _Copy:
         p.by_source[source.node_id] = p.by_source.get(source.node_id, 0) + chunk.length
         self.sink(p)
 
-    # -- the end
-
     def seal(self) -> None:
-        """Check that every chunk of every file verified, and that every file is on disk.
-
-        A file is the concatenation of its chunks, so this is the whole-file check without
-        reading or hashing the bytes again (see the module docstring)."""
-        missing = [c for c in iter_chunks(self.manifest) if (c.path, c.index) not in self.verified]
-        if missing:  # run() raises first when chunks are left; this guards the guarantee itself
-            raise CopyError(
-                f"{len(missing)} chunks of {self.manifest.name} were never verified "
-                f"(first: {missing[0].path} chunk {missing[0].index}); nothing was stored"
-            )
-        for entry in self.manifest.files:
-            if entry.path in self.files.synced:
-                continue  # synced after its last chunk
-            fd = os.open(self.root / entry.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _only(manifest: ModelManifest, path: str) -> ModelManifest:
-    return manifest.subset([path])
+        """Every chunk verified and every file on disk (``partial.seal``)."""
+        partial.seal(self.manifest, self.files, self.verified)
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -583,39 +451,13 @@ async def fetch_model(
     copy = _Copy(
         home, identity, manifest, chosen, progress, on_progress or _ignore, options or CopyOptions()
     )
-    await asyncio.to_thread(_reset_if_stale, home, manifest)
+    await asyncio.to_thread(partial.reset_if_stale, home, manifest)
     await asyncio.to_thread(copy.prepare)
     copy.sink(progress)
     await copy.run()
     await asyncio.to_thread(copy.seal)
-    return await asyncio.to_thread(_install, home, manifest, target)
+    return await asyncio.to_thread(partial.install, home, manifest, target)
 
 
 def _ignore(progress: CopyProgress) -> None:
     pass
-
-
-def _reset_if_stale(home: Path, manifest: ModelManifest) -> None:
-    """Keep a partial copy only if it was made for exactly this manifest."""
-    root = partial_dir(home, manifest.name)
-    record = root / "manifest.json"
-    try:
-        same = record.read_text(encoding="utf-8") == manifest.model_dump_json()
-    except OSError:
-        same = False
-    if not same:
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
-        record.write_text(manifest.model_dump_json(), encoding="utf-8")
-
-
-def _install(home: Path, manifest: ModelManifest, target: Path) -> Path:
-    root = partial_dir(home, manifest.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        (root / "files").rename(target)
-    except OSError:
-        if not target.is_dir():  # not a race with another pull that got there first
-            raise
-    shutil.rmtree(root, ignore_errors=True)
-    return target

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mesh.copy.client import CopyProgress
+from mesh.copy.progress import CopyProgress
 from mesh.errors import CopyError
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from mesh.copy.client import CopyOptions, CopySource, ProgressSink, fetch_model
+from mesh.copy.client import CopyOptions, CopySource, fetch_model
+from mesh.copy.progress import ProgressSink
 from mesh.copy.server import CopyConfig, CopyServer
 from mesh.errors import CopyError, PeerLost
 from mesh.identity import NodeIdentity, short_id

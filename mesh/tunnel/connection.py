@@ -6,8 +6,9 @@ holding peer streams until the connection is authenticated, keep-alive pings wit
 resets surfaced to readers, and ``ConnectionLost`` for every stream when the connection dies.
 
 A connection talks to whoever keeps the table of connections (the endpoint) only through the
-small :class:`ConnectionRegistry` protocol; the tie-break rules themselves are pure
-(``registry.py``).
+small :class:`~mesh.tunnel.ports.ConnectionRegistry` protocol; the tie-break rules themselves are
+pure (``registry.py``). What it holds back for the next flush is ``coalesce.py``'s, when to ping
+and when silence means death ``keepalive.py``'s.
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
@@ -32,73 +30,20 @@ from mesh.errors import (
     ConnectError,
     ConnectionLost,
     DuplicateNodeError,
-    MeshError,
-    StreamLost,
     Superseded,
 )
 from mesh.identity import short_id
+from mesh.tunnel.coalesce import Outbox
 from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.frames import ErrorCode, StreamRole, Window, encode, error_name
+from mesh.tunnel.keepalive import KeepAlive, ping_until_silent, probe_alive
 from mesh.tunnel.pins import Pin, peer_certificate, verify_peer
+from mesh.tunnel.ports import ConnectionRegistry, QuicLink, StreamHandler
 from mesh.tunnel.stream import TunnelStream
 
 log = logging.getLogger(__name__)
-# Past the silence deadline by this much when the ping loop wakes for it (timer granularity).
-_WAKE_SLACK_S = 0.01
 
-StreamHandler = Callable[[TunnelStream], Awaitable[None]]
 CONTROL_STREAM_ID = 0  # the client's first bidirectional stream
-
-
-class ConnectionRegistry(Protocol):
-    """What a connection needs from the table of connections it belongs to (the endpoint)."""
-
-    @property
-    def node_id(self) -> str: ...  # ours
-
-    @property
-    def config(self) -> TunnelConfig: ...
-
-    def hold_for(self, incoming: PeerConnection) -> asyncio.Future[Any] | None:
-        """What ``incoming`` must wait for before it may register (our own dial to the same
-        peer, or a liveness probe of the connection it would replace), if anything."""
-
-    def register(self, conn: PeerConnection) -> ErrorCode | None:
-        """Make ``conn`` THE connection to its peer; else the code to close it with
-        (SUPERSEDED: the other connection wins the tie; DUPLICATE_NODE: a copied home dir)."""
-
-    def announce(self, conn: PeerConnection) -> None:
-        """``conn`` is ready: hand it to the application."""
-
-    def unregister(self, conn: PeerConnection) -> None:
-        """``conn`` died: it is no longer the connection to its peer."""
-
-    def forget(self, conn: PeerConnection) -> None:
-        """aioquic finished closing ``conn``: drop the last reference."""
-
-    def report_duplicate(self, exc: DuplicateNodeError) -> None:
-        """The peer has our own node id (a copied home dir)."""
-
-    def admit_unauthenticated(self, conn: PeerConnection) -> bool:
-        """Whether one more not-yet-authenticated connection from its address may wait."""
-
-    def count_refusal(self, reason: str) -> None:
-        """A stranger was turned away (for metrics)."""
-
-
-class QuicLink(Protocol):
-    """The aioquic side of one connection (``protocol.TunnelProtocol``)."""
-
-    _quic: QuicConnection
-    last_heard: float  # loop time of the last datagram from the peer
-
-    def transmit(self) -> None: ...
-
-    def transmit_soon(self, nbytes: int, *, defer: bool) -> None: ...
-
-    def _transmit_soon(self) -> None: ...
-
-    def terminated(self) -> None: ...
 
 
 class ConnectionState(enum.Enum):
@@ -136,7 +81,6 @@ class PeerConnection:
         self.peer_public_key: bytes | None = None
         self.peer_cert_fingerprint: str | None = None
         self.peer_certificate: x509.Certificate | None = None
-        self.rtt: float | None = None
         self.on_stream: StreamHandler | None = None
         self.authenticated = asyncio.Event()
         self.closed = asyncio.Event()
@@ -154,14 +98,12 @@ class PeerConnection:
         self._ready.add_done_callback(_retrieve)  # failures are raised to connect(), if any
         self._handshake_done = False
         self._streams: dict[int, TunnelStream] = {}
-        self._deferred: dict[int, _Held] = {}  # stream id → writes waiting for the flush
-        self._flush_hooks: dict[int, Callable[[], None]] = {}  # stream id → its before_flush
+        self._outbox = Outbox(self._quic.send_stream_data)  # writes held for the next flush
         self._held: list[TunnelStream] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_stream_id = 0 if is_client else 1
         self._highest_peer_stream = -1
-        self._pings: dict[int, asyncio.Future[None]] = {}
-        self._ping_ids = itertools.count(1)
+        self._pings = KeepAlive(self._config.ping_interval, self._config.ping_timeout)
         self._keepalive: asyncio.Task[None] | None = None
         self._lost: ConnectionLost | None = None
         self._preauth_bytes = 0  # request-stream bytes received before authentication
@@ -172,6 +114,11 @@ class PeerConnection:
         )
 
     # ---- public API ----
+
+    @property
+    def rtt(self) -> float | None:
+        """Seconds, smoothed, from the keep-alive pings; None until the first is answered."""
+        return self._pings.rtt
 
     @property
     def peer_address(self) -> tuple[str, int] | None:
@@ -255,20 +202,11 @@ class PeerConnection:
     def probe_alive(self, within_s: float) -> asyncio.Future[bool]:
         """Ping now; True once anything is heard from the peer after this call, False when
         ``within_s`` passes first (or the connection dies)."""
-        task = self._loop.create_task(self._probe(within_s))
+        probe = probe_alive(self._pings, self._quic, self._protocol, self._closed, within_s)
+        task = self._loop.create_task(probe)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def _probe(self, within_s: float) -> bool:
-        start = self._loop.time()
-        self._quic.send_ping(next(self._ping_ids))  # its ack (or anything else) proves life
-        self._protocol.transmit()
-        while self._lost is None and self._loop.time() - start < within_s:
-            if self._protocol.last_heard > start:
-                return True
-            await asyncio.sleep(0.01)
-        return False
 
     def _auth_expired(self) -> None:
         self._auth_timer = None
@@ -309,72 +247,20 @@ class PeerConnection:
     def _stream_write(
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
-        nbytes = len(data)
-        if defer and end_stream and data and not self._others_held(stream_id):
-            defer = False  # an End nobody else waits with goes at once: its stream is done
-        if defer:
-            # Held here until the flush: one aioquic write (and one STREAM frame) per stream
-            # per datagram, not one per token – aioquic's bookkeeping costs per write.
-            held = self._deferred.get(stream_id)
-            if held is None:
-                self._deferred[stream_id] = held = _Held()
-            held.chunks.append(data)
-            held.fin = end_stream
-        else:
-            held = self._deferred.pop(stream_id, None)
-            if held is not None:
-                held.chunks.append(data)
-                data = b"".join(held.chunks)
-            self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
-            self._send_held_fins()
-        self._protocol.transmit_soon(nbytes, defer=defer)
-
-    def _send_held_fins(self) -> None:
-        """Bare FINs held for the flush (``finish()`` after a response's End) ride with a
-        datagram that leaves now: they carry no data, and alone each would cost a datagram
-        (and its processing at the peer) of its own, just as the next request starts."""
-        fins = [sid for sid, held in self._deferred.items() if held.fin and held.chunks == [b""]]
-        for stream_id in fins:
-            del self._deferred[stream_id]
-            try:
-                self._quic.send_stream_data(stream_id, b"", end_stream=True)
-            except (RuntimeError, ValueError):  # reset or finished meanwhile
-                log.debug("stream %d: dropped a FIN held for a stream that ended", stream_id)
-
-    def _others_held(self, stream_id: int) -> bool:
-        """Whether streams other than ``stream_id`` wait for the next flush."""
-        deferred, hooks = self._deferred, self._flush_hooks
-        return len(deferred) > (stream_id in deferred) or len(hooks) > (stream_id in hooks)
+        held = self._outbox.write(stream_id, data, end_stream, defer)
+        self._protocol.transmit_soon(len(data), defer=held)
 
     def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
-        self._flush_hooks[stream_id] = callback
+        self._outbox.before_flush(stream_id, callback)
         self._protocol.transmit_soon(0, defer=True)  # a flush is due, even if nothing is held
 
     def _flush_deferred(self) -> bool:
-        """Hand the held writes to aioquic (the protocol's ``flush``): first the streams'
-        ``before_flush`` callbacks write what they gathered, then every held write goes.
-        False when nothing was held (a FIN that left with another datagram, a reset)."""
-        if self._flush_hooks:
-            hooks, self._flush_hooks = self._flush_hooks, {}
-            for stream_id, hook in hooks.items():
-                try:
-                    hook()
-                except Exception:  # a bug in one sender must not stop the others' flush
-                    log.exception("stream %d: its before_flush callback failed", stream_id)
-        if not self._deferred:
-            return False
-        deferred, self._deferred = self._deferred, {}
-        for stream_id, held in deferred.items():
-            try:
-                self._quic.send_stream_data(stream_id, b"".join(held.chunks), held.fin)
-            except (RuntimeError, ValueError):  # reset or finished meanwhile: nobody reads it
-                log.debug("stream %d: dropped writes held for a stream that ended", stream_id)
-        return True
+        """Hand the held writes to aioquic (the protocol's ``flush``); False if none were."""
+        return self._outbox.flush()
 
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         if send:
-            self._deferred.pop(stream_id, None)
-            self._flush_hooks.pop(stream_id, None)
+            self._outbox.drop(stream_id)
             self._quic.reset_stream(stream_id, int(code))
         if receive:
             with contextlib.suppress(ValueError):  # never sent nor received: nothing to stop
@@ -383,7 +269,7 @@ class PeerConnection:
 
     def _stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
-        self._flush_hooks.pop(stream_id, None)
+        self._outbox.stream_done(stream_id)
 
     def _lost_error(self) -> ConnectionLost | None:
         return self._lost
@@ -486,8 +372,7 @@ class PeerConnection:
                 self._check_control()
 
     def _on_stop_sending(self, event: events.StopSendingReceived) -> None:
-        self._deferred.pop(event.stream_id, None)  # aioquic reset our side: they cannot go
-        self._flush_hooks.pop(event.stream_id, None)
+        self._outbox.drop(event.stream_id)  # aioquic reset our side: they cannot go
         stream = self._streams.get(event.stream_id)
         if stream is not None:
             stream._on_stop_sending(event.error_code)
@@ -501,9 +386,7 @@ class PeerConnection:
             self.close(ErrorCode.PROTOCOL, f"control stream failed: {control._error or 'ended'}")
 
     def _on_ping_ack(self, event: events.PingAcknowledged) -> None:
-        waiter = self._pings.pop(event.uid, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._pings.acked(event.uid, self._loop.time())
 
     def _on_terminated(self, event: events.ConnectionTerminated) -> None:
         if self._lost is None:
@@ -569,53 +452,17 @@ class PeerConnection:
         if handler is None:
             stream.reset(ErrorCode.REJECTED)
             return
-        try:
-            await handler(stream)
-        except StreamLost as exc:
-            log.debug("stream %d of %r lost: %s", stream.stream_id, self, exc)
-        except MeshError as exc:  # e.g. the peer broke the frame protocol
-            log.warning("stream %d of %r: %s", stream.stream_id, self, exc)
-        except Exception:
-            log.exception("stream handler failed on stream %d of %r", stream.stream_id, self)
-            stream.reset(ErrorCode.INTERNAL)
-        finally:
-            if not stream._local_finished:
-                stream.reset(ErrorCode.INTERNAL)  # the handler left without sending End
+        await stream.serve(handler, self)
 
     async def _ping_forever(self) -> None:
-        """Ping every ``ping_interval``; close when the peer was silent for ``ping_timeout``.
+        """Ping on the keep-alive's timer; close once the peer was silent for too long."""
+        silent = await ping_until_silent(self._pings, self._quic, self._protocol, self._closed)
+        if silent is not None:
+            log.warning("%r: peer silent for %.1fs, closing", self, silent)
+            self.close(ErrorCode.PING_TIMEOUT, f"peer silent for {silent:.1f}s")
 
-        Silence, not a lost ping, is the signal: under packet loss a ping or its ack may be
-        dropped while the peer is alive, but a live peer is never silent for long."""
-        interval, timeout = self._config.ping_interval, self._config.ping_timeout
-        next_ping = self._loop.time()
-        while self._lost is None:
-            now = self._loop.time()
-            if now >= next_ping:
-                for stale in self._pings.values():
-                    stale.cancel()  # its ack was lost or is late: no RTT sample from it
-                uid = next(self._ping_ids)
-                waiter = self._loop.create_future()
-                waiter.add_done_callback(partial(self._ping_answered, now))
-                self._pings = {uid: waiter}
-                self._quic.send_ping(uid)
-                self._protocol.transmit()
-                next_ping = now + interval
-            # Wake for the next ping or the moment the peer would have been silent too long,
-            # whichever is first: detection then takes ping_timeout, not ping_timeout + a tick.
-            silence_deadline = self._protocol.last_heard + timeout + _WAKE_SLACK_S
-            await asyncio.sleep(max(0.0, min(next_ping, silence_deadline) - self._loop.time()))
-            silent = self._loop.time() - self._protocol.last_heard
-            if silent > timeout:
-                log.warning("%r: peer silent for %.1fs, closing", self, silent)
-                self.close(ErrorCode.PING_TIMEOUT, f"peer silent for {silent:.1f}s")
-                return
-
-    def _ping_answered(self, sent_at: float, waiter: asyncio.Future[None]) -> None:
-        if waiter.cancelled():
-            return
-        sample = self._loop.time() - sent_at
-        self.rtt = sample if self.rtt is None else 0.8 * self.rtt + 0.2 * sample
+    def _closed(self) -> bool:
+        return self._lost is not None
 
     def _mark_lost(self, error: ConnectionLost) -> None:
         self._lost = error
@@ -625,13 +472,10 @@ class PeerConnection:
             err_type = _CLOSE_ERRORS.get(error.code or 0, ConnectError)
             self._ready.set_exception(err_type(f"connection failed: {error}"))
         streams, self._streams, self._held = list(self._streams.values()), {}, []
-        self._deferred.clear()
-        self._flush_hooks.clear()
+        self._outbox.clear()
         for stream in streams:
             stream._on_connection_lost(error)
-        for waiter in self._pings.values():
-            waiter.cancel()
-        self._pings.clear()
+        self._pings.stop()
         current = asyncio.current_task()
         for task in [*self._tasks, self._keepalive]:
             if task is not None and task is not current:
@@ -639,14 +483,6 @@ class PeerConnection:
         self._set_state(ConnectionState.CLOSED)
         self.closed.set()
         self._registry.unregister(self)
-
-
-@dataclass(slots=True)
-class _Held:
-    """A stream's writes waiting for the connection's next flush."""
-
-    chunks: list[bytes] = field(default_factory=list)
-    fin: bool = False
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

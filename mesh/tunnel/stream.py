@@ -21,14 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from mesh.errors import (
     ClosedError,
     ConnectionLost,
     FrameError,
+    MeshError,
     ProtocolViolation,
+    StreamLost,
     StreamReset,
     TunnelError,
 )
@@ -252,6 +254,25 @@ class TunnelStream:
 
     def __repr__(self) -> str:
         return f"<TunnelStream {self.stream_id} {self.role.value} done={self.done}>"
+
+    async def serve(
+        self, handler: Callable[[TunnelStream], Awaitable[None]], where: object
+    ) -> None:
+        """Run the application's ``handler`` on this peer-opened stream (``where``: its
+        connection, for the log). A failing handler is logged; one that leaves without sending
+        ``End`` resets the stream, so the requester never waits for an answer that won't come."""
+        try:
+            await handler(self)
+        except StreamLost as exc:
+            log.debug("stream %d of %r lost: %s", self.stream_id, where, exc)
+        except MeshError as exc:  # e.g. the peer broke the frame protocol
+            log.warning("stream %d of %r: %s", self.stream_id, where, exc)
+        except Exception:
+            log.exception("stream handler failed on stream %d of %r", self.stream_id, where)
+            self.reset(ErrorCode.INTERNAL)
+        finally:
+            if not self._local_finished:
+                self.reset(ErrorCode.INTERNAL)  # the handler left without sending End
 
     # ---- called by the connection ----
 

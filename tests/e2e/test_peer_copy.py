@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.copy.client import CopyOptions, CopySource, fetch_model, partial_dir
+from mesh.copy.client import CopyOptions, CopySource, fetch_model
+from mesh.copy.partial import partial_dir
 from mesh.copy.server import CopyConfig, CopyServer
 from mesh.copy.tls import cert_der
 from mesh.errors import CopyRefused, DiskFull, ManifestError, PeerLost

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 from openresponses import check_event
 
-from gateway.api import chat, messages, responses
+from gateway.api import chat, messages, messages_sse, responses
 from gateway.events import (
     Done,
     Error,
@@ -187,7 +187,7 @@ def test_responses_events_validate_and_add_up(deltas, calls, ending):
 def test_anthropic_events_validate_and_add_up(deltas, calls, ending):
     events = _events(deltas, calls, ending)
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
-    frames = _encode(messages, messages.MessagesStreamEncoder, body, events)
+    frames = _encode(messages, messages_sse.MessagesStreamEncoder, body, events)
     assert not [k for _, d in frames for k in _private_keys(orjson.loads(d))]
     if isinstance(ending, Error):
         assert frames[-1][0] == "error" and orjson.loads(frames[-1][1])["type"] == "error"
@@ -227,7 +227,7 @@ def test_anthropic_events_validate_and_add_up(deltas, calls, ending):
 def test_anthropic_message_start_waits_for_the_first_event():
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
     request, parsed = messages.parse(body)
-    encoder = messages.MessagesStreamEncoder(request, parsed)
+    encoder = messages_sse.MessagesStreamEncoder(request, parsed)
     assert encoder.start() == b""
     ping = _frames(encoder.keepalive())
     assert [name for name, _ in ping] == ["ping"]  # a ping may come first; no message yet
@@ -239,7 +239,7 @@ def test_anthropic_message_start_waits_for_the_first_event():
     assert names == ["message_start", "content_block_start", "content_block_delta"]
     assert orjson.loads(frames[0][1])["message"]["usage"]["input_tokens"] == 12
     # A stream that fails before any event is just the error, no message around it.
-    failing = messages.MessagesStreamEncoder(request, parsed)
+    failing = messages_sse.MessagesStreamEncoder(request, parsed)
     failing.start()
     frames = _frames(failing.encode(Error(kind="upstream", message="x")))
     assert [name for name, _ in frames] == ["error"]
