@@ -43,12 +43,12 @@ from worker.split.cache import (
     BATCH_TAG,
     KEEP,
     CacheLedger,
-    FollowerCaches,
     SplitCacheError,
     Step,
     record_batches,
 )
 from worker.split.pipeline import Slice, Wrapper, materialize, slice_model
+from worker.split.replay import FollowerCaches
 from worker.split.signals import GROUP_BROKEN, WAKE_LINE
 
 log = logging.getLogger(__name__)

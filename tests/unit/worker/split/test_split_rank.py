@@ -30,7 +30,6 @@ from worker.split.cache import (
     MERGE,
     NEW,
     PREPARE,
-    FollowerCaches,
     SplitCacheError,
     Step,
 )
@@ -47,6 +46,7 @@ from worker.split.rank import (
     pack,
     unpack,
 )
+from worker.split.replay import FollowerCaches
 from worker.split.signals import WAKE_LINE
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
 
