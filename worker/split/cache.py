@@ -4,7 +4,7 @@ Rank 0's engine copies, trims, stores, reuses and drops its per-sequence KV cach
 cache, a fork from a running sibling's prefill) without telling anyone; each follower must hold
 the same caches for its own layers. Rather than hooking every place that does so, rank 0 keeps
 a :class:`CacheLedger` and learns what happened at the one choke point every cache passes before
-it is used: the forward pass (``worker.split.rank.LeaderModel``).
+it is used: the forward pass (``worker.split.leader.LeaderModel``).
 
 - Each cache rank 0 runs carries a :class:`CacheTag` (on its first layer's cache object) naming
   a follower cache id. A deep copy of the cache (``copy.deepcopy``: the store's fetch, a fork)

@@ -33,19 +33,9 @@ from worker.split.cache import (
     SplitCacheError,
     Step,
 )
-from worker.split.rank import (
-    HEADER,
-    INLINE,
-    LeaderModel,
-    Lockstep,
-    Op,
-    SplitRankError,
-    StepWatch,
-    leader_config,
-    more_to_receive,
-    pack,
-    unpack,
-)
+from worker.split.leader import LeaderModel, SplitRankError, StepWatch
+from worker.split.lockstep import HEADER, INLINE, Lockstep, Op, more_to_receive, pack, unpack
+from worker.split.rank import leader_config
 from worker.split.replay import FollowerCaches
 from worker.split.signals import WAKE_LINE
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
