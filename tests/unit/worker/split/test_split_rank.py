@@ -324,9 +324,9 @@ async def _run(engine: Engine, request: GenerationRequest) -> tuple[Any, Finishe
     job = engine.submit(request)
     async for event in job.events():
         if isinstance(event, Finished):
-            job.held = engine._pending[job.id].tokens
+            job.held = engine._commits.pending[job.id].tokens
             engine.commit(job)
-            await wait_until(lambda: job.id not in engine._pending)
+            await wait_until(lambda: job.id not in engine._commits.pending)
             return job, event
         assert not isinstance(event, Failed), event
     raise AssertionError("no terminal event")
