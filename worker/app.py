@@ -16,10 +16,8 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 import orjson
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -30,27 +28,19 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from worker.engine import Engine, Job
-from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
-from worker.net import bind_socket, server_limits
-from worker.output import DeltaAssembler
-from worker.sampling import SamplingParams
-from worker.schemas import ChatCompletionRequest, describe_validation_error, openai_usage
-from worker.structured.processor import GrammarProcessor
-from worker.structured.response_format import (
-    OutputFormatError,
-    agrammar_processor,
-    answer_prompt,
-    output_grammar,
+from worker.chat_job import BadRequest, listing_header, start_job
+from worker.chat_wire import (
+    collect_unless_disconnected,
+    completion_body,
+    sampling_used,
+    sse_frames,
 )
-from worker.thinking import normalize_thinking
-from worker.tools import listing as tool_listing
-from worker.tools.listing import Listing
-from worker.tools.parsing import ToolCallSplitter, parse_json_span
+from worker.engine import Engine
+from worker.engine_types import Failed
+from worker.net import bind_socket, server_limits
+from worker.schemas import ChatCompletionRequest, describe_validation_error
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 2048
 
 
 def json_response(
@@ -66,25 +56,6 @@ def error_response(
 ) -> Response:
     error = {"message": message, "type": type_, "param": param, "code": code}
     return json_response({"error": error}, status)
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-def context_overflow(prompt_tokens: int, context: int) -> BadRequest:
-    """The 400 for a prompt the model cannot hold. Its words are Anthropic's, which Claude Code
-    parses to compact the conversation and retry (any other wording ends its session); OpenAI
-    clients (OpenCode, Codex CLI) read the code, and OpenCode the words too."""
-    return BadRequest(
-        f"prompt is too long: {prompt_tokens} tokens > {context} maximum (the model's context"
-        " length)",
-        "messages",
-        "context_length_exceeded",
-    )
 
 
 def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
@@ -119,7 +90,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 code="model_not_found",
             )
         try:
-            job, assembler, listing = await _start_job(engine, chat, body)
+            job, assembler, listing = await start_job(engine, chat, body)
         except BadRequest as exc:
             return error_response(
                 400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
@@ -133,24 +104,24 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
             options = chat.stream_options
             include_usage = bool(options and options.include_usage)
             continuous = bool(include_usage and options and options.continuous_usage_stats)
-            frames = _sse_frames(engine, job, assembler, meta, include_usage, continuous)
+            frames = sse_frames(engine, job, assembler, meta, include_usage, continuous)
             return StreamingResponse(
                 frames,
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
-                | _listing_header(listing),
+                | listing_header(listing),
             )
-        collected = await _collect_unless_disconnected(request, engine, job, assembler)
+        collected = await collect_unless_disconnected(request, engine, job, assembler)
         if collected is None:
             return Response(status_code=499)
         result, logprobs = collected
         if isinstance(result, Failed):
             return error_response(500, result.message, type_="server_error")
-        body = _completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
-        body["sampling"] = _sampling_used(job)
+        body = completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
+        body["sampling"] = sampling_used(job)
         # The commit runs as a background task: after the body went out.
         response = json_response(body, background=BackgroundTask(engine.commit, job))
-        response.headers.update(_listing_header(listing))
+        response.headers.update(listing_header(listing))
         return response
 
     async def models(_: Request) -> Response:
@@ -216,294 +187,6 @@ def _how_it_runs(engine: Engine) -> dict[str, Any]:
     if engine.cpu_fast_path is None:
         return {}
     return {"cpu_fast_path": engine.cpu_fast_path.as_dict()}
-
-
-async def _start_job(
-    engine: Engine, chat: ChatCompletionRequest, body: dict[str, Any]
-) -> tuple[Job, DeltaAssembler, Listing]:
-    template_kwargs = dict(chat.chat_template_kwargs or {})
-    thinking = normalize_thinking(body)
-    if thinking is not None:
-        template_kwargs["enable_thinking"] = thinking
-    messages = [m.to_template() for m in chat.messages]
-    # tool_choice "none": the model is not offered the tools, so it cannot call them.
-    offered = chat.tools if chat.tool_choice != "none" else None
-    tools = [t.model_dump(exclude_none=True) for t in offered] if offered else None
-    grammar = _output_grammar(chat, bool(tools))
-    if grammar is not None:
-        template_kwargs["enable_thinking"] = (
-            False  # the grammar holds the answer, not a think block
-        )
-    context = engine.info.context_length
-    try:
-        (prompt, in_reasoning), listing = await asyncio.to_thread(
-            _fitted_prompt, engine, messages, tools, template_kwargs
-        )
-    except jinja2.TemplateError as exc:
-        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
-    if len(prompt) >= context:
-        raise context_overflow(len(prompt), context)
-    try:
-        logit_bias = chat.logit_bias_ids()
-    except ValueError as exc:
-        raise BadRequest(str(exc), "logit_bias") from exc
-    vocab = len(engine.tokenizer)
-    if logit_bias and any(not 0 <= t < vocab for t in logit_bias):
-        raise BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-    processors: tuple[GrammarProcessor, ...] = ()
-    if grammar is not None:
-        prompt, in_reasoning = answer_prompt(engine.tokenizer, prompt, in_reasoning), False
-        processors = (await _grammar_processor(engine, grammar),)
-    limit = chat.max_completion_tokens or chat.max_tokens or DEFAULT_MAX_TOKENS
-    defaults = engine.sampling_defaults  # for the fields the request leaves out
-    sampling = SamplingParams(
-        temperature=defaults.temperature if chat.temperature is None else chat.temperature,
-        top_p=defaults.top_p if chat.top_p is None else chat.top_p,
-        top_k=defaults.top_k if chat.top_k is None else chat.top_k,
-        min_p=defaults.min_p if chat.min_p is None else chat.min_p,
-        seed=chat.seed,
-        repetition_penalty=chat.repetition_penalty,
-        presence_penalty=chat.presence_penalty,
-        frequency_penalty=chat.frequency_penalty,
-        logit_bias=logit_bias,
-    )
-    job = engine.submit(
-        GenerationRequest(
-            prompt=prompt,
-            max_tokens=max(1, min(limit, context - len(prompt))),
-            sampling=sampling,
-            stop=chat.stop_strings(),
-            logprobs=bool(chat.logprobs),
-            logits_processors=processors,
-        )
-    )
-    tok = engine.tokenizer
-    splitter = None
-    if tools:
-        if tok.has_tool_calling:
-            splitter = ToolCallSplitter(
-                start=tok.tool_call_start,
-                end=tok.tool_call_end,
-                parser=tok.tool_parser,
-                tools=tools,
-            )
-        else:
-            splitter = ToolCallSplitter(parser=parse_json_span, tools=tools)
-    # A held answer is all content: a think tag spelled inside a JSON string stays in it.
-    think_tags = (tok.think_start, tok.think_end) if tok.has_thinking and grammar is None else None
-    assembler = DeltaAssembler(
-        think_tags=think_tags, in_reasoning=in_reasoning, tool_splitter=splitter
-    )
-    return job, assembler, listing
-
-
-def _listing_header(listing: Listing) -> dict[str, str]:
-    """``x-tools-listing: brief|names`` when the tools were shortened to fit the context."""
-    return {} if listing == "full" else {"x-tools-listing": listing}
-
-
-def _fitted_prompt(
-    engine: Engine,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    template_kwargs: dict[str, Any],
-) -> tuple[tuple[list[int], bool], Listing]:
-    """The prompt with the tools listed as fully as the context allows (worker.tools.listing)."""
-    if not tools:
-        return engine.render_prompt(messages, None, template_kwargs), "full"
-    sizes: dict[str, int] = {}
-
-    def render(listing: Listing) -> tuple[list[int], bool]:
-        rendered = engine.render_prompt(messages, tools, template_kwargs, listing)
-        sizes[listing] = len(rendered[0])
-        return rendered
-
-    context = engine.info.context_length
-    rendered, listing = tool_listing.fit(render, lambda prompt: len(prompt[0]), context)
-    if listing != "full":
-        log.info(
-            "%d tools listed %s: prompt %d tokens (%d with the full listing), context %d",
-            len(tools), listing, sizes[listing], sizes["full"], context,
-        )  # fmt: skip
-    return rendered, listing
-
-
-def _output_grammar(chat: ChatCompletionRequest, tools_offered: bool) -> str | None:
-    try:
-        return output_grammar(chat.response_format, tools_offered)
-    except OutputFormatError as exc:
-        raise BadRequest(str(exc), exc.param) from exc
-
-
-async def _grammar_processor(engine: Engine, grammar: str) -> GrammarProcessor:
-    try:
-        return await agrammar_processor(engine.tokenizer, grammar)
-    except OutputFormatError as exc:
-        raise BadRequest(str(exc), exc.param) from exc
-
-
-def _sampling_used(job: Job) -> dict[str, Any]:
-    """The ``sampling`` extension: the values this answer was generated with."""
-    params = job.request.sampling
-    return {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-    }
-
-
-def _usage(done: Finished) -> dict[str, Any]:
-    return openai_usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
-
-
-def _logprob_entries(logprobs: list[tuple[str, float]]) -> list[dict[str, Any]]:
-    return [{"token": t, "logprob": lp, "top_logprobs": []} for t, lp in logprobs]
-
-
-# Like vLLM, the final choice also carries ``stop_reason``: the stop string that ended the
-# answer, or null. Plain OpenAI clients ignore it; the gateway maps it to Anthropic's
-# ``stop_sequence``.
-def _finish_reason(assembler: DeltaAssembler, done: Finished) -> str:
-    # A call cut off by max_tokens was already streamed as a call: "length" says it is cut.
-    if assembler.tool_calls and done.finish_reason != "length":
-        return "tool_calls"
-    return done.finish_reason
-
-
-async def _sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
-    engine: Engine,
-    job: Job,
-    assembler: DeltaAssembler,
-    meta: dict[str, Any],
-    include_usage: bool,
-    continuous_usage: bool = False,
-) -> AsyncIterator[bytes]:
-    base = {**meta, "object": "chat.completion.chunk"}
-    first = True
-    pending_logprobs: list[tuple[str, float]] = []
-    prompt_tokens = len(job.request.prompt)
-    completion_tokens = 0
-    cached_tokens = 0
-
-    def frame(delta: dict[str, Any], done: Finished | None = None) -> bytes:
-        nonlocal first
-        if first:
-            delta = {"role": "assistant", **delta}
-            first = False
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
-        if done is not None:
-            choice["finish_reason"] = _finish_reason(assembler, done)
-            choice["stop_reason"] = done.stop_sequence
-        if pending_logprobs:
-            choice["logprobs"] = {"content": _logprob_entries(pending_logprobs)}
-            pending_logprobs.clear()
-        chunk = {**base, "choices": [choice]}
-        if done is not None:
-            chunk["sampling"] = _sampling_used(job)
-        if continuous_usage:
-            chunk["usage"] = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens},
-            }
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    out: list[bytes] = []
-    try:
-        async for event in job.events():
-            if isinstance(event, TokenChunk):
-                if event.logprobs:
-                    pending_logprobs.extend(event.logprobs)
-                completion_tokens = event.completion_tokens
-                cached_tokens = event.cached_tokens
-                out.extend(frame(delta) for delta in assembler.feed(event.text))
-            elif isinstance(event, Finished):
-                completion_tokens = event.completion_tokens
-                out.extend(frame(delta) for delta in assembler.finish())
-                out.append(frame({}, event))
-                if include_usage:
-                    usage = {**base, "choices": [], "usage": _usage(event)}
-                    out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
-                out.append(b"data: [DONE]\n\n")
-            else:
-                error = {"message": event.message, "type": "server_error", "code": "internal"}
-                out.append(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
-                out.append(b"data: [DONE]\n\n")
-            # One write for everything already decoded: a fast model outruns per-frame sends.
-            if out and (job.done or not job.has_ready()):
-                yield b"".join(out)
-                out.clear()
-    finally:
-        if job.done:
-            # Runs only after [DONE] was handed to the transport (the generator resumes after
-            # each send): the cache bookkeeping never delays the client.
-            engine.commit(job)
-        else:
-            # Client gone before the end: stop generating now.
-            engine.cancel(job)
-
-
-async def _collect(job: Job, assembler: DeltaAssembler) -> tuple[Finished | Failed, list[Any]]:
-    logprobs: list[tuple[str, float]] = []
-    async for event in job.events():
-        if isinstance(event, TokenChunk):
-            if event.logprobs:
-                logprobs.extend(event.logprobs)
-            assembler.feed(event.text)
-        else:
-            if isinstance(event, Finished):
-                assembler.finish()
-            return event, logprobs
-    raise AssertionError("job ended without a terminal event")
-
-
-async def _collect_unless_disconnected(
-    request: Request, engine: Engine, job: Job, assembler: DeltaAssembler
-) -> tuple[Finished | Failed, list[Any]] | None:
-    """The job's result, or None when the client went away first (then the job is cancelled)."""
-    collect = asyncio.ensure_future(_collect(job, assembler))
-    disconnect = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (collect, disconnect):
-            if not task.done():
-                task.cancel()
-    if not collect.done() or collect.cancelled():
-        engine.cancel(job)
-        await asyncio.gather(collect, return_exceptions=True)
-        return None
-    return collect.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _completion_body(
-    meta: dict[str, Any],
-    assembler: DeltaAssembler,
-    done: Finished,
-    logprobs: list[tuple[str, float]] | None,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": assembler.message(),
-        "finish_reason": _finish_reason(assembler, done),
-        "stop_reason": done.stop_sequence,
-        "logprobs": {"content": _logprob_entries(logprobs)} if logprobs is not None else None,
-    }
-    return {
-        **meta,
-        "object": "chat.completion",
-        "choices": [choice],
-        "usage": _usage(done),
-    }
 
 
 class WorkerSecretGuard:

@@ -10,19 +10,10 @@ one step per call: a decoded token, or a prefill chunk of ``prefill_step_size`` 
 Commands are drained between steps, so a cancel stops its job within one step, also a long
 prompt's prefill within one chunk.
 
-Jobs that arrive together with one prompt (the samples of ``model="mesh"``, Chat ``n > 1``) or a
-long shared prefix prefill it once: a later one waits until the first one's cache holds the shared
-tokens and starts from a copy of them (worker/shared_prefill.py decides when that pays). Each
-sample stays its own job: cancelling one never stops its siblings; a source that leaves hands its
-KV over to the followers it already covers and the others are placed again.
-
-Prompt cache commit happens *after* the response: a finished job's KV cache is held as a pending
-commit until the HTTP layer calls ``commit`` (after writing the terminal frame). A new job whose
-prompt would reuse a pending commit waits for it (at most ``commit_wait_s``), so it never reads a
-half-committed cache and the client of the first job never waits for the bookkeeping. A
-cancelled job stores its cache at once (nobody is left to wait for): after its first token the
-prompt and what it generated, during its prefill the prompt prefix of the chunks done, so a
-client's retry of the same prompt resumes the prefill there.
+Jobs that share a prompt, or a long prefix of one, prefill it once (worker/engine_forks.py).
+Prompt cache commit happens *after* the response (worker/engine_commits.py): a finished job's KV
+cache waits for the HTTP layer's ``commit``, and a job that would reuse it waits for that.
+Cancellation, failure and shutdown are worker/engine_ends.py's; loading is worker/engine_load.py's.
 """
 
 from __future__ import annotations
@@ -35,71 +26,38 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from worker.cpu import CpuFastPath, prepare_cpu_model
+from worker.chat_prompt import render_prompt, template_tool_calling
+from worker.cpu import CpuFastPath
+from worker.engine_commits import Commits
+from worker.engine_ends import JobEnds
+from worker.engine_forks import Follower
+from worker.engine_jobs import Active
+from worker.engine_load import Loader, can_batch, load_model, make_generator
 from worker.engine_types import (
     EngineConfig,
     EngineError,
     EngineStats,
-    Failed,
     Finished,
     GenerationRequest,
     Job,
-    JobEvent,
     LoadedModel,
     TokenChunk,
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.loop_guard import LoopGuard
-from worker.prompt_cache import PromptCacheStore, copy_cache
+from worker.prompt_cache import PromptCacheStore
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
-from worker.shared_prefill import Share, SharePolicy, Source, plan_share
-from worker.tools.listing import Listing, listed
-from worker.tools.prompt import generic_messages, renders_tools
+from worker.shared_prefill import SharePolicy
+from worker.tools.listing import Listing
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Job"]
 
 
-@dataclass
-class _Active:
-    job: Job
-    uid: int
-    detokenizer: Any
-    stop: StopMatcher
-    cached_tokens: int  # of the prompt, from the prompt cache or a sibling's prefill
-    held: int = 0  # prompt tokens its KV cache holds now (grows chunk by chunk while prefilling)
-    completion_tokens: int = 0
-    first_token: bool = False
-    loop: LoopGuard | None = None  # None: the loop guard is off
-
-
-@dataclass
-class _Parked:
-    job: Job
-    waits_for: set[str]
-    deadline: float
-
-
-@dataclass
-class _Follower:
-    """A job waiting for a running job's prefill to cover ``share.tokens`` of its prompt."""
-
-    job: Job
-    share: Share
-
-
-@dataclass
-class _Pending:
-    tokens: list[int]
-    cache: list[Any]
-    created: float = field(default_factory=time.monotonic)
-
-
-class Engine:
+class Engine(JobEnds):
     """Loads a model and serves generation jobs from one owner thread.
 
     ``generation_config_fallback``: the sampling to recommend when the model directory has no
@@ -112,7 +70,7 @@ class Engine:
         name: str | None = None,
         config: EngineConfig | None = None,
         generation_config_fallback: dict[str, Any] | None = None,
-        loader: Callable[[str], tuple[Any, Any, dict[str, Any]]] | None = None,
+        loader: Loader | None = None,
     ) -> None:
         self.model_path = model_path
         # (model, tokenizer, config) from a path, on the owner thread; mlx_lm.load by default.
@@ -138,12 +96,11 @@ class Engine:
         self._started = time.monotonic()
         # Owner-thread state.
         self._generator: Any = None
-        self._active: dict[int, _Active] = {}
-        self._parked: list[_Parked] = []
-        self._followers: list[_Follower] = []
+        self._active: dict[int, Active] = {}
+        self._followers: list[Follower] = []
         self._share_policy = SharePolicy(min_tokens=self.config.share_prefill_min_tokens)
-        self._pending: dict[str, _Pending] = {}
         self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
+        self._commits = Commits(self._store, self.config, self.stats)
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -206,16 +163,7 @@ class Engine:
     def tool_calling(self) -> str:
         """ "native" when the chat template shows the model tools and past calls, else
         "generic" (worker.tools.prompt writes them into the prompt as text)."""
-        tok = self.tokenizer
-        if not tok.has_chat_template:
-            return "generic"
-
-        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-            return tok.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
-            )
-
-        return "native" if renders_tools(render) else "generic"
+        return template_tool_calling(self.tokenizer)
 
     def render_prompt(
         self,
@@ -224,30 +172,11 @@ class Engine:
         template_kwargs: dict[str, Any],
         listing: Listing = "full",
     ) -> tuple[list[int], bool]:
-        """Prompt tokens through the chat template, and whether generation starts in a think
-        block (the template opened ``<think>``), the tools shown as ``listing``
-        (:mod:`worker.tools.listing`). Raises jinja errors for bad conversations."""
-        tok = self.tokenizer
-        if self.tool_calling == "generic" and (tools or _has_tool_turns(messages)):
-            messages, tools = generic_messages(messages, tools, listing), None
-        elif tools:
-            tools = listed(tools, listing)
-        if tok.has_chat_template:
-            text = tok.apply_chat_template(
-                messages,
-                tools=tools or None,
-                add_generation_prompt=True,
-                tokenize=False,
-                **template_kwargs,
-            )
-        else:
-            text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
-            text += "assistant: "
-        in_reasoning = False
-        if tok.has_thinking:
-            in_reasoning = text.rfind(tok.think_start) > text.rfind(tok.think_end)
-        tokens = list(tok.encode(text, add_special_tokens=False))
-        return tokens, in_reasoning
+        """Prompt tokens and whether generation starts in a think block
+        (:func:`worker.chat_prompt.render_prompt`). Raises jinja errors for bad conversations."""
+        return render_prompt(
+            self.tokenizer, self.tool_calling, messages, tools, template_kwargs, listing
+        )
 
     # ---- owner thread ------------------------------------------------------------------------
 
@@ -278,8 +207,9 @@ class Engine:
                     log.exception("engine command %s failed", kind)
                     if kind == "submit":
                         self._reject(arg, f"cannot start generation: {exc}")
-            self._admit_parked()
-            self._expire_pending()
+            for job in self._commits.due():
+                self._admit(job)
+            self._commits.expire()
             if self._active:
                 try:
                     self._step()
@@ -293,7 +223,7 @@ class Engine:
 
     def _tell_idle(self) -> None:
         """A model that wants to know the engine is idle (a split's rank 0 lets its other
-        ranks doze off the ring: worker/split/rank.py) hears it here, on this thread."""
+        ranks doze off the ring: worker/split/leader.py) hears it here, on this thread."""
         idle = getattr(self._model, "engine_idle", None)
         if idle is None:
             return
@@ -304,23 +234,11 @@ class Engine:
 
     def _load(self) -> None:
         import mlx.core as mx
-        from mlx_lm import load
-        from mlx_lm.generate import BatchGenerator, make_stop_sequences
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.generate import make_stop_sequences
 
-        from worker.sequential import SequentialGenerator
-
-        if self._loader is not None:
-            model, tokenizer, config = self._loader(self.model_path)
-        else:
-            model, tokenizer, config = load(self.model_path, return_config=True)
-        if mx.default_device() == mx.cpu:
-            if self.config.cpu_float32:
-                model.set_dtype(mx.float32)
-                mx.eval(model.parameters())
-            self.cpu_fast_path = prepare_cpu_model(
-                model, max_share=self.config.cpu_dequantize_share
-            )
+        model, tokenizer, config, self.cpu_fast_path = load_model(
+            self.model_path, self._loader, self.config
+        )
         self.tokenizer = tokenizer
         self.info = LoadedModel.from_config(config, model)
         self.sampling_defaults = resolve_sampling_defaults(
@@ -328,25 +246,10 @@ class Engine:
         )
         self.context_length = self.info.context_length
         stream = mx.default_stream(mx.default_device())
-        self.batchable = self.config.batching and all(
-            hasattr(c, "merge") for c in make_prompt_cache(model)
+        self.batchable = can_batch(model, self.config)
+        self._generator = make_generator(
+            model, tokenizer, self.config, batchable=self.batchable, stream=stream
         )
-        cfg = self.config
-        if self.batchable:
-            self._generator = BatchGenerator(
-                model,
-                completion_batch_size=cfg.completion_batch_size,
-                prefill_batch_size=cfg.prefill_batch_size,
-                prefill_step_size=cfg.prefill_step_size,
-                stream=stream,
-            )
-        else:
-            self._generator = SequentialGenerator(
-                model,
-                eos_token_ids=set(tokenizer.eos_token_ids),
-                stream=stream,
-                prefill_step_size=cfg.prefill_step_size,
-            )
         self._eos_stops = make_stop_sequences(tokenizer)
         self._model = model
 
@@ -355,8 +258,8 @@ class Engine:
         parked job's deadline (or a short tick for pending-commit expiry)."""
         if self._active:
             return 0.0
-        if self._parked:
-            nearest = min(p.deadline for p in self._parked)
+        nearest = self._commits.next_deadline()
+        if nearest is not None:
             return max(0.0, min(0.25, nearest - time.monotonic()))
         return 0.25
 
@@ -372,117 +275,12 @@ class Engine:
         return commands
 
     def _on_submit(self, job: Job) -> None:
-        prompt = job.request.prompt
-        cached = self._store.best_prefix(prompt)
-        waits = {
-            job_id
-            for job_id, pending in self._pending.items()
-            if self._store.usable_prefix(pending.tokens, prompt, True) > cached
-        }
-        if waits:
-            self.stats.commit_waits += 1
-            self.stats.log("parked", job.id)
-            deadline = time.monotonic() + self.config.commit_wait_s
-            self._parked.append(_Parked(job, waits, deadline))
-            return
-        self._admit(job)
-
-    def _admit_parked(self) -> None:
-        if not self._parked:
-            return
-        now = time.monotonic()
-        still = []
-        for parked in self._parked:
-            if not (parked.waits_for & self._pending.keys()):
-                self._admit(parked.job)
-            elif now >= parked.deadline:
-                self.stats.commit_wait_timeouts += 1
-                self._admit(parked.job)
-            else:
-                still.append(parked)
-        self._parked = still
-
-    def _admit(self, job: Job) -> None:
-        """Start a job: from a running sibling's prefill when its prompt shares enough with one
-        (worker/shared_prefill.py), else from what the prompt cache holds."""
-        share = self._plan_share(job.request.prompt)
-        if share is not None:
-            follower = _Follower(job, share)
-            if not share.ready:
-                self.stats.log("follows", job.id)
-                self._followers.append(follower)
-                return
-            self._fork_from(self._active[share.key], [follower])
-            return
-        self._start_alone(job)
+        if not self._commits.park(job):
+            self._admit(job)
 
     def _start_alone(self, job: Job) -> None:
         cache, cached = self._store.fetch(job.request.prompt, merged_by_reader=self.batchable)
         self._insert(job, cache, cached)
-
-    def _plan_share(self, prompt: list[int]) -> Share | None:
-        if not self.config.share_prefill or not self._active:
-            return None
-        sources = [Source(uid, a.job.request.prompt, a.held) for uid, a in self._active.items()]
-        cached = self._store.best_prefix(prompt)
-        return plan_share(prompt, sources, cached=cached, policy=self._share_policy)
-
-    def _release_followers(self) -> None:
-        """After a step: start the followers whose source now holds their shared tokens."""
-        if not self._followers:
-            return
-        by_source: dict[int, list[_Follower]] = {}
-        for follower in self._followers:
-            by_source.setdefault(follower.share.key, []).append(follower)
-        for uid, followers in by_source.items():
-            source = self._active.get(uid)
-            if source is None:  # gone without handing over (failed): start them on their own
-                self._followers = [f for f in self._followers if f not in followers]
-                self._restart_followers(followers)
-            elif source.held >= min(f.share.tokens for f in followers):
-                ready = [f for f in followers if source.held >= f.share.tokens]
-                self._followers = [f for f in self._followers if f not in ready]
-                self._fork_from(source, ready)
-
-    def _fork_from(
-        self,
-        source: _Active,
-        followers: list[_Follower],
-        held: tuple[list[Any] | None, list[int] | None] | None = None,
-    ) -> None:
-        """Start ``followers`` (already out of the wait list) from a copy of ``source``'s KV,
-        each trimmed to its shared tokens. ``held``: the source's (cache, tokens) when it has
-        just left the generator; else they are read from it. A follower the copy cannot serve
-        (a cache that cannot be trimmed back) starts alone."""
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
-        if held is None:
-            held = self._generator.extract_cache([source.uid]).get(source.uid)
-        cache, tokens = held if held is not None else (None, None)
-        started = []
-        for follower in followers:
-            if cache is None or not tokens:
-                break
-            n = follower.share.tokens
-            excess = len(tokens) - n
-            if excess < 0 or (excess and not can_trim_prompt_cache(cache)):
-                continue
-            if list(tokens[:n]) != follower.job.request.prompt[:n]:
-                continue
-            fork = copy_cache(cache, merged_by_reader=self.batchable)
-            if excess:
-                trim_prompt_cache(fork, excess)
-            self._guarded(follower.job, self._insert, follower.job, fork, n, shared=True)
-            started.append(follower)
-        for follower in followers:
-            if follower not in started:
-                self._guarded(follower.job, self._start_alone, follower.job)
-
-    def _restart_followers(self, followers: list[_Follower]) -> None:
-        """Place followers (out of the wait list) whose source is gone as if just submitted:
-        one of them may become the others' source."""
-        for follower in followers:
-            self._guarded(follower.job, self._admit, follower.job)
 
     def _guarded(self, job: Job, start: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """Start a waiting job; one that cannot start fails alone (as a bad submit does), not
@@ -511,7 +309,7 @@ class Engine:
         # Not under a grammar: it ends the answer where the JSON is complete, and a cut would
         # be a "stop" whose JSON does not parse.
         span = 0 if req.logits_processors else self.config.loop_guard_tokens
-        self._active[uid] = _Active(
+        self._active[uid] = Active(
             job,
             uid,
             self.tokenizer.detokenizer,
@@ -535,65 +333,14 @@ class Engine:
                 self.stats.shared_prefills += 1
                 self.stats.shared_prefill_tokens += shared
 
-    def _reject(self, job: Job, message: str) -> None:
-        self._parked = [p for p in self._parked if p.job is not job]
-        self._followers = [f for f in self._followers if f.job is not job]
-        for uid, active in list(self._active.items()):
-            if active.job is job:
-                self._generator.remove([uid])
-                self._drop(uid)
-                break
-        else:
-            with self._lock:
-                self.stats.queue_depth -= 1
-        job._deliver(Failed(message))
-
-    def _on_cancel(self, job_id: str) -> None:
-        if job_id in self._pending:
-            # Finished, but the client left before the commit: nobody waits on the response.
-            self._on_commit(job_id)
-            return
-        parked = [p for p in self._parked if p.job.id == job_id]
-        waiting = [f for f in self._followers if f.job.id == job_id]
-        if parked or waiting:
-            self._parked = [p for p in self._parked if p.job.id != job_id]
-            self._followers = [f for f in self._followers if f.job.id != job_id]
-            with self._lock:
-                self.stats.queue_depth -= 1
-                self.stats.cancelled += 1
-            self.stats.log("cancelled", job_id)
-        for active in list(self._active.values()):
-            if active.job.id == job_id:
-                self._stop(active)
-                with self._lock:
-                    self.stats.cancelled += 1
-                self.stats.log("cancelled", job_id)
-
     def _on_commit(self, job_id: str) -> None:
-        pending = self._pending.pop(job_id, None)
-        if pending is None:
-            return
-        if self.before_commit is not None:
-            self.before_commit(job_id)
-        self._store.insert(pending.tokens, pending.cache)
-        self.stats.commits += 1
-        self.stats.log("committed", job_id)
+        self._commits.land(job_id, self.before_commit)
 
     def _on_discard(self, _: None) -> None:
-        self._store.clear()
-        self._pending.clear()
+        self._commits.clear()
         with self._lock:
             self._rate.clear()
         self.stats.log("discarded", "")
-
-    def _expire_pending(self) -> None:
-        if not self._pending:
-            return
-        now = time.monotonic()
-        for job_id, pending in list(self._pending.items()):
-            if now - pending.created > self.config.pending_commit_ttl_s:
-                del self._pending[job_id]
-                self.stats.log("commit_expired", job_id)
 
     def _step(self) -> None:
         progress, responses = self._generator.next()
@@ -612,7 +359,7 @@ class Engine:
                 self._rate.append((time.monotonic(), decoded))
                 self.stats.generated_tokens += decoded
 
-    def _on_token(self, active: _Active, r: Any) -> None:
+    def _on_token(self, active: Active, r: Any) -> None:
         job = active.job
         if not active.first_token:
             active.first_token = True
@@ -620,25 +367,10 @@ class Engine:
             with self._lock:
                 self.stats.queue_depth -= 1
                 self.stats.in_flight += 1
-        active.completion_tokens += 1
-        detok = active.detokenizer
-        is_eos = r.finish_reason == "stop"
-        if not is_eos:
-            detok.add_token(r.token)
-        if r.finish_reason is not None:
-            detok.finalize()
-        text, stopped = active.stop.feed(detok.last_segment)
-        if not stopped and r.finish_reason is None and self._looping(active, r.token):
-            text, stopped = text + active.stop.flush(), True  # ends as if the model had stopped
-        finish = r.finish_reason
-        if stopped:
-            finish = "stop"
-        elif finish is not None:
-            text += active.stop.flush()
-        logprobs = None
-        if job.request.logprobs and not is_eos:
-            logprob = r.logprobs[r.token].item()
-            logprobs = [(self.tokenizer.decode([r.token]), logprob)]
+        out = active.decode(r, self.tokenizer)
+        if out.looped:
+            self._count_loop(active)
+        text, logprobs, finish, stopped = out.text, out.logprobs, out.finish, out.stopped
         if (text or logprobs) and not self._send(
             active, TokenChunk(text, logprobs, active.completion_tokens, active.cached_tokens)
         ):
@@ -653,7 +385,7 @@ class Engine:
         self._drop(r.uid)
         self._hand_over(active, cache, tokens)
         if cache is not None and tokens:
-            self._pending[job.id] = _Pending(list(tokens), cache)
+            self._commits.hold(job.id, list(tokens), cache)
         self.stats.log("finished", job.id)
         self._send(
             active,
@@ -668,101 +400,22 @@ class Engine:
         with self._lock:
             self.stats.completed += 1
 
-    def _looping(self, active: _Active, token: int) -> bool:
-        if active.loop is None or not active.loop.feed(token):
-            return False
+    def _count_loop(self, active: Active) -> None:
+        assert active.loop is not None
         log.info(
             "job %s: stopped a loop of %d tokens after %d tokens",
             active.job.id, active.loop.period, active.completion_tokens,
         )  # fmt: skip
         with self._lock:
             self.stats.loops_stopped += 1
-        return True
-
-    def _send(self, active: _Active, event: JobEvent) -> bool:
-        if active.job._deliver(event):
-            return True
-        self._stop(active)
-        return False
-
-    def _stop(self, active: _Active) -> None:
-        """Stop a job before its end; what its KV cache holds goes to the store. After the
-        first token that is the prompt and the tokens so far: a client that interrupts and
-        sends the conversation again (agent harnesses do) and MoA's cancelled losers then skip
-        that prefill. During the prefill it is the prompt prefix of the chunks already done
-        (both generators keep the token list equal to the cache after every chunk): a client
-        that timed out on a long cold prefill retries from there, not from zero."""
-        caches = self._generator.remove([active.uid], return_prompt_caches=True)
-        cache, tokens = caches.get(active.uid, (None, None))
-        self._drop(active.uid)
-        # Not yet prefilling (queued in the generator): the cache is the fetched copy of an
-        # entry that is still in the store; nothing new to keep.
-        if cache is not None and tokens and len(tokens) > active.cached_tokens:
-            self._store.insert(list(tokens), cache)
-            self.stats.log("cache_kept", active.job.id)
-        self._hand_over(active, cache, tokens)
-
-    def _hand_over(self, source: _Active, cache: Any, tokens: list[int] | None) -> None:
-        """A source has left the generator (finished, stopped, cancelled; already dropped):
-        its followers start from what its cache holds; those it does not cover yet are placed
-        again (a cancelled one's partial prefill is in the store by then). A cancelled sample
-        thus never takes its siblings with it."""
-        followers = [f for f in self._followers if f.share.key == source.uid]
-        if not followers:
-            return
-        self._followers = [f for f in self._followers if f.share.key != source.uid]
-        covered = [f for f in followers if tokens and len(tokens) >= f.share.tokens]
-        if covered:
-            self._fork_from(source, covered, (cache, tokens))
-        self._restart_followers([f for f in followers if f not in covered])
-
-    def _drop(self, uid: int) -> None:
-        active = self._active.pop(uid, None)
-        if active is None:
-            return
-        with self._lock:
-            if active.first_token:
-                self.stats.in_flight -= 1
-            else:
-                self.stats.queue_depth -= 1
-
-    def _fail_all(self, message: str) -> None:
-        for uid, active in list(self._active.items()):
-            active.job._deliver(Failed(message))
-            self._drop(uid)
-        self._reset_generator()
-        # Followers ran nothing yet: they start on their own (the next loop's steps).
-        followers, self._followers = self._followers, []
-        self._restart_followers(followers)
 
     def _reset_generator(self) -> None:
-        from mlx_lm.generate import BatchGenerator
-
         if self.batchable:
             self._generator.close()
-            self._generator = BatchGenerator(
+            self._generator = make_generator(
                 self._model,
-                completion_batch_size=self.config.completion_batch_size,
-                prefill_batch_size=self.config.prefill_batch_size,
-                prefill_step_size=self.config.prefill_step_size,
+                self.tokenizer,
+                self.config,
+                batchable=True,
                 stream=self._generator.stream,
             )
-
-    def _shutdown(self) -> None:
-        for uid, active in list(self._active.items()):
-            active.job._deliver(Failed("worker shutting down"))
-            self._drop(uid)
-        waiting: list[_Parked | _Follower] = [*self._parked, *self._followers]
-        for entry in waiting:
-            entry.job._deliver(Failed("worker shutting down"))
-            with self._lock:
-                self.stats.queue_depth -= 1
-        self._parked = []
-        self._followers = []
-        self._generator.close()
-        self._store.clear()
-        self._pending.clear()
-
-
-def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
-    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)

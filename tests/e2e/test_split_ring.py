@@ -80,7 +80,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def unsplit(model: Path) -> tuple[list[list[int]], int]:
     """The reference, in this process: the same loop, the whole model, no group."""
-    from worker.split.rank import LeaderModel, Lockstep, eos_ids, generate, load_slice
+    from worker.split.leader import LeaderModel
+    from worker.split.lockstep import Lockstep
+    from worker.split.rank import eos_ids, generate, load_slice
 
     whole, _, _, weights = load_slice(model, None, None)
     leader = LeaderModel(whole, Lockstep(None))

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import trim_prompt_cache
 
-from worker.split.cache import KEEP, NEW, CacheLedger, FollowerCaches, SplitCacheError
+from worker.split.cache import KEEP, NEW, CacheLedger, SplitCacheError
+from worker.split.replay import FollowerCaches
 
 
 class Layer:

@@ -30,23 +30,13 @@ from worker.split.cache import (
     MERGE,
     NEW,
     PREPARE,
-    FollowerCaches,
     SplitCacheError,
     Step,
 )
-from worker.split.rank import (
-    HEADER,
-    INLINE,
-    LeaderModel,
-    Lockstep,
-    Op,
-    SplitRankError,
-    StepWatch,
-    leader_config,
-    more_to_receive,
-    pack,
-    unpack,
-)
+from worker.split.leader import LeaderModel, SplitRankError, StepWatch
+from worker.split.lockstep import HEADER, INLINE, Lockstep, Op, more_to_receive, pack, unpack
+from worker.split.rank import leader_config
+from worker.split.replay import FollowerCaches
 from worker.split.signals import WAKE_LINE
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, wait_until
 
@@ -334,9 +324,9 @@ async def _run(engine: Engine, request: GenerationRequest) -> tuple[Any, Finishe
     job = engine.submit(request)
     async for event in job.events():
         if isinstance(event, Finished):
-            job.held = engine._pending[job.id].tokens
+            job.held = engine._commits.pending[job.id].tokens
             engine.commit(job)
-            await wait_until(lambda: job.id not in engine._pending)
+            await wait_until(lambda: job.id not in engine._commits.pending)
             return job, event
         assert not isinstance(event, Failed), event
     raise AssertionError("no terminal event")
