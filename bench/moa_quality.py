@@ -245,6 +245,9 @@ def replay(policy: str, answers: list[dict[str, Any]], config: MoaConfig) -> Out
                 arbiter.handle(WorkerFinished(names[i], finish), float(step))
             if arbiter.winner is not None:
                 tokens = sum(min(len(x["logprobs"]), step + 1) for x in answers)
+                # The winner decodes on to its end (race commits to a stream still running).
+                won = answers[names.index(arbiter.winner)]
+                tokens += max(0, len(won["logprobs"]) - (step + 1))
                 used = sum(1 for x in answers if len(x["logprobs"]) <= step)
                 return Outcome(names.index(arbiter.winner), used, tokens, step)
     return Outcome(None, len(answers), sum(len(a["logprobs"]) for a in answers), longest)
@@ -314,9 +317,14 @@ def report(
     lines = ['# `model="mesh"` answer quality: self-mixture on SmolLM2-135M', ""]
     if partial:
         lines += [
-            "**PARTIAL RESULTS** – the recording did not finish; resume with:",
+            "**PARTIAL RESULTS** – the recording did not finish on the shared 2-core box (about "
+            "20–50 s per item for greedy + 8 samples). Resume, then run the kept tasks (each "
+            "command continues its item log where it stopped):",
             "",
-            f"    {args.resume_command}",
+            "    export LD_PRELOAD=\"$(.venv/bin/python -c 'from worker.cpu import preload_env; "
+            'print(preload_env().get("LD_PRELOAD", ""))\')"',
+            "    .venv/bin/python bench/moa_quality.py screen --items 8 --samples 8",
+            "    .venv/bin/python bench/moa_quality.py eval --items 50 --samples 16 --tasks <kept>",
             "",
         ]
     lines += [
@@ -393,7 +401,7 @@ def policy_section(
         losses = sum(
             b and not a for a, b in zip(results[label]["hit"], results[best]["hit"], strict=True)
         )
-        delta = 100 * (sum(results[label]["hit"]) - sum(results[best]["hit"], strict=True)) / n
+        delta = 100 * (sum(results[label]["hit"]) - sum(results[best]["hit"])) / n
         lines.append(
             f"- {label} vs {best}: {delta:+.1f} points, {wins} wins / {losses} losses, "
             f"p = {sign_test_p(wins, losses):.3g}"
@@ -436,7 +444,6 @@ def main() -> None:
     parser.add_argument("--screen-log", type=Path, default=RESULTS / "moa-quality-screen.jsonl")
     parser.add_argument("--eval-log", type=Path, default=RESULTS / "moa-quality-items.jsonl")
     args = parser.parse_args()
-    args.resume_command = "python " + " ".join(sys.argv)
     if args.phase == "screen":
         args.samples = max(args.samples, 8)
         asyncio.run(record(args, SCREEN_SEED, args.screen_log))
