@@ -37,7 +37,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.events import Done, Event, TextDelta, event_to_dict, is_terminal
-from gateway.moa import POLICIES, MixtureOfAgents, MoaConfig
+from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.moa.candidates import plan_candidates
 from gateway.request import ChatRequest, Message
 from gateway.testing import ScriptedUpstream, Sleep, Step
@@ -45,6 +45,8 @@ from gateway.upstream import ModelInfo, StaticDirectory, Upstream
 
 # name: (median time to first token incl. prefill, median seconds per token). Roughly a 1B, a
 # 4B and an 8B model on one Apple-silicon machine each, for a ~1k-token prompt.
+# The policies this benchmark compares (vote and auto: bench/moa_quality.py).
+POLICIES = ("race", "consensus", "reduce")
 PROFILES = {"small": (0.25, 0.012), "mid": (0.45, 0.025), "large": (0.90, 0.050)}
 PARAMS = {"small": 1_000, "mid": 4_000, "large": 8_000}
 ANSWER_TOKENS = 48

@@ -14,6 +14,7 @@ from gateway.events import (
     Done,
     Error,
     Event,
+    Meta,
     Progress,
     ReasoningDelta,
     Sampling,
@@ -62,6 +63,8 @@ class Accumulator:
     # A request for several answers (gateway/choices.py): each choice's own, by index; the
     # fields above then hold the request's whole usage and its end.
     choices: dict[int, Accumulator] = field(default_factory=dict)
+    # Route facts (``Meta`` headers: ``x-moa-*`` …) the Responses API copies into ``metadata``.
+    meta: dict[str, str] = field(default_factory=dict)
 
     def add(self, event: Event) -> ToolCallState | None:
         """Fold one event in; returns the tool call when ``event`` opened a new one."""
@@ -76,10 +79,8 @@ class Accumulator:
             self.progress_parts.append(event.text)
         elif isinstance(event, ToolCallDelta):
             return self._add_tool_call(event)
-        elif isinstance(event, Usage):
-            self.usage = event
-        elif isinstance(event, Sampling):
-            self.sampling = event
+        elif isinstance(event, Usage | Sampling | Meta):
+            self._note(event)
         elif isinstance(event, Done):
             self.finish_reason = event.finish_reason
             # A tool call is a tool call even when the model (or parser) said "stop".
@@ -90,6 +91,15 @@ class Accumulator:
         elif isinstance(event, Error):
             self.error = event
         return None
+
+    def _note(self, event: Usage | Sampling | Meta) -> None:
+        """Facts about the answer rather than part of it."""
+        if isinstance(event, Usage):
+            self.usage = event
+        elif isinstance(event, Sampling):
+            self.sampling = event
+        else:
+            self.meta.update(event.headers)
 
     def _add_tool_call(self, event: ToolCallDelta) -> ToolCallState | None:
         call = self.tool_calls.get(event.index)

@@ -239,7 +239,7 @@ class EventResponse:
             self._stop_waiting()
         if isinstance(event, Meta):
             self.route_headers.update(event.headers)
-        elif acc is not None:
+        if acc is not None:
             acc.add(event)
 
     async def _collect(self, producer: ProducerStream, send: Send) -> None:
@@ -283,6 +283,7 @@ class EventResponse:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         encoder = self.spec.make_encoder(self.request, self.body)
         self.acc = encoder.acc
+        self.acc.add(Meta(dict(self.route_headers)))  # the facts known before the start
         chunk = encoder.start()
         frames, terminal = self._encode(encoder, held)
         chunk += frames

@@ -45,6 +45,56 @@ class RequestRecord:
             self.cached_tokens = acc.cached_tokens
 
 
+class MoaMetrics:
+    """What ``model="mesh"`` decisions cost, from their ``x-moa-*`` route facts."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "gateway_moa_requests",
+            "mesh requests by policy and the rule that decided",
+            ["policy", "decision"],
+            registry=registry,
+        )
+        self.candidates = Counter(
+            "gateway_moa_candidates",
+            "mesh candidates by policy and fate (started; stopped by the decision; finished "
+            "without an answer to vote with)",
+            ["policy", "fate"],
+            registry=registry,
+        )
+        self.decision = Histogram(
+            "gateway_moa_decision_seconds",
+            "From the fan-out to the decision",
+            ["policy"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, route: dict[str, str]) -> None:
+        policy = route.get("x-moa-policy")
+        if policy is None:
+            return
+        self.requests.labels(policy, route.get("x-moa-decision") or "none").inc()
+        for fate, header in (
+            ("started", "x-moa-workers"),
+            ("stopped", "x-moa-stopped"),
+            ("abstained", "x-moa-abstained"),
+        ):
+            count = _count(route.get(header))
+            if count:
+                self.candidates.labels(policy, fate).inc(count)
+        decided_ms = _count(route.get("x-moa-decision-ms"))
+        if "x-moa-decision-ms" in route:
+            self.decision.labels(policy).observe(decided_ms / 1000)
+
+
+def _count(value: str | None) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
+
+
 class GatewayMetrics:
     def __init__(self, log_path: Path | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -73,6 +123,7 @@ class GatewayMetrics:
             "gateway_tokens", "Tokens by direction", ["direction"], registry=self.registry
         )
         self.in_flight = Gauge("gateway_in_flight", "Requests being served", registry=self.registry)
+        self.moa = MoaMetrics(self.registry)
         self._log_path = log_path
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +144,7 @@ class GatewayMetrics:
         self.tokens.labels("in").inc(record.prompt_tokens)
         self.tokens.labels("out").inc(record.completion_tokens)
         self.tokens.labels("cached").inc(record.cached_tokens)
+        self.moa.observe(record.route)
         if self._log_path is not None:
             try:
                 with self._log_path.open("ab") as fh:

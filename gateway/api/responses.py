@@ -148,7 +148,23 @@ class _Shell:
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         if acc.error is not None:
             out["error"] = _failure(acc.error)
+        if any(key.startswith(MOA_PREFIX) for key in acc.meta):
+            out["metadata"] = moa_metadata(out["metadata"], acc.meta)
         return out
+
+
+MOA_PREFIX = "x-moa-"
+METADATA_PAIRS, METADATA_VALUE_CHARS = 16, 512  # the spec's MetadataParam limits
+
+
+def moa_metadata(metadata: dict[str, str], meta: dict[str, str]) -> dict[str, str]:
+    """The caller's ``metadata`` plus ``model="mesh"``'s decision facts (``x-moa-votes`` →
+    ``moa_votes`` …), within the spec's limits (the caller's own pairs first)."""
+    out = dict(metadata)
+    for key, value in meta.items():
+        if key.startswith(MOA_PREFIX) and len(out) < METADATA_PAIRS:
+            out["moa_" + key[len(MOA_PREFIX) :].replace("-", "_")] = value[:METADATA_VALUE_CHARS]
+    return out
 
 
 def _text_part(text: str) -> dict[str, Any]:

@@ -4,7 +4,10 @@
 - :mod:`~gateway.moa.knobs` – thinking off unless the caller opted in.
 - :mod:`~gateway.moa.candidates` – which worker calls to make; the aggregator prompt.
 - :mod:`~gateway.moa.gates`, :mod:`~gateway.moa.scoring` – pure quality checks and scores.
-- :mod:`~gateway.moa.arbiter` – the pure policy object (race / consensus / reduce).
+- :mod:`~gateway.moa.answers`, :mod:`~gateway.moa.vote` – final answers and the vote's tally.
+- :mod:`~gateway.moa.auto` – which policy a request gets when it names none (``auto``).
+- :mod:`~gateway.moa.arbiter` – the pure policy object (race / consensus / reduce / vote).
+- :mod:`~gateway.moa.costs` – the decision's ``x-moa-*`` headers.
 - :mod:`~gateway.moa.upstream` – ``MixtureOfAgents``, the asyncio orchestrator (an Upstream).
 """
 

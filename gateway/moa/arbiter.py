@@ -14,6 +14,10 @@ Policies:
   the grace deadline to the best-scored stream.
 - ``reduce``: once k of n answers are complete (or at the grace deadline) run an aggregator over
   them on the strongest model and splice *its* stream.
+- ``vote``: each finished worker votes with its extracted final answer; as soon as the
+  :class:`~gateway.moa.vote.Tally` says the vote is decided, commit the leading answer's most
+  confident worker (finished, so its whole text goes out at once) and stop the rest. A worker cut
+  off by ``max_tokens`` abstains; when nobody votes, the most confident finished text wins.
 
 Common rules: a worker without a first delta by ``first_token_timeout_s``, or still running at
 ``total_timeout_s``, is failed and cancelled; the last survivor is committed as is; when all fail
@@ -28,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.moa import gates, scoring
+from gateway.moa.answers import extract_answer
 from gateway.moa.config import MoaConfig, Policy
 from gateway.moa.events import (
     Cancel,
@@ -41,6 +46,7 @@ from gateway.moa.events import (
     WorkerFinished,
     WorkerStarted,
 )
+from gateway.moa.vote import Tally
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,11 @@ class WorkerView:
     logprob_count: int = 0
     failure: str | None = None
     timed_out: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def mean_logprob(self) -> float | None:
+        return scoring.mean_logprob(self.logprob_sum, self.logprob_count)
 
     @property
     def alive(self) -> bool:
@@ -110,7 +121,8 @@ class Arbiter:
         if not workers:
             raise ValueError("an arbiter needs at least one worker")
         self.config = config
-        self.policy: Policy = policy or config.policy
+        # "auto" is resolved per request before an arbiter exists (gateway/moa/auto.py).
+        self.policy: Policy = policy or (config.policy if config.policy != "auto" else "race")
         self.workers: dict[str, WorkerView] = {w: WorkerView(w, started_at=now) for w in workers}
         self.win_rates = dict(win_rates or {})
         self.preferred = preferred if preferred in self.workers else None
@@ -123,6 +135,9 @@ class Arbiter:
         self.reason: str | None = None
         self.decided_at: float | None = None
         self.reducer_fallback: str | None = None
+        # Workers still running when the decision stopped them (the cost the decision saved).
+        self.stopped_early = 0
+        self.tally = Tally(workers, confidence=config.vote_confidence)
         self._grace_passed = False
         self._handlers: dict[type, Callable[[WorkerView, WorkerEvent, float], None]] = {
             WorkerStarted: self._on_started,
@@ -134,6 +149,7 @@ class Arbiter:
             "race": self._decide_race,
             "consensus": self._decide_consensus,
             "reduce": self._decide_reduce,
+            "vote": self._decide_vote,
         }
 
     # -- inputs ---------------------------------------------------------------------------
@@ -216,8 +232,10 @@ class Arbiter:
             view.logprob_count += 1
 
     def _on_finished(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
+        assert isinstance(event, WorkerFinished)
         if view.running:
             view.status = WorkerStatus.FINISHED
+            view.finish_reason = event.finish_reason
 
     def _on_failed(self, view: WorkerView, event: WorkerEvent, now: float) -> None:
         assert isinstance(event, WorkerFailed)
@@ -259,6 +277,7 @@ class Arbiter:
             if view.name != worker and view.running:
                 view.status = WorkerStatus.CANCELLED
                 decisions.append(Cancel(view.name))
+                self.stopped_early += 1
         return decisions
 
     def _fail_all(self) -> list[Decision]:
@@ -408,6 +427,32 @@ class Arbiter:
             StartReducer(REDUCER, tuple((v.name, v.text) for v in answers), fallback=best.name)
         )
         return decisions
+
+    def _decide_vote(self, now: float) -> list[Decision]:
+        for view in self.workers.values():
+            if view.finished:
+                truncated = view.finish_reason == "length"
+                answer = None if truncated or view.tool_calls else extract_answer(view.text)
+                self.tally.cast(view.name, answer, view.mean_logprob)
+            elif not view.alive:
+                self.tally.withdraw(view.name)
+        reason = self.tally.decision()
+        if reason is None:
+            return []
+        ballot = self.tally.winner()
+        if ballot is not None:
+            return self._commit(ballot.candidate, reason, now)
+        # Nobody had an answer to vote with: the most confident complete text stands.
+        finished = [v for v in self.workers.values() if v.finished]
+        return self._commit(self._most_confident(finished).name, "no-votes", now)
+
+    @staticmethod
+    def _most_confident(views: Sequence[WorkerView]) -> WorkerView:
+        def key(view: WorkerView) -> tuple[bool, float, int]:
+            lp = view.mean_logprob
+            return (bool(view.text.strip()), lp if lp is not None else -1e9, view.tokens)
+
+        return max(views, key=key)
 
     def _decide_reducing(self, now: float) -> list[Decision]:
         reducer = self.workers[REDUCER]

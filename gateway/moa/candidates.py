@@ -105,3 +105,35 @@ def reducer_request(
     messages.insert(0, Message(role="system", content=instructions))
     out = worker_request(request, model.id, name="reducer")
     return out.model_copy(update={"messages": messages})
+
+
+def plan_samples(directory: ModelDirectory, request: ChatRequest, n: int) -> list[Candidate]:
+    """``n`` samples for the vote, spread round-robin over the mesh's models and, per model, its
+    routes (nodes). The first is the caller's own request; the others leave temperature, top_p,
+    top_k and min_p unset, so each worker samples with its model's recommended values
+    (``generation_config``), and get seeds of their own."""
+    models = mixable_models(directory)
+    if not models:
+        return []
+    routes = {m.id: directory.routes(m.id, request.session_key) for m in models}
+    out = []
+    for i in range(n):
+        model = models[i % len(models)]
+        name = f"{model.id}#{i}" if n > 1 else model.id
+        sample = worker_request(request, model.id, name=name)
+        if i:
+            sample = sample.model_copy(
+                update={
+                    "temperature": None,
+                    "top_p": None,
+                    "top_k": None,
+                    "min_p": None,
+                    "seed": (request.seed or 0) + i,
+                    # A session key would make samples queue behind each other for affinity.
+                    "session_key": f"{request.session_key}/moa{i}" if request.session_key else None,
+                }
+            )
+        served = routes[model.id]
+        upstream = served[(i // len(models)) % len(served)].upstream
+        out.append(Candidate(name, model, upstream, sample))
+    return out

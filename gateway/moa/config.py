@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Policy = Literal["race", "consensus", "reduce"]
-POLICIES: tuple[Policy, ...] = ("race", "consensus", "reduce")
+# What the arbiter runs; "auto" picks one of them per request (gateway/moa/auto.py).
+Policy = Literal["race", "consensus", "reduce", "vote"]
+PolicyChoice = Literal["race", "consensus", "reduce", "vote", "auto"]
+POLICIES: tuple[PolicyChoice, ...] = ("race", "consensus", "reduce", "vote", "auto")
+MAX_SAMPLES = 32  # metadata.moa_samples: 1..MAX_SAMPLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +20,7 @@ class MoaConfig:
     """
 
     # Which arbiter policy decides (see gateway/moa/arbiter.py and bench/results/moa.md).
-    policy: Policy = "race"
+    policy: PolicyChoice = "race"
     # Most worker calls per request (distinct models first; one model → that many samples).
     max_workers: int = 3
     # Temperatures of the self-mixture samples; None keeps the caller's own temperature.
@@ -42,6 +45,10 @@ class MoaConfig:
     # Per worker: first content delta within this, whole stream within total_timeout_s.
     first_token_timeout_s: float = 60.0
     total_timeout_s: float = 600.0
+    # vote: how many samples (metadata.moa_samples overrides, 1..MAX_SAMPLES), spread over the
+    # mesh's models and their routes, and the Beta stopping rule's confidence (Aggarwal et al.).
+    vote_samples: int = 8
+    vote_confidence: float = 0.95
     # Emit one Progress note ("asking 3 models…") before the decision: Responses clients see it
     # as a reasoning summary; the other APIs drop it.
     progress: bool = False
@@ -51,6 +58,10 @@ class MoaConfig:
             raise ValueError(f"unknown MoA policy {self.policy!r}; expected one of {POLICIES}")
         if self.max_workers < 1:
             raise ValueError("max_workers must be at least 1")
+        if not 1 <= self.vote_samples <= MAX_SAMPLES:
+            raise ValueError(f"vote_samples must be between 1 and {MAX_SAMPLES}")
+        if not 0.5 < self.vote_confidence <= 1:
+            raise ValueError("vote_confidence must be in (0.5, 1]")
         if self.race_min_tokens < 1:
             raise ValueError("race_min_tokens must be at least 1")
         if self.race_prefer_window_s < 0 or self.race_prefer_fraction < 0:

@@ -28,14 +28,17 @@ from gateway.events import (
     is_terminal,
 )
 from gateway.moa.arbiter import Arbiter
+from gateway.moa.auto import choose_policy
 from gateway.moa.candidates import (
     Candidate,
     mixable_models,
     plan_candidates,
+    plan_samples,
     reducer_request,
     strongest,
 )
-from gateway.moa.config import POLICIES, MoaConfig, Policy
+from gateway.moa.config import MAX_SAMPLES, POLICIES, MoaConfig, Policy
+from gateway.moa.costs import decision_headers
 from gateway.moa.events import (
     Cancel,
     Commit,
@@ -153,15 +156,30 @@ class MixtureOfAgents(Upstream):
         return self._stream(request)
 
     def policy_for(self, request: ChatRequest) -> Policy | None:
-        """The request's policy (``metadata["moa_policy"]``), the configured one, or None when
-        the request names an unknown policy."""
-        asked = request.metadata.get("moa_policy")
-        if asked is None:
-            return self.config.policy
-        return asked if asked in POLICIES else None
+        """The request's policy (``metadata["moa_policy"]``, else the configured one; ``auto``
+        resolved from the request), or None when the request names an unknown policy."""
+        return self._resolve(request)[0]
+
+    def _resolve(self, request: ChatRequest) -> tuple[Policy | None, str | None]:
+        """The policy and, when ``auto`` chose it, the rule that did."""
+        asked = request.metadata.get("moa_policy", self.config.policy)
+        if asked not in POLICIES:
+            return None, None
+        if asked == "auto":
+            return choose_policy(request)
+        return asked, None
+
+    def samples_for(self, request: ChatRequest) -> int | None:
+        """The vote's sample count (``metadata["moa_samples"]``, 1..32), None when invalid."""
+        asked = request.metadata.get("moa_samples", self.config.vote_samples)
+        try:
+            n = int(asked)
+        except (TypeError, ValueError):
+            return None
+        return n if 1 <= n <= MAX_SAMPLES and str(asked).strip() == str(n) else None
 
     async def _stream(self, request: ChatRequest) -> AsyncIterator[Event]:
-        policy = self.policy_for(request)
+        policy, auto = self._resolve(request)
         if policy is None:
             yield Error(
                 "invalid_request",
@@ -169,11 +187,22 @@ class MixtureOfAgents(Upstream):
                 f"expected one of {', '.join(POLICIES)}",
             )
             return
-        candidates = plan_candidates(self.directory, request, self.config)
+        if policy == "vote":
+            n = self.samples_for(request)
+            if n is None:
+                yield Error(
+                    "invalid_request",
+                    f"moa_samples must be an integer from 1 to {MAX_SAMPLES}, "
+                    f"not {request.metadata.get('moa_samples')!r}",
+                )
+                return
+            candidates = plan_samples(self.directory, request, n)
+        else:
+            candidates = plan_candidates(self.directory, request, self.config)
         if not candidates:
             yield Error("unavailable", "model 'mesh' needs at least one model in the mesh")
             return
-        run = _Run(self, request, candidates, policy)
+        run = _Run(self, request, candidates, policy, auto)
         try:
             async for event in run.events():
                 yield event
@@ -190,6 +219,7 @@ class _Run:
         request: ChatRequest,
         candidates: list[Candidate],
         policy: Policy,
+        auto: str | None = None,
     ) -> None:
         self.moa = moa
         self.config = moa.config
@@ -197,6 +227,7 @@ class _Run:
         self.request = request
         self.candidates = candidates
         self.policy = policy
+        self.auto = auto
         self.queue: asyncio.Queue[tuple[str, Event | _StreamBroke]] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.buffers: dict[str, list[Event]] = {}
@@ -240,7 +271,7 @@ class _Run:
             decisions += self._start(c.name, c.upstream, c.request)
         # What is known now goes out at once (before any progress note), so it reaches the
         # response headers even when the decision comes later than the gateway can wait.
-        yield Meta({"x-moa-policy": self.policy, "x-moa-workers": str(len(self.candidates))})
+        yield Meta(self._known_headers())
         if self.config.progress:
             # A note, not reasoning: no text may reach the client before the commit.
             yield Progress(f"asking {len(self.candidates)} models…")
@@ -277,6 +308,13 @@ class _Run:
         async for event in self._splice(winner):
             yield event
 
+    def _known_headers(self) -> dict[str, str]:
+        """What is known before the decision: the policy (and the auto rule), the fan-out."""
+        headers = {"x-moa-policy": self.policy, "x-moa-workers": str(len(self.candidates))}
+        if self.auto is not None:
+            headers["x-moa-auto"] = self.auto
+        return headers
+
     def _start_reducer(self, decision: StartReducer) -> list[Decision]:
         model = strongest(mixable_models(self.moa.directory))
         upstream = self.moa.directory.routes(model.id)[0].upstream
@@ -289,16 +327,8 @@ class _Run:
             [c.model.id for c in self.candidates],
             next((c.model.id for c in self.candidates if c.name == winner), None),
         )
-        decided_ms = ((arbiter.decided_at or self.started_at) - self.started_at) * 1000
-        yield Meta(
-            {
-                "x-moa-policy": self.policy,
-                "x-moa-workers": str(len(self.candidates)),
-                "x-moa-winner": winner,
-                "x-moa-decision": arbiter.reason or "",
-                "x-moa-decision-ms": f"{decided_ms:.0f}",
-            }
-        )
+        decided_s = (arbiter.decided_at or self.started_at) - self.started_at
+        yield Meta(self._known_headers() | decision_headers(arbiter, winner, decided_s))
         for event in self.buffers.pop(winner, []):
             if not isinstance(event, Meta):
                 yield event

@@ -113,6 +113,7 @@ class BackgroundRun:
             async for event in events:
                 if isinstance(event, Meta):
                     self.record.route.update(event.headers)
+                    self.encoder.acc.add(event)  # x-moa-* facts reach the response's metadata
                     continue
                 if self.record.ttft_s is None and not isinstance(event, Done | Error):
                     self.record.ttft_s = time.perf_counter() - self._t0

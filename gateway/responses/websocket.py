@@ -189,6 +189,7 @@ class _Socket:
                 event = await producer.get()
                 if isinstance(event, Meta):
                     record.route.update(event.headers)
+                    encoder.acc.add(event)  # the x-moa-* facts reach the response's metadata
                     continue
                 if record.ttft_s is None and isinstance(event, TextDelta):
                     record.ttft_s = time.perf_counter() - t0

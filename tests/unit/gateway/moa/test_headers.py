@@ -135,3 +135,47 @@ async def test_non_streaming_and_other_apis_carry_the_headers_too():
             result = await asgi_request(app, "POST", path, body)
             assert result.status == 200, (path, stream, result.body[:200])
             assert all(key in result.headers for key in MOA_KEYS), (path, stream)
+
+
+def voters(*answers: str) -> StaticDirectory:
+    """One model whose successive calls answer ``answers`` in turn."""
+    directory = StaticDirectory()
+    scripts = [[TextDelta(a, logprob=-0.1), Done()] for a in answers]
+    directory.add(ModelInfo("m", parameters=1), ScriptedUpstream(scripts=scripts))
+    return directory
+
+
+async def test_vote_costs_reach_headers_responses_metadata_and_metrics():
+    import json
+
+    directory = voters(*["7", "8", "7", "7"] * 3)  # three requests of four samples
+    app, records = serve(MixtureOfAgents(directory, MoaConfig(policy="vote")), directory)
+    body = {"model": "mesh", "messages": [{"role": "user", "content": "Q?"}]}
+    body["metadata"] = {"moa_samples": "4"}
+    chat = await asgi_request(app, "POST", "/v1/chat/completions", body)
+    assert chat.headers["x-moa-votes"] == "7=3, 8=1" and chat.headers["x-moa-workers"] == "4"
+    assert chat.headers["x-moa-decision"] == "complete" and chat.headers["x-moa-stopped"] == "0"
+    for stream in (False, True):
+        reply = await asgi_request(
+            app,
+            "POST",
+            "/v1/responses",
+            {"model": "mesh", "input": "Q?", "stream": stream, "metadata": {"moa_samples": "4"}},
+        )
+        text = reply.body.decode()
+        final = (
+            json.loads(text)
+            if not stream
+            else json.loads(text.split("event: response.completed\ndata: ")[1].split("\n")[0])[
+                "response"
+            ]
+        )
+        metadata = final["metadata"]
+        assert metadata["moa_samples"] == "4"  # the caller's own pairs stay
+        assert metadata["moa_policy"] == "vote" and metadata["moa_votes"] == "7=3, 8=1"
+        assert {"moa_winner", "moa_decision_ms", "moa_stopped", "moa_workers"} <= set(metadata)
+    exposition = (await asgi_request(app, "GET", "/metrics")).body.decode()
+    assert 'gateway_moa_requests_total{decision="complete",policy="vote"} 3.0' in exposition
+    assert 'gateway_moa_candidates_total{fate="started",policy="vote"} 12.0' in exposition
+    assert 'gateway_moa_decision_seconds_count{policy="vote"} 3.0' in exposition
+    assert len(records) == 3

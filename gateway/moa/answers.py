@@ -1,0 +1,91 @@
+"""A candidate's *final answer*, extracted and normalised so that votes can be counted.
+
+What counts as the answer, first that applies:
+1. ``\\boxed{…}`` (the last one);
+2. after an "answer is" / "answer:" marker (the last one), up to the end of its line;
+3. a fenced code block's text (the last block), whitespace at line ends dropped;
+4. a whole short reply (at most :data:`SHORT_WORDS` words): its choice letter, its only number
+   (after the last "=" if any), or the phrase itself;
+5. the last number in a longer reply.
+
+Inside 1, 2 and 4 a lone choice letter ("(B)", "B.") becomes ``b`` and a number is written
+canonically ("1,000.50" → "1000.5", "-0" → "0"). Anything else – an open-ended answer – has no
+extractable answer (None) and does not vote.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gateway.moa.scoring import normalize_answer
+
+SHORT_WORDS = 6  # a reply this short is its own answer
+SHORT_CHARS = 60
+
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_MARKER = re.compile(r"\b(?:final\s+)?answer\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE)
+_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?(?![\w])")
+# A choice letter alone: "B", "(B)", "B.", "B)", "[B]", "Option B", optionally followed by its text
+# after ")", "." or ":" ("B) Paris").
+_LETTER = re.compile(
+    r"^(?:option\s+|choice\s+)?[(\[]?([A-J])[)\]]?(?:[.):]\s.*|[.):])?$", re.IGNORECASE | re.DOTALL
+)
+
+
+def canonical_number(text: str) -> str:
+    """ "1,000.50" → "1000.5", "4.0" → "4", "-0" → "0"; fractions stay as written."""
+    text = text.replace(",", "")
+    if "." in text and "/" not in text:
+        text = text.rstrip("0").rstrip(".")
+    if text in ("-0", ""):
+        text = "0"
+    return text
+
+
+def _letter(text: str) -> str | None:
+    match = _LETTER.match(text.strip().strip("*_`"))
+    if match is None:
+        return None
+    letter = match.group(1)
+    # A lower-case "a" alone is an article more often than an option; only capitals vote.
+    return letter.lower() if letter.isupper() else None
+
+
+def _short(text: str) -> str | None:
+    """The answer in a short span: a choice letter, the only number, else the phrase."""
+    letter = _letter(text)
+    if letter is not None:
+        return letter
+    text = text.rsplit("=", 1)[-1]  # "3 + 4 = 7": what it equals
+    numbers = _NUMBER.findall(text)
+    if len(numbers) == 1:
+        return canonical_number(numbers[0])
+    phrase = normalize_answer(text)
+    if not phrase or len(phrase.split()) > SHORT_WORDS or len(phrase) > SHORT_CHARS:
+        return None
+    return phrase
+
+
+def extract_answer(text: str) -> str | None:
+    """The normalised final answer of a complete reply, or None when it has none to vote with."""
+    text = text.strip()
+    if not text:
+        return None
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return _short(boxed[-1]) or normalize_answer(boxed[-1]) or None
+    markers = _MARKER.findall(text)
+    if markers:
+        answer = _short(markers[-1])
+        if answer is not None:
+            return answer
+    fences = _FENCE.findall(text)
+    if fences:
+        code = "\n".join(line.rstrip() for line in fences[-1].strip("\n").splitlines())
+        return code.strip() or None
+    answer = _short(text)
+    if answer is not None:
+        return answer
+    numbers = _NUMBER.findall(text)
+    return canonical_number(numbers[-1]) if numbers else None

@@ -1,0 +1,117 @@
+"""The ``vote`` policy's pure core: count candidates' final answers, say when the vote is decided.
+
+Self-consistency (Wang et al. 2022) with adaptive stopping (Aggarwal et al. 2023): each
+finished candidate casts its extracted answer (:func:`gateway.moa.answers.extract_answer`), or
+abstains when it has none; a failed one withdraws. The vote is decided as soon as
+
+- ``safe``: the leading answer cannot be caught by the candidates still running (it leads the
+  runner-up by more than their number, so not even a tie is possible), or
+- ``confident``: the Beta stopping rule says the leader's share beats the runner-up's with at
+  least ``confidence`` (posterior Beta(v1 + 1, v2 + 1) over the leader's share of the two), or
+- ``complete``: nobody is left to vote.
+
+The winner is the leading answer's candidate with the highest mean token log-probability
+(ties: the one that voted first). Tied answers at the end go to the answer whose voters have the
+higher mean log-probability.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class Ballot:
+    candidate: str
+    answer: str
+    mean_logprob: float | None
+    order: int  # when it was cast, for ties
+
+    @property
+    def confidence(self) -> float:
+        return self.mean_logprob if self.mean_logprob is not None else -math.inf
+
+
+def beta_leads(leader: int, runner_up: int) -> float:
+    """P(p_leader > p_runner_up) under a uniform prior after these counts: P(X > 1/2) for
+    X ~ Beta(leader + 1, runner_up + 1), exactly (a binomial tail; integer counts)."""
+    a, b = leader + 1, runner_up + 1
+    n = a + b - 1
+    # For integer a, b: P(X <= 1/2) = P(Binomial(n, 1/2) >= a).
+    return sum(math.comb(n, k) for k in range(a)) / 2**n
+
+
+class Tally:
+    """The ballots of one request's candidates, and whether they settle the vote."""
+
+    def __init__(self, candidates: Iterable[str], *, confidence: float = CONFIDENCE) -> None:
+        self.pending: set[str] = set(candidates)
+        self.total = len(self.pending)
+        self.confidence = confidence
+        self.ballots: list[Ballot] = []
+        self.abstained: list[str] = []
+        self.withdrawn: list[str] = []
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    def cast(self, candidate: str, answer: str | None, mean_logprob: float | None) -> None:
+        """A finished candidate's answer (None: no extractable answer, it abstains)."""
+        if candidate not in self.pending:
+            return
+        self.pending.discard(candidate)
+        if answer is None:
+            self.abstained.append(candidate)
+        else:
+            self.ballots.append(Ballot(candidate, answer, mean_logprob, len(self.ballots)))
+
+    def withdraw(self, candidate: str) -> None:
+        """A candidate that failed or was stopped: it will never vote."""
+        if candidate in self.pending:
+            self.pending.discard(candidate)
+            self.withdrawn.append(candidate)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def remaining(self) -> int:
+        return len(self.pending)
+
+    def votes(self) -> dict[str, int]:
+        """Votes per answer, most first (ties: the answer voted first)."""
+        counts: dict[str, int] = {}
+        for ballot in self.ballots:
+            counts[ballot.answer] = counts.get(ballot.answer, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def decision(self) -> str | None:
+        """``safe``, ``confident`` or ``complete`` once the vote is decided, else None."""
+        counts = list(self.votes().values())
+        leader = counts[0] if counts else 0
+        runner_up = counts[1] if len(counts) > 1 else 0
+        if self.remaining == 0:
+            return "complete"
+        if leader > runner_up + self.remaining:
+            return "safe"
+        if leader and beta_leads(leader, runner_up) >= self.confidence:
+            return "confident"
+        return None
+
+    def winner(self) -> Ballot | None:
+        """The leading answer's most confident ballot; None when nobody voted."""
+        if not self.ballots:
+            return None
+        clusters: dict[str, list[Ballot]] = {}
+        for ballot in self.ballots:
+            clusters.setdefault(ballot.answer, []).append(ballot)
+
+        def strength(cluster: list[Ballot]) -> tuple[int, float, int]:
+            known = [b.mean_logprob for b in cluster if b.mean_logprob is not None]
+            mean = sum(known) / len(known) if known else -math.inf
+            return (len(cluster), mean, -cluster[0].order)
+
+        best = max(clusters.values(), key=strength)
+        return max(best, key=lambda b: (b.confidence, -b.order))

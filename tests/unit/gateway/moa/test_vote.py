@@ -1,0 +1,241 @@
+"""The vote policy's pure pieces: answer extraction, the tally's stopping rules, and the arbiter
+running ``vote`` over scripted candidate streams."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gateway.moa.answers import extract_answer
+from gateway.moa.arbiter import Arbiter, ArbiterState
+from gateway.moa.config import MoaConfig
+from gateway.moa.events import (
+    Cancel,
+    Commit,
+    TokenArrived,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerStarted,
+)
+from gateway.moa.vote import Tally, beta_leads
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("42", "42"),
+        ("**42**.", "42"),
+        ("1,000.50", "1000.5"),
+        ("-0", "0"),
+        ("4.0", "4"),
+        ("3 + 4 = 7", "7"),
+        ("The answer is 12.", "12"),
+        ("First 3 apples, then 5 more, so the total is 8 apples in the basket.", "8"),
+        ("Let me think. 2 and 3. Final answer: 5", "5"),
+        ("so \\boxed{17}", "17"),
+        ("(B)", "b"),
+        ("B) Paris", "b"),
+        ("Answer: C", "c"),
+        ("Paris.", "paris"),
+        ("  The Eiffel Tower  ", "the eiffel tower"),
+        ("Here:\n```python\ndef f():   \n    return 1\n```\n", "def f():\n    return 1"),
+    ],
+)
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "Once upon a time there was a little fox who lived in the woods and loved berries.",
+    ],
+)
+def test_open_ended_or_empty_text_has_no_answer(text):
+    assert extract_answer(text) is None
+
+
+# -- tally ------------------------------------------------------------------------------------
+
+
+def test_beta_rule_values():
+    assert beta_leads(0, 0) == pytest.approx(0.5)
+    assert beta_leads(3, 0) == pytest.approx(15 / 16)  # below 95 %
+    assert beta_leads(4, 0) == pytest.approx(31 / 32)  # above
+    assert beta_leads(5, 1) < 0.95 < beta_leads(6, 1)
+
+
+def test_safe_exactly_when_the_runner_up_cannot_catch_up_not_one_vote_earlier():
+    tally = Tally([f"w{i}" for i in range(5)], confidence=1.0)  # Beta rule off
+    tally.cast("w0", "7", -0.1)
+    tally.cast("w1", "7", -0.1)
+    assert tally.decision() is None  # 2 vs 0 with 3 left
+    tally.cast("w2", "8", -0.1)
+    assert tally.decision() is None  # 2 vs 1 with 2 left
+    tally.cast("w3", "7", -0.1)
+    assert tally.decision() == "safe"  # 3 vs 1 with 1 left: the best "8" can do is 2
+
+
+def test_safe_needs_a_strict_lead_a_reachable_tie_is_not_safe():
+    tally = Tally(["a", "b", "c", "d"], confidence=1.0)
+    tally.cast("a", "x", None)
+    tally.cast("b", "x", None)
+    assert tally.remaining == 2 and tally.decision() is None  # 2 vs 0, two left: 2:2 possible
+    tally.cast("c", "x", None)
+    assert tally.decision() == "safe"
+
+
+def test_beta_rule_stops_four_unanimous_votes_of_eight():
+    tally = Tally([f"w{i}" for i in range(8)])
+    for i in range(3):
+        tally.cast(f"w{i}", "5", -0.2)
+        assert tally.decision() is None
+    tally.cast("w3", "5", -0.2)
+    assert tally.decision() == "confident"
+
+
+def test_abstentions_and_withdrawals_only_shrink_the_remaining_count():
+    tally = Tally(["a", "b", "c"], confidence=1.0)
+    tally.cast("a", "5", -0.1)
+    tally.cast("b", None, -0.1)
+    assert tally.decision() is None  # 1 vs 0 with one left
+    tally.withdraw("c")
+    assert tally.decision() == "complete"
+    assert tally.votes() == {"5": 1} and tally.abstained == ["b"] and tally.withdrawn == ["c"]
+    assert tally.winner().candidate == "a"
+
+
+def test_winner_is_the_majority_answers_most_confident_candidate():
+    tally = Tally(["a", "b", "c", "d"])
+    tally.cast("a", "7", -0.05)  # most confident overall, but the minority
+    tally.cast("b", "8", -0.9)
+    tally.cast("c", "8", -0.3)
+    tally.cast("d", "8", None)
+    assert tally.winner().candidate == "c"
+
+
+def test_a_tie_goes_to_the_answer_whose_voters_are_more_confident():
+    tally = Tally(["a", "b", "c", "d"])
+    for name, answer, lp in (
+        ("a", "1", -0.5),
+        ("b", "2", -0.2),
+        ("c", "1", -0.6),
+        ("d", "2", -0.1),
+    ):
+        tally.cast(name, answer, lp)
+    assert tally.decision() == "complete"
+    assert tally.winner().candidate == "d"
+
+
+def test_nobody_voted_means_no_winner():
+    tally = Tally(["a", "b"])
+    tally.cast("a", None, -0.1)
+    tally.withdraw("b")
+    assert tally.decision() == "complete" and tally.winner() is None
+
+
+# -- the arbiter's vote policy ----------------------------------------------------------------
+
+CONFIG = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=60.0)
+
+
+def make(workers, **overrides) -> Arbiter:
+    config = dataclasses.replace(CONFIG, **overrides)
+    arbiter = Arbiter(list(workers), config, now=0.0, policy="vote")
+    for w in workers:
+        assert arbiter.handle(WorkerStarted(w), 0.0) == []
+    return arbiter
+
+
+def answer(arbiter, worker, text, now, logprob=-0.1, finish="stop"):
+    """A whole candidate stream: its text token by token, then its end."""
+    out = []
+    for piece in text.split(" "):
+        out += arbiter.handle(TokenArrived(worker, piece + " ", logprob=logprob), now)
+    return out + arbiter.handle(WorkerFinished(worker, finish), now)
+
+
+def names(n):
+    return [f"w{i}" for i in range(n)]
+
+
+def test_vote_stops_the_rest_as_soon_as_the_beta_rule_is_confident():
+    arbiter = make(names(8))
+    for i in range(3):
+        assert answer(arbiter, f"w{i}", "The answer is 12", now=1.0 + i) == []
+    decisions = answer(arbiter, "w3", "12", now=4.0)
+    assert decisions[0] == Commit("w0", "confident")  # ties in confidence: the first voter
+    assert {d.worker for d in decisions if isinstance(d, Cancel)} == {f"w{i}" for i in range(4, 8)}
+    assert arbiter.stopped_early == 4 and arbiter.tally.votes() == {"12": 4}
+
+
+def test_vote_commits_exactly_when_the_leader_is_safe_not_one_sample_earlier():
+    arbiter = make(names(5), vote_confidence=1.0)
+    assert answer(arbiter, "w0", "7", 1.0) == []
+    assert answer(arbiter, "w1", "8", 1.1) == []
+    assert answer(arbiter, "w2", "7", 1.2) == []  # 2 vs 1 with 2 left: not safe
+    decisions = answer(arbiter, "w3", "7", 1.3, logprob=-0.01)
+    assert decisions == [Commit("w3", "safe"), Cancel("w4")]
+    assert arbiter.state is ArbiterState.COMMITTED
+
+
+def test_vote_winner_is_the_most_confident_in_the_majority():
+    arbiter = make(names(3))
+    answer(arbiter, "w0", "41", 1.0, logprob=-0.01)
+    answer(arbiter, "w1", "42", 1.1, logprob=-0.8)
+    decisions = answer(arbiter, "w2", "42", 1.2, logprob=-0.3)
+    assert decisions == [Commit("w2", "complete")]
+
+
+def test_a_tie_at_the_end_goes_to_the_more_confident_answer():
+    arbiter = make(names(4))
+    answer(arbiter, "w0", "A", 1.0, logprob=-0.5)
+    answer(arbiter, "w1", "B", 1.0, logprob=-0.2)
+    answer(arbiter, "w2", "A", 1.0, logprob=-0.6)
+    decisions = answer(arbiter, "w3", "B", 1.0, logprob=-0.3)
+    assert decisions == [Commit("w1", "complete")]
+
+
+def test_all_unextractable_the_most_confident_complete_text_wins():
+    arbiter = make(names(3))
+    story = "Once upon a time a fox and a crow met by the river and talked for a very long while"
+    answer(arbiter, "w0", story, 1.0, logprob=-0.9)
+    answer(arbiter, "w1", story + " again", 1.0, logprob=-0.4)
+    decisions = answer(arbiter, "w2", story + " more", 1.0, logprob=-0.7)
+    assert decisions == [Commit("w1", "no-votes")]
+    assert arbiter.tally.votes() == {} and len(arbiter.tally.abstained) == 3
+
+
+def test_truncated_candidates_abstain():
+    arbiter = make(names(3))
+    answer(arbiter, "w0", "The sum is 12 and", 1.0, finish="length")
+    answer(arbiter, "w1", "13", 1.0)
+    decisions = answer(arbiter, "w2", "13", 1.0)
+    assert decisions == [Commit("w1", "complete")]
+    assert arbiter.tally.abstained == ["w0"]
+
+
+def test_a_candidate_failing_mid_stream_withdraws_and_the_vote_goes_on():
+    arbiter = make(names(4), vote_confidence=1.0)
+    assert answer(arbiter, "w0", "9", 1.0) == []  # 1 vs 0 with 3 left
+    arbiter.handle(TokenArrived("w1", "The answer", logprob=-0.1), 1.0)
+    assert arbiter.handle(WorkerFailed("w1", "connection reset"), 1.1) == []  # 2 left
+    decisions = answer(arbiter, "w2", "9", 1.2, logprob=-0.05)
+    assert decisions == [Commit("w2", "safe"), Cancel("w3")]  # 2 vs 0 with 1 left
+    assert arbiter.tally.withdrawn == ["w1"] and arbiter.stopped_early == 1
+
+
+def test_when_all_but_one_fail_the_survivor_is_committed_live():
+    arbiter = make(names(3))
+    arbiter.handle(WorkerFailed("w0", "boom"), 1.0)
+    assert arbiter.handle(WorkerFailed("w1", "boom"), 1.0) == [Commit("w2", "survivor")]
+
+
+def test_one_sample_is_committed_at_once_and_streams_live():
+    arbiter = Arbiter(["w0"], CONFIG, now=0.0, policy="vote")
+    assert arbiter.handle(WorkerStarted("w0"), 0.0) == [Commit("w0", "single")]
