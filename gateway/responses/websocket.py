@@ -14,8 +14,9 @@ Errors that stop a turn before it starts (bad JSON, an unknown model, a missing 
 response, ``stream: false``, ``background: true``, ``stream_options``) are one ``error``
 message with an HTTP-like ``status`` (the spec's WebSocketErrorEvent), and the socket stays
 open. A binary frame closes it with 1003, an oversized one (uvicorn's ``ws_max_size``) with
-1009. A socket that sends nothing for ``IDLE_S`` is closed (1000), and so is one older than
-``MAX_AGE_S`` at its next turn (``websocket_connection_limit_reached``).
+1009. A socket that sends nothing for ``IDLE_S`` (15 minutes) is closed (1000); one that reaches
+``MAX_AGE_S`` (60 minutes, the spec's limit) gets a ``websocket_connection_limit_reached`` error
+and a close (1000) – at once when idle, after its turn when one is running.
 """
 
 from __future__ import annotations
@@ -86,9 +87,16 @@ class _Socket:
 
     async def serve(self) -> None:
         while True:
+            if self._age_limit_reached():
+                await self._close_at_age_limit()
+                return
+            age = time.monotonic() - self.opened
+            wait_s = min(IDLE_S, MAX_AGE_S - age)
             try:
-                message = await asyncio.wait_for(self.inbox.get(), IDLE_S)
+                message = await asyncio.wait_for(self.inbox.get(), wait_s)
             except TimeoutError:
+                if self._age_limit_reached():
+                    continue  # the limit, not idleness: say so before closing
                 await self.ws.close(code=1000, reason="idle")
                 return
             if message["type"] == "websocket.disconnect":
@@ -96,14 +104,8 @@ class _Socket:
             if message.get("bytes") is not None:
                 await self.ws.close(code=1003, reason="text frames only")
                 return
-            if time.monotonic() - self.opened > MAX_AGE_S:
-                limit = Error(
-                    kind="invalid_request",
-                    message="this connection is older than 60 minutes: open a new one",
-                    code="websocket_connection_limit_reached",
-                )
-                await self.send(error_message(limit))
-                await self.ws.close(code=1000, reason="connection limit reached")
+            if self._age_limit_reached():
+                await self._close_at_age_limit()
                 return
             self.current = asyncio.create_task(self.turn(message.get("text") or ""))
             await asyncio.wait([self.current])  # cancelled by ``read`` if the client leaves
@@ -114,6 +116,20 @@ class _Socket:
                 failure = Error(kind="internal", message=f"internal error ({type(exc).__name__})")
                 await self.send(error_message(failure))
             self.current = None
+
+    def _age_limit_reached(self) -> bool:
+        return time.monotonic() - self.opened >= MAX_AGE_S
+
+    async def _close_at_age_limit(self) -> None:
+        """The spec's 60-minute connection limit: an error message, then a clean close. A turn
+        running at the limit finishes first (its stream ends with its terminal event)."""
+        limit = Error(
+            kind="invalid_request",
+            message=f"this connection is older than {MAX_AGE_S / 60:.0f} minutes: open a new one",
+            code="websocket_connection_limit_reached",
+        )
+        await self.send(error_message(limit))
+        await self.ws.close(code=1000, reason="connection limit reached")
 
     async def turn(self, text: str) -> None:
         try:
