@@ -69,6 +69,7 @@ class _Socket:
         self.last: StoredResponse | None = None
         self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.current: asyncio.Task[None] | None = None  # the turn running
+        self.continues = False  # the turn running continues ``last`` (from memory)
 
     async def send(self, payload: dict[str, Any]) -> None:
         await self.ws.send_text(orjson.dumps(payload).decode())
@@ -132,14 +133,15 @@ class _Socket:
         await self.ws.close(code=1000, reason="connection limit reached")
 
     async def turn(self, text: str) -> None:
+        self.continues = False
         try:
             request, body, generate = await self._parse(text)
             routes = self.state.router.resolve(request)
         except RequestInvalid as exc:
-            await self.send(error_message(exc.to_error()))
+            await self._refuse(exc.to_error())
             return
         except (ResponseStateError, RouteError) as exc:
-            await self.send(error_message(exc.error))
+            await self._refuse(exc.error)
             return
         if not generate:
             await self._warm(request, body)
@@ -148,13 +150,21 @@ class _Socket:
         if state.in_flight_guarded >= state.config.max_in_flight:
             limit = state.config.max_in_flight
             busy = Error(kind="overloaded", message=f"too many requests in flight (limit {limit})")
-            await self.send(error_message(busy))
+            await self._refuse(busy)
             return
         state.in_flight_guarded += 1
         try:
             await self._run(request, body, routes)
         finally:
             state.in_flight_guarded -= 1
+
+    async def _refuse(self, error: Error) -> None:
+        """A turn that fails before it starts. A failed continuation of the cached response
+        evicts it (the spec): continuing from it again needs the store, or fails with
+        ``previous_response_not_found`` when it was ``store: false``."""
+        if self.continues:
+            self.last = None
+        await self.send(error_message(error))
 
     async def _parse(self, text: str) -> tuple[ChatRequest, responses.ResponsesBody, bool]:
         """The turn's request and body, and whether to generate (``generate: false`` only
@@ -165,6 +175,8 @@ class _Socket:
             raise RequestInvalid(f"malformed JSON: {exc}") from exc
         if not isinstance(raw, dict) or raw.get("type") != "response.create":
             raise RequestInvalid("type: every message must be a response.create", "type")
+        last = self.last
+        self.continues = last is not None and raw.get("previous_response_id") == last.id
         for name, allowed in _TRANSPORT_FIELDS.items():
             if name in raw and raw[name] is not allowed:
                 raise RequestInvalid(f"{name}: not used in WebSocket mode (always streamed)", name)
@@ -172,8 +184,7 @@ class _Socket:
         if not isinstance(generate, bool):
             raise RequestInvalid("generate: must be a boolean", "generate")
         raw = {k: v for k, v in raw.items() if k not in ("type", "generate")} | {"stream": True}
-        last = self.last
-        if last is not None and raw.get("previous_response_id") == last.id:
+        if last is not None and self.continues:
             return (*stored.parse_with_prior(self.state, raw, last.context), generate)
         return (*await stored.parse(self.state, raw), generate)
 

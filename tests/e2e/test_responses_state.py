@@ -121,6 +121,32 @@ def test_a_tool_call_round_trip_by_previous_response_id(oai, upstreams):
     assert messages[2].tool_call_id == function_call.call_id and messages[2].content == "22C"
 
 
+def test_tool_output_that_answers_no_call_is_refused(oai, upstreams):
+    """A ``function_call_output`` whose ``call_id`` names no call (in the previous response or
+    earlier in the input) is a 400 naming the item, and nothing is generated."""
+    call = oai.responses.create(model="tools", input="Weather in Paris?", tools=[_WEATHER])
+    plain = upstreams["plain"]
+    calls = plain.calls
+    orphan = {"type": "function_call_output", "call_id": "call_nobody", "output": "22C"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.responses.create(model="plain", previous_response_id=call.id, input=[orphan])
+    body = caught.value.body
+    assert body["param"] == "input.0.call_id" and "call_nobody" in body["message"]  # type: ignore[index]
+    hello = {"role": "user", "content": "hi"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.responses.create(model="plain", input=[hello, orphan])
+    assert caught.value.body["param"] == "input.1.call_id"  # type: ignore[index]
+    assert plain.calls == calls  # refused before any generation
+    answered = {
+        "type": "function_call",
+        "call_id": "call_nobody",
+        "name": "get_weather",
+        "arguments": "{}",
+    }
+    oai.responses.create(model="plain", input=[hello, answered, orphan])  # the call is in input
+    assert plain.calls == calls + 1
+
+
 def test_input_items_paginate(oai):
     created = oai.responses.create(
         model="plain", input=[{"role": "user", "content": f"line {i}"} for i in range(5)]

@@ -190,3 +190,34 @@ def test_a_client_that_leaves_mid_turn_stops_the_generation(server, upstreams):
         raise AssertionError("the stalled generation was not cancelled")
 
     asyncio.run(run())
+
+
+def test_an_orphan_tool_output_is_refused_and_evicts_the_cached_response(server, upstreams):
+    """A continuation whose tool output answers no call is a 400 naming the item; the failed
+    continuation evicts the socket's cached response (``store: false``: it was the only copy),
+    so continuing from it again is ``previous_response_not_found``."""
+    plain = upstreams["plain"]
+
+    async def run():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(_ws_url(server), additional_headers=headers) as ws:
+            turn = {"type": "response.create", "model": "plain", "input": "hi", "store": False}
+            await ws.send(orjson.dumps(turn).decode())
+            while (event := orjson.loads(await ws.recv()))["type"] != "response.completed":
+                pass
+            first_id = event["response"]["id"]
+            calls = plain.calls
+            orphan = {"type": "function_call_output", "call_id": "call_nobody", "output": "x"}
+            follow = {**turn, "previous_response_id": first_id, "input": [orphan]}
+            await ws.send(orjson.dumps(follow).decode())
+            error = orjson.loads(await ws.recv())
+            assert error["type"] == "error" and error["status"] == 400, error
+            assert error["error"]["param"] == "input.0.call_id"
+            assert plain.calls == calls
+            again = {**turn, "previous_response_id": first_id, "input": "go on"}
+            await ws.send(orjson.dumps(again).decode())
+            error = orjson.loads(await ws.recv())
+            assert error["type"] == "error", error
+            assert error["error"]["code"] == "previous_response_not_found"
+
+    asyncio.run(run())
