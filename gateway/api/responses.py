@@ -38,7 +38,12 @@ __all__ = ["ResponsesBody", "ResponsesStreamEncoder", "error_body", "parse", "re
 
 
 def error_body(error: Error) -> dict[str, Any]:
-    return openai_error_body(error)
+    """OpenAI's error body, ``param`` named as a Responses request names it: an upstream's
+    context overflow names Chat's ``messages``, which here is ``input``."""
+    body = openai_error_body(error)
+    if body["error"]["param"] == "messages":
+        body["error"]["param"] = "input"
+    return body
 
 
 # -- the response object ---------------------------------------------------------------------------
@@ -441,7 +446,7 @@ class ResponsesStreamEncoder:
         out = self._close("incomplete")
         # The spec's ErrorStreamingEvent: the payload (type, code, message, param) nested, as in
         # the non-streaming error body; then the failed response with the spec's Error.
-        out.append(self._event("error", error=openai_error_body(event)["error"]))
+        out.append(self._event("error", error=error_body(event)["error"]))
         self.final = self.shell.response("failed", list(self._output), self.acc)
         return [*out, self._event("response.failed", response=self.final)]
 

@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from gateway.answer import Accumulator, new_id
 from gateway.api import responses
-from gateway.api.errors import RequestInvalid, openai_error_body, validated
+from gateway.api.errors import RequestInvalid, validated
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest, Message
@@ -133,4 +133,4 @@ async def compact(request: Request) -> Response:
 
 
 def _error(error: Error) -> Response:
-    return error_response(openai_error_body, error)
+    return error_response(responses.error_body, error)  # param: input, not Chat's messages

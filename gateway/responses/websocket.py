@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -31,7 +32,7 @@ import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.api import responses
-from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.errors import RequestInvalid
 from gateway.events import Done, Error, Meta, TextDelta
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
@@ -55,8 +56,13 @@ _TRANSPORT_FIELDS: dict[str, bool | None] = {
 
 
 def error_message(error: Error) -> dict[str, Any]:
-    """The spec's WebSocketErrorEvent: an HTTP-like status and the OpenAI error object."""
-    return {"type": "error", "status": error.status, **openai_error_body(error)}
+    """The spec's WebSocketErrorEvent: an HTTP-like status and the OpenAI error object.
+
+    ``previous_response_not_found`` is a 400 ``invalid_request_error`` here, as in the spec's
+    and OpenAI's WebSocket examples (over HTTP it stays the spec's ``not_found`` 404)."""
+    if error.code == "previous_response_not_found":
+        error = dataclasses.replace(error, kind="invalid_request")
+    return {"type": "error", "status": error.status, **responses.error_body(error)}
 
 
 class _Socket:
