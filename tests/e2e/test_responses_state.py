@@ -19,6 +19,8 @@ pytestmark = pytest.mark.e2e
 def upstreams():
     return {
         "plain": ScriptedUpstream.of(*text_script("Paris is the capital.")),
+        # Long answers: a conversation worth compacting (into plain's short summary).
+        "verbose": ScriptedUpstream.of(*text_script("Paris is the capital of France. " * 20)),
         "tools": ScriptedUpstream.of(
             *text_script("", tool_calls=[("get_weather", '{"city": "Paris"}')])
         ),
@@ -192,8 +194,10 @@ def test_compaction_summarises_with_the_model_and_round_trips(oai, loose_oai, up
     """compact: the model writes the summary (thinking off); the compacted output as the next
     input is shorter than the history, and continues by previous_response_id too."""
     plain = upstreams["plain"]
-    first = oai.responses.create(model="plain", input="Capital of France?")
-    second = oai.responses.create(model="plain", input="And Spain?", previous_response_id=first.id)
+    first = oai.responses.create(model="verbose", input="Capital of France?")
+    second = oai.responses.create(
+        model="verbose", input="And Spain?", previous_response_id=first.id
+    )
     compacted = loose_oai.responses.compact(model="plain", previous_response_id=second.id)
     ask = plain.requests[-1]
     assert ask.reasoning is False and not ask.stream
@@ -219,6 +223,22 @@ def test_compaction_summarises_with_the_model_and_round_trips(oai, loose_oai, up
     assert after[2].content == "Summary of the conversation so far:\nParis is the capital."
     oai.responses.create(model="plain", input="And Italy?", previous_response_id=compacted.id)
     assert plain.requests[-1].messages == after
+
+
+def test_a_compaction_that_would_not_shorten_returns_the_history(oai, loose_oai, upstreams):
+    """Two short turns: a summary (header and all) cannot be shorter than what it replaces, so
+    the history comes back unchanged and nothing is generated."""
+    verbose = upstreams["verbose"]
+    first = oai.responses.create(model="plain", input="Capital of France?")
+    calls = verbose.calls
+    compacted = loose_oai.responses.with_raw_response.compact(
+        model="verbose", previous_response_id=first.id
+    ).http_response.json()
+    assert [(i["type"], i["role"]) for i in compacted["output"]] == [
+        ("message", "user"),
+        ("message", "assistant"),
+    ]
+    assert verbose.calls == calls and compacted["usage"]["output_tokens"] == 0
 
 
 def test_compaction_refuses_what_it_cannot_do(oai, server):
