@@ -138,6 +138,23 @@ class ResponsesStreamEncoder:
         """The finished output items so far."""
         return list(self._output)
 
+    def output_so_far(self) -> list[_Payload]:
+        """The finished items and the open one as it stands (``in_progress``, its text so far):
+        what a poll of a running background response shows, as OpenAI's does."""
+        item = self._item
+        if item is None:
+            return self.output
+        text = "".join(self._parts)
+        if self._kind == "message":
+            partial = dict(item, content=[text_part(text)])
+        elif self._kind == "reasoning":
+            partial = dict(item, content=[reasoning_part(text)])
+        elif self._kind == "summary":
+            partial = dict(item, summary=[summary_part(text)])
+        else:  # a tool call: its arguments so far (a custom tool's input only once complete)
+            partial = dict(item)
+        return [*self._output, partial]
+
     def events(self, event: Event) -> list[_Payload]:
         """The stream events for one internal event (none for ``Usage``, ``Sampling``, ``Meta``:
         they only reach the final response)."""
