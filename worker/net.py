@@ -51,7 +51,12 @@ OPEN_FILES_SPARE = 64  # descriptors kept free for logs, models, sockets to peer
 class DeadlineH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with read deadlines: a client that sends its headers (or its body)
     a byte at a time is closed instead of holding a connection forever. uvicorn's keep-alive
-    timer is cancelled by every byte that arrives, so it cannot catch such a client alone."""
+    timer is cancelled by every byte that arrives, so it cannot catch such a client alone.
+
+    A WebSocket upgrade hands the transport to another protocol mid-request (the upgrade
+    request's "body" never ends): from then on the deadlines are not ours to keep, and one left
+    armed would drop every socket ``body_timeout_s`` after its upgrade, without a close frame.
+    The WebSocket side keeps its own limits (pings; gateway.responses.websocket)."""
 
     header_timeout_s = HEADER_TIMEOUT_S
     body_timeout_s = BODY_TIMEOUT_S
@@ -60,11 +65,17 @@ class DeadlineH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._reading: object = None  # the h11 state the deadline guards
+        self._upgraded = False
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._arm()
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._upgraded = True
+        self._disarm()
+        super().handle_websocket_upgrade(event)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -76,7 +87,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     def _arm(self) -> None:
         state = self.conn.their_state
-        if state is self._reading:
+        if state is self._reading or self._upgraded:
             return
         self._disarm()
         if state is h11.IDLE:

@@ -20,202 +20,45 @@ With ``include: ["reasoning.encrypted_content"]`` reasoning items carry ``encryp
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 from gateway import sse
 from gateway.answer import Accumulator, ToolCallState, new_id
 from gateway.api.errors import openai_error_body
-from gateway.api.output_format import responses_format_echo
-from gateway.api.responses_input import FunctionChoice, ResponsesBody, parse
-from gateway.api.responses_tools import ServedTool, custom_input
+from gateway.api.responses_input import ResponsesBody, parse
+from gateway.api.responses_object import (
+    CALL_KINDS,
+    ResponseShell,
+    call_item,
+    finish_call,
+    finish_reasoning,
+    reasoning_item,
+    reasoning_part,
+    summary_part,
+    text_part,
+    usage_of,
+)
 from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
 from gateway.request import ChatRequest
-from gateway.responses.compacted import encode_reasoning
 
-__all__ = ["ResponsesBody", "ResponsesStreamEncoder", "error_body", "parse", "response_body"]
+__all__ = [
+    "ResponsesBody",
+    "ResponsesStreamEncoder",
+    "error_body",
+    "parse",
+    "response_body",
+    "usage_of",
+]
 
 
 def error_body(error: Error) -> dict[str, Any]:
-    return openai_error_body(error)
-
-
-# -- the response object ---------------------------------------------------------------------------
-
-# What the spec (and OpenAI) default temperature and top_p to: reported when neither the request
-# nor the upstream said what was used.
-_DEFAULT_SAMPLING = 1.0
-_EFFORTS = {"none", "low", "medium", "high", "xhigh"}  # the spec's ReasoningEffortEnum
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-def usage_of(acc: Accumulator) -> dict[str, Any]:
-    return {
-        "input_tokens": acc.prompt_tokens,
-        # cache_write_tokens is not in the spec; OpenAI's SDK requires it (always 0 here).
-        "input_tokens_details": {"cached_tokens": acc.cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": acc.completion_tokens,
-        "output_tokens_details": {
-            "reasoning_tokens": min(acc.reasoning_deltas, acc.completion_tokens)
-        },
-        "total_tokens": acc.prompt_tokens + acc.completion_tokens,
-    }
-
-
-def _failure(error: Error) -> dict[str, Any]:
-    """The spec's ``Error`` of a failed response (codes from OpenAI's set)."""
-    code = "rate_limit_exceeded" if error.kind == "overloaded" else "server_error"
-    return {"code": code, "message": error.message}
-
-
-def _tool_choice(body: ResponsesBody) -> Any:
-    choice = body.tool_choice
-    if isinstance(choice, FunctionChoice):
-        return {"type": "function", "name": choice.name}
-    return choice or "auto"
-
-
-def _reasoning(body: ResponsesBody) -> dict[str, Any]:
-    effort = body.reasoning.effort if body.reasoning else None
-    summary = body.reasoning.summary if body.reasoning else None
-    return {"effort": effort if effort in _EFFORTS else None, "summary": summary}
-
-
-class _Shell:
-    """The response object's fixed fields, in the spec's order: what the request said, defaults
-    for what it left out. ``temperature`` and ``top_p`` are the values used once the upstream
-    said them (``Sampling``); until then (``response.created``) the request's, else 1.0."""
-
-    def __init__(
-        self, request: ChatRequest, body: ResponsesBody, response_id: str | None = None
-    ) -> None:
-        self.id = response_id or body._response_id
-        self.created_at = int(time.time())
-        text: dict[str, Any] = {"format": responses_format_echo(request.output_format)}
-        text["verbosity"] = (body.text.verbosity if body.text else None) or "medium"
-        self.fields: dict[str, Any] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "completed_at": None,
-            "status": "in_progress",
-            "incomplete_details": None,
-            "model": request.model,
-            "previous_response_id": body.previous_response_id,
-            "instructions": body.instructions,
-            "output": [],
-            "error": None,
-            "tools": body._tools.echo,  # as the model saw them (gateway.api.responses_tools)
-            "tool_choice": _tool_choice(body),
-            "truncation": body.truncation or "disabled",
-            "parallel_tool_calls": _or(body.parallel_tool_calls, True),
-            "text": text,
-            "top_p": _or(request.top_p, _DEFAULT_SAMPLING),
-            "presence_penalty": _or(body.presence_penalty, 0.0),
-            "frequency_penalty": _or(body.frequency_penalty, 0.0),
-            "top_logprobs": _or(body.top_logprobs, 0),
-            "temperature": _or(request.temperature, _DEFAULT_SAMPLING),
-            "reasoning": _reasoning(body),
-            "usage": None,
-            "max_output_tokens": body.max_output_tokens,
-            "max_tool_calls": body.max_tool_calls,
-            "store": _or(body.store, True),
-            "background": bool(body.background),
-            "service_tier": "default",  # the tier used: the only one there is
-            "metadata": body.metadata or {},
-            "safety_identifier": body.safety_identifier,
-            "prompt_cache_key": body.prompt_cache_key,
-        }
-
-    def response(
-        self, status: str, output: list[dict[str, Any]], acc: Accumulator | None = None
-    ) -> dict[str, Any]:
-        out = dict(self.fields, status=status, output=output)
-        if acc is None:
-            return out
-        if acc.usage is not None:
-            out["usage"] = usage_of(acc)
-        if acc.sampling is not None:
-            out["temperature"] = acc.sampling.temperature
-            out["top_p"] = acc.sampling.top_p
-        if status == "completed":
-            out["completed_at"] = int(time.time())
-        elif status == "incomplete":
-            out["incomplete_details"] = {"reason": "max_output_tokens"}
-        if acc.error is not None:
-            out["error"] = _failure(acc.error)
-        if any(key.startswith(MOA_PREFIX) for key in acc.meta):
-            out["metadata"] = moa_metadata(out["metadata"], acc.meta)
-        return out
-
-
-MOA_PREFIX = "x-moa-"
-METADATA_PAIRS, METADATA_VALUE_CHARS = 16, 512  # the spec's MetadataParam limits
-
-
-def moa_metadata(metadata: dict[str, str], meta: dict[str, str]) -> dict[str, str]:
-    """The caller's ``metadata`` plus ``model="mesh"``'s decision facts (``x-moa-votes`` →
-    ``moa_votes`` …), within the spec's limits (the caller's own pairs first)."""
-    out = dict(metadata)
-    for key, value in meta.items():
-        if key.startswith(MOA_PREFIX) and len(out) < METADATA_PAIRS:
-            out["moa_" + key[len(MOA_PREFIX) :].replace("-", "_")] = value[:METADATA_VALUE_CHARS]
-    return out
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _reasoning_part(text: str) -> dict[str, Any]:
-    return {"type": "reasoning_text", "text": text}
-
-
-def _summary_part(text: str) -> dict[str, Any]:
-    return {"type": "summary_text", "text": text}
-
-
-def _reasoning_item(text: str, encrypted: bool) -> dict[str, Any]:
-    """The model's reasoning as an output item; with ``encrypted``, also encoded for a client
-    that keeps nothing to hand back (``include: ["reasoning.encrypted_content"]``)."""
-    item = {"type": "reasoning", "id": new_id("rs_"), "summary": [], "content": []}
-    return _finish_reasoning(item, text, encrypted)
-
-
-def _finish_reasoning(item: dict[str, Any], text: str, encrypted: bool) -> dict[str, Any]:
-    done = dict(item, content=[_reasoning_part(text)])
-    if encrypted:
-        done["encrypted_content"] = encode_reasoning(text)
-    return done
-
-
-_CALL_KINDS = ("function_call", "custom_tool_call")
-
-
-def _call_item(call: ToolCallState, served: dict[str, ServedTool]) -> dict[str, Any]:
-    """A tool call's output item as it opens: the client's name for the tool (and its namespace,
-    OpenAI's field), and OpenAI's ``custom_tool_call`` for a custom tool, plain-text ``input``."""
-    tool = served.get(call.name)
-    name = tool.name if tool is not None else call.name
-    if tool is not None and tool.custom:
-        item = {"type": "custom_tool_call", "id": new_id("ctc_"), "call_id": call.id, "name": name}
-    else:
-        item = {"type": "function_call", "id": new_id("fc_"), "call_id": call.id, "name": name}
-    if tool is not None and tool.namespace is not None:
-        item["namespace"] = tool.namespace
-    if item["type"] == "custom_tool_call":
-        return dict(item, input="")
-    return dict(item, arguments="", status="in_progress")
-
-
-def _finish_call(item: dict[str, Any], arguments: str, status: str) -> dict[str, Any]:
-    if item["type"] == "custom_tool_call":
-        return dict(item, input=custom_input(arguments))
-    return dict(item, arguments=arguments, status=status)
+    """OpenAI's error body, ``param`` named as a Responses request names it: an upstream's
+    context overflow names Chat's ``messages``, which here is ``input``."""
+    body = openai_error_body(error)
+    if body["error"]["param"] == "messages":
+        body["error"]["param"] = "input"
+    return body
 
 
 # -- the stream ------------------------------------------------------------------------------------
@@ -235,7 +78,7 @@ class ResponsesStreamEncoder:
     def __init__(
         self, request: ChatRequest, body: ResponsesBody, response_id: str | None = None
     ) -> None:
-        self.shell = _Shell(request, body, response_id)
+        self.shell = ResponseShell(request, body, response_id)
         self.acc = Accumulator()
         self.final: _Payload | None = None
         self._seq = 0
@@ -295,6 +138,23 @@ class ResponsesStreamEncoder:
         """The finished output items so far."""
         return list(self._output)
 
+    def output_so_far(self) -> list[_Payload]:
+        """The finished items and the open one as it stands (``in_progress``, its text so far):
+        what a poll of a running background response shows, as OpenAI's does."""
+        item = self._item
+        if item is None:
+            return self.output
+        text = "".join(self._parts)
+        if self._kind == "message":
+            partial = dict(item, content=[text_part(text)])
+        elif self._kind == "reasoning":
+            partial = dict(item, content=[reasoning_part(text)])
+        elif self._kind == "summary":
+            partial = dict(item, summary=[summary_part(text)])
+        else:  # a tool call: its arguments so far (a custom tool's input only once complete)
+            partial = dict(item)
+        return [*self._output, partial]
+
     def events(self, event: Event) -> list[_Payload]:
         """The stream events for one internal event (none for ``Usage``, ``Sampling``, ``Meta``:
         they only reach the final response)."""
@@ -324,11 +184,11 @@ class ResponsesStreamEncoder:
         added = self._event("response.output_item.added", output_index=self._index, item=dict(item))
         out.append(added)
         if kind == "summary":
-            part = _summary_part("")
+            part = summary_part("")
             where = self._summary_where()
             out.append(self._event("response.reasoning_summary_part.added", **where, part=part))
         elif kind in ("message", "reasoning"):
-            part = _text_part("") if kind == "message" else _reasoning_part("")
+            part = text_part("") if kind == "message" else reasoning_part("")
             out.append(self._event("response.content_part.added", **self._where(), part=part))
         return out
 
@@ -349,7 +209,7 @@ class ResponsesStreamEncoder:
         return out
 
     def _close_message(self, item: _Payload, text: str, status: str) -> tuple[list, _Payload]:
-        where, part = self._where(), _text_part(text)
+        where, part = self._where(), text_part(text)
         out = [
             self._event("response.output_text.done", **where, text=text, logprobs=[]),
             self._event("response.content_part.done", **where, part=part),
@@ -357,16 +217,16 @@ class ResponsesStreamEncoder:
         return out, dict(item, status=status, content=[part])
 
     def _close_reasoning(self, item: _Payload, text: str, status: str) -> tuple[list, _Payload]:
-        where, part = self._where(), _reasoning_part(text)
+        where, part = self._where(), reasoning_part(text)
         out = [
             self._event("response.reasoning.done", **where, text=text),
             self._event("response.content_part.done", **where, part=part),
         ]
         # the spec's reasoning item has no status
-        return out, _finish_reasoning(item, text, self._encrypted)
+        return out, finish_reasoning(item, text, self._encrypted)
 
     def _close_summary(self, item: _Payload, text: str, status: str) -> tuple[list, _Payload]:
-        where, part = self._summary_where(), _summary_part(text)
+        where, part = self._summary_where(), summary_part(text)
         out = [
             self._event("response.reasoning_summary_text.done", **where, text=text),
             self._event("response.reasoning_summary_part.done", **where, part=part),
@@ -383,7 +243,7 @@ class ResponsesStreamEncoder:
     def _close_custom(self, item: _Payload, text: str, status: str) -> tuple[list, _Payload]:
         # OpenAI streams the input as custom_tool_call_input deltas; the spec has no such
         # events, and the input is only plain text once the JSON around it is complete.
-        return [], _finish_call(item, text, status)
+        return [], finish_call(item, text, status)
 
     def _text(self, event: TextDelta) -> list[_Payload]:
         out = self._ensure(
@@ -427,12 +287,12 @@ class ResponsesStreamEncoder:
         if (
             opened is not None
             or self._item is None
-            or self._kind not in _CALL_KINDS
+            or self._kind not in CALL_KINDS
             or self._tool_index != event.index
         ):
             call = opened or self.acc.tool_calls[event.index]
             self._tool_index = event.index
-            opening = _call_item(call, self._served)
+            opening = call_item(call, self._served)
             out = self._open(opening["type"], opening)
         item = self._item
         if not event.arguments or item is None:
@@ -457,7 +317,7 @@ class ResponsesStreamEncoder:
         out = self._close("incomplete")
         # The spec's ErrorStreamingEvent: the payload (type, code, message, param) nested, as in
         # the non-streaming error body; then the failed response with the spec's Error.
-        out.append(self._event("error", error=openai_error_body(event)["error"]))
+        out.append(self._event("error", error=error_body(event)["error"]))
         self.final = self.shell.response("failed", list(self._output), self.acc)
         return [*out, self._event("response.failed", response=self.final)]
 
@@ -474,10 +334,10 @@ def response_body(
     status = "incomplete" if acc.finish_reason == "length" else "completed"
     if acc.progress:
         output.append(
-            {"type": "reasoning", "id": new_id("rs_"), "summary": [_summary_part(acc.progress)]}
+            {"type": "reasoning", "id": new_id("rs_"), "summary": [summary_part(acc.progress)]}
         )
     if acc.reasoning:
-        output.append(_reasoning_item(acc.reasoning, body.encrypted_reasoning))
+        output.append(reasoning_item(acc.reasoning, body.encrypted_reasoning))
     if acc.text or not acc.tool_calls:
         output.append(
             {
@@ -485,9 +345,9 @@ def response_body(
                 "id": new_id("msg_"),
                 "status": status,
                 "role": "assistant",
-                "content": [_text_part(acc.text)],
+                "content": [text_part(acc.text)],
             }
         )
     for call in acc.tool_calls.values():
-        output.append(_finish_call(_call_item(call, body._tools.served), call.arguments, status))
-    return _Shell(request, body, response_id).response(status, output, acc)
+        output.append(finish_call(call_item(call, body._tools.served), call.arguments, status))
+    return ResponseShell(request, body, response_id).response(status, output, acc)

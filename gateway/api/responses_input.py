@@ -295,6 +295,30 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
     return history.messages
 
 
+_CALLS = {"function_call", "custom_tool_call"}
+_OUTPUTS = {"function_call_output", "custom_tool_call_output"}
+
+
+def check_call_outputs(prior: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """A tool output must answer a call made before it: in ``prior`` (the previous response's
+    context) or earlier in ``items`` (this request's input); else a 400 naming the item, as
+    OpenAI answers. After a ``compaction`` item any output passes: the calls it answers may be
+    among what the summary replaced."""
+    seen = {item.get("call_id") for item in prior if item.get("type") in _CALLS}
+    open_ended = any(item.get("type") == "compaction" for item in prior)
+    for i, item in enumerate(items):
+        kind = item.get("type")
+        if kind in _CALLS:
+            seen.add(item.get("call_id"))
+        elif kind == "compaction":
+            open_ended = True
+        elif kind in _OUTPUTS and not open_ended and item.get("call_id") not in seen:
+            raise RequestInvalid(
+                f"input.{i}: no tool call found for {kind} with call_id {item.get('call_id')!r}",
+                f"input.{i}.call_id",
+            )
+
+
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ResponsesBody]:
     body = validated(ResponsesBody, raw)
     body._tools = parse_tools(body.tools)

@@ -2,7 +2,7 @@
 
 ``POST`` answers at once – the ``queued`` response object, or (``stream: true``) a stream that
 follows the run – and the run goes on whatever the client does: disconnecting stops nothing.
-``GET /v1/responses/{id}`` polls it (the object so far), ``GET …?stream=true&starting_after=N``
+``GET /v1/responses/{id}`` polls it (the object so far, with the output generated until now), ``GET …?stream=true&starting_after=N``
 resumes its event stream after sequence number N, ``POST …/cancel`` stops the generation
 (status ``cancelled``). The stored row follows the run (queued → in_progress → final), so a poll
 after the end reads the store.
@@ -77,7 +77,7 @@ class BackgroundRun:
         """The response object as it stands (the final one once done)."""
         if self.encoder.final is not None:
             return self.encoder.final
-        return self.encoder.shell.response(self.status, self.encoder.output)
+        return self.encoder.shell.response(self.status, self.encoder.output_so_far())
 
     def _emit(self, events: list[dict[str, Any]]) -> None:
         if events:
@@ -109,7 +109,10 @@ class BackgroundRun:
         self.status = "in_progress"
         self._emit([self.encoder.status_event("in_progress")])
         self._store(self.snapshot())
-        async with contextlib.aclosing(router.stream(self.request, self.routes)) as events:
+        # Streamed from the upstream whatever the client asked: the router holds a
+        # non-streamed answer back until it ends, and a poll must see the output so far.
+        request = self.request.model_copy(update={"stream": True})
+        async with contextlib.aclosing(router.stream(request, self.routes)) as events:
             async for event in events:
                 if isinstance(event, Meta):
                     self.record.route.update(event.headers)

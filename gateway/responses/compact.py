@@ -21,7 +21,8 @@ from starlette.responses import Response
 
 from gateway.answer import Accumulator, new_id
 from gateway.api import responses
-from gateway.api.errors import RequestInvalid, openai_error_body, validated
+from gateway.api.count_tokens import estimate_tokens
+from gateway.api.errors import RequestInvalid, validated
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest, Message
@@ -32,6 +33,7 @@ from gateway.responses.stored import input_items
 from gateway.router import RouteError
 
 SUMMARY_MAX_TOKENS = 512
+MIN_SUMMARY_TOKENS = 16  # a summary allowed fewer tokens than this is not worth a generation
 _ASK = (
     "Write a checkpoint summary of the conversation above for your own later use: the user's"
     " goals, what was done and decided, results of tool calls that still matter, open"
@@ -79,6 +81,57 @@ async def _history(state: Any, body: CompactBody) -> list[dict[str, Any]]:
     return [*prior, *input_items(body.input if body.input is not None else [])]
 
 
+async def _prompt_tokens(state: Any, model: str, items: list[dict[str, Any]], instructions) -> int:
+    """What ``items`` cost as a prompt: the serving upstream's exact count, else an estimate."""
+    chat, _ = responses.parse({"model": model, "input": items, "instructions": instructions})
+    for route in state.router.resolve(chat):
+        count = await route.upstream.count_tokens(chat)
+        if count is not None:
+            return count
+    return estimate_tokens(chat)
+
+
+async def _compacted(state: Any, body: CompactBody, history: list[dict[str, Any]]) -> tuple:
+    """The output items and the summary's answer (None when none was generated). A compaction
+    must shorten the prompt: the summary may use at most the tokens it replaces, and when even
+    that cannot make the prompt shorter the history comes back unchanged (the spec's output is
+    any list of items; a compaction item is not required)."""
+    model, instructions = body.model, body.instructions
+    kept = _kept(history)
+    full = await _prompt_tokens(state, model, history, instructions)
+    floor = await _prompt_tokens(state, model, [*kept, _item("")], instructions)
+    budget = min(SUMMARY_MAX_TOKENS, full - floor - 1)
+    if budget < MIN_SUMMARY_TOKENS:
+        return history, None  # nothing worth replacing: no generation at all
+    chat, _ = responses.parse({"model": model, "input": history, "instructions": instructions})
+    ask = chat.model_copy(
+        update={
+            "messages": [*chat.messages, Message(role="user", content=_ASK)],
+            "reasoning": False,  # a summary, not a puzzle: thinking off
+            "stream": False,
+            "max_tokens": budget,
+            "tools": [],
+            "tool_choice": "none",
+            "session_key": body.prompt_cache_key,
+        }
+    )
+    acc = await _summarise(state, ask)
+    if acc.error is not None:
+        return [], acc
+    output = [*kept, _item(acc.text)]
+    if await _prompt_tokens(state, model, output, instructions) >= full:
+        return history, acc
+    return output, acc
+
+
+def _item(summary: str) -> dict[str, Any]:
+    return {
+        "id": new_id("cmp_"),
+        "type": "compaction",
+        "encrypted_content": encode_summary(summary),
+    }
+
+
 async def compact(request: Request) -> Response:
     state = request.app.state.gateway
     try:
@@ -89,48 +142,27 @@ async def compact(request: Request) -> Response:
         history = await _history(state, body)
         if not history:
             raise RequestInvalid("input: nothing to compact", "input")
-        chat, _ = responses.parse(
-            {"model": body.model, "input": history, "instructions": body.instructions}
-        )
-        ask = chat.model_copy(
-            update={
-                "messages": [*chat.messages, Message(role="user", content=_ASK)],
-                "reasoning": False,  # a summary, not a puzzle: thinking off
-                "stream": False,
-                "max_tokens": SUMMARY_MAX_TOKENS,
-                "tools": [],
-                "tool_choice": "none",
-                "session_key": body.prompt_cache_key,
-            }
-        )
-        acc = await _summarise(state, ask)
+        output, acc = await _compacted(state, body, history)
     except orjson.JSONDecodeError as exc:
         return _error(Error(kind="invalid_request", message=f"malformed JSON: {exc}"))
     except RequestInvalid as exc:
         return _error(exc.to_error())
     except (ResponseStateError, RouteError) as exc:
         return _error(exc.error)
-    if acc.error is not None:
+    if acc is not None and acc.error is not None:
         return _error(acc.error)
-    item = {
-        "id": new_id("cmp_"),
-        "type": "compaction",
-        "encrypted_content": encode_summary(acc.text),
-    }
     compacted = {
         "id": state.responses.new_id(),
         "object": "response.compaction",
         "created_at": int(time.time()),
-        "output": [*_kept(history), item],
-        "usage": responses.usage_of(acc),
+        "output": output,
+        "usage": responses.usage_of(acc or Accumulator()),
     }
     state.responses.put(  # continuable by previous_response_id, like any response
-        StoredResponse(
-            id=compacted["id"], response=compacted, input_items=history, context=compacted["output"]
-        )
+        StoredResponse(id=compacted["id"], response=compacted, input_items=history, context=output)
     )
     return json_response(compacted)
 
 
 def _error(error: Error) -> Response:
-    return error_response(openai_error_body, error)
+    return error_response(responses.error_body, error)  # param: input, not Chat's messages

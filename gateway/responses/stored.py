@@ -18,6 +18,7 @@ from starlette.responses import Response
 from gateway.answer import new_id
 from gateway.api import responses
 from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.responses_input import check_call_outputs
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest
@@ -93,6 +94,7 @@ def parse_with_prior(
     """The request with ``prior`` (a previous response's context) before its own input."""
     request, body = responses.parse(raw)  # the body as sent must be valid on its own
     this_turn = input_items(raw["input"])
+    check_call_outputs(prior, this_turn)
     if prior:
         request, body = responses.parse({**raw, "input": prior + this_turn})
     body._response_id = state.responses.new_id()

@@ -14,14 +14,16 @@ Errors that stop a turn before it starts (bad JSON, an unknown model, a missing 
 response, ``stream: false``, ``background: true``, ``stream_options``) are one ``error``
 message with an HTTP-like ``status`` (the spec's WebSocketErrorEvent), and the socket stays
 open. A binary frame closes it with 1003, an oversized one (uvicorn's ``ws_max_size``) with
-1009. A socket that sends nothing for ``IDLE_S`` is closed (1000), and so is one older than
-``MAX_AGE_S`` at its next turn (``websocket_connection_limit_reached``).
+1009. A socket that sends nothing for ``IDLE_S`` (15 minutes) is closed (1000); one that reaches
+``MAX_AGE_S`` (60 minutes, the spec's limit) gets a ``websocket_connection_limit_reached`` error
+and a close (1000) – at once when idle, after its turn when one is running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -30,7 +32,7 @@ import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.api import responses
-from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.errors import RequestInvalid
 from gateway.events import Done, Error, Meta, TextDelta
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
@@ -54,8 +56,13 @@ _TRANSPORT_FIELDS: dict[str, bool | None] = {
 
 
 def error_message(error: Error) -> dict[str, Any]:
-    """The spec's WebSocketErrorEvent: an HTTP-like status and the OpenAI error object."""
-    return {"type": "error", "status": error.status, **openai_error_body(error)}
+    """The spec's WebSocketErrorEvent: an HTTP-like status and the OpenAI error object.
+
+    ``previous_response_not_found`` is a 400 ``invalid_request_error`` here, as in the spec's
+    and OpenAI's WebSocket examples (over HTTP it stays the spec's ``not_found`` 404)."""
+    if error.code == "previous_response_not_found":
+        error = dataclasses.replace(error, kind="invalid_request")
+    return {"type": "error", "status": error.status, **responses.error_body(error)}
 
 
 class _Socket:
@@ -68,6 +75,7 @@ class _Socket:
         self.last: StoredResponse | None = None
         self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.current: asyncio.Task[None] | None = None  # the turn running
+        self.continues = False  # the turn running continues ``last`` (from memory)
 
     async def send(self, payload: dict[str, Any]) -> None:
         await self.ws.send_text(orjson.dumps(payload).decode())
@@ -86,9 +94,16 @@ class _Socket:
 
     async def serve(self) -> None:
         while True:
+            if self._age_limit_reached():
+                await self._close_at_age_limit()
+                return
+            age = time.monotonic() - self.opened
+            wait_s = min(IDLE_S, MAX_AGE_S - age)
             try:
-                message = await asyncio.wait_for(self.inbox.get(), IDLE_S)
+                message = await asyncio.wait_for(self.inbox.get(), wait_s)
             except TimeoutError:
+                if self._age_limit_reached():
+                    continue  # the limit, not idleness: say so before closing
                 await self.ws.close(code=1000, reason="idle")
                 return
             if message["type"] == "websocket.disconnect":
@@ -96,14 +111,8 @@ class _Socket:
             if message.get("bytes") is not None:
                 await self.ws.close(code=1003, reason="text frames only")
                 return
-            if time.monotonic() - self.opened > MAX_AGE_S:
-                limit = Error(
-                    kind="invalid_request",
-                    message="this connection is older than 60 minutes: open a new one",
-                    code="websocket_connection_limit_reached",
-                )
-                await self.send(error_message(limit))
-                await self.ws.close(code=1000, reason="connection limit reached")
+            if self._age_limit_reached():
+                await self._close_at_age_limit()
                 return
             self.current = asyncio.create_task(self.turn(message.get("text") or ""))
             await asyncio.wait([self.current])  # cancelled by ``read`` if the client leaves
@@ -115,15 +124,30 @@ class _Socket:
                 await self.send(error_message(failure))
             self.current = None
 
+    def _age_limit_reached(self) -> bool:
+        return time.monotonic() - self.opened >= MAX_AGE_S
+
+    async def _close_at_age_limit(self) -> None:
+        """The spec's 60-minute connection limit: an error message, then a clean close. A turn
+        running at the limit finishes first (its stream ends with its terminal event)."""
+        limit = Error(
+            kind="invalid_request",
+            message=f"this connection is older than {MAX_AGE_S / 60:.0f} minutes: open a new one",
+            code="websocket_connection_limit_reached",
+        )
+        await self.send(error_message(limit))
+        await self.ws.close(code=1000, reason="connection limit reached")
+
     async def turn(self, text: str) -> None:
+        self.continues = False
         try:
             request, body, generate = await self._parse(text)
             routes = self.state.router.resolve(request)
         except RequestInvalid as exc:
-            await self.send(error_message(exc.to_error()))
+            await self._refuse(exc.to_error())
             return
         except (ResponseStateError, RouteError) as exc:
-            await self.send(error_message(exc.error))
+            await self._refuse(exc.error)
             return
         if not generate:
             await self._warm(request, body)
@@ -132,13 +156,21 @@ class _Socket:
         if state.in_flight_guarded >= state.config.max_in_flight:
             limit = state.config.max_in_flight
             busy = Error(kind="overloaded", message=f"too many requests in flight (limit {limit})")
-            await self.send(error_message(busy))
+            await self._refuse(busy)
             return
         state.in_flight_guarded += 1
         try:
             await self._run(request, body, routes)
         finally:
             state.in_flight_guarded -= 1
+
+    async def _refuse(self, error: Error) -> None:
+        """A turn that fails before it starts. A failed continuation of the cached response
+        evicts it (the spec): continuing from it again needs the store, or fails with
+        ``previous_response_not_found`` when it was ``store: false``."""
+        if self.continues:
+            self.last = None
+        await self.send(error_message(error))
 
     async def _parse(self, text: str) -> tuple[ChatRequest, responses.ResponsesBody, bool]:
         """The turn's request and body, and whether to generate (``generate: false`` only
@@ -149,6 +181,8 @@ class _Socket:
             raise RequestInvalid(f"malformed JSON: {exc}") from exc
         if not isinstance(raw, dict) or raw.get("type") != "response.create":
             raise RequestInvalid("type: every message must be a response.create", "type")
+        last = self.last
+        self.continues = last is not None and raw.get("previous_response_id") == last.id
         for name, allowed in _TRANSPORT_FIELDS.items():
             if name in raw and raw[name] is not allowed:
                 raise RequestInvalid(f"{name}: not used in WebSocket mode (always streamed)", name)
@@ -156,8 +190,7 @@ class _Socket:
         if not isinstance(generate, bool):
             raise RequestInvalid("generate: must be a boolean", "generate")
         raw = {k: v for k, v in raw.items() if k not in ("type", "generate")} | {"stream": True}
-        last = self.last
-        if last is not None and raw.get("previous_response_id") == last.id:
+        if last is not None and self.continues:
             return (*stored.parse_with_prior(self.state, raw, last.context), generate)
         return (*await stored.parse(self.state, raw), generate)
 

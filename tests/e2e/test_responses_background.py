@@ -108,6 +108,26 @@ def test_cancel_stops_the_generation(oai, upstreams):
     assert stall.cancelled >= 1 and not stall.active
 
 
+def test_a_poll_mid_generation_sees_the_output_so_far(oai, server):
+    """While ``in_progress`` the polled object carries the output so far (as OpenAI's does):
+    the open message with the text generated until now, its status ``in_progress``."""
+    created = oai.responses.create(model="stall", input="go", background=True)
+    deadline = time.monotonic() + 10
+    raw: dict = {}
+    while time.monotonic() < deadline:
+        raw = httpx.get(f"{server.url}/v1/responses/{created.id}").json()
+        if raw["status"] == "in_progress" and raw["output"]:
+            break
+        time.sleep(0.05)
+    assert raw["status"] == "in_progress" and raw["output"], raw
+    check_response(raw)
+    (message,) = raw["output"]
+    assert message["type"] == "message" and message["status"] == "in_progress"
+    assert message["content"][0]["text"] == "start "
+    assert oai.responses.retrieve(created.id).output_text == "start "
+    oai.responses.cancel(created.id)
+
+
 def test_what_cannot_be_done_in_the_background(oai, server):
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model="slow", input="x", background=True, store=False)

@@ -65,8 +65,13 @@ def test_background_and_compaction_run_through_the_arbiter(oai):
         assert time.monotonic() < deadline, got.status
         time.sleep(0.05)
     assert got.output_text.strip() == WINNER
+    # A long earlier answer: a conversation worth compacting (a short one comes back as it was).
+    earlier = {
+        "role": "assistant",
+        "content": "The sky is blue because of Rayleigh scattering. " * 20,
+    }
     compacted = oai.responses.with_raw_response.compact(
-        model="mesh", previous_response_id=created.id
+        model="mesh", previous_response_id=created.id, input=[earlier]
     ).http_response.json()
     assert [item["type"] for item in compacted["output"]] == ["message", "compaction"]
 

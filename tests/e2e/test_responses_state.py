@@ -19,6 +19,8 @@ pytestmark = pytest.mark.e2e
 def upstreams():
     return {
         "plain": ScriptedUpstream.of(*text_script("Paris is the capital.")),
+        # Long answers: a conversation worth compacting (into plain's short summary).
+        "verbose": ScriptedUpstream.of(*text_script("Paris is the capital of France. " * 20)),
         "tools": ScriptedUpstream.of(
             *text_script("", tool_calls=[("get_weather", '{"city": "Paris"}')])
         ),
@@ -121,6 +123,32 @@ def test_a_tool_call_round_trip_by_previous_response_id(oai, upstreams):
     assert messages[2].tool_call_id == function_call.call_id and messages[2].content == "22C"
 
 
+def test_tool_output_that_answers_no_call_is_refused(oai, upstreams):
+    """A ``function_call_output`` whose ``call_id`` names no call (in the previous response or
+    earlier in the input) is a 400 naming the item, and nothing is generated."""
+    call = oai.responses.create(model="tools", input="Weather in Paris?", tools=[_WEATHER])
+    plain = upstreams["plain"]
+    calls = plain.calls
+    orphan = {"type": "function_call_output", "call_id": "call_nobody", "output": "22C"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.responses.create(model="plain", previous_response_id=call.id, input=[orphan])
+    body = caught.value.body
+    assert body["param"] == "input.0.call_id" and "call_nobody" in body["message"]  # type: ignore[index]
+    hello = {"role": "user", "content": "hi"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.responses.create(model="plain", input=[hello, orphan])
+    assert caught.value.body["param"] == "input.1.call_id"  # type: ignore[index]
+    assert plain.calls == calls  # refused before any generation
+    answered = {
+        "type": "function_call",
+        "call_id": "call_nobody",
+        "name": "get_weather",
+        "arguments": "{}",
+    }
+    oai.responses.create(model="plain", input=[hello, answered, orphan])  # the call is in input
+    assert plain.calls == calls + 1
+
+
 def test_input_items_paginate(oai):
     created = oai.responses.create(
         model="plain", input=[{"role": "user", "content": f"line {i}"} for i in range(5)]
@@ -166,8 +194,10 @@ def test_compaction_summarises_with_the_model_and_round_trips(oai, loose_oai, up
     """compact: the model writes the summary (thinking off); the compacted output as the next
     input is shorter than the history, and continues by previous_response_id too."""
     plain = upstreams["plain"]
-    first = oai.responses.create(model="plain", input="Capital of France?")
-    second = oai.responses.create(model="plain", input="And Spain?", previous_response_id=first.id)
+    first = oai.responses.create(model="verbose", input="Capital of France?")
+    second = oai.responses.create(
+        model="verbose", input="And Spain?", previous_response_id=first.id
+    )
     compacted = loose_oai.responses.compact(model="plain", previous_response_id=second.id)
     ask = plain.requests[-1]
     assert ask.reasoning is False and not ask.stream
@@ -193,6 +223,22 @@ def test_compaction_summarises_with_the_model_and_round_trips(oai, loose_oai, up
     assert after[2].content == "Summary of the conversation so far:\nParis is the capital."
     oai.responses.create(model="plain", input="And Italy?", previous_response_id=compacted.id)
     assert plain.requests[-1].messages == after
+
+
+def test_a_compaction_that_would_not_shorten_returns_the_history(oai, loose_oai, upstreams):
+    """Two short turns: a summary (header and all) cannot be shorter than what it replaces, so
+    the history comes back unchanged and nothing is generated."""
+    verbose = upstreams["verbose"]
+    first = oai.responses.create(model="plain", input="Capital of France?")
+    calls = verbose.calls
+    compacted = loose_oai.responses.with_raw_response.compact(
+        model="verbose", previous_response_id=first.id
+    ).http_response.json()
+    assert [(i["type"], i["role"]) for i in compacted["output"]] == [
+        ("message", "user"),
+        ("message", "assistant"),
+    ]
+    assert verbose.calls == calls and compacted["usage"]["output_tokens"] == 0
 
 
 def test_compaction_refuses_what_it_cannot_do(oai, server):

@@ -14,6 +14,7 @@ from openresponses import check_event, validator
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.events import Error
 from gateway.testing import ScriptedUpstream, ServerThread, Stall, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
 
@@ -26,6 +27,15 @@ def upstreams():
     return {
         "plain": ScriptedUpstream.of(*text_script("Paris is the capital.")),
         "stall": ScriptedUpstream.of(Stall()),
+        # What the worker answers a prompt longer than the context (param: Chat's field).
+        "overflow": ScriptedUpstream.of(
+            Error(
+                kind="invalid_request",
+                message="prompt is too long: 9 tokens > 8 maximum",
+                code="context_length_exceeded",
+                details={"param": "messages"},
+            )
+        ),
     }
 
 
@@ -138,9 +148,14 @@ def test_errors_are_messages_and_the_socket_stays_usable(server):
             }
             await ws.send(orjson.dumps(body).decode())
             error = orjson.loads(await ws.recv())
-            assert (
-                error["status"] == 404 and error["error"]["code"] == "previous_response_not_found"
-            )
+            assert not list(ws_error.iter_errors(error)), error
+            assert error["status"] == 400  # the spec's WebSocket example (HTTP keeps its 404)
+            assert error["error"] == {
+                "type": "invalid_request_error",
+                "code": "previous_response_not_found",
+                "message": "Previous response with id 'resp_gone' not found.",
+                "param": "previous_response_id",
+            }
             await ws.send(
                 orjson.dumps({"type": "response.create", "model": "plain", "input": "x"}).decode()
             )
@@ -190,3 +205,68 @@ def test_a_client_that_leaves_mid_turn_stops_the_generation(server, upstreams):
         raise AssertionError("the stalled generation was not cancelled")
 
     asyncio.run(run())
+
+
+def test_an_orphan_tool_output_is_refused_and_evicts_the_cached_response(server, upstreams):
+    """A continuation whose tool output answers no call is a 400 naming the item; the failed
+    continuation evicts the socket's cached response (``store: false``: it was the only copy),
+    so continuing from it again is ``previous_response_not_found``."""
+    plain = upstreams["plain"]
+
+    async def run():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(_ws_url(server), additional_headers=headers) as ws:
+            turn = {"type": "response.create", "model": "plain", "input": "hi", "store": False}
+            await ws.send(orjson.dumps(turn).decode())
+            while (event := orjson.loads(await ws.recv()))["type"] != "response.completed":
+                pass
+            first_id = event["response"]["id"]
+            calls = plain.calls
+            orphan = {"type": "function_call_output", "call_id": "call_nobody", "output": "x"}
+            follow = {**turn, "previous_response_id": first_id, "input": [orphan]}
+            await ws.send(orjson.dumps(follow).decode())
+            error = orjson.loads(await ws.recv())
+            assert error["type"] == "error" and error["status"] == 400, error
+            assert error["error"]["param"] == "input.0.call_id"
+            assert plain.calls == calls
+            again = {**turn, "previous_response_id": first_id, "input": "go on"}
+            await ws.send(orjson.dumps(again).decode())
+            error = orjson.loads(await ws.recv())
+            assert error["type"] == "error", error
+            assert error["error"]["code"] == "previous_response_not_found"
+
+    asyncio.run(run())
+
+
+def test_context_length_exceeded_names_the_responses_field(server):
+    """The worker's overflow error names Chat's ``messages``; a Responses client is told
+    ``input``, over HTTP (before and after the stream starts) and over the socket."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server.url + "/v1/responses"
+    body = {"model": "overflow", "input": "x"}
+    refused = httpx.post(url, json=body, headers=headers)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert refused.json()["error"]["param"] == "input"
+    streamed = httpx.post(url, json={**body, "stream": True}, headers=headers)
+    errors = [
+        orjson.loads(line[len("data: ") :])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {") and '"type":"error"' in line
+    ]
+    if streamed.status_code == 200:  # the error came as an event
+        assert errors and errors[0]["error"]["param"] == "input"
+    else:
+        assert streamed.json()["error"]["param"] == "input"
+
+    async def run():
+        async with websockets.connect(_ws_url(server), additional_headers=headers) as ws:
+            await ws.send(orjson.dumps({"type": "response.create", **body}).decode())
+            while (event := orjson.loads(await ws.recv()))["type"] != "error":
+                assert event["type"] != "response.completed"
+            return event
+
+    error = asyncio.run(run())
+    assert error["error"]["param"] == "input", error

@@ -7,8 +7,12 @@ import socket
 import sys
 import time
 
+import orjson
 import pytest
+from websockets.exceptions import ConnectionClosedOK
+from websockets.sync.client import connect as ws_connect
 
+import gateway.responses.websocket
 import worker.net
 from gateway.app import create_app
 from gateway.testing import ScriptedUpstream, ServerThread, text_script
@@ -99,3 +103,46 @@ def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert soft == hard or sys.platform == "darwin"  # macOS stops at OPEN_MAX
     assert 16 <= cap < soft
+
+
+def _ws_turn(ws) -> list[dict]:
+    """Send one Responses turn over ``ws`` and read its events up to the terminal one."""
+    ws.send(orjson.dumps({"type": "response.create", "model": "m", "input": "x"}).decode())
+    events = [orjson.loads(ws.recv(timeout=10))]
+    while events[-1]["type"] not in ("response.completed", "response.failed", "error"):
+        events.append(orjson.loads(ws.recv(timeout=10)))
+    return events
+
+
+def test_a_websocket_outlives_the_request_deadlines(server) -> None:
+    """The upgrade request's body deadline must not follow the connection into WebSocket mode:
+    a socket that lives past it (idle, then a turn) is served, not dropped without a close."""
+    url = server.url.replace("http://", "ws://") + "/v1/responses"
+    with ws_connect(url) as ws:
+        assert _ws_turn(ws)[-1]["type"] == "response.completed"
+        time.sleep(1.5)  # three times the (shortened) header and body deadlines
+        assert _ws_turn(ws)[-1]["type"] == "response.completed"
+
+
+def test_an_idle_websocket_is_closed_with_a_close_frame(server, monkeypatch) -> None:
+    monkeypatch.setattr(gateway.responses.websocket, "IDLE_S", 0.3)
+    url = server.url.replace("http://", "ws://") + "/v1/responses"
+    with ws_connect(url) as ws:
+        with pytest.raises(ConnectionClosedOK) as closed:
+            ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
+
+
+def test_a_websocket_at_its_age_limit_is_told_and_closed(server, monkeypatch) -> None:
+    """At the connection's age limit (60 minutes; shortened here) an idle socket gets the
+    spec's ``websocket_connection_limit_reached`` error, then a clean close frame."""
+    monkeypatch.setattr(gateway.responses.websocket, "MAX_AGE_S", 1.0)
+    url = server.url.replace("http://", "ws://") + "/v1/responses"
+    with ws_connect(url) as ws:
+        assert _ws_turn(ws)[-1]["type"] == "response.completed"
+        error = orjson.loads(ws.recv(timeout=10))  # nothing sent: the limit comes to us
+        assert error["type"] == "error"
+        assert error["error"]["code"] == "websocket_connection_limit_reached"
+        with pytest.raises(ConnectionClosedOK) as closed:
+            ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
