@@ -62,8 +62,14 @@ clients:
 		|| echo "note: could not install $(CLIENT_PACKAGES); their tests will be skipped"; \
 	else echo "note: no npm; the agent client tests will be skipped"; fi
 
+# The suite runs over TEST_JOBS pytest-xdist workers (auto: one per core), a whole file per worker
+# (module-scoped fixtures are built once, a file's tests never race each other); session fixtures
+# such as the tiny models are built once per worker, in its own temp dir. The 15 slowest tests are
+# listed at the end.
+TEST_JOBS ?= auto
 test: setup lint browser
-	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q $(ARGS)
+	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile \
+		--durations=15 $(ARGS)
 
 e2e-clients: setup clients
 	LD_PRELOAD="$$($(PRELOAD))" $(BIN)/python -m pytest -q tests/e2e/test_codex_cli.py tests/e2e/test_claude_code.py tests/e2e/test_opencode.py $(ARGS)

@@ -22,6 +22,14 @@ if os.environ.get("CI"):
 # guard's own tests set EngineConfig.loop_guard_tokens.
 os.environ["MLX_MESH_LOOP_GUARD"] = "0"
 
+# pytest-xdist workers start with COLUMNS=80 and LINES=24 in their environment (a plain run has
+# none). rich fixes a console's width from COLUMNS when it is made, at the CLI's import, so a CLI
+# test's own COLUMNS (CliRunner's env=) would be ignored and wide tables fold. Without them rich
+# reads COLUMNS at each print, as in a plain run.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -39,12 +39,14 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def followers(worker_pid: int) -> list[int]:
-    """The node's rank processes other than rank 0 (children of the node, not the worker)."""
+def followers(worker_pid: int, under: Path) -> list[int]:
+    """The node's rank processes other than rank 0 (children of the node, not the worker) whose
+    model lies under ``under`` (this test's, not those of a test running beside it)."""
     out = subprocess.run(
-        ["pgrep", "-f", "worker.split.rank --model"], capture_output=True, text=True
+        ["pgrep", "-a", "-f", "worker.split.rank --model"], capture_output=True, text=True
     ).stdout
-    return [int(p) for p in out.split() if int(p) != worker_pid]
+    pids = [int(line.split()[0]) for line in out.splitlines() if f"--model {under}" in line]
+    return [p for p in pids if p != worker_pid]
 
 
 def answer(client: httpx.Client, model: str) -> str | None:
@@ -90,14 +92,14 @@ def test_mesh_up_split_serves_fails_fast_and_reforms(tmp_path: Path) -> None:
 
             # A stopped rank: the step deadline (3 s) ends the group, the stream errs.
             worker = json.loads(node_file.read_text())["workers"]["tiny6"]["pid"]
-            (follower,) = followers(worker)
+            (follower,) = followers(worker, tmp_path)
             last, took = stream_until_signal(client, "tiny6", follower, signal.SIGSTOP)
             assert '"error"' in last and took < 5.0
 
             # Re-formed (the stopped rank is killed, both start again), same answers.
             assert wait_for(lambda: answer(client, "tiny6"), 120, "re-formed group") == expected
             worker = json.loads(node_file.read_text())["workers"]["tiny6"]["pid"]
-            (follower,) = followers(worker)
+            (follower,) = followers(worker, tmp_path)
             last, took = stream_until_signal(client, "tiny6", follower, signal.SIGKILL)
             assert '"error"' in last and took < 5.0
     finally:
@@ -105,4 +107,4 @@ def test_mesh_up_split_serves_fails_fast_and_reforms(tmp_path: Path) -> None:
         out = node.communicate(timeout=60)[0].decode()
     assert node.returncode == 0, out
     assert "tiny6: 6 layers, 4096-token context, pipeline over 2 ranks" in out
-    assert wait_for(lambda: not followers(-1), 10, "ranks to stop")
+    assert wait_for(lambda: not followers(-1, tmp_path), 10, "ranks to stop")

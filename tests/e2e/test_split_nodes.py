@@ -39,12 +39,13 @@ PROMPT = "Hi"
 CHAT = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": 6}
 
 
-def rank_pids() -> list[int]:
-    """Follower rank processes (rank 0 runs with --serve first, so it does not match)."""
+def rank_pids(under: Path) -> list[int]:
+    """Follower rank processes whose model lies under ``under`` (this test's, not those of a test
+    running beside it); rank 0 runs with --serve first, so it does not match."""
     out = subprocess.run(
-        ["pgrep", "-f", "worker.split.rank --model"], capture_output=True, text=True
+        ["pgrep", "-a", "-f", "worker.split.rank --model"], capture_output=True, text=True
     ).stdout
-    return [int(p) for p in out.split()]
+    return [int(line.split()[0]) for line in out.splitlines() if f"--model {under}" in line]
 
 
 def chat(url: str) -> str | None:
@@ -130,7 +131,7 @@ def test_a_model_split_over_two_nodes_serves_fails_fast_and_reforms(tmp_path: Pa
 
         # Idle, B's rank dozes on its stdin instead of spinning in the ring (MLX's ring polls:
         # a whole core), and the next request wakes it through its order stream.
-        (rank,) = rank_pids()
+        (rank,) = rank_pids(tmp_path)
         assert wait_for(lambda: cpu_seconds_over(rank, 1.0) < 0.2, 30, "B's rank to doze")
         assert chat(a.url) == expected
 
@@ -149,7 +150,7 @@ def test_a_model_split_over_two_nodes_serves_fails_fast_and_reforms(tmp_path: Pa
         assert stranger_is_refused(port)
 
         for sig in (signal.SIGKILL, signal.SIGSTOP):
-            (rank,) = wait_for(rank_pids, 60, "B's rank")
+            (rank,) = wait_for(lambda: rank_pids(tmp_path), 60, "B's rank")
             last, took = stream_until_signal(a.url, rank, sig)
             assert '"error"' in last and took < 5.0, (sig, last, took)
             assert wait_for(lambda: chat(a.url), 120, "the re-formed group") == expected
@@ -168,7 +169,7 @@ def test_a_model_split_over_two_nodes_serves_fails_fast_and_reforms(tmp_path: Pa
         print("---- node A ----\n" + out_a)
         print("---- node B ----\n" + b.stop())
     assert "tiny6: 6 layers" in out_a and "pipeline over 2 ranks" in out_a
-    assert wait_for(lambda: not rank_pids(), 10, "ranks to stop")
+    assert wait_for(lambda: not rank_pids(tmp_path), 10, "ranks to stop")
 
 
 def stranger_is_refused(port: int) -> bool:
@@ -210,7 +211,7 @@ def test_a_model_too_big_for_its_node_is_split_three_ways_over_the_offers(
         stages = status(a.url)["node"]["split"]["groups"]["tiny6"]
         ids = {node_id(n.home) for n in nodes}
         assert {s["node_id"] for s in stages} == ids
-        assert len(rank_pids()) == 2
+        assert len(rank_pids(tmp_path)) == 2
     finally:
         outs = [n.stop() for n in reversed(nodes)]
         for out in outs:
