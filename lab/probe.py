@@ -36,7 +36,14 @@ from lab.stats import Summary, summarize
 SENTINEL_WORD = "pineapple"
 SENTINEL_PROMPT = f"Reply with exactly one word: {SENTINEL_WORD}. No punctuation, nothing else."
 STREAM_PROMPT = "Count from one to twenty in words, separated by spaces."
-DEFAULT_OUT = Path(__file__).resolve().parent / "out"  # git-ignored
+
+
+def default_out(package_dir: Path = Path(__file__).resolve().parent) -> Path:
+    """Where probe runs go without ``--out``: ``lab/out`` in a checkout (git-ignored); from an
+    installed copy, ``./lab-out`` in the current directory, never inside site-packages."""
+    if (package_dir.parent / "pyproject.toml").is_file():
+        return package_dir / "out"
+    return Path.cwd() / "lab-out"
 
 
 @dataclass
@@ -188,7 +195,7 @@ def _progress_text(rows: Sequence[ProbeRow]) -> str:
 async def run_probe(config: ProbeConfig, console: Console | None = None) -> Summary:
     """Run the probe with a progress line; always writes the outputs it has, even when cancelled."""
     console = console or Console(stderr=True)
-    out_dir = config.out_dir or DEFAULT_OUT / time.strftime("probe-%Y%m%d-%H%M%S")
+    out_dir = config.out_dir or default_out() / time.strftime("probe-%Y%m%d-%H%M%S")
     writer = RowWriter(out_dir / "rows.jsonl")
     progress = Progress(
         SpinnerColumn(),
