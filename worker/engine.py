@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.cache_digest import CacheDigest
 from worker.cpu import CpuFastPath, prepare_cpu_model
 from worker.engine_types import (
     EngineConfig,
@@ -170,6 +171,11 @@ class Engine:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self._started
+
+    @property
+    def cache_digest(self) -> CacheDigest:
+        """What the prompt cache holds (block hashes, bounded), safe to read from any thread."""
+        return self._store.digest
 
     # ---- calls from the event loop -----------------------------------------------------------
 
