@@ -553,6 +553,7 @@ class MeshService:
             # The workers' own count includes forwarded requests; without a probe, count those.
             in_flight=int(load.get("in_flight", self.tunnel_server.active)),
             tok_s=float(load.get("tok_s", 0.0)),
+            cache=dict(load.get("cache", {})),  # prompt-cache digests (mesh/routing/)
             copy_port=self.copy.port,
             stored=stored_model_names(self.home),
             share_memory=self.split.offered_bytes,
