@@ -58,6 +58,7 @@ from mesh.membership.members import (
 )
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerEvent, PeerJoined, PeerTable, PeerWentDown
+from mesh.routing.planner import RoutingConfig
 from mesh.split.coordinator import SplitMesh
 from mesh.split.orders import SPLIT_RANK_PATH
 from mesh.tunnel.config import DEFAULT_PORT, TunnelConfig
@@ -97,6 +98,7 @@ class MeshConfig:
     bridge: bool = False
     bridge_port: int = 0
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # mesh/routing/
 
 
 class MeshService:
@@ -121,7 +123,7 @@ class MeshService:
             down_after_s=self.config.down_after_s,
             drop_after_s=self.config.drop_after_s,
         )
-        self.directory = MeshDirectory(local, self.peers, self._peer_upstream)
+        self.directory = MeshDirectory(local, self.peers, self._peer_upstream, routing=self.config.routing, local_load=lambda: self._load)  # fmt: skip
         self.tunnel_server = TunnelServer(
             local, responses, retry_backoff_s=self.config.retry_backoff_s
         )
@@ -597,6 +599,7 @@ class MeshService:
         me |= {"mesh_id": self.mesh_id, "members": len(self.members.members)}
         me["refused"] = dict(self.endpoint.refusals)  # strangers turned away, by reason
         me["split"] = self.split.status()
+        me["routing"] = self.directory.planner.status()  # mode, hedges, TTFT by node
         peers = self.peers.snapshot(now)
         for row in peers:
             conn = self.links.get(row["node_id"])
