@@ -79,7 +79,7 @@ class Node:
 
 
 class Tokenizing(ScriptedUpstream):
-    prompt: list[int] = []
+    prompt: tuple[int, ...] = ()  # set before each routing call
 
     async def prompt_blocks(self, request):
         return {"block_size": 64, "prompt_tokens": len(self.prompt), "hashes": block_hashes(self.prompt)}  # fmt: skip
@@ -145,7 +145,7 @@ async def choose(mode, entry, prompt, session, up, planners, turn) -> str:
     if mode == "session-hash":  # today's rendezvous hash (an entry node without the model)
         return max(up, key=lambda n: affinity(session, n))
     planner = planners[entry]
-    planner.local.routes("m")[0].upstream.prompt = prompt
+    planner.local.routes("m")[0].upstream.prompt = tuple(prompt)
     request = ChatRequest(model="m", messages=[Message(role="user", content="x")])
     if mode == "cache+session":
         request.session_key = session

@@ -54,6 +54,9 @@ class HedgedUpstream(Upstream):
     def name(self) -> str:  # type: ignore[override]
         return self.primary.name
 
+    async def aclose(self) -> None:
+        """Nothing of its own: both upstreams belong to whoever made them."""
+
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         sides = [

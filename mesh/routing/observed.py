@@ -103,6 +103,9 @@ class TrackedUpstream(Upstream):
     async def count_tokens(self, request: ChatRequest) -> int | None:
         return await self.inner.count_tokens(request)
 
+    async def aclose(self) -> None:
+        """Nothing of its own: ``inner`` belongs to whoever made it (the directory)."""
+
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         commit = CommitTracker(streaming=True)
         started = self.clock()
