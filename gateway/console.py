@@ -81,7 +81,7 @@ def console_row(data: dict[str, Any]) -> dict[str, Any]:
     route = row.get("route")
     if isinstance(route, Mapping):
         row["route"] = route.get("x-route") or route.get("route") or route.get("kind")
-        for key in ("peer", "attempts", "moa-winner"):
+        for key in ("peer", "attempts", "moa-winner", "mesh-route-reason", "mesh-hedge"):
             value = route.get(f"x-{key}", route.get(key))
             if value is not None:
                 row.setdefault(key.replace("-", "_"), value)

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 _DELTAS = (TextDelta, ReasoningDelta, ToolCallDelta)
 # The router's facts about where a request went (gateway.router.route_headers).
-_ROUTE_FACTS = ("x-route", "x-peer", "x-attempts", "x-retry-reasons")
+_ROUTE_FACTS = ("x-route", "x-peer", "x-attempts", "x-retry-reasons", "x-mesh-route-reason", "x-mesh-hedge")  # fmt: skip
 
 
 class Encoder(Protocol):
@@ -150,7 +150,7 @@ async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
         chat_request.session_key = _session_header(request)
     record = RequestRecord(api=spec.name, model=chat_request.model, stream=chat_request.stream)
     try:
-        routes = state.router.resolve(chat_request)
+        routes = await state.router.aresolve(chat_request)
     except RouteError as exc:
         record.outcome, record.status = exc.error.kind, exc.error.status
         state.metrics.observe(record)
@@ -218,6 +218,7 @@ class EventResponse:
         record = self.record
         record.duration_s = time.perf_counter() - self._t0
         record.route = self.route_headers
+        record.route_reason = self.route_headers.get("x-mesh-route-reason")
         record.count_tokens(self.acc)
         if self.acc.error is not None:
             record.outcome = self.acc.error.kind

@@ -36,6 +36,7 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     route: dict[str, str] = field(default_factory=dict)
+    route_reason: str | None = None  # why the mesh sent it where it went (x-mesh-route-reason)
 
     def count_tokens(self, acc: Accumulator) -> None:
         """The answer's token counts, when its upstream reported them."""

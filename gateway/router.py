@@ -25,6 +25,8 @@ from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream, close_
 
 log = logging.getLogger(__name__)
 
+ROUTE_REASON_HEADER = "x-mesh-route-reason"
+
 
 class RouteError(GatewayError):
     """No route for the request: carries the ``Error`` to answer with (404 or 503)."""
@@ -115,6 +117,16 @@ class Router:
                 details={"available": known},
             )
         )
+
+    async def aresolve(self, request: ChatRequest) -> list[Route]:
+        """As :meth:`resolve`, but a directory that ranks routes by the prompt itself (the
+        mesh's, by cached prefix: it may ask a worker to tokenize) gets to do so."""
+        ranker = getattr(self.directory, "aroutes", None)
+        if ranker is not None and not (request.model == MESH_MODEL and self.moa is not None):
+            routes = await ranker(request)
+            if routes:
+                return routes
+        return self.resolve(request)
 
     async def stream(self, request: ChatRequest, routes: list[Route]) -> AsyncIterator[Event]:
         """Run ``request`` over ``routes`` with retry-before-commit; always ends with a terminal."""
@@ -265,4 +277,6 @@ def route_headers(route: Route, attempts: int, reasons: list[str]) -> dict[str, 
     }
     if reasons:
         headers["x-retry-reasons"] = ",".join(reasons)
+    if route.reason:
+        headers[ROUTE_REASON_HEADER] = route.reason
     return headers

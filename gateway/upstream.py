@@ -84,6 +84,8 @@ class Route:
     upstream: Upstream
     kind: str = "local"  # "local" | "peer"
     peer: str | None = None
+    # Why the mesh picked it (``cache 18432/20100``, ``load``, ``sticky`` …): x-mesh-route-reason
+    reason: str | None = None
 
 
 class ModelDirectory(Protocol):

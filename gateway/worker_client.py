@@ -332,6 +332,17 @@ class WorkerClient(Upstream):
                     return None
         return None
 
+    async def prompt_blocks(self, request: ChatRequest) -> dict[str, Any] | None:
+        """The request's prompt as cache-digest block hashes (``block_size``, ``prompt_tokens``,
+        ``hashes``: worker/prompt_blocks.py), or None when the worker cannot tell."""
+        body = worker_body(request, self.model_name)
+        try:
+            response = await self._client.post(f"{self.base_url}/v1/prompt_blocks", json=body, timeout=10.0)  # fmt: skip
+            data = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return data if isinstance(data, dict) and isinstance(data.get("hashes"), list) else None
+
     async def health(self) -> dict[str, Any] | None:
         """The worker's ``/health`` body, or None when it does not answer 200 with JSON."""
         try:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from gateway.request import ChatRequest
 from gateway.upstream import ModelDirectory, ModelInfo, Route, Upstream
 from mesh.peers import PeerTable
+from mesh.routing.planner import RoutePlanner, RoutingConfig
 
 MAX_PEER_ROUTES = 3
 
@@ -31,6 +34,14 @@ class MeshDirectory:
     upstream_for: Callable[[str], Upstream]
     max_peer_routes: int = MAX_PEER_ROUTES
     clock: Callable[[], float] = time.monotonic  # the peer table's clock
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    local_load: Callable[[], dict[str, Any]] = dict  # the load probe's last answer (digests)
+    planner: RoutePlanner = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.planner = RoutePlanner(
+            self.local, self.peers, self.upstream_for, self.local_load, self.routing, self.clock
+        )
 
     def models(self) -> list[ModelInfo]:
         out = {info.id: info for info in self.local.models()}
@@ -53,6 +64,11 @@ class MeshDirectory:
         for node_id in self.peers.candidates(model, session_key)[: self.max_peer_routes]:
             routes.append(Route(upstream=self.upstream_for(node_id), kind="peer", peer=node_id))
         return routes
+
+    async def aroutes(self, request: ChatRequest) -> list[Route]:
+        """Routes ranked by the prompt's cached prefix, load and RTT (mesh/routing/); [] leaves
+        it to :meth:`routes`."""
+        return await self.planner.routes(request)
 
     def recently_served(self, model: str) -> bool:
         return self.peers.recently_served(model, self.clock())

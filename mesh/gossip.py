@@ -71,6 +71,10 @@ class NodeState(BaseModel):
     share_memory: int = 0
     share_memory_used: int = 0
     bridge_port: int | None = None
+    # Routing by prefix (optional, as above): model name → the digest of what its worker's
+    # prompt cache holds (worker/cache_digest.py, wire form). Refreshed with the load probe,
+    # so at most once per gossip interval; bounded by the digest's own bound.
+    cache: dict[str, str] = Field(default_factory=dict)
 
     def content(self) -> dict:
         """Everything but ``seq``: what decides whether a change is worth publishing now."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from mesh.gossip import ModelAd, NodeState
 from mesh.identity import short_id
+from worker.cache_digest import CacheDigest
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class PeerRecord:
     last_seen: float
     rtt_s: float | None = None
     outstanding: int = 0  # requests this node has sent there and not yet seen end
+    # model -> (wire form, parsed): the peer's prompt-cache digest, parsed once per change
+    _digests: dict[str, tuple[str, CacheDigest]] = field(default_factory=dict, repr=False)
 
     @property
     def load(self) -> int:
@@ -64,6 +67,21 @@ class PeerRecord:
 
     def serves(self, model: str) -> bool:
         return any(ad.name == model for ad in self.state.models)
+
+    def digest(self, model: str) -> CacheDigest | None:
+        """What the peer's prompt cache for ``model`` holds, as it last said (None: unknown)."""
+        wire = self.state.cache.get(model)
+        if wire is None:
+            return None
+        known = self._digests.get(model)
+        if known is None or known[0] != wire:
+            try:
+                known = (wire, CacheDigest.from_wire(wire))
+            except ValueError:
+                log.debug("peer %s sent a bad cache digest", short_id(self.node_id))
+                return None
+            self._digests[model] = known
+        return known[1]
 
     def _set_status(self, status: PeerStatus) -> None:
         if status is not self.status:
@@ -218,6 +236,7 @@ class PeerTable:
                 "in_flight": r.state.in_flight,
                 "outstanding": r.outstanding,
                 "tok_s": r.state.tok_s,
+                "cache_blocks": {m: len(d) for m in r.state.cache if (d := r.digest(m))},
                 # memory offered for ranks of split models, and what they use (console, status)
                 "share_memory": r.state.share_memory,
                 "share_memory_used": r.state.share_memory_used,

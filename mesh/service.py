@@ -55,6 +55,7 @@ from mesh.membership.members import (
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerTable
 from mesh.roster import Roster, decode_join_token
+from mesh.routing.planner import RoutingConfig
 from mesh.split.coordinator import SplitMesh
 from mesh.split.orders import SPLIT_RANK_PATH
 from mesh.tunnel.config import DEFAULT_PORT, TunnelConfig
@@ -92,6 +93,7 @@ class MeshConfig:
     bridge: bool = False
     bridge_port: int = 0
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # mesh/routing/
 
 
 class MeshService:
@@ -115,7 +117,13 @@ class MeshService:
             down_after_s=self.config.down_after_s,
             drop_after_s=self.config.drop_after_s,
         )
-        self.directory = MeshDirectory(local, self.peers, self._peer_upstream)
+        self.directory = MeshDirectory(
+            local,
+            self.peers,
+            self._peer_upstream,
+            routing=self.config.routing,
+            local_load=lambda: self.gossip.load,
+        )
         self.tunnel_server = TunnelServer(
             local, responses, retry_backoff_s=self.config.retry_backoff_s
         )
@@ -431,6 +439,7 @@ class MeshService:
             # The workers' own count includes forwarded requests; without a probe, count those.
             in_flight=int(load.get("in_flight", self.tunnel_server.active)),
             tok_s=float(load.get("tok_s", 0.0)),
+            cache=dict(load.get("cache", {})),  # prompt-cache digests (mesh/routing/)
             copy_port=self.copy.port,
             stored=stored_model_names(self.home),
             share_memory=self.split.offered_bytes,
@@ -474,6 +483,7 @@ class MeshService:
         me |= {"mesh_id": self.mesh_id, "members": len(self.members.members)}
         me["refused"] = dict(self.endpoint.refusals)  # strangers turned away, by reason
         me["split"] = self.split.status()
+        me["routing"] = self.directory.planner.status()  # mode, hedges, TTFT by node
         peers = self.peers.snapshot(now)
         for row in peers:
             conn = self.links.get(row["node_id"])

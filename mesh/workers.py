@@ -260,8 +260,9 @@ class WorkerSupervisor:
         return {p.name: {"url": p.url, "pid": p.pid} for p in self.processes}
 
     async def load(self) -> dict[str, Any]:
-        """Queue depth, in-flight and tok/s summed over the workers' ``/health`` (for gossip)."""
-        total = {"queue_depth": 0, "in_flight": 0, "tok_s": 0.0}
+        """Queue depth, in-flight and tok/s summed over the workers' ``/health``, and each
+        model's prompt-cache digest (for gossip)."""
+        total: dict[str, Any] = {"queue_depth": 0, "in_flight": 0, "tok_s": 0.0, "cache": {}}
         for client in self.clients.values():
             data = await client.health()
             if data is None:
@@ -270,4 +271,6 @@ class WorkerSupervisor:
             total["queue_depth"] += int(data.get("queue_depth", 0))
             total["in_flight"] += int(data.get("in_flight", 0))
             total["tok_s"] += float(data.get("tokens_per_second", 0.0))
+            if isinstance(digest := data.get("cache_digest"), str):
+                total["cache"][client.model_name] = digest
         return total

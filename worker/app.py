@@ -38,6 +38,7 @@ from worker.chat_wire import (
 from worker.engine import Engine
 from worker.engine_types import Failed
 from worker.net import bind_socket, server_limits
+from worker.prompt_blocks import prompt_blocks
 from worker.schemas import ChatCompletionRequest, describe_validation_error
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 "tokens_per_second": round(engine.tokens_per_second(), 3),
                 "uptime_s": round(engine.uptime_s, 3),
                 "warm_up_s": _rounded(stats.warm_up_s),
+                "cache_digest": engine.cache_digest.to_wire(),  # routing by prefix (mesh)
                 "loops_stopped": stats.loops_stopped,
                 # Prefill work since start (the warm-up's included): samples of one prompt
                 # show up as one prefill and shared ones (worker/shared_prefill.py).
@@ -172,6 +174,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/v1/prompt_blocks", prompt_blocks, methods=["POST"]),  # routing by prefix (mesh)
     ]
     app = Starlette(routes=routes, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
     app.state.engine = engine

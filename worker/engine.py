@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from worker.cache_digest import CacheDigest
 from worker.chat_prompt import render_prompt, template_tool_calling
 from worker.cpu import CpuFastPath
 from worker.engine_commits import Commits
@@ -127,6 +128,11 @@ class Engine(JobEnds):
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self._started
+
+    @property
+    def cache_digest(self) -> CacheDigest:
+        """What the prompt cache holds (block hashes, bounded), safe to read from any thread."""
+        return self._store.digest
 
     # ---- calls from the event loop -----------------------------------------------------------
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from worker.cache_digest import DEFAULT_BLOCK_SIZE, CacheDigest, block_hashes
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the shared prefix: binary search on slice equality (compared in C)."""
@@ -54,6 +56,7 @@ class _Entry:
     cache: list[Any]
     nbytes: int
     trimmable: bool
+    chain: list[int] = field(default_factory=list)  # block_hashes(tokens), for the digest
 
 
 @dataclass
@@ -74,6 +77,10 @@ class PromptCacheStore:
     stats: PromptCacheStats = field(default_factory=PromptCacheStats)
     _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
     _next_key: int = 0
+    # What the store holds, for routing by prefix (worker/cache_digest.py). Rebuilt on the
+    # owner thread after every change and swapped in whole, so other threads read it safely.
+    digest: CacheDigest = field(default_factory=CacheDigest)
+    digest_block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def nbytes(self) -> int:
@@ -133,11 +140,19 @@ class PromptCacheStore:
             covered = common_prefix(entry.tokens, key_tokens) == len(entry.tokens)
             if covered and (trimmable or entry.tokens == key_tokens):
                 del self._entries[key]
-        entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable)
+        chain = block_hashes(key_tokens, self.digest_block_size)
+        entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable, chain)
         self._entries[self._next_key] = entry
         self._next_key += 1
         self.stats.inserts += 1
         self._evict()
+        self._refresh_digest()
+
+    def _refresh_digest(self) -> None:
+        # Most recently inserted first: they get the first share of the digest's bound. A
+        # prefix of an untrimmable entry is not servable, so it advertises its whole length only.
+        chains = [e.chain if e.trimmable else e.chain[-1:] for e in reversed(self._entries.values())]  # fmt: skip
+        self.digest = CacheDigest.of_chains(chains, block_size=self.digest_block_size)
 
     def _evict(self) -> None:
         total = self.nbytes
@@ -148,3 +163,4 @@ class PromptCacheStore:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._refresh_digest()

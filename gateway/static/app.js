@@ -371,11 +371,14 @@ function addRequestRow(row, fresh) {
   const peer = row.peer && row.peer !== "local" && row.peer !== row.route ? String(row.peer).slice(0, 8) : null;
   const winner = row.moa_winner ? `winner ${row.moa_winner}` : null;
   const route = [row.route, peer, winner].filter(Boolean).join(" → ");
+  // Why the mesh sent it there (x-mesh-route-reason: "cache 18432/20100", "load", "sticky"…).
+  const hedge = row.mesh_hedge ? ` (hedge ${row.mesh_hedge})` : "";
+  const why = (row.route_reason ?? row.mesh_route_reason ?? "–") + hedge;
   const outcome = String(row.outcome ?? row.status ?? "–");
   const good = outcome === "ok" || outcome === "200" || outcome === "done";
   const ttft = row.ttft_ms ?? (row.ttft_s != null ? row.ttft_s * 1000 : null);
   tr.innerHTML = `<td>${escapeHtml(time)}</td><td>${escapeHtml(row.api ?? "–")}</td>
-    <td>${escapeHtml(row.model ?? "–")}</td><td>${escapeHtml(route || "–")}</td>
+    <td>${escapeHtml(row.model ?? "–")}</td><td>${escapeHtml(route || "–")}</td><td>${escapeHtml(why)}</td>
     <td class="num">${escapeHtml(fmt(row.attempts))}</td><td class="num">${escapeHtml(fmt(ttft))} ms</td>
     <td class="num">${escapeHtml(fmt(row.tok_s ?? row.tokens_per_s, 1))}</td>
     <td class="${good ? "ok-text" : "bad-text"}">${escapeHtml(outcome)}</td>`;

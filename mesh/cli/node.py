@@ -103,6 +103,18 @@ def up_command(
     retry_backoff_ms: int = typer.Option(
         750, "--retry-backoff-ms", help="Wait before retrying a failed route (before first byte)."
     ),
+    routing: str = typer.Option(
+        "cache",
+        "--routing",
+        help="Where a request goes among the nodes serving its model: cache (its cached prefix"
+        " against load and RTT), today (local first, then load/RTT/session hash), round-robin.",
+    ),
+    hedge: str = typer.Option(
+        "off",
+        "--hedge",
+        help="auto: a forwarded request without a first token after the route's recent p95 TTFT"
+        " also starts on the next-best idle node; the first to answer wins. off: never.",
+    ),
     split: int = typer.Option(
         0,
         "--split",
@@ -176,7 +188,12 @@ def up_command(
         ),
         moa=MoaConfig(policy=moa_policy, max_workers=moa_workers, progress=moa_progress),
     )
+    from mesh.routing.planner import HEDGE_MODES, MODES, RoutingConfig
+
+    if routing not in MODES or hedge not in HEDGE_MODES:
+        raise fail(f"--routing is one of {', '.join(MODES)}; --hedge one of {', '.join(HEDGE_MODES)}")  # fmt: skip
     mesh_config = MeshConfig(
+        routing=RoutingConfig(mode=routing, hedge=hedge),
         host=mesh_host,
         port=mesh_port,
         static_peers=list(peer),

@@ -78,3 +78,16 @@ def test_publisher_publishes_changes_early_but_rate_limited():
     changed = pub.poll(_state(queue_depth=1), now=0.3)
     assert changed is not None and changed.queue_depth == 1
     assert pub.poll(_state(queue_depth=1), now=0.6) is None  # unchanged, not yet due
+
+
+def test_the_cache_digest_travels_in_the_state_and_its_change_is_published():
+    from mesh.gossip import GossipPublisher, NodeState, gossip_from_dict
+
+    state = NodeState(node_id="a", cache={"m": "64:AAAAAAAAAAA="})
+    assert gossip_from_dict(state.model_dump()) == state
+    assert gossip_from_dict(NodeState(node_id="a").model_dump()).cache == {}  # older peers
+    publisher = GossipPublisher("a", min_gap_s=0.25)
+    assert publisher.poll(state, now=0.0) is not None
+    assert publisher.poll(state, now=0.5) is None  # unchanged: waits for the heartbeat
+    changed = state.model_copy(update={"cache": {"m": "64:"}})
+    assert publisher.poll(changed, now=0.5) is not None

@@ -190,3 +190,20 @@ def test_idle_peers_share_requests_without_a_session_key():
     assert all(table.candidates("m")[-1] == "a" for _ in range(6))
     # A session key keeps its one peer.
     assert len({table.candidates("m", "session-1")[0] for _ in range(6)}) == 1
+
+
+def test_a_peer_keeps_its_latest_cache_digest():
+    from worker.cache_digest import CacheDigest, block_hashes
+
+    tokens = list(range(256))
+    digest = CacheDigest.of_entries([tokens])
+    table = PeerTable(self_id="me")
+    table.on_state(NodeState(node_id="b", seq=1, cache={"m": digest.to_wire()}), now=0.0)
+    record = table.peers["b"]
+    assert record.digest("m") == digest
+    assert record.digest("m").cached_tokens(block_hashes(tokens)) == 256
+    assert record.digest("other") is None
+    table.on_state(NodeState(node_id="b", seq=2, cache={"m": "garbage"}), now=1.0)
+    assert record.digest("m") is None  # a bad digest is no digest, not an error
+    table.on_state(NodeState(node_id="b", seq=3), now=2.0)
+    assert record.digest("m") is None

@@ -1,0 +1,216 @@
+"""RoutePlanner: the mesh's routes for one request, ranked by cached prefix, load and RTT.
+
+Three modes (``mesh up --routing``): ``cache`` (this issue: :mod:`mesh.routing.score` over
+every node serving the model, this one included), ``today`` (local first, then the peer
+table's load/RTT/session-hash order) and ``round-robin`` (every serving node in turn; a
+baseline for the lab). With ``hedge="auto"`` the first route is hedged on the second
+(:class:`gateway.hedge.HedgedUpstream`) after the first node's recent p95 TTFT (at least
+``hedge_floor_s``), only while the backup node is idle and fewer than ``max_hedges`` hedges
+run from here: a busy mesh gets no extra load.
+
+The prompt's block hashes come from this node's own worker for the model (its tokenizer and
+chat template: ``POST /v1/prompt_blocks``), once per request. A node that does not serve the
+model has no tokenizer for it and ranks by load, RTT and session only: a text digest cannot
+say how many tokens a prefix is, nor match the template's rendering, and forwarding the
+tokenization to a peer costs a round trip on every request (see notes-routing.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.hedge import HedgedUpstream
+from gateway.request import ChatRequest
+from gateway.upstream import ModelDirectory, Route, Upstream
+from mesh.peers import PeerTable
+from mesh.routing.observed import Observed, TrackedUpstream
+from mesh.routing.score import Candidate, Choice, Policy, rank
+from worker.cache_digest import CacheDigest
+
+log = logging.getLogger(__name__)
+
+MODES = ("cache", "today", "round-robin")
+HEDGE_MODES = ("off", "auto")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    mode: str = "cache"
+    hedge: str = "off"
+    hedge_floor_s: float = 0.5
+    max_hedges: int = 2
+    max_routes: int = 3
+    policy: Policy = field(default_factory=Policy)
+
+
+@dataclass
+class _Prompt:
+    hashes: list[int]
+    tokens: int
+    block_size: int
+
+
+@dataclass
+class RoutePlanner:
+    local: ModelDirectory
+    peers: PeerTable
+    upstream_for: Callable[[str], Upstream]
+    local_load: Callable[[], dict[str, Any]] = dict  # the load probe's last answer
+    config: RoutingConfig = field(default_factory=RoutingConfig)
+    clock: Callable[[], float] = time.monotonic
+    observed: Observed = field(default_factory=Observed)
+    _turns: itertools.count = field(default_factory=itertools.count, repr=False)
+    _parsed: tuple[str, CacheDigest | None] = field(default=("", None), repr=False)
+
+    @property
+    def self_id(self) -> str:
+        return self.peers.self_id
+
+    async def routes(self, request: ChatRequest) -> list[Route]:
+        """Ranked routes, or [] to leave it to the directory's plain order (mode ``today``)."""
+        if self.config.mode == "today":
+            return []
+        model, key = request.model, request.session_key
+        local = list(self.local.routes(model, key))
+        peer_ids = self.peers.candidates(model, key)
+        nodes = ([self.self_id] if local else []) + sorted(peer_ids)
+        if len(nodes) < 2:
+            return []
+        self.observed.requests += 1
+        turn = next(self._turns)
+        if self.config.mode == "round-robin":
+            shift = turn % len(nodes)
+            order = nodes[shift:] + nodes[:shift]
+            return self._build([Choice(n, 0.0, 0, "round-robin") for n in order], local)
+        prompt = await self._prompt(request, local)
+        now = self.clock()
+        candidates = [self._candidate(n, model, prompt, now) for n in nodes]
+        ranked = rank(
+            candidates,
+            prompt_tokens=prompt.tokens,
+            now=now,
+            session_key=key,
+            turn=turn,
+            prefer=self.self_id,
+            policy=self.config.policy,
+        )
+        self.observed.remember(ranked[0].node_id, prompt.hashes, prompt.block_size, now)
+        routes = self._build(ranked, local)
+        if self.config.hedge == "auto" and len(routes) > 1:
+            routes[0] = self._hedged(routes[0], routes[1], ranked[0])
+        return routes
+
+    async def _prompt(self, request: ChatRequest, local: list[Route]) -> _Prompt:
+        blocks = None
+        ask = getattr(local[0].upstream, "prompt_blocks", None) if local else None
+        if ask is not None:
+            blocks = await ask(request)
+        if blocks is None:  # no tokenizer here: a rough size, no prefix
+            chars = sum(len(m.content if isinstance(m.content, str) else str(m.content)) for m in request.messages)  # fmt: skip
+            return _Prompt([], max(1, chars // 4), 64)
+        return _Prompt(
+            [int(h) for h in blocks["hashes"]],
+            int(blocks.get("prompt_tokens", 1)),
+            int(blocks.get("block_size", 64)),
+        )
+
+    def _candidate(self, node_id: str, model: str, prompt: _Prompt, now: float) -> Candidate:
+        routed = self.observed.routed_cached(node_id, prompt.hashes, prompt.block_size, now)
+        running = self.observed.running[node_id]
+        if node_id == self.self_id:
+            load = self.local_load()
+            cached = _lookup(self._local_digest(load.get("cache", {}).get(model)), prompt)
+            return Candidate(
+                node_id,
+                cached_tokens=max(cached, routed),
+                digest_at=now,
+                queue_depth=int(load.get("queue_depth", 0)),
+                running=max(running, int(load.get("in_flight", 0))),
+                ttft_s=self.observed.ttft_s(node_id),
+            )
+        record = self.peers.peers[node_id]
+        cached = _lookup(record.digest(model), prompt)
+        return Candidate(
+            node_id,
+            cached_tokens=max(cached, routed),
+            # What we routed there ourselves is known now; the digest is as old as the state.
+            digest_at=now if routed >= cached else record.last_seen,
+            queue_depth=record.state.queue_depth,
+            running=max(record.outstanding, record.state.in_flight),
+            ttft_s=self.observed.ttft_s(node_id),
+            rtt_s=record.rtt_s,
+        )
+
+    def _local_digest(self, wire: Any) -> CacheDigest | None:
+        if not isinstance(wire, str):
+            return None
+        if self._parsed[0] != wire:
+            try:
+                self._parsed = (wire, CacheDigest.from_wire(wire))
+            except ValueError:
+                return None
+        return self._parsed[1]
+
+    def _build(self, ranked: list[Choice], local: list[Route]) -> list[Route]:
+        routes: list[Route] = []
+        for number, choice in enumerate(ranked[: self.config.max_routes]):
+            reason = choice.reason if number == 0 else "next"
+            if choice.node_id == self.self_id:
+                inner = local[0].upstream
+                tracked = TrackedUpstream(inner, choice.node_id, self.observed, self.clock)
+                routes.append(Route(upstream=tracked, kind="local", reason=reason))
+                routes += local[1:]  # a second local route (rare) before the peers
+            else:
+                inner = self.upstream_for(choice.node_id)
+                tracked = TrackedUpstream(inner, choice.node_id, self.observed, self.clock)
+                routes.append(Route(upstream=tracked, kind="peer", peer=choice.node_id, reason=reason))  # fmt: skip
+        return routes
+
+    def _hedged(self, first: Route, second: Route, choice: Choice) -> Route:
+        node = choice.node_id
+        p95 = self.observed.p95_s(node)
+        delay = max(self.config.hedge_floor_s, p95 if p95 is not None else 2 * choice.cost_s)
+        backup_id = second.peer or self.self_id
+
+        def allow() -> bool:
+            # Off under overload: never more hedges than max_hedges, never onto a busy node.
+            if self.observed.hedges_running >= self.config.max_hedges:
+                return False
+            return self._idle(backup_id)
+
+        hedged = HedgedUpstream(
+            first.upstream,
+            second.upstream,
+            delay,
+            headers=(_headers(first), _headers(second)),
+            allow=allow,
+            on_hedge=self.observed.on_hedge,
+        )
+        return Route(upstream=hedged, kind=first.kind, peer=first.peer, reason=first.reason)
+
+    def _idle(self, node_id: str) -> bool:
+        if self.observed.running[node_id] > 0:
+            return False
+        if node_id == self.self_id:
+            load = self.local_load()
+            return int(load.get("queue_depth", 0)) == 0 and int(load.get("in_flight", 0)) == 0
+        record = self.peers.peers.get(node_id)
+        return record is not None and record.load == 0
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": self.config.mode, "hedge": self.config.hedge} | self.observed.snapshot()
+
+
+def _headers(route: Route) -> dict[str, str]:
+    return {"x-route": route.kind, "x-peer": route.peer or route.upstream.name}
+
+
+def _lookup(digest: CacheDigest | None, prompt: _Prompt) -> int:
+    if digest is None or digest.block_size != prompt.block_size or not prompt.hashes:
+        return 0
+    return digest.cached_tokens(prompt.hashes)

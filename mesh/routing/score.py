@@ -1,0 +1,128 @@
+"""Rank the nodes that serve a model for one prompt: cached prefix against load and RTT. Pure.
+
+Each candidate's cost is an estimate of the seconds to its first token::
+
+    cost = uncached_tokens / prefill_tok_s  +  (queued + running) * per_request_s  +  rtt
+
+``uncached_tokens`` is the prompt less the prefix the node's cache digest holds (a digest older
+than ``digest_ttl_s`` counts for nothing: the cache may have moved on); ``per_request_s`` is the
+node's recent TTFT as this node saw it (else ``default_request_s``). Candidates within
+``tie_s`` (or ``tie_ratio`` of the best cost) of the best tie; a session's rendezvous hash breaks
+the tie (``sticky``), else a round-robin turn (``spread``), so new sessions and session-less
+requests spread over idle nodes (but ``prefer``, this node, wins a tie no session decides). The first choice carries its reason: ``cache 18432/20100``
+(its cache decided), ``load`` (another node had more cached but was busier or farther),
+``sticky``, ``local``, ``spread`` or ``only``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    prefill_tok_s: float = 1000.0  # a mesh-wide guess; only the ratio to per_request_s matters
+    default_request_s: float = 1.0
+    digest_ttl_s: float = 30.0
+    tie_s: float = 0.05
+    tie_ratio: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What is known of one node for this prompt. ``digest_at``: when its digest was heard."""
+
+    node_id: str
+    cached_tokens: int = 0
+    digest_at: float | None = None
+    queue_depth: int = 0
+    running: int = 0  # rows generating there, ours included
+    ttft_s: float | None = None
+    rtt_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    node_id: str
+    cost_s: float
+    cached_tokens: int
+    reason: str = ""
+
+
+def affinity(session_key: str, node_id: str) -> int:
+    """Rendezvous hash: each session prefers one node, stable while the node set changes."""
+    return int.from_bytes(hashlib.sha256(f"{session_key}|{node_id}".encode()).digest()[:8], "big")
+
+
+def usable_cached(candidate: Candidate, prompt_tokens: int, now: float, policy: Policy) -> int:
+    """The cached tokens to count on: none from a stale digest, never the whole prompt (one
+    token always runs)."""
+    if candidate.digest_at is None or now - candidate.digest_at > policy.digest_ttl_s:
+        return 0
+    return max(0, min(candidate.cached_tokens, prompt_tokens - 1))
+
+
+def cost(candidate: Candidate, prompt_tokens: int, now: float, policy: Policy) -> float:
+    uncached = prompt_tokens - usable_cached(candidate, prompt_tokens, now, policy)
+    per_request = candidate.ttft_s if candidate.ttft_s is not None else policy.default_request_s
+    wait = (candidate.queue_depth + candidate.running) * per_request
+    return uncached / policy.prefill_tok_s + wait + (candidate.rtt_s or 0.0)
+
+
+def rank(
+    candidates: Sequence[Candidate],
+    *,
+    prompt_tokens: int,
+    now: float,
+    session_key: str | None = None,
+    turn: int = 0,
+    prefer: str | None = None,
+    policy: Policy = Policy(),
+) -> list[Choice]:
+    """Every candidate, best first; the first carries the reason it won. ``prefer`` (this
+    node) wins a tie that no session decides: no hop for nothing, and load spreads the rest."""
+    if not candidates:
+        return []
+    scored = sorted(
+        (
+            Choice(
+                c.node_id,
+                cost(c, prompt_tokens, now, policy),
+                usable_cached(c, prompt_tokens, now, policy),
+            )
+            for c in candidates
+        ),
+        key=lambda s: (s.cost_s, s.node_id),
+    )
+    best = scored[0].cost_s
+    margin = max(policy.tie_s, policy.tie_ratio * best)
+    tied = [s for s in scored if s.cost_s - best <= margin]
+    rest = scored[len(tied) :]
+    if session_key:
+        tied.sort(key=lambda s: -affinity(session_key, s.node_id))
+        breaker = "sticky"
+    elif prefer is not None and any(s.node_id == prefer for s in tied):
+        tied.sort(key=lambda s: s.node_id != prefer)
+        breaker = "local"
+    else:
+        shift = turn % len(tied)
+        tied = tied[shift:] + tied[:shift]
+        breaker = "spread"
+    first = tied[0]
+    others = [s for s in scored if s is not first]
+    reason = _reason(first, others, len(tied) > 1, breaker, prompt_tokens)
+    first = Choice(first.node_id, first.cost_s, first.cached_tokens, reason)
+    return [first, *tied[1:], *rest]
+
+
+def _reason(first: Choice, others: list[Choice], tie: bool, breaker: str, prompt: int) -> str:
+    if not others:
+        return "only"
+    most_elsewhere = max(o.cached_tokens for o in others)
+    if first.cached_tokens > most_elsewhere:
+        return f"cache {first.cached_tokens}/{prompt}"
+    if most_elsewhere > first.cached_tokens:
+        return "load"
+    return breaker if tie else "load"

@@ -1,0 +1,85 @@
+"""RoutePlanner: where the prompt's prefix is cached, the modes, the hedge wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.hedge import HedgedUpstream
+from gateway.request import ChatRequest, Message
+from gateway.testing import ScriptedUpstream, text_script
+from gateway.upstream import ModelInfo, StaticDirectory
+from mesh.gossip import ModelAd, NodeState
+from mesh.peers import PeerTable
+from mesh.routing.planner import RoutePlanner, RoutingConfig
+from worker.cache_digest import CacheDigest, block_hashes
+
+PROMPT = list(range(1000))
+REQUEST = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+
+
+@dataclass
+class TokenizingUpstream(ScriptedUpstream):
+    async def prompt_blocks(self, request):
+        return {"block_size": 64, "prompt_tokens": len(PROMPT), "hashes": block_hashes(PROMPT)}
+
+
+def _planner(mode="cache", hedge="off", cached_on: str | None = "b", now=10.0):
+    local = StaticDirectory()
+    local.add(ModelInfo(id="m"), TokenizingUpstream(scripts=[text_script("local")], name="local"))
+    peers = PeerTable("me")
+    for node in ("b", "c"):
+        cache = {"m": CacheDigest.of_entries([PROMPT[:900]]).to_wire()} if node == cached_on else {}
+        state = NodeState(node_id=node, seq=1, models=[ModelAd(name="m")], cache=cache)
+        peers.on_state(state, now)
+    upstreams = {n: ScriptedUpstream(scripts=[text_script(n)], name=n) for n in ("b", "c")}
+    config = RoutingConfig(mode=mode, hedge=hedge)
+    return RoutePlanner(local, peers, upstreams.__getitem__, dict, config, lambda: now)
+
+
+async def test_the_peer_holding_the_prefix_comes_first_with_its_reason():
+    routes = await _planner().routes(REQUEST)
+    assert routes[0].peer == "b"
+    assert routes[0].reason == "cache 896/1000"
+    assert [r.reason for r in routes[1:]] == ["next", "next"]
+
+
+async def test_with_nothing_cached_this_node_serves_and_says_why():
+    routes = await _planner(cached_on=None).routes(REQUEST)
+    assert routes[0].kind == "local" and routes[0].reason == "local"
+
+
+async def test_the_next_turn_follows_the_prompt_before_the_digest_says_so():
+    planner = _planner(cached_on=None)
+    planner.observed.running["me"] = 2  # busy here: the first turn goes to a peer
+    first = await planner.routes(REQUEST)
+    planner.observed.running["me"] = 0
+    again = await planner.routes(REQUEST)
+    assert again[0].peer == first[0].peer
+    assert again[0].reason.startswith("cache ")
+
+
+async def test_modes_today_and_round_robin():
+    assert await _planner(mode="today").routes(REQUEST) == []
+    planner = _planner(mode="round-robin")
+    firsts = [(await planner.routes(REQUEST))[0] for _ in range(3)]
+    assert {r.peer or "me" for r in firsts} == {"me", "b", "c"}
+
+
+async def test_hedge_auto_wraps_the_first_route_on_the_second():
+    routes = await _planner(hedge="auto").routes(REQUEST)
+    hedged = routes[0].upstream
+    assert isinstance(hedged, HedgedUpstream)
+    assert hedged.delay_s >= 0.5  # the floor
+    assert hedged.allow()  # the backup is idle
+    hedged.on_hedge("started")
+    hedged.on_hedge("started")
+    assert not hedged.allow()  # at most max_hedges at once
+
+
+async def test_stream_through_a_planned_route_times_its_first_token():
+    planner = _planner()
+    routes = await planner.routes(REQUEST)
+    events = [e async for e in routes[0].upstream.stream(REQUEST)]
+    assert events
+    assert planner.observed.ttft_s("b") is not None
+    assert planner.observed.running["b"] == 0

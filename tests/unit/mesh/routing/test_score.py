@@ -1,0 +1,89 @@
+"""Ranking nodes for a prompt: cache against load and RTT, stickiness and spread on ties."""
+
+from __future__ import annotations
+
+from mesh.routing.score import Candidate, Policy, affinity, rank
+
+NOW = 100.0
+
+
+def fresh(node_id: str, cached: int = 0, **load) -> Candidate:
+    return Candidate(node_id, cached_tokens=cached, digest_at=NOW - 1, **load)
+
+
+def test_the_node_holding_the_prefix_wins_and_says_so():
+    ranked = rank([fresh("a"), fresh("b", 18432), fresh("c", 1024)], prompt_tokens=20100, now=NOW)
+    assert [c.node_id for c in ranked] == ["b", "c", "a"]
+    assert ranked[0].reason == "cache 18432/20100"
+
+
+def test_load_beats_a_small_cached_prefix():
+    busy = fresh("a", 512, queue_depth=3, running=2, ttft_s=2.0)
+    ranked = rank([busy, fresh("b")], prompt_tokens=2000, now=NOW)
+    assert ranked[0].node_id == "b"
+    assert ranked[0].reason == "load"
+
+
+def test_a_long_prefix_is_worth_waiting_for_one_running_request():
+    ranked = rank(
+        [fresh("a", 20000, running=1, ttft_s=0.5), fresh("b")], prompt_tokens=20100, now=NOW
+    )
+    assert ranked[0].node_id == "a"
+
+
+def test_a_stale_digest_counts_for_nothing():
+    stale = Candidate("a", cached_tokens=20000, digest_at=NOW - 31)
+    ranked = rank([stale, fresh("b")], prompt_tokens=20100, now=NOW, session_key="s")
+    assert ranked[0].cached_tokens == 0
+    assert ranked[0].reason == "sticky"
+
+
+def test_rtt_counts():
+    far = fresh("a", rtt_s=0.5)
+    ranked = rank([far, fresh("b", rtt_s=0.001)], prompt_tokens=100, now=NOW)
+    assert [c.node_id for c in ranked] == ["b", "a"]
+    assert ranked[0].reason == "load"
+
+
+def test_a_session_sticks_to_its_rendezvous_node_when_nothing_else_decides():
+    nodes = [fresh(n) for n in "abcd"]
+    for session in ("s1", "s2", "s3"):
+        expected = max("abcd", key=lambda n: affinity(session, n))
+        for turn in range(3):
+            ranked = rank(nodes, prompt_tokens=500, now=NOW, session_key=session, turn=turn)
+            assert ranked[0].node_id == expected
+            assert ranked[0].reason == "sticky"
+
+
+def test_new_sessions_spread_over_idle_nodes():
+    nodes = [fresh(n) for n in "abc"]
+    firsts = {rank(nodes, prompt_tokens=500, now=NOW, session_key=f"s{i}")[0].node_id for i in range(30)}  # fmt: skip
+    assert firsts == {"a", "b", "c"}
+    turns = [rank(nodes, prompt_tokens=500, now=NOW, turn=t)[0] for t in range(3)]
+    assert {c.node_id for c in turns} == {"a", "b", "c"}
+    assert {c.reason for c in turns} == {"spread"}
+
+
+def test_a_busy_node_is_left_out_of_the_spread():
+    nodes = [fresh("a", running=1), fresh("b"), fresh("c")]
+    firsts = {rank(nodes, prompt_tokens=500, now=NOW, turn=t)[0].node_id for t in range(6)}
+    assert firsts == {"b", "c"}
+
+
+def test_one_candidate_and_none():
+    assert rank([fresh("a")], prompt_tokens=10, now=NOW)[0].reason == "only"
+    assert rank([], prompt_tokens=10, now=NOW) == []
+
+
+def test_the_whole_prompt_cached_still_leaves_one_token_to_run():
+    ranked = rank([fresh("a", 4096)], prompt_tokens=4096, now=NOW, policy=Policy())
+    assert ranked[0].cached_tokens == 4095
+
+
+def test_this_node_wins_a_tie_no_session_decides_and_load_spreads_the_rest():
+    idle = [fresh("a"), fresh("b"), fresh("me")]
+    assert rank(idle, prompt_tokens=500, now=NOW, prefer="me")[0].reason == "local"
+    busy = [fresh("a"), fresh("b"), fresh("me", running=1)]
+    assert rank(busy, prompt_tokens=500, now=NOW, prefer="me")[0].node_id in {"a", "b"}
+    with_session = rank(idle, prompt_tokens=500, now=NOW, prefer="me", session_key="s1")
+    assert with_session[0].reason == "sticky"
