@@ -18,7 +18,7 @@ from gateway.api import chat, count_tokens, messages, messages_sse, responses
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
-from gateway.events import Error
+from gateway.events import Error, ErrorKind
 from gateway.exchange import ApiEndpoint, ApiSpec, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard, HostGuard, ServerErrorGuard
@@ -78,7 +78,7 @@ MESSAGES = ApiSpec(
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Unknown paths and methods answer in the API's error shape, not plain text."""
     status = getattr(exc, "status_code", 500)
-    kind = "not_found" if status == 404 else "invalid_request"
+    kind: ErrorKind = "not_found" if status == 404 else "invalid_request"
     error = Error(
         kind=kind, message=f"{request.method} {request.url.path}: {getattr(exc, 'detail', '')}"
     )

@@ -55,10 +55,10 @@ class RecentRequests:
         self._last_seq = 0
 
     def record(self, row: Mapping[str, Any] | Any) -> None:
-        if dataclasses.is_dataclass(row) and not isinstance(row, type):
-            data = dataclasses.asdict(row)
-        else:
+        if isinstance(row, Mapping):
             data = dict(row)
+        else:  # a dataclass record, e.g. metrics' RequestRecord
+            data = dataclasses.asdict(row)
         self._last_seq = next(self._counter)
         self._rows.append((self._last_seq, console_row(data)))
 

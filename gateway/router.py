@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from gateway.errors import GatewayError
@@ -128,7 +128,9 @@ class Router:
                 return routes
         return self.resolve(request)
 
-    async def stream(self, request: ChatRequest, routes: list[Route]) -> AsyncIterator[Event]:
+    async def stream(
+        self, request: ChatRequest, routes: list[Route]
+    ) -> AsyncGenerator[Event, None]:
         """Run ``request`` over ``routes`` with retry-before-commit; always ends with a terminal."""
         plan = _plan(routes)
         reasons: list[str] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import overload
 
 from gateway.events import Done, Error, Event
 from gateway.upstream import close_stream
@@ -60,6 +61,10 @@ class ProducerStream:
             terminal = Error(kind="upstream", message="upstream ended without a terminal event")
         self._queue.put_nowait(terminal)
 
+    @overload
+    async def get(self) -> Event: ...
+    @overload
+    async def get(self, wait_s: float | None) -> Event | None: ...
     async def get(self, wait_s: float | None = None) -> Event | None:
         """The next event, or ``None`` when ``wait_s`` seconds pass without one."""
         queue = self._queue

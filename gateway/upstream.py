@@ -63,6 +63,7 @@ class Upstream(Protocol):
 
     async def aclose(self) -> None:
         """Release connections; the upstream is not used afterwards."""
+        return None  # a default, not an abstract method: most upstreams hold nothing to release
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ MAX_CHARS = 4096
 
 def mergeable(event: Event) -> bool:
     """Whether ``event`` may be merged with its neighbours (a plain text delta)."""
-    return type(event) is TextDelta and event.logprob is None  # type: ignore[union-attr]
+    return type(event) is TextDelta and event.logprob is None
 
 
 class DeltaMerge:

@@ -14,6 +14,7 @@ node's dials would wait for the others' dials to its dead old address to time ou
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -91,7 +92,10 @@ class Dialer:
                 continue  # the higher id restores a lost link (module docstring)
             task = asyncio.get_running_loop().create_task(self._dial(member))
             self._dialing[node_id] = task
-            task.add_done_callback(lambda _t, n=node_id: self._dialing.pop(n, None))
+            task.add_done_callback(functools.partial(self._dial_ended, node_id))
+
+    def _dial_ended(self, node_id: str, _task: asyncio.Task[None]) -> None:
+        self._dialing.pop(node_id, None)
 
     async def _dial(self, member: Member) -> None:
         candidates = [*self.found(member.node_id), *member.addresses, *self.static_peers]

@@ -17,6 +17,10 @@ import logging
 import socket
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations only: start() imports zeroconf when discovery starts
+    from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,9 @@ def encode_txt(node_id: str, mesh_id: str) -> dict[str, str]:
     return {"id": node_id, "mh": mesh_hash(mesh_id), "v": TXT_VERSION}
 
 
-def decode_txt(properties: Mapping[bytes | str, bytes | str | None]) -> Advert | None:
+def decode_txt(
+    properties: Mapping[bytes, bytes | None] | Mapping[str, str | None],
+) -> Advert | None:
     """An advert from raw TXT properties; None when it is not a (compatible) mlx-mesh node."""
 
     def text(value: bytes | str | None) -> str:
@@ -104,9 +110,9 @@ class LanDiscovery:
         self.port = port
         self.host_addresses = host_addresses
         self.on_found = on_found
-        self._zc = None
-        self._browser = None
-        self._info = None
+        self._zc: AsyncZeroconf | None = None
+        self._browser: AsyncServiceBrowser | None = None
+        self._info: AsyncServiceInfo | None = None
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:

@@ -95,7 +95,9 @@ class Members(BaseModel):
 GossipMessage = NodeState | Leave | Members
 
 
-_CODEC = MessageCodec(GossipMessage, GossipDecodeError, "gossip message")
+_CODEC: MessageCodec[GossipMessage] = MessageCodec(
+    GossipMessage, GossipDecodeError, "gossip message"
+)
 gossip_from_dict = _CODEC.from_dict
 
 
@@ -120,8 +122,9 @@ class GossipPublisher:
         content = state.content()
         last = self._last_sent_at
         changed = content != self._last_content
-        due = last is None or now - last >= self.interval_s
-        if not due and not (changed and now - last >= self.min_gap_s):
+        since = float("inf") if last is None else now - last  # never sent: due at once
+        due = since >= self.interval_s
+        if not due and not (changed and since >= self.min_gap_s):
             return None
         self.seq += 1
         self._last_content = content

@@ -235,9 +235,11 @@ class MeshService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         leave = Control(kind="gossip", body=Leave(node_id=self.node_id).model_dump())
         for conn in list(self.links.values()):
+            control = conn.control
+            assert control is not None  # a link is past its handshake: its control stream is up
             with contextlib.suppress(MeshError, TimeoutError):
                 async with asyncio.timeout(0.5):
-                    await conn.control.send(leave)
+                    await control.send(leave)
         await asyncio.sleep(0.05)  # let the Leave frames go out before the close frames
         if self._discovery is not None:
             await self._discovery.stop()
@@ -415,7 +417,12 @@ class MeshService:
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.append(task)
-        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if done in self._tasks:
+                self._tasks.remove(done)
+
+        task.add_done_callback(forget)
 
     def local_state(self) -> NodeState:
         load = self.gossip.load

@@ -182,7 +182,8 @@ def _encode(event: Event) -> bytes:
     if type(event) is TextDelta and event.logprob is None:  # most events: the short way
         return orjson.dumps({"t": "text", "text": event.text})
     out = event_to_dict(event)
-    for name in _none_by_default(type(event)):
+    event_type: type = type(event)  # mypy takes the class of an unhashable dataclass for unhashable
+    for name in _none_by_default(event_type):
         if out[name] is None:
             del out[name]
     return orjson.dumps(out)

@@ -86,7 +86,7 @@ class MessagesStreamEncoder:
             if self.acc.usage is not None
             else {"input_tokens": 0, "output_tokens": 0}
         )
-        message = {
+        message: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",

@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gateway.events import ErrorKind
 from gateway.moa import gates, scoring
 from gateway.moa.answers import extract_answer
 from gateway.moa.config import MoaConfig, Policy
@@ -284,7 +285,9 @@ class Arbiter:
         self._set_state(ArbiterState.FAILED)
         failures = [v for v in self.workers.values() if v.name != REDUCER]
         reasons = "; ".join(f"{v.name}: {v.failure}" for v in failures)
-        kind = "timeout" if failures and all(v.timed_out for v in failures) else "upstream"
+        kind: ErrorKind = (
+            "timeout" if failures and all(v.timed_out for v in failures) else "upstream"
+        )
         return [Fail(kind, f"all {len(failures)} MoA workers failed ({reasons})")]
 
     def score(self, view: WorkerView) -> float:

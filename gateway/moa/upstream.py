@@ -109,7 +109,8 @@ async def _pump(
         queue.put_nowait((worker, _StreamBroke(f"worker raised {exc!r}")))
     finally:
         try:
-            await close_stream(iterator)
+            if iterator is not None:  # None: ``upstream.stream`` itself raised
+                await close_stream(iterator)
         except RuntimeError as exc:  # e.g. closing a generator that is still running
             log.warning("moa worker %s did not close cleanly: %r", worker, exc)
 
@@ -329,10 +330,10 @@ class _Run:
         )
         decided_s = (arbiter.decided_at or self.started_at) - self.started_at
         yield Meta(self._known_headers() | decision_headers(arbiter, winner, decided_s))
-        for event in self.buffers.pop(winner, []):
-            if not isinstance(event, Meta):
-                yield event
-            if is_terminal(event):
+        for buffered in self.buffers.pop(winner, []):
+            if not isinstance(buffered, Meta):
+                yield buffered
+            if is_terminal(buffered):
                 return
         self.buffers[winner] = []  # keep accepting the winner's live events
         deadline = arbiter.workers[winner].started_at + self.config.total_timeout_s

@@ -29,7 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway import sse
 from gateway.api import responses
 from gateway.api.errors import RequestInvalid, openai_error_body
-from gateway.events import Done, Error, Meta
+from gateway.events import Done, Error, ErrorKind, Meta
 from gateway.exchange import error_response, json_response
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
@@ -267,7 +267,7 @@ async def cancel(request: Request) -> Response:
             if stored is not None
             else f"Response with id '{response_id}' not found."
         )
-        kind = "invalid_request" if stored is not None else "not_found"
+        kind: ErrorKind = "invalid_request" if stored is not None else "not_found"
         return error_response(openai_error_body, Error(kind=kind, message=message))
     run.cancel()
     await asyncio.wait([run.task])  # never raises, and never cancels the run a second time

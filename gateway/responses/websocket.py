@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import orjson
+from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.api import responses
@@ -73,7 +74,7 @@ class _Socket:
         self.state = websocket.app.state.gateway
         self.opened = time.monotonic()
         self.last: StoredResponse | None = None
-        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.inbox: asyncio.Queue[Message] = asyncio.Queue()
         self.current: asyncio.Task[None] | None = None  # the turn running
         self.continues = False  # the turn running continues ``last`` (from memory)
 

@@ -62,7 +62,7 @@ def pull_command(
             raise fail("--from copies through the running node: start it with `mesh up`")
         if node is not None:
             try:
-                path = pull_from_peers(node, name, from_node)
+                path: str | Path = pull_from_peers(node, name, from_node)
             except NoHolder:
                 if from_node:
                     raise fail(f"member {from_node} does not hold {name}") from None
@@ -150,8 +150,8 @@ def list_command(home: Path | None = HomeOption) -> None:
             mesh_table.add_row(model_name, ", ".join(n[:12] for n in nodes) + here)
         console.print(mesh_table)
     if not models:
-        pullable = ", ".join(sorted(REGISTRY))
-        console.print(f"No models in {root / 'models'}. Pull one: mesh models pull ({pullable})")
+        known = ", ".join(sorted(REGISTRY))
+        console.print(f"No models in {root / 'models'}. Pull one: mesh models pull ({known})")
         return
     table = Table(title=f"Models in {root / 'models'}")
     for column in ("name", "architecture", "parameters", "quantization", "size"):

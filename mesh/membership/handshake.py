@@ -115,7 +115,9 @@ class Denied(_Msg):
 
 HandshakeMessage = Hello | Challenge | Proof | Welcome | Denied
 # Bad input raises HandshakeInputError only: anything that is not one of our messages.
-_CODEC = MessageCodec(HandshakeMessage, HandshakeInputError, "handshake message")
+_CODEC: MessageCodec[HandshakeMessage] = MessageCodec(
+    HandshakeMessage, HandshakeInputError, "handshake message"
+)
 message_from_dict = _CODEC.from_dict
 
 

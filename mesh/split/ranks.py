@@ -32,7 +32,7 @@ from pathlib import Path
 
 from mesh.errors import NodeError, PlanError, SplitError
 from mesh.split.bridge import BridgeLink
-from mesh.split.coordinator import RemoteRank, SplitMesh, new_group_id
+from mesh.split.coordinator import RankReport, RemoteRank, SplitMesh, new_group_id
 from mesh.split.host import open_link
 from mesh.split.orders import RankOrder
 from mesh.split.plan import (
@@ -337,6 +337,7 @@ class SplitWorkerProcess(WorkerProcess):
 
     async def _group_broken(self) -> str:
         """Until a rank other than 0 ends: why."""
+        waits: list[asyncio.Future[int | RankReport]]
         waits = [asyncio.ensure_future(f.wait()) for f in self.followers]
         waits += [asyncio.ensure_future(r.wait_exited()) for r in self.remotes]
         try:

@@ -100,7 +100,7 @@ class PeerConnection:
         self._streams: dict[int, TunnelStream] = {}
         self._outbox = Outbox(self._quic.send_stream_data)  # writes held for the next flush
         self._held: list[TunnelStream] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # stream handlers and liveness probes
         self._next_stream_id = 0 if is_client else 1
         self._highest_peer_stream = -1
         self._pings = KeepAlive(self._config.ping_interval, self._config.ping_timeout)
@@ -226,7 +226,7 @@ class PeerConnection:
             self._auth_timer.cancel()
             self._auth_timer = None
 
-    def background_tasks(self) -> list[asyncio.Task[None]]:
+    def background_tasks(self) -> list[asyncio.Task[Any]]:
         """Its stream handlers and keep-alive, for a shutdown that waits for them."""
         return [*self._tasks, *([self._keepalive] if self._keepalive else [])]
 

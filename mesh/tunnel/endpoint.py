@@ -262,7 +262,7 @@ class TunnelEndpoint:
     def stale_after(self) -> float:
         return stale_after_for(self.config.ping_interval)
 
-    def hold_for(self, incoming: PeerConnection) -> asyncio.Future[object] | None:
+    def hold_for(self, incoming: PeerConnection) -> asyncio.Future[Any] | None:
         return self._own_dial_to(incoming) or self._duplicate_probe(incoming)
 
     def _duplicate_probe(self, incoming: PeerConnection) -> asyncio.Future[bool] | None:

@@ -95,6 +95,6 @@ def request_client_certificate(quic: QuicConnection) -> None:
         initialize(peer_cid)
         if not hasattr(quic.tls, "_request_client_certificate"):
             raise RuntimeError(_AIOQUIC_CHANGED)
-        quic.tls._request_client_certificate = True  # type: ignore[attr-defined]
+        quic.tls._request_client_certificate = True
 
-    quic._initialize = initialize_with_client_cert  # type: ignore[attr-defined,method-assign]
+    quic._initialize = initialize_with_client_cert  # type: ignore[method-assign]
