@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 _JSON_PARSERS = frozenset({"json_tools"})
 _MISTRAL_PARSERS = frozenset({"mistral"})
 _LENIENT = {**GRAMMAR_OPTIONS, "lenient": True}
+_DATA = frozenset({"enum", "const", "default", "examples"})  # values that are data, not schemas
 
 SyntaxKind = Literal["json", "mistral", "other"]
 # The special token id a marker is spelled with in the model's vocabulary, or None.
@@ -108,43 +109,78 @@ def call_grammar(
     if syntax.kind == "other":
         return None
     by_name = {_name(tool): tool for tool in tools}
-    alternatives = [_call(syntax.kind, name, _parameters(by_name[name])) for name in names]
-    # JSON calls sit on their own line between the markers, as the generic prompt shows them;
-    # Mistral's has no end marker: the call runs to the end of the answer.
-    newline = ' "\\n" ' if syntax.kind == "json" else " "
-    start = _literal(syntax.start, special) + newline
-    end = (newline + _literal(syntax.end, special)) if syntax.end else ""
-    rules = [f"call_{i}: {body}" for i, body in enumerate(alternatives)]
-    choice = " | ".join(f"call_{i}" for i in range(len(alternatives)))
-    lark = "\n".join(["%llguidance {}", f"start: {start}({choice}){end}", *rules])
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    held = [_parameters(by_name[name]) for name in names]
+    options = GRAMMAR_OPTIONS if all(strict for _, strict in held) else _LENIENT
+    if syntax.kind == "json":
+        # The whole call is one JSON value: llguidance masks out tokens that would cross into
+        # a nested grammar, so a model writes ``"arguments": {`` with its usual tokens only
+        # when name and arguments are one grammar. It sits on its own line between the
+        # markers, as the generic prompt shows it.
+        calls = [_call_schema(name, schema, len(names) > 1, i) for i, (name, (schema, _)) in enumerate(zip(names, held, strict=True))]  # fmt: skip
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        body = f"%json {_dumps({**call, 'x-guidance': options})}"
+        end = f' "\\n" {_literal(syntax.end, special)}'
+        lark = f'start: {_literal(syntax.start, special)} "\\n" {body}{end}'
+    else:  # mistral: name[ARGS]{…}, the call running to the end of the answer
+        rules = [
+            f"call_{i}: {_text(name + '[ARGS]')} %json {_dumps({**schema, 'x-guidance': options})}"
+            for i, (name, (schema, _)) in enumerate(zip(names, held, strict=True))
+        ]
+        choice = " | ".join(f"call_{i}" for i in range(len(names)))
+        lark = "\n".join([f"start: {_literal(syntax.start, special)} ({choice})", *rules])
+    return llguidance.LLMatcher.grammar_from_lark(f"%llguidance {{}}\n{lark}")
 
 
-def _call(kind: SyntaxKind, name: str, parameters: dict[str, Any]) -> str:
-    arguments = f"%json {json.dumps(parameters, ensure_ascii=False)}"
-    if kind == "mistral":
-        return f"{_text(name + '[ARGS]')} {arguments}"
-    head = json.dumps({"name": name, "arguments": 0}, ensure_ascii=False).removesuffix("0}")
-    return f'{_text(head)} {arguments} "}}"'
+def _call_schema(name: str, parameters: dict[str, Any], alternative: bool, i: int) -> Any:
+    """``{"name": name, "arguments": parameters}`` as a schema; the references inside
+    ``parameters`` (``#/$defs/…``, ``#``) repointed to where they now sit."""
+    where = f"/anyOf/{i}/properties/arguments" if alternative else "/properties/arguments"
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": _repointed(parameters, where)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
-def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    """The tool's parameter schema with our JSON layout: held strictly when llguidance can,
-    else leniently (keywords it does not implement are ignored), else any JSON object – a
-    client's schema must not keep the call from being made."""
+def _repointed(node: Any, where: str) -> Any:
+    if isinstance(node, list):
+        return [_repointed(item, where) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + where + value[1:]
+        elif key in _DATA:
+            out[key] = value
+        else:
+            out[key] = _repointed(value, where)
+    return out
+
+
+def _parameters(tool: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The tool's parameter schema and whether llguidance holds it strictly; a schema it can
+    hold only leniently (ignoring keywords it does not implement) is held so, one it cannot
+    hold at all becomes any JSON object: a client's schema must not keep the call from being
+    made."""
     function = tool.get("function", tool)
     schema = function.get("parameters") or ANY_OBJECT
     if not isinstance(schema, dict):
-        return {**ANY_OBJECT, "x-guidance": GRAMMAR_OPTIONS}
+        return ANY_OBJECT, True
+    schema = {k: v for k, v in schema.items() if k not in ("x-guidance", "$schema", "$id")}
     try:
         json_grammar(schema)
-        return {**schema, "x-guidance": GRAMMAR_OPTIONS}
+        return schema, True
     except SchemaError as exc:
         log.info("tool %r: parameters held leniently: %s", function.get("name"), exc.message)
-    lenient = {**schema, "x-guidance": _LENIENT}
-    if _compiles(lenient):
-        return lenient
-    return {**ANY_OBJECT, "x-guidance": GRAMMAR_OPTIONS}
+    if _compiles({**schema, "x-guidance": _LENIENT}):
+        return schema, False
+    return ANY_OBJECT, True
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _compiles(schema: dict[str, Any]) -> bool:
