@@ -58,7 +58,7 @@ CALC = {
         },
     },
 }
-TOOLS = [WEATHER, CALC]
+TOOLS: list[dict[str, Any]] = [WEATHER, CALC]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 GENERIC = CallSyntax("json", "<tool_call>", "</tool_call>", parse_json_span)
 MISTRAL = CallSyntax("mistral", "[TOOL_CALLS]", "", mistral.parse_tool_call)
