@@ -1,5 +1,6 @@
 """A chat completions request as an engine job: the prompt (tools fitted to the context,
-thinking, an output grammar), its sampling, and the assembler that splits the answer.
+thinking, an output grammar or a forced tool call), its sampling, and the assembler that splits
+the answer.
 
 A client's mistake raises :class:`BadRequest` (the app answers it with a 400).
 """
@@ -17,7 +18,7 @@ from worker.engine_types import GenerationRequest
 from worker.output import DeltaAssembler
 from worker.sampling import SamplingParams
 from worker.schemas import ChatCompletionRequest
-from worker.structured.processor import GrammarProcessor
+from worker.structured.processor import GrammarProcessor, special_token_id
 from worker.structured.response_format import (
     OutputFormatError,
     agrammar_processor,
@@ -26,8 +27,9 @@ from worker.structured.response_format import (
 )
 from worker.thinking import normalize_thinking
 from worker.tools import listing as tool_listing
+from worker.tools.forced import ToolChoiceError, call_grammar, call_syntax, forced_names
 from worker.tools.listing import Listing
-from worker.tools.parsing import ToolCallSplitter, parse_json_span
+from worker.tools.parsing import ToolCallSplitter
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,12 @@ async def start_job(
     offered = chat.tools if chat.tool_choice != "none" else None
     tools = [t.model_dump(exclude_none=True) for t in offered] if offered else None
     grammar = _output_grammar(chat, bool(tools))
+    try:
+        forced = forced_names(chat.tool_choice, tools)
+    except ToolChoiceError as exc:
+        raise BadRequest(str(exc), "tool_choice") from exc
+    if forced and tools:
+        grammar = await asyncio.to_thread(_call_grammar, engine.tokenizer, tools, forced)
     if grammar is not None:
         template_kwargs["enable_thinking"] = (
             False  # the grammar holds the answer, not a think block
@@ -115,15 +123,10 @@ async def start_job(
     tok = engine.tokenizer
     splitter = None
     if tools:
-        if tok.has_tool_calling:
-            splitter = ToolCallSplitter(
-                start=tok.tool_call_start,
-                end=tok.tool_call_end,
-                parser=tok.tool_parser,
-                tools=tools,
-            )
-        else:
-            splitter = ToolCallSplitter(parser=parse_json_span, tools=tools)
+        syntax = call_syntax(tok)
+        splitter = ToolCallSplitter(
+            start=syntax.start, end=syntax.end, parser=syntax.parser, tools=tools
+        )
     # A held answer is all content: a think tag spelled inside a JSON string stays in it.
     think_tags = (tok.think_start, tok.think_end) if tok.has_thinking and grammar is None else None
     assembler = DeltaAssembler(
@@ -168,6 +171,22 @@ def _output_grammar(chat: ChatCompletionRequest, tools_offered: bool) -> str | N
         return output_grammar(chat.response_format, tools_offered)
     except OutputFormatError as exc:
         raise BadRequest(str(exc), exc.param) from exc
+
+
+def _call_grammar(
+    tokenizer: Any, tools: list[dict[str, Any]], names: tuple[str, ...]
+) -> str | None:
+    """The grammar that makes the answer one call to one of ``names``, in this model's call
+    syntax; None (the choice is not enforced) where that syntax has no grammar."""
+    syntax = call_syntax(tokenizer)
+    try:
+        grammar = call_grammar(syntax, tools, names, lambda text: special_token_id(tokenizer, text))
+    except (ValueError, TypeError, AttributeError) as exc:  # a tokenizer llguidance cannot read
+        log.warning("tool_choice not enforced: %s", exc)
+        return None
+    if grammar is None:
+        log.warning("tool_choice not enforced: no grammar for this model's tool-call syntax")
+    return grammar
 
 
 async def _grammar_processor(engine: Engine, grammar: str) -> GrammarProcessor:

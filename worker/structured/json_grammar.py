@@ -68,7 +68,8 @@ class _ByteTokens:
 
 
 @functools.cache
-def _byte_tokenizer() -> llguidance.LLTokenizer:
+def validator_tokenizer() -> llguidance.LLTokenizer:
+    """A byte-level tokenizer that checks grammars without any model."""
     return llguidance.LLTokenizer(TokenizerWrapper(_ByteTokens()))
 
 
@@ -98,7 +99,7 @@ def _compiled(text: bytes) -> str:
             text.decode(), overrides=GRAMMAR_OPTIONS
         )
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, _byte_tokenizer()
+            grammar, validator_tokenizer()
         )
     except ValueError as exc:
         raise SchemaError(f"not a usable JSON schema: {exc}") from exc

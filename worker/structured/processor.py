@@ -46,6 +46,15 @@ def grammar_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
         return found
 
 
+def special_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` when the model writes it as one special token: a grammar must name
+    such a token (``<[id]>``), llguidance never matches it by its text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and grammar_tokenizer(tokenizer).is_special_token(ids[0]):
+        return int(ids[0])
+    return None
+
+
 class GrammarUnavailable(Exception):
     """This model's tokenizer cannot be read by llguidance (not a fast HF tokenizer)."""
 
