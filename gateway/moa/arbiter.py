@@ -146,8 +146,7 @@ class Arbiter:
         self.reducer_fallback: str | None = None
         # Workers still running when the decision stopped them (the cost the decision saved),
         # and vote samples of later waves that never had to start.
-        self.stopped_early = 0
-        self.never_started = 0
+        self.stopped_early = self.never_started = 0
         # vote: the first ``wave`` workers start now, the others wait for an undecided vote.
         self.wave = max(1, wave) if wave and self.policy == "vote" else len(workers)
         for view in list(self.workers.values())[self.wave :]:
@@ -473,7 +472,8 @@ class Arbiter:
         return self._commit(self._most_confident(finished).name, "no-votes", now)
 
     def _launch_wave(self, now: float) -> list[Decision]:
-        waiting = [v for v in self.workers.values() if v.waiting][: self.wave]
+        size = min(self.wave, self.tally.needed())  # 3 : 0 → one more sample, not a wave
+        waiting = [v for v in self.workers.values() if v.waiting][:size]
         for view in waiting:
             view.status = WorkerStatus.RUNNING
             view.started_at = now
