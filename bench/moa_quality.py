@@ -417,12 +417,12 @@ def report(
         lines += screen_table(screen_rows)
     if eval_rows:
         lines += ["", *policy_section(eval_rows, args)]
-    elif screen_rows:
+    if screen_rows:
+        # Drawn last, so the plot shows these while the evaluation has fewer items.
         lines += [
             "",
-            "The evaluation phase has not run: the policies below are replayed over the",
-            "*screening* items (all candidate tasks, few items) – an early look, not the "
-            "done-when.",
+            "The policies below are replayed over the *screening* items (all candidate tasks, "
+            "few items) – an early look, not the done-when.",
             "",
             *policy_section(screen_rows, args, seed=SCREEN_SEED),
         ]
