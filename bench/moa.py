@@ -10,7 +10,7 @@ reasoning-gym): real MLX workers over HTTP. Each item's candidate streams are ru
 then decides over a replay of those same streams, and the reduce policy's aggregator call runs
 live on the real strongest model. So policies are compared on identical candidates at a fraction
 of the cost. Every item is appended to an item log; rerunning the same command resumes there
-(``--time-budget-s`` stops early and still writes the report). → ``moa-quality.md``.
+(``--time-budget-s`` stops early and still writes the report). → ``moa-quality-policies.md``.
 
     python bench/moa.py                                   # part 1, scripted only
     python bench/moa.py --model M1 --model M2 --items 0   # part 1 with real-model TTFT
@@ -622,7 +622,7 @@ the opening is conclusive ("The…"), after N=4 deltas when it might still turn 
 fastest single worker's, because it takes the best of several jittered prefills and skips a
 stalled one. `consensus` and `reduce` must wait for agreement, complete answers or the grace
 period, which puts their TTFT within a few tens of percent of the buffered baseline. In the
-300-item quality run ([moa-quality.md](moa-quality.md)) neither bought accuracy over `race`: with
+300-item quality run ([moa-quality-policies.md](moa-quality-policies.md)) neither bought accuracy over `race`: with
 the models at hand the oracle (any candidate right) equals the best single worker, so there was
 nothing to gain, and `race` lost nothing. Callers who prefer quality over latency choose the
 others per request with `metadata.moa_policy`; a person with bigger models should rerun the
@@ -669,7 +669,7 @@ def ttft_report(args: argparse.Namespace) -> list[str]:
         '# `model="mesh"`: TTFT',
         "",
         f"Produced by `python bench/moa.py` ({time.strftime('%Y-%m-%d')}). Answer quality per "
-        "policy against each single worker: [moa-quality.md](moa-quality.md) (two models) "
+        "policy against each single worker: [moa-quality-policies.md](moa-quality-policies.md) (two models) "
         "and [moa-quality-self.md](moa-quality-self.md) (one model, self-mixture).",
         "",
         "## TTFT with scripted workers",
@@ -723,7 +723,7 @@ def quality_report(args: argparse.Namespace) -> list[str]:
         + " ".join(f"--model {p.name}" for p in args.model)
         + (
             f" --quality-out {args.quality_out} --item-log {args.item_log.name}"
-            if args.quality_out != "moa-quality.md"
+            if args.quality_out != "moa-quality-policies.md"
             else ""
         )
         + f"` ({time.strftime('%Y-%m-%d')}).",
@@ -761,7 +761,7 @@ def main() -> None:
     parser.add_argument("--real-max-tokens", type=int, default=64)
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the reports go")
     parser.add_argument(
-        "--quality-out", default="moa-quality.md", help="part 2 report name, in --results"
+        "--quality-out", default="moa-quality-policies.md", help="part 2 report name, in --results"
     )
     parser.add_argument(
         "--item-log",

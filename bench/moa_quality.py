@@ -47,7 +47,7 @@ from gateway.moa.answers import extract_answer
 from gateway.moa.arbiter import Arbiter
 from gateway.moa.auto import choose_policy
 from gateway.moa.config import MoaConfig
-from gateway.moa.events import TokenArrived, WorkerFinished, WorkerStarted
+from gateway.moa.events import Launch, TokenArrived, WorkerFinished, WorkerStarted
 from gateway.request import ChatRequest, Message
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -172,6 +172,7 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
         "samples": args.samples,
         "max_tokens": args.max_tokens,
         "instruction": INSTRUCTION,
+        "hot_temperatures": args.hot,
     }
     done = {(r["task"], r["index"]) for r in start_log(log, header)}
     deadline = time.monotonic() + args.time_budget_s
@@ -191,8 +192,20 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
                     request_for(entry["question"], args.max_tokens, seed=seed * 100 + i)
                     for i in range(args.samples)
                 ]
+                # The same number of samples at each fixed temperature (a floor's candidates),
+                # top_p and the rest still the model's own; all in the same batch.
+                hot = [
+                    request_for(
+                        entry["question"], args.max_tokens, temperature=t, seed=seed * 100 + i
+                    )
+                    for t in args.hot
+                    for i in range(args.samples)
+                ]
                 started = time.monotonic()
-                answers = await asyncio.gather(*(sample(client, r) for r in [greedy, *samples]))
+                everything = [greedy, *samples, *hot]
+                answers = await asyncio.gather(*(sample(client, r) for r in everything))
+                hot_answers = answers[1 + args.samples :]
+                answers = answers[: 1 + args.samples]
                 row = {
                     "task": task,
                     "index": index,
@@ -202,13 +215,25 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
                     "samples": answers[1:],
                     "correct": [is_correct(task, a["text"], entry) for a in answers],
                     "wall_s": time.monotonic() - started,
+                    "pools": {
+                        str(t): {
+                            "temperature": t,
+                            "samples": part,
+                            "correct": [is_correct(task, a["text"], entry) for a in part],
+                        }
+                        for j, t in enumerate(args.hot)
+                        for part in [hot_answers[j * args.samples : (j + 1) * args.samples]]
+                    },
                 }
                 with log.open("ab") as fh:
                     fh.write(orjson.dumps(row) + b"\n")
                 hits = sum(row["correct"][1:])
+                hot_hits = " ".join(
+                    f"T={k}: {sum(v['correct'])}/{args.samples}" for k, v in row["pools"].items()
+                )
                 print(
                     f"{task} #{index}: greedy {row['correct'][0]}, samples {hits}/"
-                    f"{args.samples}, {row['wall_s']:.1f}s",
+                    f"{args.samples} {hot_hits}, {row['wall_s']:.1f}s",
                     flush=True,
                 )
 
@@ -219,38 +244,62 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
 @dataclasses.dataclass
 class Outcome:
     winner: int | None  # index into the candidates
-    used: int  # samples that finished (voted or abstained) before the decision
+    used: int  # samples started (a later wave's only once launched)
     tokens: int  # tokens decoded in all, the stopped samples' included
-    decided_step: int
+    decided_step: int  # decode steps from the fan-out until the answer is out (its end)
 
 
-def replay(policy: str, answers: list[dict[str, Any]], config: MoaConfig) -> Outcome:
+def replay(
+    policy: str, answers: list[dict[str, Any]], config: MoaConfig, wave: int | None = None
+) -> Outcome:
     """Run the arbiter over recorded answers decoding in lockstep: step k delivers every live
-    answer's k-th delta; an answer ends one step after its last delta."""
+    answer's k-th delta; an answer ends one step after its last delta. With ``wave``, samples
+    start in waves as the live gateway starts them: a launched wave's first delta comes the step
+    after the launch (its prefill shares the cached prompt)."""
     names = [f"s{i}" for i in range(len(answers))]
-    arbiter = Arbiter(names, config, now=0.0, policy=policy, preferred=names[0])  # type: ignore[arg-type]
-    for name in names:
+    arbiter = Arbiter(names, config, now=0.0, policy=policy, preferred=names[0], wave=wave)  # type: ignore[arg-type]
+    start: dict[int, int] = {}
+    for name in arbiter.started():
+        start[names.index(name)] = 0
         arbiter.handle(WorkerStarted(name), 0.0)
-    longest = max((len(a["logprobs"]) for a in answers), default=0)
-    finished = 0
-    for step in range(longest + 1):
-        for i, a in enumerate(answers):
-            deltas = a["logprobs"]
-            if step < len(deltas):
-                piece = _pieces(a)[step]
-                arbiter.handle(TokenArrived(names[i], piece, logprob=deltas[step]), float(step))
-            elif step == len(deltas):
-                finished += 1
+    step = 0
+    while True:
+        launched: list[str] = []
+        for i, at in sorted(start.items()):
+            k, a = step - at, answers[i]
+            if k < 0 or k > len(a["logprobs"]):
+                continue
+            if k < len(a["logprobs"]):
+                event: Any = TokenArrived(names[i], _pieces(a)[k], logprob=a["logprobs"][k])
+            else:
                 finish = a["finish"] if a["finish"] in ("stop", "length") else "stop"
-                arbiter.handle(WorkerFinished(names[i], finish), float(step))
+                event = WorkerFinished(names[i], finish)
+            for decision in arbiter.handle(event, float(step)):
+                if isinstance(decision, Launch):
+                    launched += decision.workers
             if arbiter.winner is not None:
-                tokens = sum(min(len(x["logprobs"]), step + 1) for x in answers)
-                # The winner decodes on to its end (race commits to a stream still running).
-                won = answers[names.index(arbiter.winner)]
-                tokens += max(0, len(won["logprobs"]) - (step + 1))
-                used = sum(1 for x in answers if len(x["logprobs"]) <= step)
-                return Outcome(names.index(arbiter.winner), used, tokens, step)
-    return Outcome(None, len(answers), sum(len(a["logprobs"]) for a in answers), longest)
+                return _outcome(arbiter.winner, names, answers, start, step)
+        for name in launched:
+            start[names.index(name)] = step + 1
+            arbiter.handle(WorkerStarted(name), float(step))
+        if not launched and all(step - at > len(answers[i]["logprobs"]) for i, at in start.items()):
+            return Outcome(None, len(start), _decoded(answers, start, step), step)
+        step += 1
+
+
+def _decoded(answers: list[dict[str, Any]], start: dict[int, int], step: int) -> int:
+    return sum(min(len(answers[i]["logprobs"]), max(0, step - at + 1)) for i, at in start.items())
+
+
+def _outcome(
+    winner: str, names: list[str], answers: list[dict[str, Any]], start: dict[int, int], step: int
+) -> Outcome:
+    tokens = _decoded(answers, start, step)
+    # The winner decodes on to its end (race commits to a stream still running).
+    i = names.index(winner)
+    tokens += max(0, len(answers[i]["logprobs"]) - max(0, step - start[i] + 1))
+    # The answer is out when its winner's stream ends (a vote's winner already has).
+    return Outcome(i, len(start), tokens, max(step, start[i] + len(answers[i]["logprobs"])))
 
 
 def _pieces(answer: dict[str, Any]) -> list[str]:
@@ -272,39 +321,67 @@ def sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2**n)
 
 
-def evaluate(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per policy: correct per item, samples used, tokens decoded."""
-    config = MoaConfig()
-    out: dict[str, dict[str, list[Any]]] = {}
+def pool_of(row: dict[str, Any], pool: str) -> tuple[list[dict[str, Any]], list[bool]]:
+    """A row's samples and their correctness: ``default`` (the model's own temperature) or a
+    fixed temperature recorded with ``--hot``."""
+    if pool == "default":
+        return row["samples"], row["correct"][1:]
+    part = row["pools"][pool]
+    return part["samples"], part["correct"]
 
-    def note(label: str, hit: bool, used: int, tokens: int) -> None:
-        slot = out.setdefault(label, {"hit": [], "used": [], "tokens": []})
-        slot["hit"].append(hit)
-        slot["used"].append(used)
-        slot["tokens"].append(tokens)
+
+def pools(rows: list[dict[str, Any]]) -> list[str]:
+    return ["default", *(k for k in rows[0].get("pools", {}) if all(k in r["pools"] for r in rows))]
+
+
+Results = dict[str, dict[str, list[Any]]]
+
+
+def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None = None) -> Results:
+    """Per mode: correct per item, samples started, tokens decoded, steps to the decision. The
+    vote's pool is the caller's own (greedy) request plus N − 1 samples of ``pool``."""
+    config = MoaConfig()
+    wave = config.vote_wave if wave is None else wave
+    out: Results = {}
+
+    def note(label: str, hit: bool, used: int, tokens: int, steps: int) -> None:
+        slot = out.setdefault(label, {"hit": [], "used": [], "tokens": [], "steps": []})
+        for key, value in (("hit", hit), ("used", used), ("tokens", tokens), ("steps", steps)):
+            slot[key].append(value)
 
     for row in rows:
-        greedy, samples, correct = row["greedy"], row["samples"], row["correct"]
-        note("single greedy", correct[0], 1, len(greedy["logprobs"]))
-        note("single sample (default T)", correct[1], 1, len(samples[0]["logprobs"]))
-        # race: the caller's own (greedy) request plus two samples, as plan_candidates makes.
-        race = replay("race", [greedy, *samples[:2]], config)
+        greedy, correct = row["greedy"], row["correct"]
+        samples, hits = pool_of(row, pool)
+        ok = [correct[0], *hits]
+        n0 = len(greedy["logprobs"])
+        note("single greedy", correct[0], 1, n0, n0)
+        first = row["samples"][0]
         note(
-            "mesh race (3)", bool(race.winner is not None and correct[race.winner]), 3, race.tokens
+            "single sample (default T)",
+            correct[1],
+            1,
+            len(first["logprobs"]),
+            len(first["logprobs"]),
         )
-        # vote: the caller's request (greedy) is sample 0, the others at the default T.
+        for label in pools(rows)[1:]:
+            one, right = pool_of(row, label)
+            n1 = len(one[0]["logprobs"])
+            note(f"single sample (T={label})", right[0], 1, n1, n1)
+        # race: the caller's own (greedy) request plus two samples, as plan_candidates makes.
+        race = replay("race", [greedy, *row["samples"][:2]], config)
+        won = race.winner is not None and [correct[0], *correct[1:3]][race.winner]
+        note("mesh race (3)", bool(won), 3, race.tokens, race.decided_step)
         for n in N_SWEEP:
             if n > len(samples) + 1:
                 continue
-            pool = [greedy, *samples[: n - 1]]
-            vote = replay("vote", pool, config)
-            hit = bool(vote.winner is not None and correct[vote.winner])
-            note(f"mesh vote (N={n})", hit, vote.used, vote.tokens)
+            vote = replay("vote", [greedy, *samples[: n - 1]], config, wave)
+            hit = bool(vote.winner is not None and ok[vote.winner])
+            note(f"mesh vote (N={n})", hit, vote.used, vote.tokens, vote.decided_step)
         question = row.get("question", "")
         policy, _ = choose_policy(request_for(question, 64)) if question else ("vote", "")
         label = "mesh vote (N=8)" if policy == "vote" else "mesh race (3)"
-        note("mesh auto", out[label]["hit"][-1], out[label]["used"][-1], out[label]["tokens"][-1])
-        note("oracle (any of the N=8 pool)", any(correct[:8]), 8, 0)
+        note("mesh auto", *(out[label][k][-1] for k in ("hit", "used", "tokens", "steps")))
+        note("oracle (any of the N=8 pool)", any(ok[:8]), 8, 0, 0)
     return out
 
 
@@ -317,112 +394,185 @@ def report(
     lines = ['# `model="mesh"` answer quality: self-mixture on SmolLM2-135M', ""]
     if partial:
         lines += [
-            "**PARTIAL RESULTS** – the recording did not finish on the shared 2-core box (about "
-            "20–50 s per item for greedy + 8 samples). Resume, then run the kept tasks (each "
-            "command continues its item log where it stopped):",
+            "**PARTIAL RESULTS** – the recording did not finish on the shared 2-core box "
+            f"({len(eval_rows)} evaluation items of the 300 the issue asks for). Each command "
+            "continues its item log where it stopped; `report` redraws this page from the logs:",
             "",
             "    export LD_PRELOAD=\"$(.venv/bin/python -c 'from worker.cpu import preload_env; "
             'print(preload_env().get("LD_PRELOAD", ""))\')"',
-            "    .venv/bin/python bench/moa_quality.py screen --items 8 --samples 8",
-            "    .venv/bin/python bench/moa_quality.py eval --items 50 --samples 16 --tasks <kept>",
+            "    nice .venv/bin/python bench/moa_quality.py screen --items 4 --samples 8 --hot 0.7",
+            "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 "
+            "--samples 15 --hot 0.7",
             "",
         ]
     lines += [
         "## Screening: pass@1 vs pass@8 per task",
         "",
-        f"Seed {SCREEN_SEED}; pass@1 = mean correctness of the default-temperature samples, "
-        "pass@8 = any of 8 correct.",
+        f"Seed {SCREEN_SEED}; pass@1 = mean correctness of one pool's 8 samples, pass@8 = any of "
+        "them correct; the gap in points per pool (the model's default T, and each fixed T). "
+        "Kept: a gap of ≥ 10 points in some pool (at least the 6 widest gaps).",
         "",
-        "| task | items | greedy | pass@1 | pass@8 | gap (points) | kept |",
-        "|---|---:|---:|---:|---:|---:|:---:|",
     ]
-    for task in TASKS:
-        rows = [r for r in screen_rows if r["task"] == task]
-        if not rows:
-            continue
-        greedy = sum(r["correct"][0] for r in rows) / len(rows)
-        p1 = sum(sum(r["correct"][1:9]) / 8 for r in rows) / len(rows)
-        p8 = sum(any(r["correct"][1:9]) for r in rows) / len(rows)
-        kept = "yes" if 100 * (p8 - p1) >= 10 else ""
-        lines.append(
-            f"| {task} | {len(rows)} | {100 * greedy:.0f} % | {100 * p1:.0f} % | "
-            f"{100 * p8:.0f} % | {100 * (p8 - p1):.0f} | {kept} |"
-        )
+    if screen_rows:
+        lines += screen_table(screen_rows)
     if eval_rows:
         lines += ["", *policy_section(eval_rows, args)]
-    elif screen_rows:
+    if screen_rows:
+        # Drawn last, so the plot shows these while the evaluation has fewer items.
         lines += [
             "",
-            "The evaluation phase has not run: the policies below are replayed over the",
-            "*screening* items (all candidate tasks, few items) – an early look, not the "
-            "done-when.",
+            "The policies below are replayed over the *screening* items (all candidate tasks, "
+            "few items) – an early look, not the done-when.",
             "",
             *policy_section(screen_rows, args, seed=SCREEN_SEED),
         ]
     return "\n".join(lines) + "\n"
 
 
-def policy_section(
-    rows: list[dict[str, Any]], args: argparse.Namespace, seed: int = EVAL_SEED
-) -> list[str]:
-    results = evaluate(rows)
-    n = len(rows)
-    tasks = sorted({r["task"] for r in rows})
-    wall = sum(r["wall_s"] for r in rows) / n
+def screen_table(rows: list[dict[str, Any]]) -> list[str]:
+    labels = pools(rows)
+    kept = kept_tasks(rows)
     lines = [
-        f"## Policies on {n} items ({', '.join(tasks)}; seed {seed})",
-        "",
-        "| mode | correct | samples used (of N) | tokens decoded / answer |",
-        "|---|---:|---:|---:|",
+        "| task | items | greedy | "
+        + " | ".join(f"pass@1 / pass@8 ({p})" for p in labels)
+        + " | gap (points) | kept |",
+        "|---|---:|---:|" + "---:|" * len(labels) + "---:|:---:|",
+    ]
+    for task in TASKS:
+        mine = [r for r in rows if r["task"] == task]
+        if not mine:
+            continue
+        greedy = sum(r["correct"][0] for r in mine) / len(mine)
+        cells = []
+        for label in labels:
+            hits = [pool_of(r, label)[1][:8] for r in mine]
+            p1 = sum(sum(h) / len(h) for h in hits) / len(hits)
+            p8 = sum(any(h) for h in hits) / len(hits)
+            cells.append(f"{100 * p1:.0f} % / {100 * p8:.0f} %")
+        gaps = screen_gaps(rows, task)
+        gap = " / ".join(f"{gaps[label]:.0f}" for label in labels)
+        lines.append(
+            f"| {task} | {len(mine)} | {100 * greedy:.0f} % | {' | '.join(cells)} | {gap} | "
+            f"{'yes' if task in kept else ''} |"
+        )
+    return lines
+
+
+def mode_table(results: Results, n: int) -> list[str]:
+    lines = [
+        "| mode | correct | samples started | tokens decoded / item | decode steps to answer |",
+        "|---|---:|---:|---:|---:|",
     ]
     for label, r in results.items():
         hits = sum(r["hit"])
-        used = sum(r["used"]) / n
-        tokens = sum(r["tokens"]) / n
+        used, tokens, steps = (sum(r[k]) / n for k in ("used", "tokens", "steps"))
         lines.append(
-            f"| {label} | {hits}/{n} ({100 * hits / n:.1f} %) | {used:.2f} | {tokens:.0f} |"
+            f"| {label} | {hits}/{n} ({100 * hits / n:.1f} %) | {used:.2f} | {tokens:.0f} | "
+            f"{steps:.0f} |"
         )
-    lines += [
-        "",
-        f"Recording wall time per item (greedy + {len(rows[0]['samples'])} samples, "
-        f"one batch): {wall:.1f} s.",
-        "",
-        "Paired sign tests against the best single mode:",
-        "",
-    ]
-    singles = ["single greedy", "single sample (default T)"]
+    return lines
+
+
+def sign_tests(results: Results, n: int) -> list[str]:
+    singles = [label for label in results if label.startswith("single")]
     best = max(singles, key=lambda s: sum(results[s]["hit"]))
+    lines = [f"Paired sign tests against the best single mode ({best}):", ""]
     for label in results:
         if not label.startswith("mesh"):
             continue
-        wins = sum(
-            a and not b for a, b in zip(results[label]["hit"], results[best]["hit"], strict=True)
-        )
-        losses = sum(
-            b and not a for a, b in zip(results[label]["hit"], results[best]["hit"], strict=True)
-        )
+        pairs = list(zip(results[label]["hit"], results[best]["hit"], strict=True))
+        wins = sum(a and not b for a, b in pairs)
+        losses = sum(b and not a for a, b in pairs)
         delta = 100 * (sum(results[label]["hit"]) - sum(results[best]["hit"])) / n
         lines.append(
-            f"- {label} vs {best}: {delta:+.1f} points, {wins} wins / {losses} losses, "
+            f"- {label}: {delta:+.1f} points, {wins} wins / {losses} losses, "
             f"p = {sign_test_p(wins, losses):.3g}"
         )
-    plot(results, n)
+    return lines
+
+
+def policy_section(
+    rows: list[dict[str, Any]], args: argparse.Namespace, seed: int = EVAL_SEED
+) -> list[str]:
+    n = len(rows)
+    tasks = sorted({r["task"] for r in rows})
+    wall = sum(r["wall_s"] for r in rows) / n
+    config = MoaConfig()
+    labels = pools(rows)
+    by_pool = {label: evaluate(rows, label) for label in labels}
+    results = by_pool["default"]
+    lines = [
+        f"## Policies on {n} items ({', '.join(tasks)}; seed {seed})",
+        "",
+        f"The vote in waves of {config.vote_wave} (`MoaConfig.vote_wave`); its N − 1 samples at "
+        "the model's default temperature. Decode steps: from the fan-out until the answer's "
+        "last token (lockstep replay; a wave starts one step after the one before it ended; "
+        "a later wave is only as large as the votes that could still decide).",
+        "",
+        *mode_table(results, n),
+        "",
+        f"Recording wall time per item (greedy + {len(rows[0]['samples'])} samples per pool × "
+        f"{len(labels)} pools, one batch): {wall:.1f} s.",
+        "",
+        *sign_tests(results, n),
+        "",
+        "### Sample temperature: the model's default vs a fixed one",
+        "",
+        "The vote over the same items with its samples drawn from each pool (the caller's own "
+        "greedy request is always sample 1):",
+        "",
+        "| N | " + " | ".join(labels) + " |",
+        "|---:|" + "---:|" * len(labels),
+    ]
+    for k in N_SWEEP:
+        key = f"mesh vote (N={k})"
+        if all(key in by_pool[p] for p in labels):
+            cells = [f"{100 * sum(by_pool[p][key]['hit']) / n:.1f} %" for p in labels]
+            lines.append(f"| {k} | {' | '.join(cells)} |")
+    lines += ["", *wave_section(rows, n)]
+    plot(by_pool, n)
     lines += ["", "![accuracy against N](moa-quality-n.png)"]
     return lines
 
 
-def plot(results: dict[str, Any], n: int) -> None:
+def wave_section(rows: list[dict[str, Any]], n: int) -> list[str]:
+    """The vote at N = 8 and 16 with every wave size: what a smaller wave saves and costs."""
+    lines = [
+        "### Wave size",
+        "",
+        "| N | wave | correct | samples started (share of N) | tokens decoded / item | "
+        "decode steps to the answer |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for total in (8, 16):
+        if total > len(rows[0]["samples"]) + 1:
+            continue
+        for wave in sorted({1, 2, 4, 8, total} - {k for k in (8, 16) if k > total}):
+            r = evaluate(rows, "default", wave)[f"mesh vote (N={total})"]
+            used, tokens, steps = (sum(r[k]) / n for k in ("used", "tokens", "steps"))
+            lines.append(
+                f"| {total} | {wave if wave < total else 'all'} | {100 * sum(r['hit']) / n:.1f} % | "
+                f"{used:.2f} ({100 * used / total:.0f} %) | {tokens:.0f} | {steps:.0f} |"
+            )
+    return lines
+
+
+def plot(by_pool: dict[str, Results], n: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [k for k in N_SWEEP if f"mesh vote (N={k})" in results]
-    ys = [100 * sum(results[f"mesh vote (N={k})"]["hit"]) / n for k in xs]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(xs, ys, marker="o", label="vote")
+    results = by_pool["default"]
+    for label, results_of in by_pool.items():
+        xs = [k for k in N_SWEEP if f"mesh vote (N={k})" in results_of]
+        ys = [100 * sum(results_of[f"mesh vote (N={k})"]["hit"]) / n for k in xs]
+        name = "vote (default T)" if label == "default" else f"vote (T={label})"
+        ax.plot(xs, ys, marker="o", label=name)
     for label, style in (("single greedy", "--"), ("single sample (default T)", ":")):
         ax.axhline(100 * sum(results[label]["hit"]) / n, linestyle=style, color="grey", label=label)
+    xs = [k for k in N_SWEEP if f"mesh vote (N={k})" in results]
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("samples N")
@@ -441,6 +591,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--time-budget-s", type=float, default=math.inf)
+    parser.add_argument(
+        "--hot",
+        type=float,
+        nargs="*",
+        default=[0.7],
+        help="also record --samples samples at each of these temperatures (a floor's measure)",
+    )
     parser.add_argument("--screen-log", type=Path, default=RESULTS / "moa-quality-screen.jsonl")
     parser.add_argument("--eval-log", type=Path, default=RESULTS / "moa-quality-items.jsonl")
     args = parser.parse_args()
@@ -448,12 +605,38 @@ def main() -> None:
         args.samples = max(args.samples, 8)
         asyncio.run(record(args, SCREEN_SEED, args.screen_log))
     elif args.phase == "eval":
+        if args.tasks == ["kept"]:
+            args.tasks = kept_tasks(_rows(args.screen_log))
+            print(f"kept tasks: {' '.join(args.tasks)}", flush=True)
         asyncio.run(record(args, EVAL_SEED, args.eval_log))
     screen = _rows(args.screen_log)
     evals = _rows(args.eval_log)
     partial = len({r["task"] for r in evals}) < 6 or len(evals) < 300
     (RESULTS / "moa-quality.md").write_text(report(screen, evals, args, partial))
     print((RESULTS / "moa-quality.md").read_text())
+
+
+def screen_gaps(rows: list[dict[str, Any]], task: str) -> dict[str, float]:
+    """pass@8 − pass@1 in points per sample pool ("default" and each fixed temperature)."""
+    mine = [r for r in rows if r["task"] == task]
+    pools: dict[str, list[list[bool]]] = {"default": [r["correct"][1:9] for r in mine]}
+    for r in mine:
+        for label, pool in r.get("pools", {}).items():
+            pools.setdefault(label, []).append(pool["correct"][:8])
+    return {
+        label: 100 * sum(any(c) - sum(c) / len(c) for c in hits) / len(hits)
+        for label, hits in pools.items()
+        if hits
+    }
+
+
+def kept_tasks(rows: list[dict[str, Any]], minimum: int = 6) -> list[str]:
+    """Tasks whose pass@8 − pass@1 is ≥ 10 points in some sample pool; at least ``minimum``
+    (the widest gaps) when fewer pass."""
+    gaps = {t: max(screen_gaps(rows, t).values(), default=0.0) for t in TASKS}
+    ranked = sorted(gaps, key=lambda t: -gaps[t])
+    kept = [t for t in ranked if gaps[t] >= 10]
+    return kept if len(kept) >= minimum else ranked[:minimum]
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

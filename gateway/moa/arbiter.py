@@ -18,6 +18,8 @@ Policies:
   :class:`~gateway.moa.vote.Tally` says the vote is decided, commit the leading answer's most
   confident worker (finished, so its whole text goes out at once) and stop the rest. A worker cut
   off by ``max_tokens`` abstains; when nobody votes, the most confident finished text wins.
+  Samples start in waves (``wave``): the next is launched only when a whole wave is in and
+  the vote is still open, so an early decision saves the samples never started.
 
 Common rules: a worker without a first delta by ``first_token_timeout_s``, or still running at
 ``total_timeout_s``, is failed and cancelled; the last survivor is committed as is; when all fail
@@ -40,6 +42,7 @@ from gateway.moa.events import (
     Commit,
     Decision,
     Fail,
+    Launch,
     StartReducer,
     TokenArrived,
     WorkerEvent,
@@ -55,6 +58,7 @@ REDUCER = "reducer"
 
 
 class WorkerStatus(enum.Enum):
+    WAITING = "waiting"  # vote: a later wave's sample, not started (yet)
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
@@ -92,7 +96,11 @@ class WorkerView:
 
     @property
     def alive(self) -> bool:
-        return self.status in (WorkerStatus.RUNNING, WorkerStatus.FINISHED)
+        return self.status in (WorkerStatus.RUNNING, WorkerStatus.FINISHED, WorkerStatus.WAITING)
+
+    @property
+    def waiting(self) -> bool:
+        return self.status is WorkerStatus.WAITING
 
     @property
     def running(self) -> bool:
@@ -118,6 +126,7 @@ class Arbiter:
         policy: Policy | None = None,
         win_rates: Mapping[str, float] | None = None,
         preferred: str | None = None,
+        wave: int | None = None,
     ) -> None:
         if not workers:
             raise ValueError("an arbiter needs at least one worker")
@@ -136,8 +145,14 @@ class Arbiter:
         self.reason: str | None = None
         self.decided_at: float | None = None
         self.reducer_fallback: str | None = None
-        # Workers still running when the decision stopped them (the cost the decision saved).
-        self.stopped_early = 0
+        # Workers still running when the decision stopped them (the cost the decision saved),
+        # and vote samples of later waves that never had to start.
+        self.stopped_early = self.never_started = 0
+        # vote: the first ``wave`` workers start now, the others wait for an undecided vote.
+        self.wave = max(1, wave) if wave and self.policy == "vote" else len(workers)
+        for view in list(self.workers.values())[self.wave :]:
+            view.status = WorkerStatus.WAITING
+        self.launched = list(workers)[: self.wave]
         self.tally = Tally(workers, confidence=config.vote_confidence)
         self._grace_passed = False
         self._handlers: dict[type, Callable[[WorkerView, WorkerEvent, float], None]] = {
@@ -203,6 +218,11 @@ class Arbiter:
                 times.append(grace)
         return min(times) if times else None
 
+    def started(self) -> list[str]:
+        """The workers started (or to start now): every one but the vote's later waves, until
+        they are launched."""
+        return list(self.launched)
+
     def grace_deadline(self) -> float | None:
         if self.first_content_at is None:
             return None
@@ -264,7 +284,7 @@ class Arbiter:
         candidates = [v for v in self.workers.values() if v.alive]
         if not candidates:
             return self._fail_all()
-        if len(candidates) == 1:
+        if len(candidates) == 1 and not candidates[0].waiting:
             return self._commit(
                 candidates[0].name, "single" if len(self.workers) == 1 else "survivor", now
             )
@@ -279,6 +299,9 @@ class Arbiter:
                 view.status = WorkerStatus.CANCELLED
                 decisions.append(Cancel(view.name))
                 self.stopped_early += 1
+            elif view.waiting:  # never started: nothing to stop
+                view.status = WorkerStatus.CANCELLED
+                self.never_started += 1
         return decisions
 
     def _fail_all(self) -> list[Decision]:
@@ -441,13 +464,24 @@ class Arbiter:
                 self.tally.withdraw(view.name)
         reason = self.tally.decision()
         if reason is None:
-            return []
+            if any(v.running for v in self.workers.values()):
+                return []
+            return self._launch_wave(now)  # a whole wave is in, the vote still open
         ballot = self.tally.winner()
         if ballot is not None:
             return self._commit(ballot.candidate, reason, now)
         # Nobody had an answer to vote with: the most confident complete text stands.
         finished = [v for v in self.workers.values() if v.finished]
         return self._commit(self._most_confident(finished).name, "no-votes", now)
+
+    def _launch_wave(self, now: float) -> list[Decision]:
+        size = min(self.wave, self.tally.needed())  # 3 : 0 → one more sample, not a wave
+        waiting = [v for v in self.workers.values() if v.waiting][:size]
+        for view in waiting:
+            view.status = WorkerStatus.RUNNING
+            view.started_at = now
+            self.launched.append(view.name)
+        return [Launch(tuple(v.name for v in waiting))] if waiting else []
 
     @staticmethod
     def _most_confident(views: Sequence[WorkerView]) -> WorkerView:

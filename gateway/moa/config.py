@@ -49,6 +49,9 @@ class MoaConfig:
     # mesh's models and their routes, and the Beta stopping rule's confidence (Aggarwal et al.).
     vote_samples: int = 8
     vote_confidence: float = 0.95
+    # vote: samples start in waves of this many; the next wave only when a whole wave has
+    # finished and the vote is still open (bench/results/moa-quality.md measures the size).
+    vote_wave: int = 4
     # Emit one Progress note ("asking 3 models…") before the decision: Responses clients see it
     # as a reasoning summary; the other APIs drop it.
     progress: bool = False
@@ -60,6 +63,8 @@ class MoaConfig:
             raise ValueError("max_workers must be at least 1")
         if not 1 <= self.vote_samples <= MAX_SAMPLES:
             raise ValueError(f"vote_samples must be between 1 and {MAX_SAMPLES}")
+        if self.vote_wave < 1:
+            raise ValueError("vote_wave must be at least 1")
         if not 0.5 < self.vote_confidence <= 1:
             raise ValueError("vote_confidence must be in (0.5, 1]")
         if self.race_min_tokens < 1:

@@ -61,6 +61,13 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class Launch:
+    """Start these waiting workers now (the vote's next wave)."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StartReducer:
     """Run the aggregator over ``answers`` as worker ``worker``; ``fallback`` is the finished
     candidate to commit if the aggregator fails before its first token."""
@@ -76,4 +83,4 @@ class Fail:
     message: str
 
 
-Decision = Commit | Cancel | StartReducer | Fail
+Decision = Commit | Cancel | Launch | StartReducer | Fail

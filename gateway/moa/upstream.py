@@ -44,6 +44,7 @@ from gateway.moa.events import (
     Commit,
     Decision,
     Fail,
+    Launch,
     StartReducer,
     TokenArrived,
     WorkerEvent,
@@ -240,7 +241,9 @@ class _Run:
             policy=policy,
             win_rates={c.name: moa.wins.rate(c.model.id) for c in candidates},
             preferred=candidates[0].name if _self_mixture(candidates) else None,
+            wave=self.config.vote_wave,
         )
+        self.by_name = {c.name: c for c in candidates}
 
     def _start(self, worker: str, upstream: Upstream, request: ChatRequest) -> list[Decision]:
         self.buffers[worker] = []
@@ -268,14 +271,15 @@ class _Run:
 
     async def events(self) -> AsyncIterator[Event]:  # noqa: C901 - to be split (complexity gate, issue 10)
         decisions: list[Decision] = []
-        for c in self.candidates:
+        for name in self.arbiter.started():  # vote: the first wave; the others wait for Launch
+            c = self.by_name[name]
             decisions += self._start(c.name, c.upstream, c.request)
         # What is known now goes out at once (before any progress note), so it reaches the
         # response headers even when the decision comes later than the gateway can wait.
         yield Meta(self._known_headers())
         if self.config.progress:
             # A note, not reasoning: no text may reach the client before the commit.
-            yield Progress(f"asking {len(self.candidates)} models…")
+            yield Progress(f"asking {len(self.tasks)} models…")
         winner = None
         while True:
             # Cancels first, so a loser stops before the winner's buffer is flushed.
@@ -286,6 +290,10 @@ class _Run:
                         self._cancel(loser)
                     case StartReducer() as start:
                         todo += self._start_reducer(start)
+                    case Launch(workers=wave):
+                        for name in wave:
+                            c = self.by_name[name]
+                            todo += self._start(c.name, c.upstream, c.request)
                     case Fail(kind=kind, message=message):
                         yield Error(kind, message)
                         return
@@ -311,7 +319,9 @@ class _Run:
 
     def _known_headers(self) -> dict[str, str]:
         """What is known before the decision: the policy (and the auto rule), the fan-out."""
-        headers = {"x-moa-policy": self.policy, "x-moa-workers": str(len(self.candidates))}
+        # Candidates started so far: the vote's later waves only once launched (no reducer).
+        started = sum(1 for name in self.tasks if name in self.by_name)
+        headers = {"x-moa-policy": self.policy, "x-moa-workers": str(started)}
         if self.auto is not None:
             headers["x-moa-auto"] = self.auto
         return headers

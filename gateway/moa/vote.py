@@ -100,6 +100,21 @@ class Tally:
             return "confident"
         return None
 
+    def needed(self) -> int:
+        """The fewest further votes that could decide the vote (all of them going to the
+        leader): how many more samples are worth starting now; ``remaining`` when none can."""
+        counts = list(self.votes().values())
+        leader = counts[0] if counts else 0
+        runner_up = counts[1] if len(counts) > 1 else 0
+        for k in range(1, self.remaining + 1):
+            left = self.remaining - k
+            if (
+                leader + k > runner_up + left
+                or beta_leads(leader + k, runner_up) >= self.confidence
+            ):
+                return k
+        return self.remaining
+
     def winner(self) -> Ballot | None:
         """The leading answer's most confident ballot; None when nobody voted."""
         if not self.ballots:

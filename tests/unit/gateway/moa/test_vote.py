@@ -110,6 +110,18 @@ def test_abstentions_and_withdrawals_only_shrink_the_remaining_count():
     assert tally.winner().candidate == "a"
 
 
+def test_needed_is_the_fewest_votes_for_the_leader_that_decide():
+    tally = Tally(names(8))
+    assert tally.needed() == 4  # 4 : 0 is the first confident count (0.97)
+    for i, answer in enumerate(["5", "5", "6", "7"]):
+        tally.cast(f"w{i}", answer, None)
+    assert tally.needed() == 2  # 4 : 1 with 2 left is safe; 3 : 1 with 3 left is neither
+    tally = Tally(names(3))
+    tally.cast("w0", "1", None)
+    tally.cast("w1", "2", None)
+    assert tally.needed() == 1  # the last vote breaks the tie: complete either way
+
+
 def test_winner_is_the_majority_answers_most_confident_candidate():
     tally = Tally(["a", "b", "c", "d"])
     tally.cast("a", "7", -0.05)  # most confident overall, but the minority

@@ -21,6 +21,7 @@ from tests.unit.gateway.moa.test_splice import (
 )
 
 FAST = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=20.0)
+ALL_AT_ONCE = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=20.0, vote_wave=32)
 
 
 def says(text: str, delay: float = 0.0, logprob: float = -0.1) -> list[Step]:
@@ -36,7 +37,7 @@ async def test_vote_stops_the_rest_once_confident_and_sends_the_winner_at_once()
     # Four quick samples agree; four more would stall forever: the Beta rule stops them.
     fast = [says(f"The answer|is 12{'.' if i % 2 else ''}", delay=0.01 * i) for i in range(4)]
     upstream = scripted(*fast, [Stall()])
-    moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), FAST)
+    moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), ALL_AT_ONCE)
     events = await collect(moa, ask(metadata={"moa_policy": "vote"}, temperature=0.0, seed=7))
     assert_well_formed(events)
     headers = meta_of(events)
@@ -71,7 +72,7 @@ async def test_samples_are_spread_over_models_and_their_nodes():
     directory.add(ModelInfo("a", parameters=2), a1)
     directory.add(ModelInfo("a", parameters=2), a2, kind="peer")
     directory.add(ModelInfo("b", parameters=1), b)
-    moa = MixtureOfAgents(directory, FAST)
+    moa = MixtureOfAgents(directory, ALL_AT_ONCE)
     await collect(moa, ask(metadata={"moa_policy": "vote", "moa_samples": 6}))
     assert (a1.calls, a2.calls, b.calls) == (2, 1, 3)
     assert {r.model for r in b.requests} == {"b"}
