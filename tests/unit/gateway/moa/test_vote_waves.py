@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from gateway.moa import MixtureOfAgents
-from gateway.moa.arbiter import Arbiter, WorkerStatus
+from gateway.moa.arbiter import Arbiter
 from gateway.moa.costs import parse_votes
 from gateway.moa.events import Cancel, Commit, Launch, WorkerFailed, WorkerStarted
+from gateway.moa.views import WorkerStatus
 from gateway.testing import Stall
 from tests.unit.gateway.moa.test_splice import ask, assert_well_formed, collect, mesh_of, meta_of
 from tests.unit.gateway.moa.test_vote import CONFIG, answer, names
