@@ -15,6 +15,11 @@ from worker.loop_guard import configured_span
 from worker.sampling import SamplingParams
 
 DEFAULT_CONTEXT_LENGTH = 4096
+SPECULATION_MODES = ("auto", "off")
+SPECULATION_HELP = (
+    "speculative decoding: auto drafts from each request's prompt and answer and checks the"
+    " drafts in one forward pass, per row while they are accepted; off decodes a token a step"
+)
 
 
 class EngineError(Exception):
