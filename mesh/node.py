@@ -66,6 +66,7 @@ class NodeConfig:
     restart_backoff_max_s: float = 30.0
     python: str = sys.executable
     split: SplitOptions | None = None  # mesh up --split N: every model over N local ranks
+    speculation: str = "auto"  # the workers' --speculation
 
     def worker_options(self) -> WorkerOptions:
         return WorkerOptions(
@@ -75,6 +76,7 @@ class NodeConfig:
             restart_backoff_max_s=self.restart_backoff_max_s,
             python=self.python,
             split=self.split,
+            speculation=self.speculation,
         )
 
     def check(self) -> None:

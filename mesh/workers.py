@@ -55,6 +55,7 @@ class WorkerOptions:
     python: str = sys.executable
     # Serve each model split over several rank processes (mesh/split/ranks.py); None: whole.
     split: SplitOptions | None = None
+    speculation: str = "auto"  # the worker's --speculation (auto|off)
 
 
 def check_model_available(home: Path, model: str) -> None:
@@ -117,6 +118,7 @@ class WorkerProcess:
             "--model", self.model, "--name", self.name,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--home", str(self.options.home),
+            "--speculation", self.options.speculation,
         ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:

@@ -34,7 +34,7 @@ from worker.cpu import CpuFastPath
 from worker.engine_commits import Commits
 from worker.engine_ends import JobEnds
 from worker.engine_forks import Follower
-from worker.engine_jobs import Active
+from worker.engine_jobs import Active, kept_through
 from worker.engine_load import Loader, can_batch, load_model, make_generator
 from worker.engine_types import (
     EngineConfig,
@@ -46,6 +46,7 @@ from worker.engine_types import (
     LoadedModel,
     TokenChunk,
 )
+from worker.engine_verify import SpeculationStats
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.loop_guard import LoopGuard
 from worker.prompt_cache import PromptCacheStore
@@ -102,6 +103,7 @@ class Engine(JobEnds):
         self._share_policy = SharePolicy(min_tokens=self.config.share_prefill_min_tokens)
         self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
         self._commits = Commits(self._store, self.config, self.stats)
+        self.speculation = SpeculationStats()
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -254,7 +256,12 @@ class Engine(JobEnds):
         stream = mx.default_stream(mx.default_device())
         self.batchable = can_batch(model, self.config)
         self._generator = make_generator(
-            model, tokenizer, self.config, batchable=self.batchable, stream=stream
+            model,
+            tokenizer,
+            self.config,
+            batchable=self.batchable,
+            stream=stream,
+            speculation=self.speculation,
         )
         self._eos_stops = make_stop_sequences(tokenizer)
         self._model = model
@@ -385,7 +392,7 @@ class Engine(JobEnds):
             return
         if stopped and r.finish_reason is None:
             caches = self._generator.remove([r.uid], return_prompt_caches=True)
-            cache, tokens = caches.get(r.uid, (None, None))
+            cache, tokens = kept_through(active, *caches.get(r.uid, (None, None)))
         else:
             cache, tokens = r.prompt_cache, r.all_tokens
         self._drop(r.uid)
@@ -424,4 +431,5 @@ class Engine(JobEnds):
                 self.config,
                 batchable=True,
                 stream=self._generator.stream,
+                speculation=self.speculation,
             )

@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from worker.engine_forks import SharedPrefill
-from worker.engine_jobs import Active
+from worker.engine_jobs import Active, kept_through
 from worker.engine_types import Failed, Job, JobEvent
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class JobEnds(SharedPrefill):
         (both generators keep the token list equal to the cache after every chunk): a client
         that timed out on a long cold prefill retries from there, not from zero."""
         caches = self._generator.remove([active.uid], return_prompt_caches=True)
-        cache, tokens = caches.get(active.uid, (None, None))
+        cache, tokens = kept_through(active, *caches.get(active.uid, (None, None)))
         self._drop(active.uid)
         # Not yet prefilling (queued in the generator): the cache is the fetched copy of an
         # entry that is still in the store; nothing new to keep.

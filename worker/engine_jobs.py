@@ -61,3 +61,24 @@ class Active:
 
     def _looping(self, token: int) -> bool:
         return self.loop is not None and self.loop.feed(token)
+
+
+def kept_through(
+    active: Active, cache: list[Any] | None, tokens: list[int] | None
+) -> tuple[list[Any] | None, list[int] | None]:
+    """A job's KV cache and tokens cut after the last token its client was given.
+
+    A speculative step (worker/engine_verify.py) puts several tokens in the cache at once; when
+    a stop string or the loop guard ends the answer at one of them, or the client leaves, the
+    tokens after it were never part of the answer and their KV must not reach the prompt cache.
+    Without speculation the cut is a no-op."""
+    if cache is None or tokens is None or not active.first_token:
+        return cache, tokens
+    keep = len(active.job.request.prompt) + active.completion_tokens
+    excess = len(tokens) - keep
+    if excess <= 0:
+        return cache, tokens
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    trim_prompt_cache(cache, excess)
+    return cache, list(tokens[:keep])

@@ -7,6 +7,7 @@ from typing import Any
 
 from worker.cpu import CpuFastPath, prepare_cpu_model
 from worker.engine_types import EngineConfig
+from worker.engine_verify import Speculation, SpeculationStats, install
 
 Loader = Callable[[str], tuple[Any, Any, dict[str, Any]]]
 
@@ -40,21 +41,33 @@ def can_batch(model: Any, config: EngineConfig) -> bool:
 
 
 def make_generator(
-    model: Any, tokenizer: Any, config: EngineConfig, *, batchable: bool, stream: Any
+    model: Any,
+    tokenizer: Any,
+    config: EngineConfig,
+    *,
+    batchable: bool,
+    stream: Any,
+    speculation: SpeculationStats | None = None,
 ) -> Any:
-    """mlx-lm's ``BatchGenerator`` for a model that batches, else ``SequentialGenerator``."""
+    """mlx-lm's ``BatchGenerator`` for a model that batches (speculating unless the config says
+    "off": worker/engine_verify.py), else ``SequentialGenerator`` (which never speculates: the
+    models it serves have caches that cannot hand back a rejected draft's tail)."""
     from mlx_lm.generate import BatchGenerator
 
     from worker.sequential import SequentialGenerator
 
     if batchable:
-        return BatchGenerator(
+        generator = BatchGenerator(
             model,
             completion_batch_size=config.completion_batch_size,
             prefill_batch_size=config.prefill_batch_size,
             prefill_step_size=config.prefill_step_size,
             stream=stream,
         )
+        if config.speculation != "off":
+            rule = Speculation(config.speculation_tokens, config.speculation_max_rows)
+            install(generator, rule, speculation or SpeculationStats())
+        return generator
     return SequentialGenerator(
         model,
         eos_token_ids=set(tokenizer.eos_token_ids),

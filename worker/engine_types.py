@@ -15,6 +15,11 @@ from worker.loop_guard import configured_span
 from worker.sampling import SamplingParams
 
 DEFAULT_CONTEXT_LENGTH = 4096
+SPECULATION_MODES = ("auto", "off")
+SPECULATION_HELP = (
+    "speculative decoding: auto drafts from each request's prompt and answer and checks the"
+    " drafts in one forward pass, per row while they are accepted; off decodes a token a step"
+)
 
 
 class EngineError(Exception):
@@ -47,6 +52,13 @@ class EngineConfig:
     # End an answer whose last this-many tokens are one block repeated (worker.loop_guard);
     # 0 turns it off.
     loop_guard_tokens: int = field(default_factory=configured_span)
+    # Speculative decoding in the batch (worker/engine_verify.py): "auto" drafts from each
+    # request's prompt and answer (prompt lookup) and verifies the drafts in one forward pass,
+    # row by row while acceptance holds and while the batch has at most
+    # ``speculation_max_rows`` rows; "off" decodes one token a step.
+    speculation: str = "auto"
+    speculation_tokens: int = 8  # drafted tokens at most, a row and step
+    speculation_max_rows: int = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,31 +45,56 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
     """A sampler for one request; seeded samplers draw from their own key chain."""
     if params.temperature <= 0:
         return greedy
-    filters: list[Callable[[mx.array], mx.array]] = []
-    # Thresholds go in as arrays: mx.compile bakes a float argument into the kernel it builds,
-    # so each new top_p or min_p value cost the request that first used it a kernel compile
-    # (~1 s on the CPU backend); as inputs, one kernel serves every value (the warm-up builds it).
-    if 0 < params.top_p < 1.0:
-        top_p = mx.array(params.top_p, dtype=mx.float32)
-        filters.append(lambda x: apply_top_p(x, top_p))
-    if params.min_p > 0:
-        log_min_p = mx.array(math.log(params.min_p), dtype=mx.float32)
-        filters.append(lambda x: _apply_min_p(x, log_min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    inverse_temperature = 1.0 / params.temperature
-    # Keys take unsigned 64-bit seeds; a negative (signed) one maps to its two's complement.
-    key: list[mx.array] = [] if params.seed is None else [mx.random.key(params.seed % 2**64)]
+    return RequestSampler(params)
 
-    def sample(logprobs: mx.array) -> mx.array:
-        for apply in filters:
+
+class RequestSampler:
+    """Samples one request's tokens at temperature > 0: its filters (top-p, min-p, top-k), then
+    the temperature. Speculative decoding (worker/engine_verify.py) reads the same distribution
+    through :meth:`probs` and draws its acceptance tests from the same key chain."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._filters: list[Callable[[mx.array], mx.array]] = []
+        # Thresholds go in as arrays: mx.compile bakes a float argument into the kernel it
+        # builds, so each new top_p or min_p value cost the request that first used it a kernel
+        # compile (~1 s on the CPU backend); as inputs, one kernel serves every value (the
+        # warm-up builds it).
+        if 0 < params.top_p < 1.0:
+            top_p = mx.array(params.top_p, dtype=mx.float32)
+            self._filters.append(lambda x: apply_top_p(x, top_p))
+        if params.min_p > 0:
+            log_min_p = mx.array(math.log(params.min_p), dtype=mx.float32)
+            self._filters.append(lambda x: _apply_min_p(x, log_min_p))
+        if params.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        self._inverse_temperature = 1.0 / params.temperature
+        # Keys take unsigned 64-bit seeds; a negative (signed) one maps to its two's complement.
+        self._key = None if params.seed is None else mx.random.key(params.seed % 2**64)
+
+    def _next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, step_key = mx.random.split(self._key)
+        return step_key
+
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """The logits the token is drawn from: filtered, divided by the temperature."""
+        for apply in self._filters:
             logprobs = apply(logprobs)
-        if key:
-            key[0], step_key = mx.random.split(key[0])
-            return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
-        return mx.random.categorical(logprobs * inverse_temperature)
+        return logprobs * self._inverse_temperature
 
-    return sample
+    def probs(self, logprobs: mx.array) -> mx.array:
+        return mx.softmax(self.scaled(logprobs), axis=-1)
+
+    def categorical(self, logits: mx.array) -> mx.array:
+        return mx.random.categorical(logits, key=self._next_key())
+
+    def uniform(self, n: int) -> mx.array:
+        return mx.random.uniform(shape=(n,), key=self._next_key())
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self.categorical(self.scaled(logprobs))
 
 
 def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:

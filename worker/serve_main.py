@@ -21,7 +21,7 @@ from typing import NoReturn
 
 from worker.cpu import DEFAULT_DEQUANTIZE_SHARE, reexec_with_fast_blas
 from worker.engine import Engine, EngineError
-from worker.engine_types import EngineConfig
+from worker.engine_types import SPECULATION_HELP, SPECULATION_MODES, EngineConfig
 from worker.loop_guard import configured_span
 from worker.net import SECRET_ENV, configure_logging
 
@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="end an answer whose last TOKENS tokens are one block repeated (0: off; default $MLX_MESH_LOOP_GUARD, else 256)",
     )
     parser.add_argument(
+        "--speculation",
+        choices=SPECULATION_MODES,
+        default="auto",
+        help=SPECULATION_HELP,
+    )
+    parser.add_argument(
         "--no-warm-up",
         dest="warm_up",
         action="store_false",
@@ -96,6 +102,7 @@ def run(
     cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
     warm_up: bool = True,
     loop_guard: int | None = None,
+    speculation: str = "auto",
 ) -> None:
     """Load the model, warm it up and serve it until interrupted (raises EngineError if it
     cannot load).
@@ -114,6 +121,7 @@ def run(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
         cpu_dequantize_share=cpu_dequantize_share,
         loop_guard_tokens=configured_span() if loop_guard is None else loop_guard,
+        speculation=speculation,
     )
     engine = Engine(
         path,
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_dequantize_share=args.cpu_dequantize_share,
             warm_up=args.warm_up,
             loop_guard=args.loop_guard,
+            speculation=args.speculation,
         )
     except (EngineError, OSError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from mesh.cli.app import HomeOption, app, err_console, fail, read_secret, resolve_home
+from mesh.cli.worker import SPECULATION_OPTION_HELP
 
 if TYPE_CHECKING:
     from mesh.copy.server import CopyConfig
@@ -133,6 +134,7 @@ def up_command(
         help="GB of memory this node offers to split ranks: members' and its own split's"
         " [default with --split: half of it, offered to its own ranks only].",
     ),
+    speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
     bridge_port: int | None = typer.Option(
         None,
         "--bridge-port",
@@ -162,6 +164,8 @@ def up_command(
         raise fail("--split takes the number of ranks, at least 2")
     if share_memory < 0:
         raise fail("--share-memory takes a size in GB")
+    if speculation not in ("auto", "off"):
+        raise fail(f"--speculation is auto or off, not {speculation!r}")
     over = tuple(n.strip() for n in split_over.split(",") if n.strip()) if split_over else ()
     if split_over is not None and not over:
         raise fail("--split-over takes node ids (or 'self'), separated by commas")
@@ -179,6 +183,7 @@ def up_command(
         host=host,
         port=port,
         start_workers=not no_worker,
+        speculation=speculation,
         gateway=GatewayConfig(
             api_key=api_key,
             max_in_flight=max_in_flight,

@@ -8,6 +8,11 @@ import typer
 
 from mesh.cli.app import HomeOption, app, fail, resolve_home
 
+SPECULATION_OPTION_HELP = (
+    "Speculative decoding: auto drafts from each request's prompt and answer and checks the"
+    " drafts in one forward pass (per request while they are accepted); off: a token a step."
+)
+
 
 @app.command("worker")
 def worker_command(
@@ -16,13 +21,18 @@ def worker_command(
     port: int = typer.Option(9339, "--port", help="Port to listen on (0 = any free port)."),
     home: Path | None = HomeOption,
     name: str | None = typer.Option(None, "--name", help="Serve the model under this name."),
+    speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
 ) -> None:
     """Serve MODEL over HTTP (OpenAI chat completions, /v1/models, /health)."""
     from worker.engine import EngineError
     from worker.serve_main import exit_process, run
 
+    if speculation not in ("auto", "off"):
+        raise fail(f"--speculation is auto or off, not {speculation!r}")
     try:
-        run(model, host=host, port=port, home=resolve_home(home), name=name)
+        run(
+            model, host=host, port=port, home=resolve_home(home), name=name, speculation=speculation
+        )
     except KeyboardInterrupt:
         exit_process(0)
     except EngineError as exc:

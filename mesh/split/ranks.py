@@ -103,6 +103,7 @@ class SplitWorkerProcess(WorkerProcess):
             "--step-deadline-s", str(self.options.split.step_deadline_s),
             "--prompt-cache-gb", f"{prompt_cache_bytes(self.plan) / (1 << 30):.6f}",
             "--doze-after-s", str(DOZE_AFTER_S),
+            "--speculation", self.options.speculation,
         ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:

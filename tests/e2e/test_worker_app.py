@@ -476,6 +476,19 @@ def test_health_and_models(plain: tuple[str, Engine]) -> None:
     assert entry["parameters"] > 0 and entry["quantization"]
 
 
+def test_health_counts_speculation(plain: tuple[str, Engine]) -> None:
+    """Random weights loop under greedy decoding: prompt lookup drafts the loop and the verify
+    passes accept it; /health says how much and how many tokens a pass gave."""
+    url, _ = plain
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60, "temperature": 0}
+    assert post(url, body).status_code == 200
+    speculation = httpx.get(f"{url.removesuffix('/v1')}/health").json()["speculation"]
+    assert speculation["mode"] == "auto"
+    assert speculation["accepted"] > 0 and speculation["drafted"] >= speculation["accepted"]
+    assert 0 < speculation["acceptance_rate"] <= 1
+    assert speculation["tokens_per_step"] > 1
+
+
 @pytest.fixture(scope="module")
 def recommending(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The tiny model with a generation_config.json that recommends sampling."""

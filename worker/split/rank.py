@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from worker.engine_types import SPECULATION_HELP, SPECULATION_MODES
 from worker.split.cache import SplitCacheError
 from worker.split.leader import LeaderModel, SplitRankError, StepWatch
 from worker.split.lockstep import Lockstep, Op
@@ -178,7 +179,7 @@ def serve_leader(
     lockstep = Lockstep(group)
     watch = StepWatch(args.step_deadline_s, args.step_deadline_per_token_s, _exit_broken)
     watch.start()
-    config = leader_config(split, int(args.prompt_cache_gb * (1 << 30)))
+    config = leader_config(split, int(args.prompt_cache_gb * (1 << 30)), args.speculation)
     leaders: list[LeaderModel] = []
     loader = make_leader_loader(
         group, split, lockstep, watch, doze_after_s=args.doze_after_s, made=leaders
@@ -195,7 +196,7 @@ def serve_leader(
             lockstep.send(Op.STOP)
 
 
-def leader_config(split: Sequence[int], prompt_cache_bytes: int) -> Any:
+def leader_config(split: Sequence[int], prompt_cache_bytes: int, speculation: str = "auto") -> Any:
     """Rank 0's engine settings.
 
     The prompt cache's budget is each rank's: rank 0 measures only its own layers' KV, and a
@@ -203,12 +204,15 @@ def leader_config(split: Sequence[int], prompt_cache_bytes: int) -> Any:
     its share of the largest slice (a follower with twice rank 0's layers then holds about the
     budget, rank 0 half of it).
 
+    Speculation as on an unsplit worker: rank 0 drafts, and a verify pass is one more batch
+    pass whose rejected tails are trimmed with the batch cache's own (recorded) operations.
+
     Batching as on an unsplit worker: what mlx-lm's ``BatchGenerator`` does to its batches'
     caches is recorded on rank 0 and replayed by the followers (worker/split/cache.py)."""
     from worker.engine_types import EngineConfig
 
     scaled = prompt_cache_bytes * split[0] // max(split)
-    return EngineConfig(prompt_cache_bytes=scaled)
+    return EngineConfig(prompt_cache_bytes=scaled, speculation=speculation)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", help="rank 0: a JSON file, a list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--prefill-step", type=int, default=512)
+    parser.add_argument(
+        "--speculation", choices=SPECULATION_MODES, default="auto", help=SPECULATION_HELP
+    )
     parser.add_argument("--single", action="store_true", help="unsplit, no group (reference)")
     parser.add_argument("--serve", action="store_true", help="rank 0: the worker HTTP API")
     parser.add_argument("--host", default="127.0.0.1")

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from worker.engine import Engine
-from worker.engine_types import Failed, Finished, GenerationRequest, TokenChunk
+from worker.engine_types import EngineConfig, Failed, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
 from worker.split.cache import (
     COPY,
@@ -220,6 +220,27 @@ async def test_the_followers_caches_mirror_rank_0s_engine(tiny_model_dir: Path) 
         assert len(lockstep.followers) == 1
     finally:
         engine.close()
+
+
+async def test_followers_replay_speculative_verify_passes(tiny_model_dir: Path) -> None:
+    """Rank 0 drafts and verifies (worker/engine_verify.py); rows of one batch trim different
+    rejected tails (trim, then right padding rolled into the left): after every pass the
+    follower's caches equal rank 0's, and the answers equal an unsplit engine's without
+    speculation."""
+    engine, lockstep = mirrored_engine(tiny_model_dir)
+    plain = Engine(str(tiny_model_dir), config=EngineConfig(speculation="off"))
+    plain.start(timeout=60)
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        requests = [GenerationRequest(list(range(s, s + 30)), 40 + s, greedy) for s in (5, 9, 50)]
+        split = await asyncio.gather(*(_run(engine, r) for r in requests))
+        alone = await asyncio.gather(*(_run(plain, r) for r in requests))
+        assert engine.speculation.accepted > 0
+        assert lockstep.widest >= 2
+        assert [job.held for job, _ in split] == [job.held for job, _ in alone]
+    finally:
+        engine.close()
+        plain.close()
 
 
 async def test_rotating_caches_mirror_too(tmp_path: Path) -> None:

@@ -1,0 +1,38 @@
+"""``--speculation`` travels from ``mesh up`` / ``mesh worker`` to the engine's config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mesh.cli import app
+from mesh.node import NodeConfig
+from mesh.workers import WorkerProcess
+from worker.serve_main import build_parser
+from worker.split.rank import build_parser as rank_parser
+from worker.split.rank import leader_config
+
+
+def test_the_node_passes_speculation_to_its_workers(tmp_path: Path) -> None:
+    options = NodeConfig(home=tmp_path, models=("m",), speculation="off").worker_options()
+    command = WorkerProcess("m", options)._command()
+    assert command[command.index("--speculation") + 1] == "off"
+    default = WorkerProcess("m", NodeConfig(home=tmp_path).worker_options())._command()
+    assert default[default.index("--speculation") + 1] == "auto"
+
+
+def test_the_worker_and_rank_0_read_it() -> None:
+    args = ["--model", "m", "--speculation", "off"]
+    assert build_parser().parse_args(args).speculation == "off"
+    assert build_parser().parse_args(["--model", "m"]).speculation == "auto"
+    assert rank_parser().parse_args(args).speculation == "off"
+    assert leader_config([1, 1], 1 << 20, "off").speculation == "off"
+
+
+def test_an_unknown_mode_is_refused_in_words(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["worker", "--model", "m", "--home", str(tmp_path), "--speculation", "maybe"]
+    )
+    assert result.exit_code != 0
+    assert "--speculation is auto or off" in result.output

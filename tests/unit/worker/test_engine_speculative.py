@@ -1,0 +1,344 @@
+"""Speculative decoding in the batching engine (worker/engine_verify.py) on the tiny models: at
+temperature 0 every answer is token for token the one decoding without speculation gives (text,
+finish, logprobs, stop strings, loop guard, grammar rows, tool prompts, the KV it leaves for the
+prompt cache); above it the rejection rule keeps the model's distribution (chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from worker.engine import Engine, Job
+from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
+from worker.engine_verify import _accept_sampled
+from worker.sampling import RequestSampler, SamplingParams
+from worker.speculative import NgramIndex, RowPolicy
+from worker.structured.json_grammar import json_grammar
+from worker.structured.processor import make_grammar_processor
+from worker.testing import wait_until
+
+GREEDY = SamplingParams(temperature=0.0)
+Outcome = tuple[str, Finished, list[tuple[str, float]], Job]
+
+
+def start(model_dir: Path, speculation: str, **config: Any) -> Engine:
+    config.setdefault("loop_guard_tokens", 0)
+    engine = Engine(str(model_dir), config=EngineConfig(speculation=speculation, **config))
+    engine.start(timeout=60)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    """The same model without and with speculation."""
+    off, on = start(tiny_model_dir, "off"), start(tiny_model_dir, "auto")
+    yield off, on
+    off.close()
+    on.close()
+
+
+def prompt_of(engine: Engine, text: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    tokens, _ = engine.render_prompt([{"role": "user", "content": text}], tools, {})
+    return tokens
+
+
+async def run(engine: Engine, request: GenerationRequest, commit: bool = True) -> Outcome:
+    job = engine.submit(request)
+    text, logprobs = [], []
+    async for event in job.events():
+        if isinstance(event, TokenChunk):
+            text.append(event.text)
+            logprobs.extend(event.logprobs or [])
+        else:
+            assert isinstance(event, Finished), event
+            if commit:
+                engine.commit(job)
+            return "".join(text), event, logprobs, job
+    raise AssertionError("no terminal event")
+
+
+async def both(
+    pair: tuple[Engine, Engine],
+    requests: Callable[[Engine], list[GenerationRequest]],
+    commit: bool = True,
+) -> tuple[list[Outcome], list[Outcome]]:
+    """Each engine runs its own copy of the requests, all at once (one batch)."""
+    results = []
+    for engine in pair:
+        batch = requests(engine)
+        results.append(await asyncio.gather(*(run(engine, r, commit) for r in batch)))
+    return results[0], results[1]
+
+
+def assert_same(plain: list[Outcome], speculated: list[Outcome]) -> None:
+    for (text, done, logprobs, _), (text2, done2, logprobs2, _) in zip(
+        plain, speculated, strict=True
+    ):
+        assert text2 == text
+        assert done2 == done
+        assert [t for t, _ in logprobs2] == [t for t, _ in logprobs]
+        assert np.allclose([p for _, p in logprobs2], [p for _, p in logprobs], atol=1e-3)
+
+
+async def test_greedy_batch_gives_the_same_tokens_and_logprobs(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """Rows of one batch accept different numbers of drafts and trim their KV independently;
+    every answer equals decoding's."""
+    texts = ["Hello world! How are you today?", "The quick brown fox", "0123456789", "Paris"]
+
+    def requests(engine: Engine) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(prompt_of(engine, t), max_tokens=40 + 17 * i, sampling=GREEDY,
+                              logprobs=i % 2 == 0)
+            for i, t in enumerate(texts)
+        ]  # fmt: skip
+
+    before = pair[1].speculation.as_dict()
+    plain, speculated = await both(pair, requests)
+    assert_same(plain, speculated)
+    after = pair[1].speculation.as_dict()
+    assert after["accepted"] > before["accepted"]  # it did speculate
+    assert after["tokens_per_step"] > 1
+    assert pair[0].speculation.verify_steps == 0
+
+
+async def test_a_tool_prompt_and_a_tool_call_are_the_same(
+    pair: tuple[Engine, Engine], tiny_tool_model_dir: Path
+) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+    def requests(engine: Engine) -> list[GenerationRequest]:
+        prompt = prompt_of(engine, "What is the weather in Paris?", tools)
+        return [GenerationRequest(prompt, 60, GREEDY), GenerationRequest(prompt[:-2], 30, GREEDY)]
+
+    assert_same(*await both(pair, requests))
+    tool_pair = start(tiny_tool_model_dir, "off"), start(tiny_tool_model_dir, "auto")
+    try:
+        plain, speculated = await both(tool_pair, requests)
+        assert "get_weather" in plain[0][0]
+        assert_same(plain, speculated)
+    finally:
+        for engine in tool_pair:
+            engine.close()
+
+
+async def test_grammar_rows_decode_as_before_next_to_drafting_rows(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """A row under a grammar never drafts (its matcher sees exactly decoding's tokens); the
+    rows beside it still do, in the same verify passes."""
+    grammar = json_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    def requests(engine: Engine) -> list[GenerationRequest]:
+        processor = make_grammar_processor(engine.tokenizer, grammar)
+        return [
+            GenerationRequest(prompt_of(engine, "json"), 30, GREEDY, logits_processors=(processor,)),
+            GenerationRequest(prompt_of(engine, "The quick brown fox"), 60, GREEDY),
+        ]  # fmt: skip
+
+    before = pair[1].speculation.accepted
+    assert_same(*await both(pair, requests))
+    assert pair[1].speculation.accepted > before
+
+
+async def test_a_stop_string_inside_an_accepted_draft_ends_there_and_keeps_that_kv_only(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """The answer ends at the stop string as decoding's does, and the KV held for the prompt
+    cache covers the prompt and the tokens given to the client only, not the rest of the draft
+    the verify pass accepted."""
+    off = pair[0]
+    prompt = prompt_of(off, "Hello world! How are you today?")
+    text, *_ = await run(off, GenerationRequest(prompt, 80, GREEDY))
+    stop = text[:25]  # first complete 25 characters in: after speculation got going
+    assert len(stop) == 25
+
+    def requests(engine: Engine) -> list[GenerationRequest]:
+        return [GenerationRequest(prompt, 80, GREEDY, stop=(stop,), logprobs=True)]
+
+    plain, speculated = await both(pair, requests, commit=False)
+    assert_same(plain, speculated)
+    assert speculated[0][1].stop_sequence == stop
+    held = []
+    for engine, outcome in zip(pair, (plain[0], speculated[0]), strict=True):
+        pending = engine._commits.pending[outcome[3].id]
+        held.append(pending.tokens)
+        assert pending.cache[0].offset == len(pending.tokens)
+        engine.commit(outcome[3])
+    assert held[1] == held[0]
+    assert len(held[1]) == len(prompt) + speculated[0][1].completion_tokens
+
+
+async def test_the_loop_guard_ends_the_same_answer_at_the_same_token(tiny_model_dir: Path) -> None:
+    guarded = (
+        start(tiny_model_dir, "off", loop_guard_tokens=24),
+        start(tiny_model_dir, "auto", loop_guard_tokens=24),
+    )
+    try:
+
+        def requests(engine: Engine) -> list[GenerationRequest]:
+            return [GenerationRequest(prompt_of(engine, t), 300, GREEDY) for t in ("Hi", "Paris")]
+
+        plain, speculated = await both(guarded, requests, commit=False)
+        assert_same(plain, speculated)
+        assert guarded[1].stats.loops_stopped == guarded[0].stats.loops_stopped > 0
+        for engine, outcome in zip(guarded, (plain[0], speculated[0]), strict=True):
+            pending = engine._commits.pending[outcome[3].id]
+            assert (
+                len(pending.tokens) == len(outcome[3].request.prompt) + outcome[1].completion_tokens
+            )
+            assert pending.cache[0].offset == len(pending.tokens)
+    finally:
+        for engine in guarded:
+            engine.close()
+
+
+async def test_a_cancelled_job_keeps_the_kv_of_the_tokens_it_was_given(
+    pair: tuple[Engine, Engine],
+) -> None:
+    off, on = pair
+    prompt = prompt_of(on, "a conversation the client leaves")
+    job = on.submit(GenerationRequest(prompt, 3000, GREEDY))
+    async for event in job.events():
+        if isinstance(event, TokenChunk) and event.completion_tokens >= 12:
+            on.cancel(job)
+            break
+    await wait_until(lambda: "cache_kept" in on.stats.events_for(job.id))
+    entries = [e for e in on._store._entries.values() if e.tokens[: len(prompt)] == tuple(prompt)]
+    assert entries
+    kept = entries[-1]
+    assert kept.cache[0].offset == len(kept.tokens)
+    # What it kept is the answer decoding gives, as far as it went.
+    answer = list(kept.tokens[len(prompt) :])
+    assert len(answer) >= 12
+    plain, *_ = await run(off, GenerationRequest(prompt, len(answer), GREEDY))
+    assert on.tokenizer.decode(answer) == plain
+
+
+async def test_a_batch_wider_than_max_rows_decodes_without_drafting(tiny_model_dir: Path) -> None:
+    engine = start(tiny_model_dir, "auto", speculation_max_rows=1)
+    try:
+        prompts = [prompt_of(engine, t) for t in ("Hello", "Paris", "fox")]
+        requests = [GenerationRequest(p, 80, GREEDY) for p in prompts]
+        await asyncio.gather(*(run(engine, r) for r in requests))
+        # Only once the batch has thinned out to one row (shorter answers could end first, here
+        # they all end together) may it draft.
+        assert engine.speculation.verify_steps == 0
+    finally:
+        engine.close()
+
+
+async def test_seeded_sampling_with_speculation_is_reproducible(
+    pair: tuple[Engine, Engine],
+) -> None:
+    on = pair[1]
+    params = SamplingParams(temperature=0.7, seed=11)
+    prompt = prompt_of(on, "The quick brown fox")
+    first, done, *_ = await run(on, GenerationRequest(prompt, 60, params))
+    again, done2, *_ = await run(on, GenerationRequest(prompt, 60, params))
+    assert (again, done2.completion_tokens) == (first, done.completion_tokens)
+
+
+# ---- the rejection rule keeps the distribution ----------------------------------------------
+
+
+def _chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
+    """The p-value of Pearson's chi-square (Wilson-Hilferty's normal approximation)."""
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    k = len(observed) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _tiny_logprobs(model_dir: Path) -> mx.array:
+    """A real next-token distribution: the tiny model's logprobs after a short prompt, two
+    positions (for a two-token draft)."""
+    from mlx_lm import load
+
+    model, _ = load(str(model_dir))
+    logits = model(mx.array([[5, 9, 14, 3, 7]]))[0, -2:, :].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.3, seed=3),
+    SamplingParams(temperature=0.4, top_k=12, top_p=0.95, seed=4),
+])  # fmt: skip
+def test_accepted_or_rejected_the_first_token_follows_the_models_distribution(
+    tiny_model_dir: Path, params: SamplingParams
+) -> None:
+    """Thousands of verify steps of a two-token draft (the likeliest first token, not a sure
+    one; the second likeliest second): the emitted first token's frequencies fit p
+    (chi-square), and so do the second token's given that the first draft was accepted, with
+    both the accepting and the rejecting (residual) paths taken often."""
+    logprobs = _tiny_logprobs(tiny_model_dir)
+    sampler = RequestSampler(params)
+    probs = np.array(sampler.probs(logprobs).tolist())
+    draft = [int(np.argmax(probs[0])), int(np.argsort(probs[1])[-2])]
+    assert 0.2 < probs[0].max() < 0.9
+    draws = 4000
+    firsts = np.zeros(probs.shape[1])
+    seconds = np.zeros(probs.shape[1])
+    for _ in range(draws):
+        n, token = _accept_sampled(sampler, logprobs, draft)
+        firsts[draft[0] if n >= 1 else token] += 1
+        if n >= 1:
+            seconds[draft[1] if n >= 2 else token] += 1
+    for observed, p in ((firsts, probs[0]), (seconds, probs[1])):
+        keep = p * observed.sum() >= 5  # Pearson's rule of thumb; the rest pooled
+        obs = np.append(observed[keep], observed[~keep].sum())
+        exp = np.append(p[keep], p[~keep].sum()) * observed.sum()
+        if exp[-1] < 5:
+            obs, exp = obs[:-1], exp[:-1]
+            exp = exp * obs.sum() / exp.sum()
+        assert len(obs) >= 3
+        assert _chi_square_p(obs, exp) > 0.001
+    assert draws * 0.1 < seconds.sum() < draws * 0.9  # the first draft accepted, and not
+
+
+def test_the_chi_square_check_can_fail() -> None:
+    """The check above rejects a skewed sample (so its passing means something)."""
+    expected = np.array([0.5, 0.3, 0.2]) * 4000
+    assert _chi_square_p(np.array([2150.0, 1100.0, 750.0]), expected) < 0.001
+    assert _chi_square_p(np.array([2010.0, 1190.0, 800.0]), expected) > 0.05
+
+
+# ---- drafting and its policy (pure) ----------------------------------------------------------
+
+
+def test_prompt_lookup_drafts_what_followed_the_suffix_last_time() -> None:
+    index = NgramIndex()
+    index.extend([9, 1, 2, 5, 6, 7, 3, 1, 2])
+    assert index.draft(3) == [5, 6, 7]
+    index.extend([4])  # "2 4" never occurred before
+    assert index.draft(3) == []
+
+
+def test_a_draft_that_reaches_the_present_repeats_itself() -> None:
+    index = NgramIndex()
+    index.extend([1, 2, 3, 1, 2, 3, 1, 2])
+    assert index.draft(7) == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_the_longest_match_wins() -> None:
+    index = NgramIndex()
+    index.extend([7, 8, 1, 2, 7, 5, 8, 9, 1, 2, 7, 8, 1, 2])
+    # "1 2" was last followed by 7, but "8 1 2" by 7 too; "7 8 1 2" only at the start: 7 5
+    assert index.draft(2) == [7, 5]
+
+
+def test_a_row_whose_drafts_fail_rests_then_tries_again() -> None:
+    policy = RowPolicy(window=10, min_rate=0.5, rest_steps=3)
+    policy.record(10, 2)
+    assert [policy.may_draft() for _ in range(4)] == [False, False, False, True]
+    policy.record(10, 9)
+    assert policy.may_draft()

@@ -1,0 +1,313 @@
+"""Speculative decoding inside continuous batching: rows draft, and one forward pass verifies.
+
+mlx-lm's ``GenerationBatch`` feeds each row's sampled token through the model to sample the
+next one. :class:`SpeculativeBatch` takes its place in the ``BatchGenerator``: when some row's
+context predicts what comes next (prompt lookup, worker/speculative.py), the step feeds each row
+its sampled token *and* its drafted tokens (a prefill of up to K+1 tokens a row, rows without a
+draft padded), then accepts each draft as far as the model agrees: at temperature 0 while the
+argmax equals the draft (so the tokens are the ones decoding would give), above it by the
+rejection rule of Leviathan et al. 2023 (so they follow the same distribution). A row that
+accepted n drafts emits n+1 tokens and keeps their KV only; rows trim independently: every
+row drops what all rejected (``trim``), and a row that rejected more rolls its extra tail into
+its left padding (``prepare(right_padding)`` + ``finalize``, as mlx-lm pads a prefill). Those
+are the batch cache's own operations, so a split group's followers replay them
+(worker/split/cache.py) like any other.
+
+Rows run the plain step (with its asynchronous pipelining) whenever no row has a draft. A row
+drafts only when speculation is on, the batch is small enough that decode is bandwidth-bound
+(``max_rows``), it has no logits processors (a grammar's matcher consumes the tokens it sees;
+penalties read the context: see notes in ``_eligible``), its sampler is the engine's own
+(greedy or :class:`~worker.sampling.RequestSampler`), its caches are plain ``BatchKVCache``
+(a rotating window cannot hand back a rejected tail) and its acceptance holds up
+(:class:`~worker.speculative.RowPolicy`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from worker.sampling import RequestSampler, greedy
+from worker.speculative import NgramIndex, RowPolicy
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did since start (read by /health and /metrics)."""
+
+    verify_steps: int = 0  # forward passes that checked drafts
+    drafted: int = 0  # tokens proposed
+    accepted: int = 0  # of those, tokens the model agreed with
+    emitted: int = 0  # tokens the verify passes gave their rows (accepted + one per row)
+    row_steps: int = 0  # (row, verify pass) pairs
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, drafted: int, accepted: int, emitted: int, rows: int) -> None:
+        with self._lock:
+            self.verify_steps += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            self.emitted += emitted
+            self.row_steps += rows
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            rate = self.accepted / self.drafted if self.drafted else None
+            per_step = self.emitted / self.row_steps if self.row_steps else None
+            return {
+                "verify_steps": self.verify_steps,
+                "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": None if rate is None else round(rate, 4),
+                "tokens_per_step": None if per_step is None else round(per_step, 4),
+            }
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """How the batch speculates: ``draft_tokens`` at most a row and step, ``max_rows`` the
+    largest batch that still drafts (beyond it decode is no longer bandwidth-bound)."""
+
+    draft_tokens: int = 8
+    max_rows: int = 4
+
+
+@dataclass
+class _Row:
+    index: NgramIndex = field(default_factory=NgramIndex)
+    policy: RowPolicy = field(default_factory=RowPolicy)
+
+
+class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
+    """mlx-lm's generation batch, stepping by verified drafts where rows have them."""
+
+    speculation: Speculation
+    spec_stats: SpeculationStats
+    _rows: list[_Row]
+
+    @classmethod
+    def make(
+        cls, model: Any, fallback_sampler: Any, speculation: Speculation, stats: SpeculationStats
+    ) -> SpeculativeBatch:
+        batch: SpeculativeBatch = cls.empty(model, fallback_sampler)
+        batch.speculation = speculation
+        batch.spec_stats = stats
+        batch._rows = []
+        return batch
+
+    def extend(self, batch: Any) -> None:
+        super().extend(batch)
+        self._rows.extend(getattr(batch, "_rows", None) or [_Row() for _ in batch.uids])
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self._rows = [self._rows[i] for i in keep]
+
+    def next(self) -> list[Any]:
+        if not self.uids:
+            return []
+        eligible = self._eligible()
+        if not eligible:
+            return super().next()  # type: ignore[no-any-return]
+        mx.eval(self._next_tokens)
+        sampled = [int(t) for t in self._next_tokens.tolist()]
+        drafts: list[list[int]] = [[] for _ in self.uids]
+        for i in eligible:
+            index = self._rows[i].index
+            index.extend([sampled[i]])  # fed this step, whatever is accepted
+            room = self.max_tokens[i] - self._num_tokens[i] - 1
+            drafts[i] = index.draft(min(self.speculation.draft_tokens, room))
+        if not any(drafts):
+            return super().next()  # type: ignore[no-any-return]
+        return self._verify(sampled, drafts)
+
+    def _eligible(self) -> list[int]:
+        """The rows that may draft this step and whose context has a match (checked before
+        the sampled token is known, which would cost the pipelining a wait)."""
+        if len(self.uids) > self.speculation.max_rows:
+            return []
+        if not all(type(c) is BatchKVCache or _is_recording(c) for c in self.prompt_cache):
+            return []
+        rows = []
+        for i, row in enumerate(self._rows):
+            # Logits processors are left out, so drafting never changes what they see: a
+            # grammar's matcher would have to consume and roll back drafted tokens, and the
+            # penalties would need the context of every drafted position.
+            if self.logits_processors[i]:
+                continue
+            sampler = self.samplers[i] if self.samplers else None
+            if not (sampler is greedy or isinstance(sampler, RequestSampler)):
+                continue
+            if self.max_tokens[i] - self._num_tokens[i] < 2 or not row.policy.may_draft():
+                continue
+            row.index.sync(self.tokens[i])
+            if row.index.draft(1):
+                rows.append(i)
+        return rows
+
+    def _verify(self, sampled: list[int], drafts: list[list[int]]) -> list[Any]:
+        width = 1 + max(len(d) for d in drafts)
+        inputs = mx.array(
+            [[t, *d, *([t] * (width - 1 - len(d)))] for t, d in zip(sampled, drafts, strict=True)]
+        )
+        logits = self.model(inputs, cache=self.prompt_cache)
+        logits = self._process_first(logits, inputs)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        accepted, following = self._accept(logprobs, drafts)
+        emitted = [[t, *d[:n]] for t, d, n in zip(sampled, drafts, accepted, strict=True)]
+        # Each emitted token's distribution: the sampled one's from the step before, a draft's
+        # from the position before it.
+        vectors = [
+            [self._next_logprobs[i], *(logprobs[i, j] for j in range(n))]
+            for i, n in enumerate(accepted)
+        ]
+        finish = self._finishes(emitted)
+        kept = [len(e) for e in emitted]  # cut at a finish: tokens after it are not the answer
+        self._trim([width - k for k in kept])
+        for i, tokens in enumerate(emitted):
+            self.tokens[i].extend(tokens)
+            if self.logits_processors[i]:
+                self._token_context[i].update_and_fetch(inputs[i, :1])
+        self._next_tokens = mx.array(following, dtype=mx.uint32)
+        self._next_logprobs = [logprobs[i, n] for i, n in enumerate(accepted)]
+        self._current_tokens = mx.array(sampled, dtype=mx.uint32)
+        drafted = [len(d) for d in drafts]
+        for row, d, n in zip(self._rows, drafted, accepted, strict=True):
+            if d:
+                row.policy.record(d, n)
+        self.spec_stats.add(sum(drafted), sum(accepted), sum(kept), len(kept))
+        return self._responses(emitted, vectors, finish)
+
+    def _process_first(self, logits: mx.array, inputs: mx.array) -> mx.array:
+        """The rows with logits processors (never drafting) run them on their one real
+        position, with the context a plain step gives them."""
+        if not any(self.logits_processors):
+            return logits
+        rows = []
+        for e, processors in enumerate(self.logits_processors):
+            row = logits[e : e + 1]
+            if processors:
+                context = self._token_context[e].tokens
+                context = mx.concatenate([context, inputs[e, :1].astype(context.dtype)])
+                first = row[:, 0, :]
+                for processor in processors:
+                    first = processor(context, first)
+                row = mx.concatenate([first[:, None, :], row[:, 1:, :]], axis=1)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def _accept(self, logprobs: mx.array, drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Per row: how many drafted tokens stand, and the token that follows them."""
+        best = mx.argmax(logprobs, axis=-1)
+        mx.eval(best)
+        best_rows = best.tolist()
+        accepted, following = [], []
+        for i, draft in enumerate(drafts):
+            sampler = self.samplers[i] if self.samplers else None
+            if isinstance(sampler, RequestSampler):
+                n, token = _accept_sampled(sampler, logprobs[i], draft)
+            else:
+                n = 0
+                while n < len(draft) and best_rows[i][n] == draft[n]:
+                    n += 1
+                if sampler is greedy or not self.samplers:
+                    token = best_rows[i][n]
+                else:  # a row that did not draft, with a sampler of its own
+                    token = int(sampler(logprobs[i, :1]).item())
+            accepted.append(n)
+            following.append(token)
+        return accepted, following
+
+    def _finishes(self, emitted: list[list[int]]) -> list[str | None]:
+        """Run each emitted token through the length limit and the end sequences, as the plain
+        step does; a row that finishes has its tokens after that one cut off."""
+        finish: list[str | None] = []
+        for i, tokens in enumerate(emitted):
+            reason = None
+            for at, token in enumerate(tokens):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    reason = "length"
+                if self._matchers[i].advance(token):
+                    reason = "stop"
+                if reason is not None:
+                    del tokens[at + 1 :]
+                    break
+            finish.append(reason)
+        return finish
+
+    def _trim(self, rejected: list[int]) -> None:
+        """Drop each row's last ``rejected[i]`` positions from every layer's cache."""
+        common = min(rejected)
+        extra = [r - common for r in rejected]
+        for cache in self.prompt_cache:
+            if common:
+                cache.trim(common)
+            if any(extra):
+                cache.prepare(right_padding=extra)
+                cache.finalize()
+
+    def _responses(
+        self, emitted: list[list[int]], vectors: list[list[mx.array]], finish: list[str | None]
+    ) -> list[Any]:
+        responses, keep = [], []
+        for i, tokens in enumerate(emitted):
+            last = len(tokens) - 1
+            for at, token in enumerate(tokens):
+                done = finish[i] if at == last else None
+                responses.append(
+                    self.Response(
+                        uid=self.uids[i],
+                        token=token,
+                        logprobs=vectors[i][at],
+                        finish_reason=done,
+                        prompt_cache=self.extract_cache(i) if done else None,
+                        all_tokens=self.tokens[i] if done else None,
+                    )
+                )
+            if finish[i] is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def _accept_sampled(
+    sampler: RequestSampler, logprobs: mx.array, draft: list[int]
+) -> tuple[int, int]:
+    """Leviathan et al.'s rule for a draft that proposed each token with certainty (prompt
+    lookup): accept drafted token d with probability p(d); at the first rejection draw from p
+    with d taken out (the normalised residual max(p - q, 0)); all accepted: draw the next from p.
+    The tokens then follow p exactly, as plain sampling's would."""
+    k = len(draft)
+    probs = sampler.probs(logprobs[: k + 1])
+    if k:
+        chance = probs[mx.arange(k), mx.array(draft)]
+        draws = sampler.uniform(k)
+        mx.eval(chance, draws)
+        for n in range(k):
+            if draws[n].item() >= chance[n].item():  # type: ignore[operator]
+                residual = probs[n].at[draft[n]].multiply(0.0)
+                return n, _item(sampler.categorical(mx.log(residual)))
+    return k, _item(sampler.categorical(mx.log(probs[k])))
+
+
+def _item(token: mx.array) -> int:
+    return int(token.item())  # type: ignore[arg-type]
+
+
+def _is_recording(cache: Any) -> bool:
+    """A split rank 0's batch cache: ``BatchKVCache`` with its calls recorded."""
+    return type(cache).__name__ == "RecordingBatchKVCache" and isinstance(cache, BatchKVCache)
+
+
+def install(generator: Any, speculation: Speculation, stats: SpeculationStats) -> None:
+    """Put a :class:`SpeculativeBatch` into a fresh ``BatchGenerator``."""
+    generator._generation_batch = SpeculativeBatch.make(
+        generator.model, generator.sampler, speculation, stats
+    )
