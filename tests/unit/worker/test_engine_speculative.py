@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,9 @@ def assert_same(plain: list[Outcome], speculated: list[Outcome]) -> None:
         plain, speculated, strict=True
     ):
         assert text2 == text
-        assert done2 == done
+        # cached_tokens says which rows shared a prefill, which depends on when each request
+        # reached the scheduler (shared prefill), not on speculation: compared apart from it.
+        assert replace(done2, cached_tokens=0) == replace(done, cached_tokens=0)
         assert [t for t, _ in logprobs2] == [t for t, _ in logprobs]
         assert np.allclose([p for _, p in logprobs2], [p for _, p in logprobs], atol=1e-3)
 
