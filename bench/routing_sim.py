@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 from collections import OrderedDict
 from pathlib import Path
@@ -34,19 +35,35 @@ NODES = ["n0", "n1", "n2"]
 SESSIONS, TURNS, ENTRIES = 12, 10, 16  # ENTRIES: prompt-cache entries per node
 
 
-def make_sessions(rng: random.Random) -> list[list[list[int]]]:
-    """Each session: its prompts, turn by turn. A system prompt + tools shared by all (an agent
-    harness's ~3k tokens), then a task, then each turn appends a tool result and an answer."""
+Session = list[tuple[list[int], list[int]]]  # each turn: (its prompt, the answer generated)
+
+
+def make_sessions(rng: random.Random) -> list[Session]:
+    """Each session: its turns, (prompt, answer). A system prompt + tools shared by all (an agent
+    harness's ~3k tokens), then a task; each next prompt is the last one + the answer the node
+    generated (and cached) + a tool result, as in any agent loop."""
     system = [rng.randrange(1, 50_000) for _ in range(3000)]
     sessions = []
     for _ in range(SESSIONS):
         prompt = system + [rng.randrange(1, 50_000) for _ in range(rng.randrange(100, 400))]
         turns = []
         for _ in range(TURNS):
-            turns.append(list(prompt))
-            prompt += [rng.randrange(1, 50_000) for _ in range(rng.randrange(150, 900))]
+            answer = [rng.randrange(1, 50_000) for _ in range(rng.randrange(50, 300))]
+            turns.append((list(prompt), answer))
+            prompt += answer + [rng.randrange(1, 50_000) for _ in range(rng.randrange(100, 600))]
         sessions.append(turns)
     return sessions
+
+
+def ceiling(sessions: list[Session]) -> float:
+    """The best any routing can do: each turn finds all of its previous turn (prompt and
+    answer) cached, and the shared system prompt is computed once."""
+    total = sum(len(p) for turns in sessions for p, _ in turns)
+    fresh = 3000 + sum(len(turns[0][0]) - 3000 for turns in sessions)
+    for turns in sessions:
+        for (before, answer), (prompt, _) in itertools.pairwise(turns):
+            fresh += len(prompt) - len(before) - len(answer)
+    return 1 - fresh / total
 
 
 class Node:
@@ -56,7 +73,7 @@ class Node:
         self.key = 0
         self.up = True
 
-    def serve(self, prompt: list[int]) -> int:
+    def serve(self, prompt: list[int], answer: list[int]) -> int:
         best, best_key = 0, None
         for key, tokens in self.entries.items():
             n = min(common_prefix(tokens, prompt), len(prompt) - 1)
@@ -64,11 +81,11 @@ class Node:
                 best, best_key = n, key
         if best_key is not None:
             self.entries.move_to_end(best_key)
-        answer = prompt + [7] * 50
+        turn = prompt + answer
         for key, tokens in list(self.entries.items()):  # entries the new one extends
-            if common_prefix(tokens, answer) == len(tokens):
+            if common_prefix(tokens, turn) == len(tokens):
                 del self.entries[key]
-        self.entries[self.key] = tuple(answer)
+        self.entries[self.key] = tuple(turn)
         self.key += 1
         while len(self.entries) > ENTRIES:
             self.entries.popitem(last=False)
@@ -120,13 +137,13 @@ async def run(mode: str, seed: int) -> dict[str, float]:
         order = list(range(SESSIONS))
         rng.shuffle(order)
         for s in order:
-            prompt = sessions[s][round_]
+            prompt, answer = sessions[s][round_]
             entry = rng.choice(up)
             target = await choose(mode, entry, prompt, f"s{s}", up, planners, round_ * SESSIONS + s)
             if target not in up:
                 lost += 1
                 continue
-            cached_total += nodes[target].serve(prompt)
+            cached_total += nodes[target].serve(prompt, answer)
             prompt_total += len(prompt)
         gossiped = {n: nodes[n].digest() for n in NODES}
     return {
@@ -163,7 +180,11 @@ def main() -> None:
         f"# Routing by prefix, simulated (bench/routing_sim.py, seed {args.seed})",
         "",
         f"{SESSIONS} sessions x {TURNS} turns, 3 nodes, random entry node, node 2 down for rounds 4-6"
-        f" and back empty; {ENTRIES} cache entries a node; digests one round late.",
+        f" and back empty; {ENTRIES} cache entries a node; digests one round late. Each prompt is"
+        " the last one + the answer generated for it + a tool result.",
+        "",
+        f"Ceiling (every turn finds its whole previous turn cached, the system prompt computed"
+        f" once): {ceiling(make_sessions(random.Random(args.seed))):.3f}.",
         "",
         "| routing | cached/prompt tokens | prefill tokens | lost |",
         "|---|---|---|---|",

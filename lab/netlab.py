@@ -64,6 +64,7 @@ class LabOptions:
     start_timeout_s: float = 240.0  # model load on a busy CPU is slow
     settle_timeout_s: float = 60.0  # after the run: time allowed to re-converge
     show: bool = True
+    up_args: list[str] = field(default_factory=list)  # more `mesh up` flags for every node
 
 
 @dataclass
@@ -186,7 +187,7 @@ class NetLab(StepActions):
             peers=self.fabric.peers_of(node.index),
             join_token=join_token,
             flags=self.flags,
-            extra=[],
+            extra=list(self.options.up_args),
         )
         node.process = self.registry.spawn(
             f"node-{node.index}", argv, log_path=node.log_path, env=node_env(node.home)

@@ -203,6 +203,28 @@ class Expectations(_Strict):
     recover_within_s: float | None = Field(None, gt=0)
 
 
+class SessionsSpec(_Strict):
+    """Replayed agent sessions instead of the probe (``python -m lab.routing_compare``): each
+    session replays ``tests/fixtures/agent_conversation.json`` under its own task line, one
+    turn after another, every request entering at a random running node; the run repeats for
+    each of ``routings`` (``mesh up --routing``) on a fresh mesh. ``stop_node`` is killed when
+    ``stop_at`` of all turns are done and restarted at ``restart_at``; then ``hedge_runs``:
+    the last routing with ``--hedge auto`` healthy, and with ``slow_node`` held to
+    ``slow_duty`` of the CPU (with ``--hedge off`` and ``auto``)."""
+
+    count: int = Field(12, ge=1)
+    routings: list[str] = Field(default_factory=lambda: ["today", "round-robin", "cache"])
+    session_keys: bool = True  # send x-session-id, as agent harnesses send their session id
+    max_tokens: int = Field(16, gt=0)
+    seed: int = 25
+    stop_node: int | None = 2
+    stop_at: float = Field(0.4, ge=0, le=1)
+    restart_at: float = Field(0.7, ge=0, le=1)
+    hedge_runs: bool = True
+    slow_node: int = 1
+    slow_duty: float = Field(0.25, gt=0, le=1)
+
+
 class Scenario(_Strict):
     name: str
     description: str = ""
@@ -211,6 +233,7 @@ class Scenario(_Strict):
     probe: ProbeSpec = ProbeSpec()
     steps: list[Step] = Field(default_factory=list)
     expect: Expectations = Expectations()
+    sessions: SessionsSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:

@@ -97,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--markdown", type=Path, help="write the table here too")
     args = parser.parse_args(argv)
-    names = args.scenarios or sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+    names = args.scenarios or sorted(
+        p.stem
+        for p in SCENARIO_DIR.glob("*.toml")
+        if load_scenario(p).sessions is None  # replayed sessions: lab.routing_compare
+    )
     console = Console(stderr=True)
     try:
         verdicts = asyncio.run(run_suite(names, args.out, console))

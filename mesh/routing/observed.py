@@ -4,7 +4,11 @@ for :class:`TrackedUpstream`, the thin wrapper that feeds it.
 TTFT samples are kept per node (the last ``window``), so a slow node shows up as slow from
 here (its queue, its link, its CPU) whatever it says of itself. Prompts routed to a node are
 remembered for ``remember_s``: its cache will hold them once the request ends, well before its
-next digest arrives by gossip, so the next turn of that conversation finds them there.
+next digest arrives by gossip, so the next turn of that conversation finds them there. A prompt
+routed with a session key is found again only by that session: otherwise the first turn of one
+session, placed by its session hash, would pull the first turns of every other session that
+shares its system prompt onto the same node (the memory outbidding the hash that spreads new
+sessions), before any digest could show that the other nodes hold that prompt too.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ class Observed:
     remember_s: float = 20.0
     ttft: dict[str, deque[float]] = field(default_factory=dict)
     running: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
-    routed: dict[str, deque[tuple[float, frozenset[int], int]]] = field(default_factory=dict)
+    # node -> (when, block hashes, block size, session key) of prompts routed there lately
+    routed: dict[str, deque[tuple[float, frozenset[int], int, str | None]]] = field(
+        default_factory=dict
+    )
     hedges: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     hedges_running: int = 0
     requests: int = 0
@@ -47,16 +54,33 @@ class Observed:
         ordered = sorted(samples)
         return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
-    def remember(self, node_id: str, hashes: Sequence[int], block_size: int, now: float) -> None:
+    def remember(
+        self,
+        node_id: str,
+        hashes: Sequence[int],
+        block_size: int,
+        now: float,
+        session: str | None = None,
+    ) -> None:
         if hashes:
             kept = self.routed.setdefault(node_id, deque(maxlen=64))
-            kept.append((now, frozenset(hashes), block_size))
+            kept.append((now, frozenset(hashes), block_size, session))
 
-    def routed_cached(self, node_id: str, hashes: Sequence[int], block_size: int, now: float) -> int:  # fmt: skip
-        """Tokens of a prompt (its block hashes) that prompts routed to ``node_id`` lately share."""
+    def routed_cached(
+        self,
+        node_id: str,
+        hashes: Sequence[int],
+        block_size: int,
+        now: float,
+        session: str | None = None,
+    ) -> int:
+        """Tokens of a prompt (its block hashes) that prompts routed to ``node_id`` lately share;
+        with a ``session``, only that session's prompts count."""
         best = 0
-        for at, seen, size in self.routed.get(node_id, ()):
+        for at, seen, size, key in self.routed.get(node_id, ()):
             if now - at > self.remember_s or size != block_size:
+                continue
+            if session is not None and key != session:
                 continue
             for depth in range(len(hashes), best, -1):
                 if hashes[depth - 1] in seen:

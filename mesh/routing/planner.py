@@ -89,7 +89,7 @@ class RoutePlanner:
             return self._build([Choice(n, 0.0, 0, "round-robin") for n in order], local)
         prompt = await self._prompt(request, local)
         now = self.clock()
-        candidates = [self._candidate(n, model, prompt, now) for n in nodes]
+        candidates = [self._candidate(n, model, prompt, now, key) for n in nodes]
         ranked = rank(
             candidates,
             prompt_tokens=prompt.tokens,
@@ -99,7 +99,7 @@ class RoutePlanner:
             prefer=self.self_id,
             policy=self.config.policy,
         )
-        self.observed.remember(ranked[0].node_id, prompt.hashes, prompt.block_size, now)
+        self.observed.remember(ranked[0].node_id, prompt.hashes, prompt.block_size, now, key)
         routes = self._build(ranked, local)
         if self.config.hedge == "auto" and len(routes) > 1:
             routes[0] = self._hedged(routes[0], routes[1], ranked[0])
@@ -119,8 +119,10 @@ class RoutePlanner:
             int(blocks.get("block_size", 64)),
         )
 
-    def _candidate(self, node_id: str, model: str, prompt: _Prompt, now: float) -> Candidate:
-        routed = self.observed.routed_cached(node_id, prompt.hashes, prompt.block_size, now)
+    def _candidate(
+        self, node_id: str, model: str, prompt: _Prompt, now: float, session: str | None
+    ) -> Candidate:
+        routed = self.observed.routed_cached(node_id, prompt.hashes, prompt.block_size, now, session)  # fmt: skip
         running = self.observed.running[node_id]
         if node_id == self.self_id:
             load = self.local_load()

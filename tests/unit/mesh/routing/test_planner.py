@@ -11,6 +11,7 @@ from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.gossip import ModelAd, NodeState
 from mesh.peers import PeerTable
 from mesh.routing.planner import RoutePlanner, RoutingConfig
+from mesh.routing.score import affinity
 from worker.cache_digest import CacheDigest, block_hashes
 
 PROMPT = list(range(1000))
@@ -56,6 +57,29 @@ async def test_the_next_turn_follows_the_prompt_before_the_digest_says_so():
     again = await planner.routes(REQUEST)
     assert again[0].peer == first[0].peer
     assert again[0].reason.startswith("cache ")
+
+
+def _session(key: str) -> ChatRequest:
+    return REQUEST.model_copy(update={"session_key": key})
+
+
+def _sticky_node(key: str) -> str:
+    return max(("me", "b", "c"), key=lambda node: affinity(key, node))
+
+
+async def test_one_sessions_first_turn_does_not_pull_other_new_sessions_after_it():
+    """Sessions share a system prompt; with nothing in any digest yet, each goes to its own
+    session-hash node, not to wherever the first one went (the routing memory is per session:
+    it outbid the hash and piled every new session on one node)."""
+    first, other = "s0", next(k for k in (f"s{i}" for i in range(1, 50)) if _sticky_node(k) != _sticky_node("s0"))  # fmt: skip
+    planner = _planner(cached_on=None)
+    went = await planner.routes(_session(first))
+    assert (went[0].peer or "me") == _sticky_node(first)
+    routes = await planner.routes(_session(other))
+    assert (routes[0].peer or "me") == _sticky_node(other)
+    assert routes[0].reason == "sticky"
+    again = await planner.routes(_session(first))  # the session's own next turn still follows
+    assert (again[0].peer or "me") == _sticky_node(first)
 
 
 async def test_modes_today_and_round_robin():

@@ -1,0 +1,51 @@
+"""lab.routing_compare's pure parts: the replayed sessions and the summary."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+from lab.routing_compare import FIXTURE, Turn, build_sessions, runs, summarize
+from lab.scenario import load_scenario
+
+
+def test_sessions_share_the_system_prompt_and_nothing_after_it():
+    sessions = build_sessions(3, json.loads(FIXTURE.read_text()))
+    assert all(len(turns) >= 10 for turns in sessions)  # the issue asks for >= 10 turns
+    firsts = [turns[0] for turns in sessions]
+    assert len({json.dumps([t["system"], t["tools"]]) for t in firsts}) == 1
+    assert len({t["messages"][0]["content"] for t in firsts}) == 3
+    for turns in sessions:  # each turn extends the last: a cache can serve the previous one
+        for before, after in itertools.pairwise(turns):
+            assert after["messages"][: len(before["messages"])] == before["messages"]
+            assert after["messages"][-1]["role"] != "assistant"
+
+
+def test_summary_counts_cached_tokens_as_part_of_the_prompt():
+    """Anthropic usage: input_tokens are the uncached part."""
+    turns = [
+        Turn(
+            0,
+            0,
+            0,
+            ok=True,
+            ttft_s=1.0,
+            input_tokens=100,
+            cached_tokens=300,
+            reason="cache 300/400",
+            attempts=1,
+        ),
+        Turn(0, 1, 1, ok=False, attempts=2),
+    ]
+    summary = summarize(turns)
+    assert summary["cached_ratio"] == 0.75 and summary["prefill_tokens"] == 100
+    assert summary["lost"] == 1 and summary["client_retries"] == 1
+    assert summary["reasons"] == {"cache": 1}
+
+
+def test_the_routing_scenario_compares_three_modes_then_hedges():
+    spec = load_scenario("routing").sessions
+    assert spec is not None and spec.count == 12
+    labels = [label for label, *_ in runs(spec)]
+    assert labels[:3] == ["today", "round-robin", "cache"]
+    assert labels[3:] == ["cache, hedge auto, healthy", "cache, hedge off, node 1 slowed", "cache, hedge auto, node 1 slowed"]  # fmt: skip
