@@ -94,9 +94,9 @@ def test_commands_without_a_running_node_fail_cleanly(tmp_path):
 
 
 def test_up_refuses_an_unknown_moa_policy_in_one_sentence(tmp_path):
-    result = runner.invoke(app, ["up", "--home", str(tmp_path), "--moa-policy", "vote"])
+    result = runner.invoke(app, ["up", "--home", str(tmp_path), "--moa-policy", "bogus"])
     assert result.exit_code == 1
-    assert "unknown --moa-policy 'vote'" in " ".join(result.output.split())
+    assert "unknown --moa-policy 'bogus'" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize(("flag", "progress"), [([], False), (["--moa-progress"], True)])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import replace
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
