@@ -205,6 +205,7 @@ def test_fast_path_entry_says_why_not() -> None:
         "blas": "reference",
         "gflops": 2.4,
         "dequantized": False,
+        "attention": "mlx",
         "notes": ["no OpenBLAS library found", "float32 size exceeds"],
     }
     assert path.lines() == [
