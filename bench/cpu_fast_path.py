@@ -10,7 +10,10 @@ of a plain-text continuation (no chat template), after one short warm-up generat
   the model quantized as stored;
 - mlx-lm + OpenBLAS: the same with the preload only (shows what the quantized kernel gains);
 - mlx-lm + fast path: preload + quantized layers unpacked to float32 (``worker.cpu``);
-- worker engine: our ``Engine`` (BatchGenerator, what the worker serves) in a preloaded process.
+- worker engine: our ``Engine`` (BatchGenerator, what the worker serves) in a preloaded process,
+  prefill attention in numpy (``worker.cpu_attention``);
+- worker engine, MLX attention: the same with ``MLX_MESH_CPU_ATTENTION=off`` (the engine before
+  issue 24), so the numpy attention's gain is a same-run ratio.
 
 Metrics: prefill tok/s (prompt tokens / time to first token) of a ~1,000-token prompt, decode
 tok/s after the first token, and the time to first token of a ~3,000-token prompt. The slow
@@ -60,6 +63,7 @@ class Config:
     dequantize: bool
     engine: bool
     slow: bool  # prefill a shorter prompt, extrapolate the long TTFT
+    env: tuple[tuple[str, str], ...] = ()  # set in the child's environment
 
 
 CONFIGS = (
@@ -67,6 +71,15 @@ CONFIGS = (
     Config("openblas", "mlx-lm + OpenBLAS, quantized", True, False, False, True),
     Config("fast", "mlx-lm + OpenBLAS + float32", True, True, False, False),
     Config("engine", "worker engine (fast path)", True, True, True, False),
+    Config(
+        "engine_mlx_attention",
+        "worker engine, MLX attention (before)",
+        True,
+        True,
+        True,
+        False,
+        (("MLX_MESH_CPU_ATTENTION", "off"),),
+    ),
 )
 
 
@@ -163,20 +176,21 @@ def child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 # ---- parent: run them all, compare -------------------------------------------------------
 
 
-def child_env(preload: bool) -> dict[str, str]:
+def child_env(config: Config) -> dict[str, str]:
     from worker import cpu
 
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", cpu.REEXEC_MARKER)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["HF_HUB_OFFLINE"] = "1"
-    return cpu.preload_env(env) if preload else env
+    env.update(config.env)
+    return cpu.preload_env(env) if config.preload else env
 
 
 def run_child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", config.key, *_passthrough(args)]
     started = time.perf_counter()
     done = subprocess.run(
-        command, env=child_env(config.preload), capture_output=True, text=True, check=False
+        command, env=child_env(config), capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise SystemExit(f"{config.key} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -258,6 +272,20 @@ def long_ttft(result: dict[str, Any], tokens: int) -> tuple[float, bool]:
     return tokens / result["prefill"]["prefill_tps"], True
 
 
+def attention_ratios(results: dict[str, dict[str, Any]], tokens: int) -> list[str]:
+    """The numpy attention against MLX's, same run, same engine (issue 24)."""
+    numpy_, mlx_ = results["engine"], results["engine_mlx_attention"]
+    ttft_x = mlx_["long"]["ttft_s"] / numpy_["long"]["ttft_s"]
+    prefill_x = numpy_["prefill"]["prefill_tps"] / mlx_["prefill"]["prefill_tps"]
+    decode_x = numpy_["prefill"]["decode_tps"] / mlx_["prefill"]["decode_tps"]
+    return [
+        "Numpy prefill attention (`worker/cpu_attention.py`) vs MLX's, same run, same engine: "
+        f"{tokens}-token TTFT {ttft_x:.2f}x faster, prefill tok/s {prefill_x:.2f}x, "
+        f"decode tok/s {decode_x:.2f}x (decode stays on MLX: expect ~1).",
+        "",
+    ]
+
+
 def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     base = results["baseline"]["prefill"]
     lines = [
@@ -303,6 +331,7 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         f"- {args.ttft_tokens}-token TTFT ≤ {TARGETS['ttft_s']:.0f} s: {ttft:.1f} s "
         f"{verdict(ttft <= TARGETS['ttft_s'])}",
         "",
+        *attention_ratios(results, args.ttft_tokens),
         f"Worker's own report: `{json.dumps(ours.get('cpu_fast_path'))}`.",
         "",
     ]

@@ -4,8 +4,8 @@ On the CPU backend ``mx.fast.scaled_dot_product_attention`` is MLX's composed fa
 matmul, a mask, a precise softmax, a second matmul. Its ``exp`` runs single-threaded at ~18 ns
 an element (numpy's: ~0.4 ns), so with 3,072 keys a 512-token chunk spent 240-300 ms of its
 ~400 ms per layer in the softmax (``bench/results/cpu.md``). Here the same four steps run in
-numpy, over tiles of ``ROW_BLOCK`` query rows whose score block stays in the core's L2 cache,
-on a small thread pool (the BLAS calls of each tile on one thread; numpy releases the GIL), and
+numpy, over tiles of ``ROW_BLOCK`` query rows of the query heads that share a KV head (one
+BLAS call for the group: 8 % less CPU time than one call per head), on a small thread pool (the BLAS calls of each tile on one thread; numpy releases the GIL), and
 over the keys a tile can see only: keys that every row of a tile masks out get weight 0 in MLX
 too (``exp(finfo.min - max)`` is 0), so they are skipped (a causal chunk's upper triangle,
 left padding, a sliding window's far past).
@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 ATTENTION_ENV = "MLX_MESH_CPU_ATTENTION"
 OFF_VALUES = frozenset({"off", "0", "no", "false", "mlx"})
-# Below this many queries MLX's lazy graph wins (decode, speculative verify passes).
+# Fewer queries stay on MLX: decode steps and speculative verify passes keep their lazy,
+# pipelined graph (the numpy path evaluates at every layer). In isolation numpy wins from 4
+# queries at 3,072 keys (0.6 vs 8 ms for 9 heads); 32 is the first size only prefill reaches.
 MIN_QUERY_TOKENS = 32
-# Query rows per tile: 64 x 3,072 keys x 4 bytes = 768 KiB of scores, inside a 1 MiB L2.
+# Query rows per tile (per query head): a tile's scores stay in L2 cache; a whole 512-row chunk
+# per tile took 1.5-2x the time (3,072 keys), 32, 64 and 128 rows measured within 10 %.
 ROW_BLOCK = 64
 MAX_THREADS = 8
 _NAME = "scaled_dot_product_attention"
@@ -119,38 +122,39 @@ def _key_range(mask: np.ndarray | None) -> tuple[int, int] | None:
 
 
 def _tile(
-    q: np.ndarray,  # (rows, D), already scaled
+    q: np.ndarray,  # (R, rows, D): the R query heads of one KV head, already scaled
     k: np.ndarray,  # (S, D)
     v: np.ndarray,  # (S, Dv)
-    mask: np.ndarray | None,  # (rows, S) bool or float, or None
+    mask: np.ndarray | None,  # (R, rows, S) bool or float (a view), or None
     causal_first: int | None,  # causal: absolute position of the tile's first query
-    sink: float | None,
-    out: np.ndarray,  # (rows, Dv)
+    sinks: np.ndarray | None,  # (R,)
+    out: np.ndarray,  # (R, rows, Dv) (a view)
 ) -> None:
+    heads, rows, _ = q.shape
     lo, hi = 0, k.shape[0]
     if causal_first is not None:
-        hi = causal_first + q.shape[0]
+        hi = causal_first + rows
     elif mask is not None and mask.dtype == np.bool_:
         lo, hi = _key_range(mask) or (lo, hi)
-    scores = q @ k[lo:hi].T
+    scores = np.matmul(q.reshape(heads * rows, -1), k[lo:hi].T)
+    grid = scores.reshape(heads, rows, hi - lo)
     if causal_first is not None:
-        # Only the last rows x rows block holds keys later than some query of the tile.
-        square = scores[:, causal_first - lo :]
-        np.copyto(square, _F32_MIN, where=_upper(q.shape[0]))
+        np.copyto(grid[:, :, causal_first - lo :], _F32_MIN, where=_upper(rows))
     elif mask is not None and mask.dtype == np.bool_:
-        np.copyto(scores, _F32_MIN, where=~mask[:, lo:hi])
+        np.copyto(grid, _F32_MIN, where=~mask[..., lo:hi])
     elif mask is not None:
-        scores += mask[:, lo:hi]
+        grid += mask[..., lo:hi]
     top = scores.max(axis=-1, keepdims=True)
-    if sink is not None:
-        np.maximum(top, np.float32(sink), out=top)
+    if sinks is not None:
+        sink = np.repeat(sinks, rows)[:, None]
+        np.maximum(top, sink, out=top)
     scores -= top
     np.exp(scores, out=scores)
     total = scores.sum(axis=-1, keepdims=True)
-    if sink is not None:
-        total += np.exp(np.float32(sink) - top)
+    if sinks is not None:
+        total += np.exp(sink - top)
     scores /= total
-    np.matmul(scores, v[lo:hi], out=out)
+    out[...] = (scores @ v[lo:hi]).reshape(heads, rows, -1)
 
 
 _uppers: dict[int, np.ndarray] = {}
@@ -186,26 +190,26 @@ def attention(
     full = None
     if isinstance(mask, np.ndarray):
         full = np.broadcast_to(mask, (batch, heads, length, total))
-    # "causal": the chunk's queries sit at the last keys' positions.
     offset = total - length if isinstance(mask, str) else None
     tiles = [
         (b, h, start)
         for b in range(batch)
-        for h in range(heads)
+        for h in range(kv_heads)
         for start in range(0, length, row_block)
     ]
 
     def work(part: Sequence[tuple[int, int, int]]) -> None:
         for b, h, start in part:
             stop = min(start + row_block, length)
+            group = slice(h * repeats, (h + 1) * repeats)
             _tile(
-                scaled[b, h, start:stop],
-                keys[b, h // repeats],
-                values[b, h // repeats],
-                None if full is None else full[b, h, start:stop],
+                scaled[b, group, start:stop],
+                keys[b, h],
+                values[b, h],
+                None if full is None else full[b, group, start:stop],
                 None if offset is None else offset + start,
-                None if sinks is None else float(sinks[h]),
-                out[b, h, start:stop],
+                None if sinks is None else sinks[group],
+                out[b, group, start:stop],
             )
 
     workers = max(1, min(_pool.size(), len(tiles)))
