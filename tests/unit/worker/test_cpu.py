@@ -194,6 +194,7 @@ def test_unquantized_model_has_nothing_to_do(tiny_model_dir: Path) -> None:
         "blas": None,
         "gflops": None,
         "dequantized": False,
+        "attention": "mlx",
     }
 
 
