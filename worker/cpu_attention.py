@@ -43,8 +43,8 @@ OFF_VALUES = frozenset({"off", "0", "no", "false", "mlx"})
 # pipelined graph (the numpy path evaluates at every layer). In isolation numpy wins from 4
 # queries at 3,072 keys (0.6 vs 8 ms for 9 heads); 32 is the first size only prefill reaches.
 MIN_QUERY_TOKENS = 32
-# Query rows per tile (per query head): a tile's scores stay in L2 cache; a whole 512-row chunk
-# per tile took 1.5-2x the time (3,072 keys), 32, 64 and 128 rows measured within 10 %.
+# Query rows per tile and query head, so a tile's scores stay in cache: a whole 512-row chunk
+# per tile took 1.5-2x the time (3,072 keys); 32, 64 and 128 rows measured within 10 %.
 ROW_BLOCK = 64
 MAX_THREADS = 8
 _NAME = "scaled_dot_product_attention"
@@ -76,6 +76,7 @@ class _Pool:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._setter: Any = None
+        self._started = False
         self.workers = 1
 
     def size(self) -> int:
@@ -97,7 +98,8 @@ class _Pool:
 
     def _start(self) -> ThreadPoolExecutor | None:
         with self._lock:
-            if self._executor is None and self.workers == 1:
+            if not self._started:
+                self._started = True
                 self._setter = _blas_local_threads()
                 cores = min(os.cpu_count() or 1, MAX_THREADS)
                 if self._setter is not None and cores > 1:
@@ -114,10 +116,9 @@ def _key_range(mask: np.ndarray | None) -> tuple[int, int] | None:
     least one (a row that sees none is uniform over all keys in MLX, so nothing is skipped)."""
     if mask is None:
         return None
-    rows = mask.reshape(-1, mask.shape[-1])
-    if not rows.any(axis=1).all():
+    if not mask.any(axis=-1).all():
         return None
-    seen: np.ndarray = rows.any(axis=0)
+    seen: np.ndarray = mask.any(axis=tuple(range(mask.ndim - 1)))
     return int(seen.argmax()), int(seen.size - seen[::-1].argmax())
 
 
