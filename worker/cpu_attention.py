@@ -118,7 +118,7 @@ def _key_range(mask: np.ndarray | None) -> tuple[int, int] | None:
         return None
     if not mask.any(axis=-1).all():
         return None
-    seen: np.ndarray = mask.any(axis=tuple(range(mask.ndim - 1)))
+    seen = np.asarray(mask.any(axis=tuple(range(mask.ndim - 1))))
     return int(seen.argmax()), int(seen.size - seen[::-1].argmax())
 
 
