@@ -10,7 +10,10 @@ of a plain-text continuation (no chat template), after one short warm-up generat
   the model quantized as stored;
 - mlx-lm + OpenBLAS: the same with the preload only (shows what the quantized kernel gains);
 - mlx-lm + fast path: preload + quantized layers unpacked to float32 (``worker.cpu``);
-- worker engine: our ``Engine`` (BatchGenerator, what the worker serves) in a preloaded process.
+- worker engine: our ``Engine`` (BatchGenerator, what the worker serves) in a preloaded process,
+  prefill attention in numpy (``worker.cpu_attention``);
+- worker engine, MLX attention: the same with ``MLX_MESH_CPU_ATTENTION=off`` (the engine before
+  issue 24), so the numpy attention's gain is a same-run ratio.
 
 Metrics: prefill tok/s (prompt tokens / time to first token) of a ~1,000-token prompt, decode
 tok/s after the first token, and the time to first token of a ~3,000-token prompt. The slow
@@ -60,6 +63,7 @@ class Config:
     dequantize: bool
     engine: bool
     slow: bool  # prefill a shorter prompt, extrapolate the long TTFT
+    env: tuple[tuple[str, str], ...] = ()  # set in the child's environment
 
 
 CONFIGS = (
@@ -67,6 +71,15 @@ CONFIGS = (
     Config("openblas", "mlx-lm + OpenBLAS, quantized", True, False, False, True),
     Config("fast", "mlx-lm + OpenBLAS + float32", True, True, False, False),
     Config("engine", "worker engine (fast path)", True, True, True, False),
+    Config(
+        "engine_mlx_attention",
+        "worker engine, MLX attention (before)",
+        True,
+        True,
+        True,
+        False,
+        (("MLX_MESH_CPU_ATTENTION", "off"),),
+    ),
 )
 
 
@@ -163,20 +176,21 @@ def child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 # ---- parent: run them all, compare -------------------------------------------------------
 
 
-def child_env(preload: bool) -> dict[str, str]:
+def child_env(config: Config) -> dict[str, str]:
     from worker import cpu
 
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", cpu.REEXEC_MARKER)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["HF_HUB_OFFLINE"] = "1"
-    return cpu.preload_env(env) if preload else env
+    env.update(config.env)
+    return cpu.preload_env(env) if config.preload else env
 
 
 def run_child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", config.key, *_passthrough(args)]
     started = time.perf_counter()
     done = subprocess.run(
-        command, env=child_env(config.preload), capture_output=True, text=True, check=False
+        command, env=child_env(config), capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise SystemExit(f"{config.key} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -213,14 +227,28 @@ NOTES = """
   (decode over 32 tokens is the noisiest figure here: two full runs gave 1.36x and 1.68x).
   What would move it: fewer bytes per token that a fast kernel can read (no such CPU kernel in
   MLX 0.32), or more requests per step (the engine's continuous batching shares each read).
-- **Long prompts**: per 512-token chunk, prefill falls from 180 tok/s at offset 0 to 45 tok/s
-  at offset 2,560. `mx.fast.scaled_dot_product_attention` with 3,072 keys takes ~400 ms per
-  layer per chunk; its two BLAS matmuls ~55 ms of that, the softmax 240-300 ms: MLX's CPU `exp`
-  runs single-threaded at ~18 ns per element (numpy's: 2 ns), compiled or not; a softmax
-  through `mx.power(2, x)` was only 7 % faster overall. A 3,000-token prompt needs ~1.5 G
-  softmax elements (9 heads x 30 layers x sum of 512 x keys per chunk), ~27 s at that rate, plus
-  ~8 s of matmuls (270 MFLOP per token): the 20 s TTFT target is out of reach until attention's
-  element-wise work gets faster on the CPU, whatever the BLAS.
+- **Long prompts, before issue 24** (MLX's attention): per 512-token chunk, prefill fell from
+  180 tok/s at offset 0 to 45 tok/s at offset 2,560. `mx.fast.scaled_dot_product_attention`
+  with 3,072 keys took ~400 ms per layer per chunk; its two BLAS matmuls ~55 ms of that, the
+  softmax 240-300 ms: MLX's CPU `exp` runs single-threaded at ~18 ns per element (numpy's:
+  2 ns), compiled or not; a softmax through `mx.power(2, x)` was only 7 % faster overall. A
+  3,000-token prompt needs ~1.5 G softmax elements (9 heads x 30 layers x sum of 512 x keys per
+  chunk), ~27 s at that rate, plus ~8 s of matmuls (270 MFLOP per token).
+- **Long prompts, now** (`worker/cpu_attention.py`, issue 24): the attention of prefill chunks
+  of 32+ queries runs in numpy, the same steps as MLX's CPU fallback (scaled queries, matmul,
+  `where(mask, s, finfo.min)` or an added mask, max-subtracted `exp`, normalise, matmul) in
+  float32, over tiles of 64 query rows x the query heads of one KV head, on two threads, over
+  only the keys some row of a tile sees (a causal chunk's upper triangle is never computed).
+  numpy's `exp` here runs at ~0.4 ns an element; all the element-wise steps together ~1.5 ns,
+  the two matmuls (inner dimension 64) ~4 ns. One layer at 512 queries x 3,072 keys: 55-60 ms
+  of CPU time against MLX's 272 ms (same process, interleaved). Per 512-token chunk of a
+  3,072-token prompt (standalone, load ~5): 1.8-5.8 s against 5.6-28 s; attention is 0.2 s
+  (offset 0) to 2 s (offset 2,560) of CPU time, the rest the weight matmuls (~1.5 s of CPU per
+  512 tokens at any offset), so a larger prefill chunk would not pay: left at 512. Outputs
+  differ from MLX's by float rounding only (<= 7e-7 here); SmolLM2-135M's greedy tokens are the
+  same with and without it (the 3,000-token prompt, and a left-padded batch of 1,200 + 700).
+  Decode (one query) stays on MLX, as does Metal. What is left: the attention matmuls (~310
+  GFLOP for 3,000 tokens) and the weights' (~650 GFLOP), all BLAS work.
 """
 
 
@@ -256,6 +284,20 @@ def long_ttft(result: dict[str, Any], tokens: int) -> tuple[float, bool]:
     if "long" in result:
         return result["long"]["ttft_s"], False
     return tokens / result["prefill"]["prefill_tps"], True
+
+
+def attention_ratios(results: dict[str, dict[str, Any]], tokens: int) -> list[str]:
+    """The numpy attention against MLX's, same run, same engine (issue 24)."""
+    numpy_, mlx_ = results["engine"], results["engine_mlx_attention"]
+    ttft_x = mlx_["long"]["ttft_s"] / numpy_["long"]["ttft_s"]
+    prefill_x = numpy_["prefill"]["prefill_tps"] / mlx_["prefill"]["prefill_tps"]
+    decode_x = numpy_["prefill"]["decode_tps"] / mlx_["prefill"]["decode_tps"]
+    return [
+        "Numpy prefill attention (`worker/cpu_attention.py`) vs MLX's, same run, same engine: "
+        f"{tokens}-token TTFT {ttft_x:.2f}x faster, prefill tok/s {prefill_x:.2f}x, "
+        f"decode tok/s {decode_x:.2f}x (decode stays on MLX: expect ~1).",
+        "",
+    ]
 
 
 def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
@@ -303,6 +345,7 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         f"- {args.ttft_tokens}-token TTFT ≤ {TARGETS['ttft_s']:.0f} s: {ttft:.1f} s "
         f"{verdict(ttft <= TARGETS['ttft_s'])}",
         "",
+        *attention_ratios(results, args.ttft_tokens),
         f"Worker's own report: `{json.dumps(ours.get('cpu_fast_path'))}`.",
         "",
     ]

@@ -393,6 +393,8 @@ class CpuFastPath:
 
     probe: BlasProbe | None
     dequant: DequantizeResult
+    # The model modules whose prefill attention runs in numpy (worker/cpu_attention.py).
+    numpy_attention: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The worker's ``cpu_fast_path`` entry for ``/v1/models`` and ``/health``."""
@@ -400,6 +402,7 @@ class CpuFastPath:
             "blas": self.probe.blas if self.probe else None,
             "gflops": self.probe.gflops if self.probe else None,
             "dequantized": self.dequant.dequantized,
+            "attention": "numpy" if self.numpy_attention else "mlx",
         }
         notes = [n for n in (self.probe and self.probe.reason, self.dequant.reason) if n]
         if notes:
@@ -417,12 +420,21 @@ class CpuFastPath:
             )
         elif d.reason:
             out.append(f"cpu weights: kept quantized: {d.reason}")
+        if self.numpy_attention:
+            from worker.cpu_attention import MIN_QUERY_TOKENS
+
+            modules = ", ".join(name.rsplit(".", 1)[-1] for name in self.numpy_attention)
+            out.append(f"cpu attention: numpy for chunks of {MIN_QUERY_TOKENS}+ tokens ({modules})")
         return out
 
 
 def prepare_cpu_model(model: Any, *, max_share: float = DEFAULT_DEQUANTIZE_SHARE) -> CpuFastPath:
     """Apply the CPU fast path to a model just loaded on the CPU backend (call it on the thread
-    that owns the model): unpack quantized weights when they fit, and probe the BLAS (Linux)."""
+    that owns the model): unpack quantized weights when they fit, probe the BLAS (Linux), and
+    run its prefill attention in numpy (worker/cpu_attention.py) unless turned off."""
+    from worker import cpu_attention
+
     dequant = dequantize_for_cpu(model, max_share=max_share)
     probe = blas_probe() if sys.platform == "linux" else None
-    return CpuFastPath(probe, dequant)
+    patched = cpu_attention.install(model) if cpu_attention.enabled() else []
+    return CpuFastPath(probe, dequant, tuple(patched))

@@ -194,6 +194,7 @@ def test_unquantized_model_has_nothing_to_do(tiny_model_dir: Path) -> None:
         "blas": None,
         "gflops": None,
         "dequantized": False,
+        "attention": "mlx",
     }
 
 
@@ -205,6 +206,7 @@ def test_fast_path_entry_says_why_not() -> None:
         "blas": "reference",
         "gflops": 2.4,
         "dequantized": False,
+        "attention": "mlx",
         "notes": ["no OpenBLAS library found", "float32 size exceeds"],
     }
     assert path.lines() == [
