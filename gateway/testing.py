@@ -2,6 +2,8 @@
 
 - :class:`ScriptedUpstream` plays a script of events with delays, can raise or stall at given
   points, records the requests it received and whether it was cancelled.
+- :class:`RankedDirectory` is a :class:`~gateway.upstream.StaticDirectory` whose ``aroutes``
+  (the mesh's cache-aware ranking) answers from a script and records what it was asked.
 - :func:`asgi_request` drives an ASGI app in-process and can disconnect at a chosen moment.
 - :func:`chat_request` parses a Chat Completions body the way the gateway does (thinking knobs
   normalised at the edge), for tests that need a ``ChatRequest`` as a client would make it.
@@ -27,7 +29,7 @@ import orjson
 from gateway.answer import new_id
 from gateway.events import Done, Event, ReasoningDelta, TextDelta, ToolCallDelta, Usage
 from gateway.request import ChatRequest
-from gateway.upstream import Upstream
+from gateway.upstream import Route, StaticDirectory, Upstream
 
 
 def chat_request(model: str = "mesh", content: str = "hi", **fields: Any) -> ChatRequest:
@@ -109,6 +111,20 @@ class ScriptedUpstream(Upstream):
             raise
         finally:
             self.active -= 1
+
+
+@dataclass
+class RankedDirectory(StaticDirectory):
+    """A directory that ranks routes by the request, as the mesh's does (``aroutes``):
+    ``ranked[model]`` is the answer for that model (best first; none or [] leaves it to
+    ``routes``, as the mesh does with one node), ``asked`` every request it ranked."""
+
+    ranked: dict[str, list[Route]] = field(default_factory=dict)
+    asked: list[ChatRequest] = field(default_factory=list)
+
+    async def aroutes(self, request: ChatRequest) -> list[Route]:
+        self.asked.append(request)
+        return list(self.ranked.get(request.model, []))
 
 
 def text_script(

@@ -4,17 +4,29 @@ One call per distinct model reachable (largest models first, capped at ``max_wor
 mesh serves a single model, several samples of it with different temperatures and seeds
 (self-mixture), spread over the routes that serve it. Every call carries the caller's thinking
 choice, which is *off* unless they opted in (see :mod:`gateway.moa.knobs`).
+
+Where a model's calls go: when the directory ranks routes by the prompt (the mesh's ``aroutes``:
+cached prefix, load, RTT), :func:`ranked_routes` asks it once per model, with the request as
+that model's first call sends it, and the model's calls go to its ranked nodes best first
+(more calls than nodes: round again); otherwise the directory's plain order, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.moa.config import MoaConfig
 from gateway.moa.knobs import thinking_opted_in, with_thinking
 from gateway.request import ChatRequest, Message
-from gateway.upstream import MESH_MODEL, ModelDirectory, ModelInfo, Upstream
+from gateway.upstream import MESH_MODEL, ModelDirectory, ModelInfo, Route, Upstream
+
+log = logging.getLogger(__name__)
+
+# Each model's routes for one request, best first (see :func:`ranked_routes`).
+Routes = Mapping[str, list[Route]]
 
 AGGREGATOR_INSTRUCTIONS = (
     "You have been given several candidate responses to the user's latest message, written by "
@@ -32,6 +44,7 @@ class Candidate:
     model: ModelInfo
     upstream: Upstream
     request: ChatRequest
+    reason: str | None = None  # why the mesh picked its node (x-mesh-route-reason)
 
 
 def mixable_models(directory: ModelDirectory) -> list[ModelInfo]:
@@ -54,24 +67,60 @@ def worker_request(request: ChatRequest, model: str, *, name: str) -> ChatReques
     return out.model_copy(update={"model": model, "stream": True, "metadata": metadata})
 
 
+async def ranked_routes(
+    directory: ModelDirectory, request: ChatRequest, models: Sequence[ModelInfo]
+) -> dict[str, list[Route]]:
+    """Each of ``models``' routes as the directory ranks them for this prompt (its ``aroutes``,
+    asked with the request the model's first call sends: same messages, same thinking); a
+    model it does not rank (one node, routing mode ``today``, no ranking at all) is left out,
+    for the plain order."""
+    ranker = getattr(directory, "aroutes", None)
+    if ranker is None or not models:
+        return {}
+
+    async def rank(model: ModelInfo) -> list[Route]:
+        try:
+            return list(await ranker(worker_request(request, model.id, name=model.id)))
+        except Exception as exc:  # a ranking that fails costs the cache hits, not the answer
+            log.warning("ranking routes for %s failed: %r", model.id, exc)
+            return []
+
+    ranked = await asyncio.gather(*(rank(m) for m in models))
+    return {m.id: routes for m, routes in zip(models, ranked, strict=True) if routes}
+
+
+def _routes_of(
+    directory: ModelDirectory, routes: Routes | None, model: str, session_key: str | None
+) -> list[Route]:
+    return (routes or {}).get(model) or directory.routes(model, session_key)
+
+
+def _candidate(name: str, model: ModelInfo, route: Route, request: ChatRequest) -> Candidate:
+    return Candidate(name, model, route.upstream, request, route.reason)
+
+
 def plan_candidates(
-    directory: ModelDirectory, request: ChatRequest, config: MoaConfig
+    directory: ModelDirectory,
+    request: ChatRequest,
+    config: MoaConfig,
+    routes: Routes | None = None,
 ) -> list[Candidate]:
-    """The worker calls for one request (empty when the mesh serves no model)."""
+    """The worker calls for one request (empty when the mesh serves no model); ``routes``: the
+    ranked routes of :func:`ranked_routes`, for the models it ranked."""
     models = mixable_models(directory)[: config.max_workers]
     if len(models) != 1:
         return [
-            Candidate(
+            _candidate(
                 m.id,
                 m,
-                directory.routes(m.id)[0].upstream,
+                _routes_of(directory, routes, m.id, None)[0],
                 worker_request(request, m.id, name=m.id),
             )
             for m in models
         ]
     # Self-mixture: the one model, sampled several times with different temperatures and seeds.
     (model,) = models
-    routes = directory.routes(model.id, request.session_key)
+    served = _routes_of(directory, routes, model.id, request.session_key)
     out = []
     for i in range(config.max_workers):
         name = f"{model.id}#{i}" if config.max_workers > 1 else model.id
@@ -86,7 +135,7 @@ def plan_candidates(
                     "session_key": f"{request.session_key}/moa{i}" if request.session_key else None,
                 }
             )
-        out.append(Candidate(name, model, routes[i % len(routes)].upstream, sample))
+        out.append(_candidate(name, model, served[i % len(served)], sample))
     return out
 
 
@@ -107,15 +156,17 @@ def reducer_request(
     return out.model_copy(update={"messages": messages})
 
 
-def plan_samples(directory: ModelDirectory, request: ChatRequest, n: int) -> list[Candidate]:
+def plan_samples(
+    directory: ModelDirectory, request: ChatRequest, n: int, routes: Routes | None = None
+) -> list[Candidate]:
     """``n`` samples for the vote, spread round-robin over the mesh's models and, per model, its
-    routes (nodes). The first is the caller's own request; the others leave temperature, top_p,
-    top_k and min_p unset, so each worker samples with its model's recommended values
-    (``generation_config``), and get seeds of their own."""
+    routes (nodes; ``routes``: the ranked ones, best first). The first is the caller's own
+    request; the others leave temperature, top_p, top_k and min_p unset, so each worker samples
+    with its model's recommended values (``generation_config``), and get seeds of their own."""
     models = mixable_models(directory)
     if not models:
         return []
-    routes = {m.id: directory.routes(m.id, request.session_key) for m in models}
+    by_model = {m.id: _routes_of(directory, routes, m.id, request.session_key) for m in models}
     out = []
     for i in range(n):
         model = models[i % len(models)]
@@ -133,7 +184,6 @@ def plan_samples(directory: ModelDirectory, request: ChatRequest, n: int) -> lis
                     "session_key": f"{request.session_key}/moa{i}" if request.session_key else None,
                 }
             )
-        served = routes[model.id]
-        upstream = served[(i // len(models)) % len(served)].upstream
-        out.append(Candidate(name, model, upstream, sample))
+        served = by_model[model.id]
+        out.append(_candidate(name, model, served[(i // len(models)) % len(served)], sample))
     return out

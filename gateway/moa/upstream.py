@@ -34,6 +34,7 @@ from gateway.moa.candidates import (
     mixable_models,
     plan_candidates,
     plan_samples,
+    ranked_routes,
     reducer_request,
     strongest,
 )
@@ -54,6 +55,7 @@ from gateway.moa.events import (
 )
 from gateway.moa.scoring import WinRecord
 from gateway.request import ChatRequest
+from gateway.router import ROUTE_REASON_HEADER
 from gateway.upstream import MESH_MODEL, ModelDirectory, StartHold, Upstream, close_stream
 
 log = logging.getLogger(__name__)
@@ -189,18 +191,22 @@ class MixtureOfAgents(Upstream):
                 f"expected one of {', '.join(POLICIES)}",
             )
             return
+        n = self.config.max_workers  # the calls made: one per model, or samples of one
         if policy == "vote":
-            n = self.samples_for(request)
-            if n is None:
+            samples = self.samples_for(request)
+            if samples is None:
                 yield Error(
                     "invalid_request",
                     f"moa_samples must be an integer from 1 to {MAX_SAMPLES}, "
                     f"not {request.metadata.get('moa_samples')!r}",
                 )
                 return
-            candidates = plan_samples(self.directory, request, n)
+            n = samples
+        routes = await ranked_routes(self.directory, request, mixable_models(self.directory)[:n])
+        if policy == "vote":
+            candidates = plan_samples(self.directory, request, n, routes)
         else:
-            candidates = plan_candidates(self.directory, request, self.config)
+            candidates = plan_candidates(self.directory, request, self.config, routes)
         if not candidates:
             yield Error("unavailable", "model 'mesh' needs at least one model in the mesh")
             return
@@ -324,6 +330,9 @@ class _Run:
         headers = {"x-moa-policy": self.policy, "x-moa-workers": str(started)}
         if self.auto is not None:
             headers["x-moa-auto"] = self.auto
+        reasons = [f"{c.name}={c.reason}" for c in self.candidates if c.reason]
+        if reasons:  # where the mesh sent each candidate, and why (cache-aware routing)
+            headers["x-moa-routes"] = ", ".join(reasons)
         return headers
 
     def _start_reducer(self, decision: StartReducer) -> list[Decision]:
@@ -339,7 +348,11 @@ class _Run:
             next((c.model.id for c in self.candidates if c.name == winner), None),
         )
         decided_s = (arbiter.decided_at or self.started_at) - self.started_at
-        yield Meta(self._known_headers() | decision_headers(arbiter, winner, decided_s))
+        decided = self._known_headers() | decision_headers(arbiter, winner, decided_s)
+        reason = self.by_name[winner].reason if winner in self.by_name else None
+        if reason:  # the winner's node, as requests.jsonl records a routed request's
+            decided[ROUTE_REASON_HEADER] = reason
+        yield Meta(decided)
         for buffered in self.buffers.pop(winner, []):
             if not isinstance(buffered, Meta):
                 yield buffered
