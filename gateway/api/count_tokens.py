@@ -50,6 +50,8 @@ async def count_tokens(request: Request) -> Response:
     except RequestInvalid as exc:
         return error_response(error_body, exc.to_error())
     try:
+        # resolve, not aresolve: a count runs no prompt, and a cache-aware ranking would note
+        # this one as sent to its first node (and tokenize it once more).
         routes = state.router.resolve(chat_request)
     except RouteError as exc:
         return error_response(error_body, exc.error)

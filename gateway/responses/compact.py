@@ -64,7 +64,7 @@ def _kept(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def _summarise(state: Any, request: ChatRequest) -> Accumulator:
     acc = Accumulator()
-    routes = state.router.resolve(request)
+    routes = await state.router.aresolve(request)  # the history is the prefix: where it is cached
     async with contextlib.aclosing(state.router.stream(request, routes)) as events:
         async for event in events:
             acc.add(event)
@@ -84,6 +84,8 @@ async def _history(state: Any, body: CompactBody) -> list[dict[str, Any]]:
 async def _prompt_tokens(state: Any, model: str, items: list[dict[str, Any]], instructions) -> int:
     """What ``items`` cost as a prompt: the serving upstream's exact count, else an estimate."""
     chat, _ = responses.parse({"model": model, "input": items, "instructions": instructions})
+    # resolve, not aresolve: a count runs no prompt, and a cache-aware ranking would note this
+    # one as sent to its first node (and tokenize it once more).
     for route in state.router.resolve(chat):
         count = await route.upstream.count_tokens(chat)
         if count is not None:

@@ -143,7 +143,10 @@ class _Socket:
         self.continues = False
         try:
             request, body, generate = await self._parse(text)
-            routes = self.state.router.resolve(request)
+            # Ranked by cached prefix only for a turn that runs: a warm-up (generate: false)
+            # sends nothing, and ranking would note its prompt as sent to the first node.
+            router = self.state.router
+            routes = await router.aresolve(request) if generate else router.resolve(request)
         except RequestInvalid as exc:
             await self._refuse(exc.to_error())
             return

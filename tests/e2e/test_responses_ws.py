@@ -15,8 +15,8 @@ from openresponses import check_event, validator
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.events import Error
-from gateway.testing import ScriptedUpstream, ServerThread, Stall, text_script
-from gateway.upstream import ModelInfo, StaticDirectory
+from gateway.testing import RankedDirectory, ScriptedUpstream, ServerThread, Stall, text_script
+from gateway.upstream import ModelInfo, Route, StaticDirectory
 
 pytestmark = pytest.mark.e2e
 KEY = "k" * 20
@@ -270,3 +270,31 @@ def test_context_length_exceeded_names_the_responses_field(server):
 
     error = asyncio.run(run())
     assert error["error"]["param"] == "input", error
+
+
+def test_a_turn_goes_where_the_mesh_ranks_it_and_a_warmup_is_not_ranked():
+    """A turn on the socket takes the directory's cache-aware ranking (``aroutes``), as an HTTP
+    request does; a warm-up runs nothing, so it is not ranked (nor noted as sent anywhere)."""
+    a, b = (ScriptedUpstream.of(*text_script("Paris."), name=n) for n in ("a", "b"))
+    directory = RankedDirectory()
+    for upstream in (a, b):
+        directory.add(ModelInfo(id="ranked"), upstream, kind="peer")
+    directory.ranked["ranked"] = [Route(upstream=b, kind="peer", peer="b", reason="cache 8/9")]
+    app = create_app(directory, GatewayConfig(api_key=KEY, retry_backoff_ms=1))
+
+    async def run(url: str) -> None:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            ask = {"type": "response.create", "model": "ranked", "input": "Capital?"}
+            await ws.send(orjson.dumps({**ask, "generate": False, "store": False}).decode())
+            while (event := orjson.loads(await ws.recv()))["type"] != "response.completed":
+                pass
+            assert directory.asked == []
+            await ws.send(orjson.dumps({**ask, "store": False}).decode())
+            while (event := orjson.loads(await ws.recv()))["type"] != "response.completed":
+                assert event["type"] != "error", event
+
+    with ServerThread(app) as srv:
+        asyncio.run(run(_ws_url(srv)))
+    assert [r.model for r in directory.asked] == ["ranked"]
+    assert (a.calls, b.calls) == (0, 1)
