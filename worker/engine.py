@@ -31,6 +31,7 @@ from typing import Any
 from worker.cache_digest import CacheDigest
 from worker.chat_prompt import render_prompt, template_tool_calling
 from worker.cpu import CpuFastPath
+from worker.draft_model import DraftModel, load_draft
 from worker.engine_commits import Commits
 from worker.engine_ends import JobEnds
 from worker.engine_forks import Follower
@@ -104,6 +105,7 @@ class Engine(JobEnds):
         self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
         self._commits = Commits(self._store, self.config, self.stats)
         self.speculation = SpeculationStats()
+        self._draft: DraftModel | None = None  # the draft model's source, when configured
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -255,6 +257,8 @@ class Engine(JobEnds):
         self.context_length = self.info.context_length
         stream = mx.default_stream(mx.default_device())
         self.batchable = can_batch(model, self.config)
+        if self.config.draft_model and self.batchable and self.config.speculation != "off":
+            self._draft = load_draft(self.config.draft_model, tokenizer, self.config)
         self._generator = make_generator(
             model,
             tokenizer,
@@ -262,6 +266,7 @@ class Engine(JobEnds):
             batchable=self.batchable,
             stream=stream,
             speculation=self.speculation,
+            source=self._draft,
         )
         self._eos_stops = make_stop_sequences(tokenizer)
         self._model = model
@@ -432,4 +437,5 @@ class Engine(JobEnds):
                 batchable=True,
                 stream=self._generator.stream,
                 speculation=self.speculation,
+                source=self._draft,
             )

@@ -59,6 +59,9 @@ class EngineConfig:
     speculation: str = "auto"
     speculation_tokens: int = 8  # drafted tokens at most, a row and step
     speculation_max_rows: int = 4
+    # A small model of the same tokenizer that drafts instead of prompt lookup (an MLX
+    # directory or hub id: worker/draft_model.py); None: prompt lookup.
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
