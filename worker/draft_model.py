@@ -149,14 +149,12 @@ def check_draft_dirs(model: str | Path, draft: str | Path) -> str | None:
     return vocabulary_mismatch(*(load_tokenizer(p) for p in paths))
 
 
-def load_draft(path: str, tokenizer: Any, config: Any) -> DraftModel:
-    """The draft model at ``path`` for a main model with ``tokenizer`` (raises ValueError, in
-    one sentence, when its vocabulary differs or its cache cannot hand back a rejected tail)."""
+def make_draft(path: str, model: Any, draft_tokenizer: Any, tokenizer: Any) -> DraftModel:
+    """The draft model loaded from ``path`` for a main model with ``tokenizer`` (raises
+    ValueError, in one sentence, when its vocabulary differs or its cache cannot hand back a
+    rejected tail)."""
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
-    from worker.engine_load import load_model
-
-    model, draft_tokenizer, _, _ = load_model(path, None, config)
     reason = vocabulary_mismatch(tokenizer, draft_tokenizer)
     if reason is not None:
         raise ValueError(f"draft model {path} refused: {reason}")

@@ -31,7 +31,7 @@ from typing import Any
 from worker.cache_digest import CacheDigest
 from worker.chat_prompt import render_prompt, template_tool_calling
 from worker.cpu import CpuFastPath
-from worker.draft_model import DraftModel, load_draft
+from worker.draft_model import DraftModel, make_draft
 from worker.engine_commits import Commits
 from worker.engine_ends import JobEnds
 from worker.engine_forks import Follower
@@ -258,7 +258,9 @@ class Engine(JobEnds):
         stream = mx.default_stream(mx.default_device())
         self.batchable = can_batch(model, self.config)
         if self.config.draft_model and self.batchable and self.config.speculation != "off":
-            self._draft = load_draft(self.config.draft_model, tokenizer, self.config)
+            path = self.config.draft_model
+            draft, draft_tokenizer, _, _ = load_model(path, None, self.config)
+            self._draft = make_draft(path, draft, draft_tokenizer, tokenizer)
         self._generator = make_generator(
             model,
             tokenizer,
