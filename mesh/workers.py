@@ -56,6 +56,7 @@ class WorkerOptions:
     # Serve each model split over several rank processes (mesh/split/ranks.py); None: whole.
     split: SplitOptions | None = None
     speculation: str = "auto"  # the worker's --speculation (auto|off)
+    draft_model: str | None = None  # the worker's --draft-model
 
 
 def check_model_available(home: Path, model: str) -> None:
@@ -119,6 +120,7 @@ class WorkerProcess:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--home", str(self.options.home),
             "--speculation", self.options.speculation,
+            *(("--draft-model", self.options.draft_model) if self.options.draft_model else ()),
         ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:

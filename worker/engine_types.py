@@ -21,6 +21,11 @@ SPECULATION_HELP = (
     " drafts in one forward pass, per row while they are accepted; off decodes a token a step"
 )
 
+DRAFT_MODEL_HELP = (
+    "a small model of the same tokenizer (store name, MLX directory or hub id) that drafts the"
+    " tokens speculation checks, instead of prompt lookup"
+)
+
 
 class EngineError(Exception):
     """The engine cannot serve (model failed to load, shut down)."""
