@@ -130,6 +130,11 @@ class Engine(JobEnds):
         self._inbox.put(("discard", None))
 
     @property
+    def draft_source(self) -> str:
+        """Where speculation's drafts come from: the draft model's path, or prompt lookup."""
+        return self.config.draft_model if self._draft is not None else "prompt lookup"
+
+    @property
     def uptime_s(self) -> float:
         return time.monotonic() - self._started
 

@@ -76,6 +76,7 @@ async def test_a_draft_with_the_models_own_weights_is_accepted_and_changes_nothi
     try:
         assert_same(await answers(plain), await answers(engine))
         stats = engine.speculation.as_dict()
+        assert engine.draft_source == str(tiny_model_dir)
     finally:
         engine.close()
     assert stats["accepted"] > 0
