@@ -63,3 +63,25 @@ def test_a_draft_model_of_another_vocabulary_is_refused_in_one_sentence(
     assert "cannot draft for" in said and "the draft model's vocabulary has" in said
     with pytest.raises(EngineError, match=r"--draft-model .* refused: .*vocabulary"):
         run(str(tiny_model_dir), draft_model=str(tiny_tool_model_dir), fast_blas=False)
+
+
+async def test_the_workers_speculation_counters_reach_the_status_picture(tmp_path: Path) -> None:
+    """load() polls each worker's /health (for gossip); its speculation block is kept and the
+    status picture (which feeds the gateway's /metrics) carries it."""
+    from mesh.workers import WorkerOptions, WorkerSupervisor
+
+    block = {"mode": "auto", "drafted": 10, "accepted": 7}
+
+    class Client:
+        model_name = "m"
+
+        async def health(self) -> dict[str, object]:
+            return {"queue_depth": 0, "speculation": block}
+
+    supervisor = WorkerSupervisor(WorkerOptions(home=tmp_path), ["m"])
+    process = WorkerProcess("m", supervisor.options)
+    supervisor.processes.append(process)
+    assert "speculation" not in supervisor.status()["m"]
+    process.client = Client()  # type: ignore[assignment]
+    await supervisor.load()
+    assert supervisor.status()["m"]["speculation"] == block
