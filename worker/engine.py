@@ -266,6 +266,10 @@ class Engine(JobEnds):
             path = self.config.draft_model
             draft, draft_tokenizer, _, _ = load_model(path, None, self.config)
             self._draft = make_draft(path, draft, draft_tokenizer, tokenizer)
+        elif self.config.draft_model:
+            log.warning(
+                "draft model %s not loaded: this model does not speculate", self.config.draft_model
+            )
         self._generator = make_generator(
             model,
             tokenizer,
