@@ -67,6 +67,12 @@ async def status(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = request.app.state.gateway
+    if state.status is not None:  # a node's picture carries its workers' speculation counters
+        try:
+            picture = await read_status(state.status, None)
+            state.metrics.speculation.update(picture.get("workers") or {})
+        except Exception:  # the request metrics still answer
+            log.exception("status source failed")
     return Response(
         state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.answer import Accumulator
 
@@ -96,6 +98,47 @@ def _count(value: str | None) -> int:
         return 0
 
 
+# The workers' /health speculation block → (metric, kind, help); counters since the worker started.
+_SPECULATION = {
+    "verify_steps": ("verify_steps", "counter", "forward passes that checked drafted tokens"),
+    "drafted": ("drafted_tokens", "counter", "tokens drafted"),
+    "accepted": ("accepted_tokens", "counter", "drafted tokens the model accepted"),
+    "acceptance_rate": ("acceptance_rate", "gauge", "accepted / drafted since start"),
+    "tokens_per_step": ("tokens_per_step", "gauge", "tokens a verify pass gave each request"),
+}
+
+
+class WorkerSpeculation:
+    """The local workers' speculative-decoding counters, per served model, as the node's status
+    picture carries them (``workers.<model>.speculation``: the worker's ``/health`` block, as
+    fresh as the node's last poll of it). A collector: read at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.snapshot: dict[str, Mapping[str, Any]] = {}
+        registry.register(self)
+
+    def update(self, workers: Mapping[str, Any]) -> None:
+        self.snapshot = {
+            model: block
+            for model, worker in workers.items()
+            if isinstance(worker, Mapping)
+            and isinstance(block := worker.get("speculation"), Mapping)
+        }
+
+    def describe(self) -> list[Metric]:
+        return []  # the models are known only at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        for key, (name, kind, text) in _SPECULATION.items():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            metric = family(f"gateway_worker_speculation_{name}", text, labels=["model"])
+            for model, block in sorted(self.snapshot.items()):
+                value = block.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    metric.add_metric([model], float(value))
+            yield metric
+
+
 class GatewayMetrics:
     def __init__(self, log_path: Path | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -125,6 +168,7 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge("gateway_in_flight", "Requests being served", registry=self.registry)
         self.moa = MoaMetrics(self.registry)
+        self.speculation = WorkerSpeculation(self.registry)
         self._log_path = log_path
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)

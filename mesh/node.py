@@ -67,6 +67,7 @@ class NodeConfig:
     python: str = sys.executable
     split: SplitOptions | None = None  # mesh up --split N: every model over N local ranks
     speculation: str = "auto"  # the workers' --speculation
+    draft_model: str | None = None  # the workers' --draft-model (a resolved path or hub id)
 
     def worker_options(self) -> WorkerOptions:
         return WorkerOptions(
@@ -77,6 +78,7 @@ class NodeConfig:
             python=self.python,
             split=self.split,
             speculation=self.speculation,
+            draft_model=self.draft_model,
         )
 
     def check(self) -> None:

@@ -56,6 +56,7 @@ class WorkerOptions:
     # Serve each model split over several rank processes (mesh/split/ranks.py); None: whole.
     split: SplitOptions | None = None
     speculation: str = "auto"  # the worker's --speculation (auto|off)
+    draft_model: str | None = None  # the worker's --draft-model
 
 
 def check_model_available(home: Path, model: str) -> None:
@@ -119,6 +120,7 @@ class WorkerProcess:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--home", str(self.options.home),
             "--speculation", self.options.speculation,
+            *(("--draft-model", self.options.draft_model) if self.options.draft_model else ()),
         ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:
@@ -225,6 +227,9 @@ class WorkerSupervisor:
         # What makes each model's process: a plain worker here; the node injects split
         # serving's factory (mesh/split/ranks.py), which may split a model over ranks.
         self.make_process: ProcessFactory = WorkerProcess
+        # Each model's speculation counters from its worker's last /health (load() polls it):
+        # the status picture carries them to the gateway's /metrics.
+        self.speculation: dict[str, dict[str, Any]] = {}
 
     @property
     def clients(self) -> dict[str, WorkerClient]:
@@ -255,7 +260,11 @@ class WorkerSupervisor:
 
     def status(self) -> dict[str, Any]:
         """Restarts by worker (not URLs: a worker is this node's private business)."""
-        return {p.name: {"restarts": p.restarts, **p.status()} for p in self.processes}
+        return {
+            p.name: {"restarts": p.restarts, **p.status()}
+            | ({"speculation": self.speculation[p.name]} if p.name in self.speculation else {})
+            for p in self.processes
+        }
 
     def locations(self) -> dict[str, Any]:
         """Where each worker runs, for ``node.json`` (read by this machine's CLI only)."""
@@ -275,4 +284,6 @@ class WorkerSupervisor:
             total["tok_s"] += float(data.get("tokens_per_second", 0.0))
             if isinstance(digest := data.get("cache_digest"), str):
                 total["cache"][client.model_name] = digest
+            if isinstance(speculation := data.get("speculation"), dict):
+                self.speculation[client.model_name] = speculation
         return total

@@ -160,7 +160,9 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
                 "loops_stopped": stats.loops_stopped,
                 # Speculative decoding (worker/engine_verify.py): drafted and accepted tokens,
                 # and tokens a verify pass gives each row (1 would be plain decoding).
-                "speculation": {"mode": engine.config.speculation} | engine.speculation.as_dict(),
+                # "draft": where drafts come from ("prompt lookup" or the draft model's path).
+                "speculation": {"mode": engine.config.speculation, "draft": engine.draft_source}
+                | engine.speculation.as_dict(),
                 # Prefill work since start (the warm-up's included): samples of one prompt
                 # show up as one prefill and shared ones (worker/shared_prefill.py).
                 "prefill": {

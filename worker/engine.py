@@ -31,6 +31,7 @@ from typing import Any
 from worker.cache_digest import CacheDigest
 from worker.chat_prompt import render_prompt, template_tool_calling
 from worker.cpu import CpuFastPath
+from worker.draft_model import DraftModel, make_draft
 from worker.engine_commits import Commits
 from worker.engine_ends import JobEnds
 from worker.engine_forks import Follower
@@ -104,6 +105,7 @@ class Engine(JobEnds):
         self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
         self._commits = Commits(self._store, self.config, self.stats)
         self.speculation = SpeculationStats()
+        self._draft: DraftModel | None = None  # the draft model's source, when configured
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -126,6 +128,11 @@ class Engine(JobEnds):
         commands before it. For the start-up warm-up (worker/warm_up.py): its prompts must not
         show up as a user's cached tokens, nor its tokens as load."""
         self._inbox.put(("discard", None))
+
+    @property
+    def draft_source(self) -> str:
+        """Where speculation's drafts come from: the draft model's path, or prompt lookup."""
+        return self.config.draft_model if self._draft is not None else "prompt lookup"
 
     @property
     def uptime_s(self) -> float:
@@ -255,6 +262,14 @@ class Engine(JobEnds):
         self.context_length = self.info.context_length
         stream = mx.default_stream(mx.default_device())
         self.batchable = can_batch(model, self.config)
+        if self.config.draft_model and self.batchable and self.config.speculation != "off":
+            path = self.config.draft_model
+            draft, draft_tokenizer, _, _ = load_model(path, None, self.config)
+            self._draft = make_draft(path, draft, draft_tokenizer, tokenizer)
+        elif self.config.draft_model:
+            log.warning(
+                "draft model %s not loaded: this model does not speculate", self.config.draft_model
+            )
         self._generator = make_generator(
             model,
             tokenizer,
@@ -262,6 +277,7 @@ class Engine(JobEnds):
             batchable=self.batchable,
             stream=stream,
             speculation=self.speculation,
+            source=self._draft,
         )
         self._eos_stops = make_stop_sequences(tokenizer)
         self._model = model
@@ -432,4 +448,5 @@ class Engine(JobEnds):
                 batchable=True,
                 stream=self._generator.stream,
                 speculation=self.speculation,
+                source=self._draft,
             )

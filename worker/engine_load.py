@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.cpu import CpuFastPath, prepare_cpu_model
+from worker.draft_model import DraftSource
 from worker.engine_types import EngineConfig
 from worker.engine_verify import Speculation, SpeculationStats, install
 
@@ -48,9 +49,10 @@ def make_generator(
     batchable: bool,
     stream: Any,
     speculation: SpeculationStats | None = None,
+    source: DraftSource | None = None,
 ) -> Any:
     """mlx-lm's ``BatchGenerator`` for a model that batches (speculating unless the config says
-    "off": worker/engine_verify.py), else ``SequentialGenerator`` (which never speculates: the
+    "off": worker/engine_verify.py; drafting from ``source``, prompt lookup by default), else ``SequentialGenerator`` (which never speculates: the
     models it serves have caches that cannot hand back a rejected draft's tail)."""
     from mlx_lm.generate import BatchGenerator
 
@@ -66,7 +68,7 @@ def make_generator(
         )
         if config.speculation != "off":
             rule = Speculation(config.speculation_tokens, config.speculation_max_rows)
-            install(generator, rule, speculation or SpeculationStats())
+            install(generator, rule, speculation or SpeculationStats(), source)
         return generator
     return SequentialGenerator(
         model,

@@ -21,6 +21,11 @@ SPECULATION_HELP = (
     " drafts in one forward pass, per row while they are accepted; off decodes a token a step"
 )
 
+DRAFT_MODEL_HELP = (
+    "a small model of the same tokenizer (store name, MLX directory or hub id) that drafts the"
+    " tokens speculation checks, instead of prompt lookup"
+)
+
 
 class EngineError(Exception):
     """The engine cannot serve (model failed to load, shut down)."""
@@ -59,6 +64,9 @@ class EngineConfig:
     speculation: str = "auto"
     speculation_tokens: int = 8  # drafted tokens at most, a row and step
     speculation_max_rows: int = 4
+    # A small model of the same tokenizer that drafts instead of prompt lookup (an MLX
+    # directory or hub id: worker/draft_model.py); None: prompt lookup.
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,8 +32,9 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
+from worker.draft_model import DraftSource, PromptLookup, RowDrafter
 from worker.sampling import RequestSampler, greedy
-from worker.speculative import NgramIndex, RowPolicy
+from worker.speculative import RowPolicy
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Speculation:
 
 @dataclass
 class _Row:
-    index: NgramIndex = field(default_factory=NgramIndex)
+    drafter: RowDrafter
     policy: RowPolicy = field(default_factory=RowPolicy)
 
 
@@ -88,21 +89,29 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
 
     speculation: Speculation
     spec_stats: SpeculationStats
+    source: DraftSource
     _rows: list[_Row]
 
     @classmethod
     def make(
-        cls, model: Any, fallback_sampler: Any, speculation: Speculation, stats: SpeculationStats
+        cls,
+        model: Any,
+        fallback_sampler: Any,
+        speculation: Speculation,
+        stats: SpeculationStats,
+        source: DraftSource,
     ) -> SpeculativeBatch:
         batch: SpeculativeBatch = cls.empty(model, fallback_sampler)
         batch.speculation = speculation
         batch.spec_stats = stats
+        batch.source = source
         batch._rows = []
         return batch
 
     def extend(self, batch: Any) -> None:
         super().extend(batch)
-        self._rows.extend(getattr(batch, "_rows", None) or [_Row() for _ in batch.uids])
+        rows = getattr(batch, "_rows", None)
+        self._rows.extend(rows or [_Row(self.source.row()) for _ in batch.uids])
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -118,10 +127,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         sampled = [int(t) for t in self._next_tokens.tolist()]
         drafts: list[list[int]] = [[] for _ in self.uids]
         for i in eligible:
-            index = self._rows[i].index
-            index.extend([sampled[i]])  # fed this step, whatever is accepted
             room = self.max_tokens[i] - self._num_tokens[i] - 1
-            drafts[i] = index.draft(min(self.speculation.draft_tokens, room))
+            limit = min(self.speculation.draft_tokens, room)
+            drafts[i] = self._rows[i].drafter.draft(self.tokens[i], sampled[i], limit)
         if not any(drafts):
             return super().next()  # type: ignore[no-any-return]
         return self._verify(sampled, drafts)
@@ -145,8 +153,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
                 continue
             if self.max_tokens[i] - self._num_tokens[i] < 2 or not row.policy.may_draft():
                 continue
-            row.index.sync(self.tokens[i])
-            if row.index.draft(1):
+            if row.drafter.ready(self.tokens[i]):
                 rows.append(i)
         return rows
 
@@ -306,8 +313,14 @@ def _is_recording(cache: Any) -> bool:
     return type(cache).__name__ == "RecordingBatchKVCache" and isinstance(cache, BatchKVCache)
 
 
-def install(generator: Any, speculation: Speculation, stats: SpeculationStats) -> None:
-    """Put a :class:`SpeculativeBatch` into a fresh ``BatchGenerator``."""
+def install(
+    generator: Any,
+    speculation: Speculation,
+    stats: SpeculationStats,
+    source: DraftSource | None = None,
+) -> None:
+    """Put a :class:`SpeculativeBatch` into a fresh ``BatchGenerator`` (drafting by prompt
+    lookup unless given another ``source``: worker/draft_model.py)."""
     generator._generation_batch = SpeculativeBatch.make(
-        generator.model, generator.sampler, speculation, stats
+        generator.model, generator.sampler, speculation, stats, source or PromptLookup()
     )

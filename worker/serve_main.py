@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from worker.cpu import DEFAULT_DEQUANTIZE_SHARE, reexec_with_fast_blas
+from worker.draft_model import check_draft_dirs
 from worker.engine import Engine, EngineError
-from worker.engine_types import SPECULATION_HELP, SPECULATION_MODES, EngineConfig
+from worker.engine_types import DRAFT_MODEL_HELP, SPECULATION_HELP, SPECULATION_MODES, EngineConfig
 from worker.loop_guard import configured_span
 from worker.net import SECRET_ENV, configure_logging
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help=SPECULATION_HELP,
     )
+    parser.add_argument("--draft-model", default=None, help=DRAFT_MODEL_HELP)
     parser.add_argument(
         "--no-warm-up",
         dest="warm_up",
@@ -103,6 +105,7 @@ def run(
     warm_up: bool = True,
     loop_guard: int | None = None,
     speculation: str = "auto",
+    draft_model: str | None = None,
 ) -> None:
     """Load the model, warm it up and serve it until interrupted (raises EngineError if it
     cannot load).
@@ -116,12 +119,16 @@ def run(
     if fast_blas:
         reexec_with_fast_blas()
     path = locate_model(model, home)
+    draft_path = locate_model(draft_model, home) if draft_model else None
+    if draft_path is not None and (reason := check_draft_dirs(path, draft_path)):
+        raise EngineError(f"--draft-model {draft_model} refused: {reason}")
     served_name = name or (Path(model).name if Path(model).expanduser().is_dir() else model)
     config = EngineConfig(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
         cpu_dequantize_share=cpu_dequantize_share,
         loop_guard_tokens=configured_span() if loop_guard is None else loop_guard,
         speculation=speculation,
+        draft_model=draft_path,
     )
     engine = Engine(
         path,
@@ -166,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             warm_up=args.warm_up,
             loop_guard=args.loop_guard,
             speculation=args.speculation,
+            draft_model=args.draft_model,
         )
     except (EngineError, OSError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from mesh.cli.app import HomeOption, app, err_console, fail, read_secret, resolve_home
-from mesh.cli.worker import SPECULATION_OPTION_HELP
+from mesh.cli.worker import DRAFT_MODEL_OPTION_HELP, SPECULATION_OPTION_HELP
 
 if TYPE_CHECKING:
     from mesh.copy.server import CopyConfig
@@ -135,6 +135,7 @@ def up_command(
         " [default with --split: half of it, offered to its own ranks only].",
     ),
     speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
+    draft_model: str | None = typer.Option(None, "--draft-model", help=DRAFT_MODEL_OPTION_HELP),
     bridge_port: int | None = typer.Option(
         None,
         "--bridge-port",
@@ -172,9 +173,15 @@ def up_command(
     if over and split and split != len(over) + 1:
         raise fail(f"--split {split} and --split-over with {len(over)} node(s) disagree")
     splitting = bool(split or over)
+    if draft_model and splitting:
+        raise fail("--draft-model does not work with --split yet: rank 0 drafts by prompt lookup")
+    models = tuple(model if no_worker else (_located(home_dir, name) for name in model))
+    draft = _located(home_dir, draft_model) if draft_model and not no_worker else None
+    if draft is not None:
+        _check_draft(models, draft, draft_model)
     config = NodeConfig(
         home=home_dir,
-        models=tuple(model if no_worker else (_located(home_dir, name) for name in model)),
+        models=models,
         split=SplitOptions(
             ranks=split or len(over) + 1, share_memory_bytes=int(share_memory * 1e9), over=over
         )
@@ -184,6 +191,7 @@ def up_command(
         port=port,
         start_workers=not no_worker,
         speculation=speculation,
+        draft_model=draft,
         gateway=GatewayConfig(
             api_key=api_key,
             max_in_flight=max_in_flight,
@@ -218,6 +226,15 @@ def up_command(
         run_mesh_node(config, mesh_config)
     except (NodeError, MeshError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _check_draft(models: tuple[str, ...], draft: str, name: str | None) -> None:
+    """Refuse, in one sentence, a draft model whose vocabulary differs from a model's."""
+    from worker.draft_model import check_draft_dirs
+
+    for model in models:
+        if reason := check_draft_dirs(model, draft):
+            raise fail(f"--draft-model {name} cannot draft for {model}: {reason}")
 
 
 def _located(home: Path, name: str) -> str:

@@ -12,6 +12,10 @@ SPECULATION_OPTION_HELP = (
     "Speculative decoding: auto drafts from each request's prompt and answer and checks the"
     " drafts in one forward pass (per request while they are accepted); off: a token a step."
 )
+DRAFT_MODEL_OPTION_HELP = (
+    "A small model of the same tokenizer (store name or MLX directory) that drafts the tokens"
+    " speculation checks, instead of the request's own prompt (e.g. qwen3-0.6b for qwen3-8b)."
+)
 
 
 @app.command("worker")
@@ -22,6 +26,7 @@ def worker_command(
     home: Path | None = HomeOption,
     name: str | None = typer.Option(None, "--name", help="Serve the model under this name."),
     speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
+    draft_model: str | None = typer.Option(None, "--draft-model", help=DRAFT_MODEL_OPTION_HELP),
 ) -> None:
     """Serve MODEL over HTTP (OpenAI chat completions, /v1/models, /health)."""
     from worker.engine import EngineError
@@ -31,7 +36,13 @@ def worker_command(
         raise fail(f"--speculation is auto or off, not {speculation!r}")
     try:
         run(
-            model, host=host, port=port, home=resolve_home(home), name=name, speculation=speculation
+            model,
+            host=host,
+            port=port,
+            home=resolve_home(home),
+            name=name,
+            speculation=speculation,
+            draft_model=draft_model,
         )
     except KeyboardInterrupt:
         exit_process(0)

@@ -96,6 +96,9 @@ def test_mesh_up_serves_restarts_and_stops_clean(tiny_model_dir, tmp_path):
             refused = httpx.get(worker_url + path, timeout=5)
             assert refused.status_code == 401, path
         assert "url" not in orjson.dumps(httpx.get(info["url"] + "/health").json()).decode()
+        # The worker's speculation counters reach the gateway's /metrics (the node polls them).
+        spec = 'gateway_worker_speculation_drafted_tokens_total{model="model"}'
+        _wait_for(lambda: spec in httpx.get(info["url"] + "/metrics").text, 30, "metrics")
 
         worker_pid = info["workers"]["model"]["pid"]
         os.kill(worker_pid, signal.SIGKILL)

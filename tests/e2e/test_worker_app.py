@@ -483,7 +483,7 @@ def test_health_counts_speculation(plain: tuple[str, Engine]) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60, "temperature": 0}
     assert post(url, body).status_code == 200
     speculation = httpx.get(f"{url.removesuffix('/v1')}/health").json()["speculation"]
-    assert speculation["mode"] == "auto"
+    assert speculation["mode"] == "auto" and speculation["draft"] == "prompt lookup"
     assert speculation["accepted"] > 0 and speculation["drafted"] >= speculation["accepted"]
     assert 0 < speculation["acceptance_rate"] <= 1
     assert speculation["tokens_per_step"] > 1

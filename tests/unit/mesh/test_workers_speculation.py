@@ -36,3 +36,52 @@ def test_an_unknown_mode_is_refused_in_words(tmp_path: Path) -> None:
     )
     assert result.exit_code != 0
     assert "--speculation is auto or off" in result.output
+
+
+def test_the_node_passes_its_draft_model_to_its_workers(tmp_path: Path) -> None:
+    options = NodeConfig(home=tmp_path, models=("m",), draft_model="/d").worker_options()
+    command = WorkerProcess("m", options)._command()
+    assert command[command.index("--draft-model") + 1] == "/d"
+    plain = NodeConfig(home=tmp_path, models=("m",)).worker_options()
+    assert "--draft-model" not in WorkerProcess("m", plain)._command()
+    assert build_parser().parse_args(["--model", "m", "--draft-model", "d"]).draft_model == "d"
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_sentence(
+    tmp_path: Path, tiny_model_dir: Path, tiny_tool_model_dir: Path
+) -> None:
+    """Before any worker starts (mesh up) or the weights load (mesh worker)."""
+    import pytest
+
+    from worker.engine import EngineError
+    from worker.serve_main import run
+
+    args = ["up", "--model", str(tiny_model_dir), "--draft-model", str(tiny_tool_model_dir)]
+    result = CliRunner().invoke(app, [*args, "--home", str(tmp_path)])
+    assert result.exit_code != 0
+    said = " ".join(result.output.split())  # rich folds long lines
+    assert "cannot draft for" in said and "the draft model's vocabulary has" in said
+    with pytest.raises(EngineError, match=r"--draft-model .* refused: .*vocabulary"):
+        run(str(tiny_model_dir), draft_model=str(tiny_tool_model_dir), fast_blas=False)
+
+
+async def test_the_workers_speculation_counters_reach_the_status_picture(tmp_path: Path) -> None:
+    """load() polls each worker's /health (for gossip); its speculation block is kept and the
+    status picture (which feeds the gateway's /metrics) carries it."""
+    from mesh.workers import WorkerOptions, WorkerSupervisor
+
+    block = {"mode": "auto", "drafted": 10, "accepted": 7}
+
+    class Client:
+        model_name = "m"
+
+        async def health(self) -> dict[str, object]:
+            return {"queue_depth": 0, "speculation": block}
+
+    supervisor = WorkerSupervisor(WorkerOptions(home=tmp_path), ["m"])
+    process = WorkerProcess("m", supervisor.options)
+    supervisor.processes.append(process)
+    assert "speculation" not in supervisor.status()["m"]
+    process.client = Client()  # type: ignore[assignment]
+    await supervisor.load()
+    assert supervisor.status()["m"]["speculation"] == block
