@@ -99,27 +99,29 @@ def pick_model(arg: str | None, tmp: Path) -> tuple[str, str]:
 
 
 def float32_copy(model_dir: str, tmp: Path) -> str:
-    """The model with half-precision tensors stored as float32, when running on the CPU.
+    """The model with its weights stored as float32 (quantized ones unpacked), on the CPU.
 
-    x86 CPUs emulate fp16/bf16, so mlx_lm.server on the stored weights is ~30x slower per layer
-    and could not finish this benchmark; both servers get the same float32 copy instead (our
-    worker would cast at load time anyway), so the comparison is about the servers.
+    On the CPU backend our worker runs half-precision weights as float32 and unpacks quantized
+    ones to float32 (worker/cpu.py: x86 emulates fp16/bf16, ~30x slower per layer; MLX's CPU
+    ``quantized_matmul`` runs at ~2 GFLOP/s). ``mlx_lm.server`` on the stored weights could not
+    finish this benchmark, and would compare those casts rather than the servers: every server
+    gets the same float32 copy instead (``mlx_lm.convert --dequantize --dtype float32``).
     """
     import mlx.core as mx
 
     if mx.default_device() != mx.cpu:
         return model_dir
     source = Path(model_dir)
-    files = sorted(source.glob("*.safetensors"))
+    config = orjson.loads((source / "config.json").read_bytes())
+    quantized = "quantization" in config or "quantization_config" in config
     half = (mx.float16, mx.bfloat16)
-    tensors = [mx.load(str(f)) for f in files]
-    if not any(a.dtype in half for t in tensors for a in t.values()):
+    tensors = [mx.load(str(f)) for f in sorted(source.glob("*.safetensors"))]
+    if not quantized and not any(a.dtype in half for t in tensors for a in t.values()):
         return model_dir
+    from mlx_lm.convert import convert
+
     target = tmp / f"{source.name}-f32"
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
-    for f, t in zip(files, tensors, strict=True):
-        cast = {k: a.astype(mx.float32) if a.dtype in half else a for k, a in t.items()}
-        mx.save_safetensors(str(target / f.name), cast, metadata={"format": "mlx"})
+    convert(str(source), str(target), dequantize=quantized, dtype="float32")
     return str(target)
 
 
@@ -392,7 +394,9 @@ async def main() -> int:
         model_dir, model_label = pick_model(args.model, tmp)
         served_dir = float32_copy(model_dir, tmp)
         if served_dir != model_dir:
-            model_label += "; half-precision tensors stored as float32 for both servers (CPU)"
+            model_label += (
+                "; every server runs one float32 copy (quantized or half-precision stored)"
+            )
         model_dir = served_dir
         print(f"model: {model_label}", flush=True)
         servers = start_servers(model_dir, args.anchors, tmp)
