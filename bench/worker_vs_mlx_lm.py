@@ -4,11 +4,16 @@ Both servers run as child processes on loopback; measurements alternate between 
 load drifts hit both alike. Metrics (greedy decoding, streamed):
 
 - single stream: time to first token (TTFT) and decode tokens/s;
-- four concurrent streams: aggregate tokens/s;
+- four concurrent streams: aggregate tokens/s, and their mean TTFT;
 - second turn after a ~1,000-token shared prefix: TTFT (prompt-cache reuse).
 
 Model: ``--model`` if given, else the default model in the home (``models/smollm2-135m``), else a
 tiny random-weight model (said so in the output). Writes ``bench/results/worker.md``.
+
+The anchors: ``mlx_lm.server`` as a user starts it, and (on the CPU backend, where the worker
+preloads OpenBLAS: worker/cpu.py) ``mlx_lm.server`` given that same ``LD_PRELOAD``
+(``worker.cpu.preload_env()``), so the table shows what the engine adds given the same BLAS and
+the same float32 weights. ``--anchors`` picks them (``preload,plain``).
 
     python bench/worker_vs_mlx_lm.py [--model DIR] [--tokens 32] [--trials 3]
 """
@@ -68,6 +73,7 @@ class Measurements:
     ttft: list[float] = field(default_factory=list)
     decode_tps: list[float] = field(default_factory=list)
     aggregate_tps: list[float] = field(default_factory=list)
+    concurrent_ttft: list[float] = field(default_factory=list)  # mean of the four, per trial
     turn1_ttft: list[float] = field(default_factory=list)
     turn2_ttft: list[float] = field(default_factory=list)
 
@@ -93,34 +99,43 @@ def pick_model(arg: str | None, tmp: Path) -> tuple[str, str]:
 
 
 def float32_copy(model_dir: str, tmp: Path) -> str:
-    """The model with half-precision tensors stored as float32, when running on the CPU.
+    """The model with its weights stored as float32 (quantized ones unpacked), on the CPU.
 
-    x86 CPUs emulate fp16/bf16, so mlx_lm.server on the stored weights is ~30x slower per layer
-    and could not finish this benchmark; both servers get the same float32 copy instead (our
-    worker would cast at load time anyway), so the comparison is about the servers.
+    On the CPU backend our worker runs half-precision weights as float32 and unpacks quantized
+    ones to float32 (worker/cpu.py: x86 emulates fp16/bf16, ~30x slower per layer; MLX's CPU
+    ``quantized_matmul`` runs at ~2 GFLOP/s). ``mlx_lm.server`` on the stored weights could not
+    finish this benchmark, and would compare those casts rather than the servers: every server
+    gets the same float32 copy instead (``mlx_lm.convert --dequantize --dtype float32``).
     """
     import mlx.core as mx
 
     if mx.default_device() != mx.cpu:
         return model_dir
     source = Path(model_dir)
-    files = sorted(source.glob("*.safetensors"))
+    config = orjson.loads((source / "config.json").read_bytes())
+    quantized = "quantization" in config or "quantization_config" in config
     half = (mx.float16, mx.bfloat16)
-    tensors = [mx.load(str(f)) for f in files]
-    if not any(a.dtype in half for t in tensors for a in t.values()):
+    tensors = [mx.load(str(f)) for f in sorted(source.glob("*.safetensors"))]
+    if not quantized and not any(a.dtype in half for t in tensors for a in t.values()):
         return model_dir
+    from mlx_lm.convert import convert
+
     target = tmp / f"{source.name}-f32"
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
-    for f, t in zip(files, tensors, strict=True):
-        cast = {k: a.astype(mx.float32) if a.dtype in half else a for k, a in t.items()}
-        mx.save_safetensors(str(target / f.name), cast, metadata={"format": "mlx"})
+    convert(str(source), str(target), dequantize=quantized, dtype="float32")
     return str(target)
 
 
-def start(label: str, command: list[str], port: int, model_field: str | None, logs: Path) -> Server:
-    log_path = logs / f"{label}.log"
+def start(
+    label: str,
+    command: list[str],
+    port: int,
+    model_field: str | None,
+    logs: Path,
+    env: dict[str, str] | None = None,
+) -> Server:
+    log_path = logs / f"{label.replace(' ', '_')}.log"
     log = log_path.open("wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     return Server(label, f"http://127.0.0.1:{port}", model_field, process, log_path)
 
 
@@ -199,6 +214,7 @@ async def concurrent(server: Server, http: httpx.AsyncClient, out: Measurements,
         *(stream_chat(server, http, story_prompt(), n) for _ in range(4))
     )
     out.aggregate_tps.append(sum(r.tokens for r in results) / (time.perf_counter() - start))
+    out.concurrent_ttft.append(statistics.mean(r.ttft_s for r in results))
 
 
 async def second_turn(
@@ -248,67 +264,55 @@ def short_name(model_label: str) -> str:
     return Path(model_label.split(" ")[0]).name
 
 
+ROWS = (  # (metric, Measurements field, better when)
+    ("TTFT, one stream (s)", "ttft", "lower"),
+    ("tok/s, one stream (tokens / request time)", "decode_tps", "higher"),
+    ("aggregate tok/s, 4 concurrent streams", "aggregate_tps", "higher"),
+    ("TTFT with 4 concurrent requests (s, mean of the four)", "concurrent_ttft", "lower"),
+    ("TTFT, turn 1 with long prefix (s)", "turn1_ttft", "lower"),
+    ("TTFT, turn 2 after shared prefix (s)", "turn2_ttft", "lower"),
+)
+
+
 def report(
     model_label: str,
-    ours: Measurements,
-    theirs: Measurements,
+    results: dict[str, Measurements],
     args: argparse.Namespace,
     prefix_tokens: int,
 ) -> str:
-    rows = [
-        ("TTFT, one stream (s)", median(ours.ttft), median(theirs.ttft), "lower"),
-        (
-            "tok/s, one stream (tokens / request time)",
-            median(ours.decode_tps),
-            median(theirs.decode_tps),
-            "higher",
-        ),
-        (
-            "aggregate tok/s, 4 concurrent streams",
-            median(ours.aggregate_tps),
-            median(theirs.aggregate_tps),
-            "higher",
-        ),
-        (
-            "TTFT, turn 1 with long prefix (s)",
-            median(ours.turn1_ttft),
-            median(theirs.turn1_ttft),
-            "lower",
-        ),
-        (
-            "TTFT, turn 2 after shared prefix (s)",
-            median(ours.turn2_ttft),
-            median(theirs.turn2_ttft),
-            "lower",
-        ),
-    ]
+    ours = results["ours"]
+    anchors = [label for label in results if label != "ours"]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
         f"## Worker vs mlx_lm.server: {short_name(model_label)}",
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
+        f"Python {platform.python_version()}; load average at the end {load}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()),
         f"- model: {model_label}",
         f"- settings: greedy, {args.tokens} tokens per stream, {args.trials} trials per metric "
         f"(medians), measurements alternate between the servers; long prefix {prefix_tokens} tokens",
         "",
-        "| metric | ours | mlx_lm.server | ours/theirs | better when | ours better? |",
-        "|---|---|---|---|---|---|",
+        "| metric | ours | " + " | ".join(f"{a} | ours/{a}" for a in anchors) + " | better when |",
+        "|---|---|" + "---|---|" * len(anchors) + "---|",
     ]
     missed = []
-    for name, a, b, better in rows:
-        if a != a or b != b:  # NaN: metric not measured in this run (--metrics)
+    for name, key, better in ROWS:
+        a = median(getattr(ours, key))
+        if a != a:  # NaN: metric not measured in this run (--metrics)
             continue
-        ratio = a / b if b else float("nan")
-        good = ratio <= 1.0 if better == "lower" else ratio >= 1.0
-        if not good:
-            missed.append(f"{name} ({ratio:.2f})")
-        lines.append(
-            f"| {name} | {a:.3f} | {b:.3f} | {ratio:.2f} | {better} | {'yes' if good else 'NO'} |"
-        )
+        cells = [f"{a:.3f}"]
+        for anchor in anchors:
+            b = median(getattr(results[anchor], key))
+            ratio = a / b if b else float("nan")
+            good = ratio <= 1.0 if better == "lower" else ratio >= 1.0
+            if not good:
+                missed.append(f"{name} vs {anchor} ({ratio:.2f})")
+            cells += [f"{b:.3f}", f"{ratio:.2f}{'' if good else ' NO'}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {better} |")
     verdict = "met" if not missed else "NOT met in this run: " + "; ".join(missed)
-    lines += ["", f"Target no ratio worse than 1.0 against mlx_lm.server: **{verdict}**."]
+    lines += ["", f"Target no ratio worse than 1.0 against any anchor: **{verdict}**."]
     if ours.turn1_ttft:
         reuse = median(ours.turn2_ttft) / median(ours.turn1_ttft)
         reuse_verdict = "met" if reuse <= 0.3 else "NOT met"
@@ -316,22 +320,32 @@ def report(
             f"Our second-turn TTFT is {reuse:.2f}x our first-turn TTFT "
             f"(target <= 0.3: **{reuse_verdict}**)."
         )
-    lines += [
-        "",
-        "Raw samples (seconds or tokens/s):",
-        "",
-        "```",
-    ]
-    for label, m in (("ours", ours), ("mlx_lm.server", theirs)):
+    lines += ["", "Raw samples (seconds or tokens/s):", "", "```"]
+    width = max(len(label) for label in results)
+    for label, m in results.items():
         for key, values in vars(m).items():
-            lines.append(f"{label:14} {key:14} {[round(v, 4) for v in values]}")
+            if values:
+                lines.append(f"{label:{width}} {key:15} {[round(v, 4) for v in values]}")
     lines += ["```", ""]
     return "\n".join(lines)
 
 
-async def main() -> int:
-    # `timeout`/Ctrl-C: unwind through the finally below so no server outlives the benchmark.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+def anchor_commands(wanted: list[str]) -> list[tuple[str, dict[str, str] | None]]:
+    """(label, environment) of each anchor: the preloaded one only where the worker preloads."""
+    sys.path.insert(0, str(ROOT))
+    from worker.cpu import preload_env
+
+    preloaded = preload_env()
+    anchors: list[tuple[str, dict[str, str] | None]] = []
+    for name in wanted:
+        if name == "plain":
+            anchors.append(("mlx_lm.server", None))
+        elif name == "preload" and preloaded.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
+            anchors.append(("mlx_lm.server+OpenBLAS", preloaded))
+    return anchors
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -346,7 +360,33 @@ async def main() -> int:
         help="comma-separated subset of: single, concurrent, second",
     )
     parser.add_argument("--prefix-tokens", type=int, default=1000)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--anchors",
+        default="preload,plain",
+        help="comma-separated subset of: preload (mlx_lm.server with the worker's LD_PRELOAD), "
+        "plain (mlx_lm.server as started by hand)",
+    )
+    return parser.parse_args()
+
+
+def start_servers(model_dir: str, anchors: str, tmp: Path) -> list[Server]:
+    """Our worker, then each anchor's ``mlx_lm.server``, all on ``model_dir``."""
+    python = sys.executable
+    port = free_port()
+    command = [python, "-m", "worker", "--model", model_dir, "--port", str(port)]
+    servers = [start("ours", command, port, None, tmp)]
+    for label, env in anchor_commands(anchors.split(",")):
+        port = free_port()
+        command = [python, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port)]
+        command += ["--log-level", "WARNING"]
+        servers.append(start(label, command, port, model_dir, tmp, env))
+    return servers
+
+
+async def main() -> int:
+    # `timeout`/Ctrl-C: unwind through the finally below so no server outlives the benchmark.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args = parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-worker-"))
     servers: list[Server] = []
@@ -354,36 +394,12 @@ async def main() -> int:
         model_dir, model_label = pick_model(args.model, tmp)
         served_dir = float32_copy(model_dir, tmp)
         if served_dir != model_dir:
-            model_label += "; half-precision tensors stored as float32 for both servers (CPU)"
+            model_label += (
+                "; every server runs one float32 copy (quantized or half-precision stored)"
+            )
         model_dir = served_dir
         print(f"model: {model_label}", flush=True)
-        ours_port, theirs_port = free_port(), free_port()
-        python = sys.executable
-        ours = start(
-            "ours",
-            [python, "-m", "worker", "--model", model_dir, "--port", str(ours_port)],
-            ours_port,
-            None,
-            tmp,
-        )
-        theirs = start(
-            "mlx_lm.server",
-            [
-                python,
-                "-m",
-                "mlx_lm.server",
-                "--model",
-                model_dir,
-                "--port",
-                str(theirs_port),
-                "--log-level",
-                "WARNING",
-            ],
-            theirs_port,
-            model_dir,
-            tmp,
-        )
-        servers = [ours, theirs]
+        servers = start_servers(model_dir, args.anchors, tmp)
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
             await asyncio.gather(*(wait_ready(s, http) for s in servers))
@@ -400,11 +416,15 @@ async def main() -> int:
             steps = [(name, step) for name, step in steps if name in wanted]
             for name, step in steps:
                 for trial in range(args.trials):
-                    order = servers if trial % 2 == 0 else servers[::-1]
+                    # Rotate who goes first, so no server always follows the same one.
+                    shift = trial % len(servers)
+                    order = servers[shift:] + servers[:shift]
+                    if trial % 2:
+                        order = order[::-1]
                     for server in order:
                         await step(server, results[server.label])
                 print(f"done: {name}", flush=True)
-        text = report(model_label, results["ours"], results["mlx_lm.server"], args, prefix_tokens)
+        text = report(model_label, results, args, prefix_tokens)
         print(text)
         if not args.no_write:
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
