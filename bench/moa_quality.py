@@ -42,6 +42,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.moa import TASKS as POLICY_TASKS
 from gateway.events import Done, Error, TextDelta, Usage
 from gateway.moa.answers import extract_answer
 from gateway.moa.arbiter import Arbiter
@@ -56,18 +57,7 @@ INSTRUCTION = "Reply with only the final answer."
 # Candidate tasks, easy settings (a 135M model must get some right), chosen before measuring:
 # arithmetic, counting, string manipulation and number theory, so the selection stays general.
 TASKS: dict[str, tuple[str, dict[str, Any]]] = {
-    "add_sub_1digit": (
-        "basic_arithmetic",
-        {
-            "min_terms": 2,
-            "max_terms": 2,
-            "min_digits": 1,
-            "max_digits": 1,
-            "operators": ["+", "-"],
-            "allow_parentheses": False,
-            "allow_negation": False,
-        },
-    ),
+    "add_sub_1digit": POLICY_TASKS["add_sub_1digit"],  # the same items as bench/moa.py's
     "chain_sum_3": (
         "chain_sum",
         {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1},
@@ -76,7 +66,7 @@ TASKS: dict[str, tuple[str, dict[str, Any]]] = {
         "products",
         {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
     ),
-    "leg_counting": ("leg_counting", {"min_animals": 1, "max_animals": 1, "max_instances": 3}),
+    "leg_counting": POLICY_TASKS["leg_counting"],
     "letter_counting": ("letter_counting", {"min_words": 3, "max_words": 5}),
     "spell_backward": ("spell_backward", {"min_word_len": 3, "max_word_len": 4}),
     "gcd_small": ("gcd", {"min_numbers": 2, "max_numbers": 2, "min_value": 2, "max_value": 30}),
