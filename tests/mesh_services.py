@@ -1,11 +1,12 @@
 """In-process ``MeshService`` nodes for the end-to-end tests: a config for nodes on loopback that
-find each other fast."""
+find each other fast, a stand-in ring rank, and a routed stream's merged route facts."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+from gateway.events import Meta
 from mesh.service import MeshConfig
 from mesh.tunnel.config import TunnelConfig
 
@@ -37,3 +38,12 @@ async def echo_rank(port: int = 0) -> tuple[asyncio.Server, int]:
 
     server = await asyncio.start_server(echo, "127.0.0.1", port)
     return server, server.sockets[0].getsockname()[1]
+
+
+def route_meta(events) -> dict[str, str]:
+    """Every ``Meta`` event's headers of a routed stream, merged (later facts win)."""
+    out: dict[str, str] = {}
+    for e in events:
+        if isinstance(e, Meta):
+            out |= e.headers
+    return out

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mesh_services import quick_mesh_config
+from mesh_services import quick_mesh_config, route_meta
 
-from gateway.events import Done, Meta, TextDelta
+from gateway.events import Done, TextDelta
 from gateway.request import ChatRequest, Message
 from gateway.router import Router
 from gateway.testing import ScriptedUpstream, Stall, text_script
@@ -66,14 +66,6 @@ async def _ask(node: MeshService) -> list:
     return [e async for e in router.stream(REQUEST, await router.aresolve(REQUEST))]
 
 
-def _meta(events) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for e in events:
-        if isinstance(e, Meta):
-            out |= e.headers
-    return out
-
-
 def _text(events) -> str:
     return "".join(e.text for e in events if isinstance(e, TextDelta))
 
@@ -99,7 +91,7 @@ async def test_the_request_goes_where_its_prefix_is_cached_and_says_why(mesh):
     entry, b, _ = await _three(mesh, b_worker, c_worker)
     events = await _ask(entry)
     assert _text(events) == "from b" and isinstance(events[-1], Done)
-    meta = _meta(events)
+    meta = route_meta(events)
     assert meta["x-peer"] == b.node_id
     assert meta["x-mesh-route-reason"] == "cache 1856/2000"
     assert c_worker.calls == 0
@@ -111,7 +103,7 @@ async def test_today_routing_serves_locally_whatever_is_cached(mesh):
     entry, _, _ = await _three(mesh, b_worker, c_worker, mode="today")
     events = await _ask(entry)
     assert _text(events) == "from a"
-    assert "x-mesh-route-reason" not in _meta(events)
+    assert "x-mesh-route-reason" not in route_meta(events)
 
 
 async def test_a_stalled_first_token_is_hedged_and_the_stalled_peer_stops(mesh):
@@ -119,7 +111,7 @@ async def test_a_stalled_first_token_is_hedged_and_the_stalled_peer_stops(mesh):
     c_worker = ScriptedUpstream(scripts=[text_script("from c")], name="local")
     entry, _, _ = await _three(mesh, b_worker, c_worker, hedge="auto", hedge_floor_s=0.3)
     events = await _ask(entry)
-    meta = _meta(events)
+    meta = route_meta(events)
     assert meta["x-mesh-hedge"] == "won"
     assert meta["x-mesh-route-reason"] == "cache 1856/2000"  # the first choice, hedged
     assert _text(events) in ("from a", "from c")  # the next-best node answered

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from mesh_services import quick_mesh_config
+from mesh_services import quick_mesh_config, route_meta
 
-from gateway.events import Done, Error, Meta, TextDelta
+from gateway.events import Done, Error, TextDelta
 from gateway.request import ChatRequest, Message
 from gateway.router import Router
 from gateway.testing import ScriptedUpstream, Stall, text_script
@@ -51,14 +51,6 @@ async def _ask(node: MeshService, model: str, session: str | None = None) -> lis
     return [e async for e in router.stream(request, router.resolve(request))]
 
 
-def _meta(events) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for e in events:
-        if isinstance(e, Meta):
-            out |= e.headers
-    return out
-
-
 @pytest.fixture
 async def mesh(tmp_path):
     """Start nodes lazily; stop all at the end."""
@@ -92,7 +84,7 @@ async def test_join_then_forward_a_request(mesh, tmp_path):
     events = await _ask(b, "tiny")
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert text == "Hello from A" and isinstance(events[-1], Done)
-    meta = _meta(events)
+    meta = route_meta(events)
     assert meta["x-route"] == "peer" and meta["x-peer"] == a.node_id
     assert meta["x-peer-route"] == "local"
     assert worker.calls == 1
@@ -188,7 +180,7 @@ async def test_peer_killed_before_first_byte_fails_over(mesh):
     events = await asyncio.wait_for(task, 10)
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert text == "from C"
-    assert _meta(events)["x-peer"] == c.node_id
+    assert route_meta(events)["x-peer"] == c.node_id
 
 
 async def test_peer_killed_mid_stream_gives_error_without_retry(mesh):
@@ -276,7 +268,7 @@ async def test_only_server_killed_before_first_byte_gives_clear_503(mesh):
     _silence(b)
     events = await asyncio.wait_for(task, 10)
     assert isinstance(events[-1], Error) and events[-1].status == 503
-    assert _meta(events)["x-attempts"] == "2"  # one retry on the same peer, then give up
+    assert route_meta(events)["x-attempts"] == "2"  # one retry on the same peer, then give up
 
 
 async def test_three_nodes_kill_b_then_c_serves_and_restarted_b_serves_again(mesh, tmp_path):
