@@ -128,11 +128,14 @@ def request_for(question: str, max_tokens: int, **fields: Any) -> ChatRequest:
 
 
 @contextlib.contextmanager
-def worker(model_dir: Path) -> Iterator[Any]:
+def worker(model_dir: Path, batch: int) -> Iterator[Any]:
     from gateway.worker_client import WorkerClient
+    from worker.engine_types import EngineConfig
     from worker.testing import run_worker_in_thread
 
-    with run_worker_in_thread(model_dir, name=model_dir.name) as (url, _):
+    # One batch for all of an item's answers (the default 16 would run a second batch after).
+    config = EngineConfig(completion_batch_size=batch)
+    with run_worker_in_thread(model_dir, name=model_dir.name, config=config) as (url, _):
         yield WorkerClient(url.removesuffix("/v1"), model_dir.name)
 
 
@@ -166,7 +169,7 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
     }
     done = {(r["task"], r["index"]) for r in start_log(log, header)}
     deadline = time.monotonic() + args.time_budget_s
-    with worker(args.model) as client:
+    with worker(args.model, args.batch) as client:
         # Round-robin over tasks, so a partial log still covers every task evenly.
         pools = {t: make_items(t, args.items, seed) for t in args.tasks}
         for index in range(args.items):
@@ -580,6 +583,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=50, help="per task")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=16, help="the worker's completion batch size")
     parser.add_argument("--time-budget-s", type=float, default=math.inf)
     parser.add_argument(
         "--hot",

@@ -61,7 +61,7 @@ class MoaMetrics:
         self.candidates = Counter(
             "gateway_moa_candidates",
             "mesh candidates by policy and fate (started; stopped by the decision; finished "
-            "without an answer to vote with)",
+            "without an answer to vote with; shown to the judge model)",
             ["policy", "fate"],
             registry=registry,
         )
@@ -82,6 +82,7 @@ class MoaMetrics:
             ("started", "x-moa-workers"),
             ("stopped", "x-moa-stopped"),
             ("abstained", "x-moa-abstained"),
+            ("judged", "x-moa-options"),
         ):
             count = _count(route.get(header))
             if count:

@@ -20,6 +20,9 @@ Policies:
   off by ``max_tokens`` abstains; when nobody votes, the most confident finished text wins.
   Samples start in waves (``wave``): the next is launched only when a whole wave is in and
   the vote is still open, so an early decision saves the samples never started.
+- ``judge``: every candidate runs to its end (once most have finished, the rest get
+  ``grace_s``); the complete ones are ranked by confidence and, when they differ, the strongest
+  model picks one (:mod:`gateway.moa.judge`); a judge that names none leaves the most confident.
 
 Common rules: a worker without a first delta by ``first_token_timeout_s``, or still running at
 ``total_timeout_s``, is failed and cancelled; the last survivor is committed as is; when all fail
@@ -33,7 +36,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.events import ErrorKind
-from gateway.moa import gates, scoring
+from gateway.moa import gates, judge, scoring
 from gateway.moa.answers import extract_answer
 from gateway.moa.config import MoaConfig, Policy
 from gateway.moa.events import (
@@ -42,6 +45,7 @@ from gateway.moa.events import (
     Decision,
     Fail,
     Launch,
+    StartJudge,
     StartReducer,
     TokenArrived,
     WorkerEvent,
@@ -60,6 +64,7 @@ REDUCER = "reducer"
 class ArbiterState(enum.Enum):
     WATCHING = "watching"
     REDUCING = "reducing"
+    JUDGING = "judging"
     COMMITTED = "committed"
     FAILED = "failed"
 
@@ -95,6 +100,9 @@ class Arbiter:
         self.reason: str | None = None
         self.decided_at: float | None = None
         self.reducer_fallback: str | None = None
+        # judge: when most candidates had finished; the options the judge was shown.
+        self.majority_at: float | None = None
+        self.judge_options: list[str] = []
         # Workers still running when the decision stopped them (the cost the decision saved),
         # and vote samples of later waves that never had to start.
         self.stopped_early = self.never_started = 0
@@ -116,6 +124,7 @@ class Arbiter:
             "consensus": self._decide_consensus,
             "reduce": self._decide_reduce,
             "vote": self._decide_vote,
+            "judge": self._decide_judge,
         }
 
     # -- inputs ---------------------------------------------------------------------------
@@ -163,9 +172,11 @@ class Arbiter:
         if self.prefer_deadline is not None and self.policy == "race":
             times.append(self.prefer_deadline)
         grace = self.grace_deadline()
-        if grace is not None and not self._grace_passed and self.policy != "race":
+        if grace is not None and not self._grace_passed and self.policy not in ("race", "judge"):
             if self.state is ArbiterState.WATCHING:
                 times.append(grace)
+        if self.majority_at is not None and self.state is ArbiterState.WATCHING:
+            times.append(self.majority_at + self.config.grace_s)
         return min(times) if times else None
 
     def started(self) -> list[str]:
@@ -231,6 +242,8 @@ class Arbiter:
     def _decide(self, now: float) -> list[Decision]:
         if self.state is ArbiterState.REDUCING:
             return self._decide_reducing(now)
+        if self.state is ArbiterState.JUDGING:
+            return self._decide_judging(now)
         candidates = [v for v in self.workers.values() if v.alive]
         if not candidates:
             return self._fail_all()
@@ -256,7 +269,7 @@ class Arbiter:
 
     def _fail_all(self) -> list[Decision]:
         self._set_state(ArbiterState.FAILED)
-        failures = [v for v in self.workers.values() if v.name != REDUCER]
+        failures = [v for v in self.workers.values() if v.name not in (REDUCER, judge.JUDGE)]
         reasons = "; ".join(f"{v.name}: {v.failure}" for v in failures)
         kind: ErrorKind = (
             "timeout" if failures and all(v.timed_out for v in failures) else "upstream"
@@ -423,6 +436,42 @@ class Arbiter:
         # Nobody had an answer to vote with: the most confident complete text stands.
         finished = [v for v in self.workers.values() if v.finished]
         return self._commit(self._most_confident(finished).name, "no-votes", now)
+
+    def _decide_judge(self, now: float) -> list[Decision]:
+        candidates = [v for v in self.workers.values() if v.alive]
+        finished = [v for v in candidates if v.finished]
+        if self.majority_at is None and 2 * len(finished) > len(self.workers):
+            self.majority_at = now
+        running = [v for v in candidates if v.running]
+        due = self.majority_at is not None and now >= self.majority_at + self.config.grace_s
+        if running and not due:
+            return []
+        shown = judge.options(finished, self.config.judge_options)
+        if not shown:  # nobody finished with text
+            return self._commit(self._best(candidates).name, "complete", now)
+        if len(shown) == 1 or not self.config.judge_pick:
+            return self._commit(
+                shown[0].name, "agreement" if len(shown) == 1 else "confidence", now
+            )
+        self._set_state(ArbiterState.JUDGING)
+        self.judge_options = [v.name for v in shown]
+        decisions: list[Decision] = []
+        for view in running:
+            view.status = WorkerStatus.CANCELLED
+            decisions.append(Cancel(view.name))
+            self.stopped_early += 1
+        self.workers[judge.JUDGE] = WorkerView(judge.JUDGE, started_at=now)
+        options = tuple((v.name, v.text) for v in shown)
+        return [*decisions, StartJudge(judge.JUDGE, options, fallback=shown[0].name)]
+
+    def _decide_judging(self, now: float) -> list[Decision]:
+        view = self.workers[judge.JUDGE]
+        if view.running:
+            return []
+        picked = judge.read_choice(view.text, len(self.judge_options)) if view.finished else None
+        if picked is None:  # failed, or named nothing: the most confident option stands
+            return self._commit(self.judge_options[0], "judge-failed", now)
+        return self._commit(self.judge_options[picked], "judged", now)
 
     def _launch_wave(self, now: float) -> list[Decision]:
         size = min(self.wave, self.tally.needed())  # 3 : 0 → one more sample, not a wave

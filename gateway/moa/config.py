@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 # What the arbiter runs; "auto" picks one of them per request (gateway/moa/auto.py).
-Policy = Literal["race", "consensus", "reduce", "vote"]
-PolicyChoice = Literal["race", "consensus", "reduce", "vote", "auto"]
-POLICIES: tuple[PolicyChoice, ...] = ("race", "consensus", "reduce", "vote", "auto")
+Policy = Literal["race", "consensus", "reduce", "vote", "judge"]
+PolicyChoice = Literal["race", "consensus", "reduce", "vote", "judge", "auto"]
+POLICIES: tuple[PolicyChoice, ...] = ("race", "consensus", "reduce", "vote", "judge", "auto")
 MAX_SAMPLES = 32  # metadata.moa_samples: 1..MAX_SAMPLES
 
 
@@ -52,6 +52,11 @@ class MoaConfig:
     # vote: samples start in waves of this many; the next wave only when a whole wave has
     # finished and the vote is still open (bench/results/moa-quality.md measures the size).
     vote_wave: int = 4
+    # judge: as many samples as the vote; once most have finished, the rest get grace_s more;
+    # then a model picks among at most judge_options distinct complete candidates (False: the
+    # most confident one stands, no model call).
+    judge_options: int = 4
+    judge_pick: bool = True
     # Emit one Progress note ("asking 3 models…") before the decision: Responses clients see it
     # as a reasoning summary; the other APIs drop it.
     progress: bool = False
@@ -63,6 +68,8 @@ class MoaConfig:
             raise ValueError("max_workers must be at least 1")
         if not 1 <= self.vote_samples <= MAX_SAMPLES:
             raise ValueError(f"vote_samples must be between 1 and {MAX_SAMPLES}")
+        if self.judge_options < 2:
+            raise ValueError("judge_options must be at least 2")
         if self.vote_wave < 1:
             raise ValueError("vote_wave must be at least 1")
         if not 0.5 < self.vote_confidence <= 1:

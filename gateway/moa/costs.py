@@ -6,6 +6,7 @@ into the response's ``metadata``; ``/metrics`` counts them).
 - ``x-moa-votes``: votes per answer, most first (``vote``), ``answer=count`` pairs joined by
   ``, `` with each answer percent-encoded and cut to :data:`ANSWER_CHARS`; at most
   :data:`MAX_ANSWERS` answers; ``x-moa-abstained``: finished candidates without an answer;
+- ``x-moa-options``: the distinct complete candidates the judge model was shown (``judge``);
 - ``x-moa-winner``, ``x-moa-decision`` (the rule that decided), ``x-moa-decision-ms``.
 """
 
@@ -47,4 +48,6 @@ def decision_headers(arbiter: Arbiter, winner: str, decided_s: float) -> dict[st
     if arbiter.policy == "vote":
         headers["x-moa-votes"] = format_votes(arbiter.tally.votes())
         headers["x-moa-abstained"] = str(len(arbiter.tally.abstained))
+    if arbiter.policy == "judge":
+        headers["x-moa-options"] = str(len(arbiter.judge_options))
     return headers

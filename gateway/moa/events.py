@@ -78,9 +78,19 @@ class StartReducer:
 
 
 @dataclass(frozen=True, slots=True)
+class StartJudge:
+    """Ask a model which of ``options`` (candidate name, text) is best, as worker ``worker``;
+    ``fallback`` is the most confident option, committed if the judge names none."""
+
+    worker: str
+    options: tuple[tuple[str, str], ...]
+    fallback: str
+
+
+@dataclass(frozen=True, slots=True)
 class Fail:
     kind: ErrorKind
     message: str
 
 
-Decision = Commit | Cancel | Launch | StartReducer | Fail
+Decision = Commit | Cancel | Launch | StartReducer | StartJudge | Fail

@@ -46,6 +46,7 @@ from gateway.moa.events import (
     Decision,
     Fail,
     Launch,
+    StartJudge,
     StartReducer,
     TokenArrived,
     WorkerEvent,
@@ -53,6 +54,7 @@ from gateway.moa.events import (
     WorkerFinished,
     WorkerStarted,
 )
+from gateway.moa.judge import judge_request
 from gateway.moa.scoring import WinRecord
 from gateway.request import ChatRequest
 from gateway.router import ROUTE_REASON_HEADER
@@ -192,7 +194,7 @@ class MixtureOfAgents(Upstream):
             )
             return
         n = self.config.max_workers  # the calls made: one per model, or samples of one
-        if policy == "vote":
+        if policy in ("vote", "judge"):
             samples = self.samples_for(request)
             if samples is None:
                 yield Error(
@@ -203,7 +205,7 @@ class MixtureOfAgents(Upstream):
                 return
             n = samples
         routes = await ranked_routes(self.directory, request, mixable_models(self.directory)[:n])
-        if policy == "vote":
+        if policy in ("vote", "judge"):
             candidates = plan_samples(self.directory, request, n, routes)
         else:
             candidates = plan_candidates(self.directory, request, self.config, routes)
@@ -296,6 +298,8 @@ class _Run:
                         self._cancel(loser)
                     case StartReducer() as start:
                         todo += self._start_reducer(start)
+                    case StartJudge() as start:
+                        todo += self._start_judge(start)
                     case Launch(workers=wave):
                         for name in wave:
                             c = self.by_name[name]
@@ -339,6 +343,12 @@ class _Run:
         model = strongest(mixable_models(self.moa.directory))
         upstream = self.moa.directory.routes(model.id)[0].upstream
         request = reducer_request(self.request, decision.answers, model)
+        return self._start(decision.worker, upstream, request)
+
+    def _start_judge(self, decision: StartJudge) -> list[Decision]:
+        model = strongest(mixable_models(self.moa.directory))
+        upstream = self.moa.directory.routes(model.id)[0].upstream
+        request = judge_request(self.request, [text for _, text in decision.options], model)
         return self._start(decision.worker, upstream, request)
 
     async def _splice(self, winner: str) -> AsyncIterator[Event]:
