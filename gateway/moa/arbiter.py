@@ -435,7 +435,7 @@ class Arbiter:
             return self._commit(ballot.candidate, reason, now)
         # Nobody had an answer to vote with: the most confident complete text stands.
         finished = [v for v in self.workers.values() if v.finished]
-        return self._commit(self._most_confident(finished).name, "no-votes", now)
+        return self._commit(judge.most_confident(finished).name, "no-votes", now)
 
     def _decide_judge(self, now: float) -> list[Decision]:
         candidates = [v for v in self.workers.values() if v.alive]
@@ -481,14 +481,6 @@ class Arbiter:
             view.started_at = now
             self.launched.append(view.name)
         return [Launch(tuple(v.name for v in waiting))] if waiting else []
-
-    @staticmethod
-    def _most_confident(views: Sequence[WorkerView]) -> WorkerView:
-        def key(view: WorkerView) -> tuple[bool, float, int]:
-            lp = view.mean_logprob
-            return (bool(view.text.strip()), lp if lp is not None else -1e9, view.tokens)
-
-        return max(views, key=key)
 
     def _decide_reducing(self, now: float) -> list[Decision]:
         reducer = self.workers[REDUCER]

@@ -13,6 +13,8 @@ candidate's text is complete, so it goes out at once. How it compares with ``vot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import orjson
 
 from gateway.moa import gates
@@ -42,6 +44,17 @@ def confidence(view: WorkerView) -> tuple[bool, bool, float, int]:
         logprob if logprob is not None else -1e9,
         view.tokens,
     )
+
+
+def most_confident(views: Sequence[WorkerView]) -> WorkerView:
+    """The finished text a vote without votes falls back on: text first, then mean
+    log-probability, then length."""
+
+    def key(view: WorkerView) -> tuple[bool, float, int]:
+        lp = view.mean_logprob
+        return (bool(view.text.strip()), lp if lp is not None else -1e9, view.tokens)
+
+    return max(views, key=key)
 
 
 def _gist(view: WorkerView) -> str:
