@@ -34,7 +34,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,21 @@ from gateway.moa.answers import extract_answer
 from gateway.moa.arbiter import Arbiter
 from gateway.moa.auto import choose_policy
 from gateway.moa.config import MoaConfig
-from gateway.moa.events import Launch, TokenArrived, WorkerFinished, WorkerStarted
+from gateway.moa.events import (
+    Launch,
+    StartJudge,
+    TokenArrived,
+    WorkerFailed,
+    WorkerFinished,
+    WorkerStarted,
+)
+from gateway.moa.judge import INSTRUCTIONS, JUDGE, judge_request
 from gateway.request import ChatRequest, Message
+from gateway.upstream import ModelInfo
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCREEN_SEED, EVAL_SEED = 1001, 2002
-INSTRUCTION = "Reply with only the final answer."
+INSTRUCTION = "Reply with only the final answer."  # the question's own, not the judge's
 # Candidate tasks, easy settings (a 135M model must get some right), chosen before measuring:
 # arithmetic, counting, string manipulation and number theory, so the selection stays general.
 TASKS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -74,6 +83,15 @@ TASKS: dict[str, tuple[str, dict[str, Any]]] = {
     "count_bits_small": ("count_bits", {"min_n": 1, "max_n": 64}),
 }
 N_SWEEP = (1, 2, 4, 8, 16)
+# The judge over N = 8 (the vote's default); its grace in replay steps (~2 s of 16-row decode).
+JUDGE_N = 8
+JUDGE_CONFIDENCE = MoaConfig(policy="judge", grace_s=20.0, judge_pick=False)
+JUDGE_PICK = MoaConfig(policy="judge", grace_s=20.0)
+
+
+def _key(shown: list[int]) -> str:
+    """A judge call's key in the judge log: the shown candidates' indices."""
+    return ",".join(map(str, shown))
 
 
 # -- recording ---------------------------------------------------------------------------------
@@ -231,6 +249,42 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
                 )
 
 
+async def record_judge(args: argparse.Namespace, log: Path) -> None:
+    """The judge model's reply for every evaluation item whose N = 8 candidates differ: the
+    options the arbiter would show it (replayed), sent as the live gateway sends them."""
+    header = {"model": args.model.name, "n": JUDGE_N, "pool": args.pool, "prompt": INSTRUCTIONS}
+    done = {(r["task"], r["index"]) for r in start_log(log, header)}
+    rows = [r for r in _rows(args.eval_log) if (r["task"], r["index"]) not in done]
+    with worker(args.model, args.batch) as client:
+        for start in range(0, len(rows), 8):  # a few at once: their prefills batch
+
+            async def one(row: dict[str, Any]) -> dict[str, Any]:
+                samples, _ = pool_of(row, args.pool)
+                shown = [row["greedy"], *samples[: JUDGE_N - 1]]
+                asked: list[list[int]] = []
+                replay("judge", shown, JUDGE_PICK, pick=lambda i: asked.append(i) or None)
+                replies = {}
+                for indices in asked:
+                    texts = [shown[i]["text"] for i in indices]
+                    question = request_for(row["question"], args.max_tokens)
+                    call = judge_request(question, texts, ModelInfo(args.model.name))
+                    replies[_key(indices)] = (await sample(client, call))["text"]
+                return {"task": row["task"], "index": row["index"], "judge_replies": replies}
+
+            for out in await asyncio.gather(*(one(r) for r in rows[start : start + 8])):
+                with log.open("ab") as fh:
+                    fh.write(orjson.dumps(out) + b"\n")
+                print(f"{out['task']} #{out['index']}: {out['judge_replies']}", flush=True)
+
+
+def with_judge_replies(rows: list[dict[str, Any]], log: Path) -> list[dict[str, Any]]:
+    replies = {(r["task"], r["index"]): r["judge_replies"] for r in _rows(log)}
+    for row in rows:
+        if (row["task"], row["index"]) in replies:
+            row["judge_replies"] = replies[row["task"], row["index"]]
+    return rows
+
+
 # -- deciding, offline -------------------------------------------------------------------------
 
 
@@ -243,12 +297,17 @@ class Outcome:
 
 
 def replay(
-    policy: str, answers: list[dict[str, Any]], config: MoaConfig, wave: int | None = None
+    policy: str,
+    answers: list[dict[str, Any]],
+    config: MoaConfig,
+    wave: int | None = None,
+    pick: Callable[[list[int]], str | None] | None = None,
 ) -> Outcome:
     """Run the arbiter over recorded answers decoding in lockstep: step k delivers every live
     answer's k-th delta; an answer ends one step after its last delta. With ``wave``, samples
     start in waves as the live gateway starts them: a launched wave's first delta comes the step
-    after the launch (its prefill shares the cached prompt)."""
+    after the launch (its prefill shares the cached prompt). The judge's reply to the options it
+    is shown (their indices) comes from ``pick`` (None: it failed)."""
     names = [f"s{i}" for i in range(len(answers))]
     arbiter = Arbiter(names, config, now=0.0, policy=policy, preferred=names[0], wave=wave)  # type: ignore[arg-type]
     start: dict[int, int] = {}
@@ -270,6 +329,9 @@ def replay(
             for decision in arbiter.handle(event, float(step)):
                 if isinstance(decision, Launch):
                     launched += decision.workers
+                elif isinstance(decision, StartJudge):
+                    shown = [names.index(name) for name, _ in decision.options]
+                    _judge(arbiter, pick(shown) if pick else None, float(step))
             if arbiter.winner is not None:
                 return _outcome(arbiter.winner, names, answers, start, step)
         for name in launched:
@@ -278,6 +340,14 @@ def replay(
         if not launched and all(step - at > len(answers[i]["logprobs"]) for i, at in start.items()):
             return Outcome(None, len(start), _decoded(answers, start, step), step)
         step += 1
+
+
+def _judge(arbiter: Arbiter, reply: str | None, now: float) -> None:
+    if reply is None:
+        arbiter.handle(WorkerFailed(JUDGE, "not recorded"), now)
+        return
+    arbiter.handle(TokenArrived(JUDGE, reply), now)
+    arbiter.handle(WorkerFinished(JUDGE, "stop"), now)
 
 
 def _decoded(answers: list[dict[str, Any]], start: dict[int, int], step: int) -> int:
@@ -370,6 +440,28 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
             vote = replay("vote", [greedy, *samples[: n - 1]], config, wave)
             hit = bool(vote.winner is not None and ok[vote.winner])
             note(f"mesh vote (N={n})", hit, vote.used, vote.tokens, vote.decided_step)
+        judge_n = min(JUDGE_N, len(samples) + 1)
+        shown = [greedy, *samples[: judge_n - 1]]
+        judged = replay("judge", shown, JUDGE_CONFIDENCE)
+        hit = bool(judged.winner is not None and ok[judged.winner])
+        note(
+            f"mesh judge, confidence (N={judge_n})",
+            hit,
+            judged.used,
+            judged.tokens,
+            judged.decided_step,
+        )
+        replies = row.get("judge_replies")
+        if replies is not None:  # the judge model's recorded replies (phase ``judge``)
+            judged = replay("judge", shown, JUDGE_PICK, pick=lambda i, r=replies: r.get(_key(i)))
+            hit = bool(judged.winner is not None and ok[judged.winner])
+            note(
+                f"mesh judge, model pick (N={judge_n})",
+                hit,
+                judged.used,
+                judged.tokens,
+                judged.decided_step,
+            )
         question = row.get("question", "")
         policy, _ = choose_policy(request_for(question, 64)) if question else ("vote", "")
         label = "mesh vote (N=8)" if policy == "vote" else "mesh race (3)"
@@ -493,12 +585,14 @@ def policy_section(
     config = MoaConfig()
     labels = pools(rows)
     by_pool = {label: evaluate(rows, label) for label in labels}
-    results = by_pool["default"]
+    pool = args.pool if args.pool in by_pool else "default"
+    results = by_pool[pool]
+    drawn = "the model's default sampling" if pool == "default" else f"temperature {pool}"
     lines = [
         f"## Policies on {n} items ({', '.join(tasks)}; seed {seed})",
         "",
-        f"The vote in waves of {config.vote_wave} (`MoaConfig.vote_wave`); its N − 1 samples at "
-        "the model's default temperature. Decode steps: from the fan-out until the answer's "
+        f"The vote in waves of {config.vote_wave} (`MoaConfig.vote_wave`); its N − 1 samples (and the "
+        f"judge's) at {drawn}. Decode steps: from the fan-out until the answer's "
         "last token (lockstep replay; a wave starts one step after the one before it ended; "
         "a later wave is only as large as the votes that could still decide).",
         "",
@@ -577,7 +671,7 @@ def plot(by_pool: dict[str, Results], n: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=("screen", "eval", "report"))
+    parser.add_argument("phase", choices=("screen", "eval", "judge", "report"))
     parser.add_argument("--model", type=Path, default=Path.home() / ".mlx-mesh/models/smollm2-135m")
     parser.add_argument("--tasks", nargs="*", default=list(TASKS))
     parser.add_argument("--items", type=int, default=50, help="per task")
@@ -594,6 +688,13 @@ def main() -> None:
     )
     parser.add_argument("--screen-log", type=Path, default=RESULTS / "moa-quality-screen.jsonl")
     parser.add_argument("--eval-log", type=Path, default=RESULTS / "moa-quality-items.jsonl")
+    parser.add_argument("--judge-log", type=Path, default=RESULTS / "moa-quality-judge.jsonl")
+    parser.add_argument(
+        "--pool",
+        default="default",
+        help="the samples the vote and the judge draw on: default (the model's own sampling) or "
+        "a --hot temperature, chosen on the screening items",
+    )
     args = parser.parse_args()
     if args.phase == "screen":
         args.samples = max(args.samples, 8)
@@ -603,8 +704,10 @@ def main() -> None:
             args.tasks = kept_tasks(_rows(args.screen_log))
             print(f"kept tasks: {' '.join(args.tasks)}", flush=True)
         asyncio.run(record(args, EVAL_SEED, args.eval_log))
+    elif args.phase == "judge":
+        asyncio.run(record_judge(args, args.judge_log))
     screen = _rows(args.screen_log)
-    evals = _rows(args.eval_log)
+    evals = with_judge_replies(_rows(args.eval_log), args.judge_log)
     partial = len({r["task"] for r in evals}) < 6 or len(evals) < 300
     (RESULTS / "moa-quality.md").write_text(report(screen, evals, args, partial))
     print((RESULTS / "moa-quality.md").read_text())
