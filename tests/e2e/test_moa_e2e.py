@@ -95,3 +95,25 @@ def test_mesh_headers_name_policy_workers_and_winner(mesh_gateway):
     assert response.headers["x-moa-workers"] == "2"
     assert response.headers["x-moa-winner"] in ("think", "plain")
     assert payload.rstrip().endswith("data: [DONE]")
+
+
+def test_judge_asks_the_strongest_model_to_pick_among_differing_answers(mesh_gateway):
+    # think answers "The answer is 4."; plain's random weights say something else: the judge
+    # (think, the larger) is asked, and its grammar-held reply names one of the two.
+    _, duo = mesh_gateway
+    body = {
+        "model": "mesh",
+        "messages": USER,
+        "max_tokens": 8,
+        "stream": True,
+        "temperature": 0,
+        "metadata": {"moa_policy": "judge", "moa_samples": "2"},
+    }
+    with httpx.stream("POST", duo + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        payload = response.read().decode()
+    headers = response.headers
+    assert headers["x-moa-policy"] == "judge" and headers["x-moa-workers"] == "2"
+    assert headers["x-moa-options"] == "2" and headers["x-moa-decision"] == "judged"
+    assert headers["x-moa-winner"] in ("think#0", "plain#1")
+    assert payload.rstrip().endswith("data: [DONE]")
