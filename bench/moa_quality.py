@@ -181,6 +181,7 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
         "tasks": {t: TASKS[t] for t in args.tasks},
         "seed": seed,
         "samples": args.samples,
+        **({"hot_samples": args.hot_samples} if args.hot_samples != args.samples else {}),
         "max_tokens": args.max_tokens,
         "instruction": INSTRUCTION,
         "hot_temperatures": args.hot,
@@ -210,11 +211,12 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
                         entry["question"], args.max_tokens, temperature=t, seed=seed * 100 + i
                     )
                     for t in args.hot
-                    for i in range(args.samples)
+                    for i in range(args.hot_samples)
                 ]
                 started = time.monotonic()
                 everything = [greedy, *samples, *hot]
                 answers = await asyncio.gather(*(sample(client, r) for r in everything))
+                hot = args.hot_samples
                 hot_answers = answers[1 + args.samples :]
                 answers = answers[: 1 + args.samples]
                 row = {
@@ -233,14 +235,14 @@ async def record(args: argparse.Namespace, seed: int, log: Path) -> None:
                             "correct": [is_correct(task, a["text"], entry) for a in part],
                         }
                         for j, t in enumerate(args.hot)
-                        for part in [hot_answers[j * args.samples : (j + 1) * args.samples]]
+                        for part in [hot_answers[j * hot : (j + 1) * hot]]
                     },
                 }
                 with log.open("ab") as fh:
                     fh.write(orjson.dumps(row) + b"\n")
                 hits = sum(row["correct"][1:])
                 hot_hits = " ".join(
-                    f"T={k}: {sum(v['correct'])}/{args.samples}" for k, v in row["pools"].items()
+                    f"T={k}: {sum(v['correct'])}/{hot}" for k, v in row["pools"].items()
                 )
                 print(
                     f"{task} #{index}: greedy {row['correct'][0]}, samples {hits}/"
@@ -676,6 +678,9 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="*", default=list(TASKS))
     parser.add_argument("--items", type=int, default=50, help="per task")
     parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument(
+        "--hot-samples", type=int, default=None, help="samples per --hot pool (default: --samples)"
+    )
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--batch", type=int, default=16, help="the worker's completion batch size")
     parser.add_argument("--time-budget-s", type=float, default=math.inf)
@@ -696,6 +701,8 @@ def main() -> None:
         "a --hot temperature, chosen on the screening items",
     )
     args = parser.parse_args()
+    if args.hot_samples is None:
+        args.hot_samples = args.samples
     if args.phase == "screen":
         args.samples = max(args.samples, 8)
         asyncio.run(record(args, SCREEN_SEED, args.screen_log))

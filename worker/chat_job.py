@@ -99,8 +99,11 @@ async def start_job(
         processors = (await _grammar_processor(engine, grammar),)
     limit = chat.max_completion_tokens or chat.max_tokens or DEFAULT_MAX_TOKENS
     defaults = engine.sampling_defaults  # for the fields the request leaves out
+    temperature = defaults.temperature if chat.temperature is None else chat.temperature
+    if chat.temperature is None and chat.min_temperature is not None:
+        temperature = max(temperature, chat.min_temperature)
     sampling = SamplingParams(
-        temperature=defaults.temperature if chat.temperature is None else chat.temperature,
+        temperature=temperature,
         top_p=defaults.top_p if chat.top_p is None else chat.top_p,
         top_k=defaults.top_k if chat.top_k is None else chat.top_k,
         min_p=defaults.min_p if chat.min_p is None else chat.min_p,

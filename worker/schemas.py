@@ -181,6 +181,9 @@ class ChatCompletionRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: Any = None
     temperature: float | None = Field(default=None, ge=0, le=2)
+    # Without a temperature: the model's recommended one, but at least this (model=mesh's vote
+    # samples: a very cold default makes every sample the greedy answer).
+    min_temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)

@@ -420,9 +420,9 @@ class Arbiter:
     def _decide_vote(self, now: float) -> list[Decision]:
         for view in self.workers.values():
             if view.finished:
-                truncated = view.finish_reason == "length"
-                answer = None if truncated or view.tool_calls else extract_answer(view.text)
-                self.tally.cast(view.name, answer, view.mean_logprob)
+                complete = view.finish_reason != "length"
+                answer = None if view.tool_calls else extract_answer(view.text)
+                self.tally.cast(view.name, answer, view.mean_logprob, complete)
             elif not view.alive:
                 self.tally.withdraw(view.name)
         reason = self.tally.decision()

@@ -157,12 +157,17 @@ def reducer_request(
 
 
 def plan_samples(
-    directory: ModelDirectory, request: ChatRequest, n: int, routes: Routes | None = None
+    directory: ModelDirectory,
+    request: ChatRequest,
+    n: int,
+    routes: Routes | None = None,
+    min_temperature: float | None = None,
 ) -> list[Candidate]:
     """``n`` samples for the vote, spread round-robin over the mesh's models and, per model, its
     routes (nodes; ``routes``: the ranked ones, best first). The first is the caller's own
     request; the others leave temperature, top_p, top_k and min_p unset, so each worker samples
-    with its model's recommended values (``generation_config``), and get seeds of their own."""
+    with its model's recommended values (``generation_config``) – its temperature no lower than
+    ``min_temperature`` (the worker's ``min_temperature`` field) – and get seeds of their own."""
     models = mixable_models(directory)
     if not models:
         return []
@@ -173,8 +178,12 @@ def plan_samples(
         name = f"{model.id}#{i}" if n > 1 else model.id
         sample = worker_request(request, model.id, name=name)
         if i:
+            metadata = dict(sample.metadata)
+            if min_temperature is not None:
+                metadata["min_temperature"] = min_temperature
             sample = sample.model_copy(
                 update={
+                    "metadata": metadata,
                     "temperature": None,
                     "top_p": None,
                     "top_k": None,

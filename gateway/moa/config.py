@@ -47,11 +47,18 @@ class MoaConfig:
     total_timeout_s: float = 600.0
     # vote: how many samples (metadata.moa_samples overrides, 1..MAX_SAMPLES), spread over the
     # mesh's models and their routes, and the Beta stopping rule's confidence (Aggarwal et al.).
+    # Chosen on the screening items of bench/moa_quality.py (bench/results/moa-quality.md):
+    # at 0.8 two agreeing votes settle a vote, and the first wave of 2 lets them; at 0.95 the
+    # vote started 87 % of its samples for the same answers.
     vote_samples: int = 8
-    vote_confidence: float = 0.95
+    vote_confidence: float = 0.8
     # vote: samples start in waves of this many; the next wave only when a whole wave has
     # finished and the vote is still open (bench/results/moa-quality.md measures the size).
-    vote_wave: int = 4
+    vote_wave: int = 2
+    # vote and judge: the samples (all but the caller's own) sample with their model's own
+    # values, but never colder than this: SmolLM2's 0.2 repeats the greedy answer and the vote
+    # learns nothing (0.5 beat both 0.2 and 0.8 on the screening items). None: no floor.
+    vote_min_temperature: float | None = 0.5
     # judge: as many samples as the vote; once most have finished, the rest get grace_s more;
     # then a model picks among at most judge_options distinct complete candidates (False: the
     # most confident one stands, no model call).

@@ -206,7 +206,8 @@ class MixtureOfAgents(Upstream):
             n = samples
         routes = await ranked_routes(self.directory, request, mixable_models(self.directory)[:n])
         if policy in ("vote", "judge"):
-            candidates = plan_samples(self.directory, request, n, routes)
+            floor = self.config.vote_min_temperature
+            candidates = plan_samples(self.directory, request, n, routes, floor)
         else:
             candidates = plan_candidates(self.directory, request, self.config, routes)
         if not candidates:

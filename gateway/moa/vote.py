@@ -10,8 +10,11 @@ abstains when it has none; a failed one withdraws. The vote is decided as soon a
   least ``confidence`` (posterior Beta(v1 + 1, v2 + 1) over the leader's share of the two), or
 - ``complete``: nobody is left to vote.
 
-The winner is the leading answer's candidate with the highest mean token log-probability
-(ties: the one that voted first). Tied answers at the end go to the answer whose voters have the
+The winner is the leading answer's candidate with the highest mean token log-probability,
+complete ones before those cut off by ``max_tokens`` (ties: the one that voted first). A cut-off
+candidate votes with the answer its text so far gives (what a reader of that text would take
+as its answer): on the screening items of ``bench/moa_quality.py`` its vote is worth more than
+its abstention. Tied answers at the end go to the answer whose voters have the
 higher mean log-probability.
 """
 
@@ -30,6 +33,7 @@ class Ballot:
     answer: str
     mean_logprob: float | None
     order: int  # when it was cast, for ties
+    complete: bool = True  # False: cut off by max_tokens
 
     @property
     def confidence(self) -> float:
@@ -58,15 +62,19 @@ class Tally:
 
     # -- inputs -----------------------------------------------------------------------------
 
-    def cast(self, candidate: str, answer: str | None, mean_logprob: float | None) -> None:
-        """A finished candidate's answer (None: no extractable answer, it abstains)."""
+    def cast(
+        self, candidate: str, answer: str | None, mean_logprob: float | None, complete: bool = True
+    ) -> None:
+        """A finished candidate's answer (None: no extractable answer, it abstains);
+        ``complete`` False: it was cut off by ``max_tokens``."""
         if candidate not in self.pending:
             return
         self.pending.discard(candidate)
         if answer is None:
             self.abstained.append(candidate)
         else:
-            self.ballots.append(Ballot(candidate, answer, mean_logprob, len(self.ballots)))
+            ballot = Ballot(candidate, answer, mean_logprob, len(self.ballots), complete)
+            self.ballots.append(ballot)
 
     def withdraw(self, candidate: str) -> None:
         """A candidate that failed or was stopped: it will never vote."""
@@ -129,4 +137,4 @@ class Tally:
             return (len(cluster), mean, -cluster[0].order)
 
         best = max(clusters.values(), key=strength)
-        return max(best, key=lambda b: (b.confidence, -b.order))
+        return max(best, key=lambda b: (b.complete, b.confidence, -b.order))

@@ -114,7 +114,13 @@ async def two_nodes(tiny_model_dir, tmp_path: Path):
 
 async def test_the_votes_losers_stop_decoding_on_both_nodes(two_nodes):
     directory, engine_a, engine_b, a, _b, quick = two_nodes
-    config = MoaConfig(policy="vote", vote_wave=8, first_token_timeout_s=30, total_timeout_s=60)
+    config = MoaConfig(
+        policy="vote",
+        vote_wave=8,
+        vote_confidence=0.95,
+        first_token_timeout_s=30,
+        total_timeout_s=60,
+    )
     moa = MixtureOfAgents(directory, config)
     request = ChatRequest(
         model="mesh",

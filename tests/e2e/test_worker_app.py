@@ -532,6 +532,21 @@ def test_a_request_value_wins_over_the_recommendation(recommending) -> None:
     assert all("sampling" not in c for c in chunks if c not in finishing)
 
 
+def test_min_temperature_floors_the_recommended_temperature_only(recommending) -> None:
+    # model=mesh's vote samples ask for the model's own sampling, but never colder than 0.8.
+    url, _ = recommending
+    sampling = []
+    for extra in (
+        {"min_temperature": 0.8},
+        {"min_temperature": 0.3},
+        {"min_temperature": 0.8, "temperature": 0.1},
+    ):
+        body = {"model": "tiny-rec", "messages": HI, "max_tokens": 2, **extra}
+        reply = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+        sampling.append(reply["sampling"]["temperature"])
+    assert sampling == [0.8, 0.6, 0.1]
+
+
 def test_penalties_change_greedy_output(plain: tuple[str, Engine]) -> None:
     def greedy(**extra: Any) -> str:
         reply = client(plain).chat.completions.create(

@@ -13,6 +13,7 @@ import pytest
 
 from gateway.api import chat, messages, responses
 from gateway.moa.candidates import worker_request
+from gateway.request import ChatRequest
 from gateway.worker_client import worker_body
 from worker.thinking import normalize_thinking
 
@@ -84,3 +85,10 @@ def test_every_route_follows_the_one_normalised_setting(api, fields, asked) -> N
     mixed = worker_request(request, "m", name="m")
     assert mixed.reasoning is (asked is True)
     assert normalize_thinking(worker_body(mixed, "m")) is (asked is True)
+
+
+def test_a_vote_samples_temperature_floor_reaches_the_worker_only_without_a_temperature():
+    floored = ChatRequest(model="m", messages=[], metadata={"min_temperature": 0.5})
+    assert worker_body(floored, "m")["min_temperature"] == 0.5
+    fixed = floored.model_copy(update={"temperature": 0.0})
+    assert "min_temperature" not in worker_body(fixed, "m")

@@ -153,7 +153,9 @@ def test_nobody_voted_means_no_winner():
 
 # -- the arbiter's vote policy ----------------------------------------------------------------
 
-CONFIG = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=60.0)
+# The Beta rule at 0.95 (four unanimous votes), as these cases were worked out; the default is
+# tuned on the benchmark (gateway/moa/config.py).
+CONFIG = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=60.0, vote_confidence=0.95)
 
 
 def make(workers, **overrides) -> Arbiter:
@@ -223,13 +225,14 @@ def test_all_unextractable_the_most_confident_complete_text_wins():
     assert arbiter.tally.votes() == {} and len(arbiter.tally.abstained) == 3
 
 
-def test_truncated_candidates_abstain():
+def test_truncated_candidates_vote_with_their_answer_so_far_and_lose_ties_to_complete_ones():
     arbiter = make(names(3))
-    answer(arbiter, "w0", "The sum is 12 and", 1.0, finish="length")
-    answer(arbiter, "w1", "13", 1.0)
-    decisions = answer(arbiter, "w2", "13", 1.0)
-    assert decisions == [Commit("w1", "complete")]
-    assert arbiter.tally.abstained == ["w0"]
+    answer(arbiter, "w0", "The sum is 13 and", 1.0, finish="length", logprob=-0.01)
+    answer(arbiter, "w1", "12", 1.0)
+    decisions = answer(arbiter, "w2", "The answer is 13.", 1.0, logprob=-0.5)
+    # 13 wins 2 : 1 with the cut-off vote; the complete 13 is sent, though less confident.
+    assert decisions == [Commit("w2", "complete")]
+    assert arbiter.tally.votes() == {"13": 2, "12": 1} and arbiter.tally.abstained == []
 
 
 def test_a_candidate_failing_mid_stream_withdraws_and_the_vote_goes_on():

@@ -20,8 +20,10 @@ from tests.unit.gateway.moa.test_splice import (
     text_of,
 )
 
-FAST = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=20.0)
-ALL_AT_ONCE = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=20.0, vote_wave=32)
+FAST = MoaConfig(first_token_timeout_s=5.0, total_timeout_s=20.0, vote_confidence=0.95, vote_wave=4)
+ALL_AT_ONCE = MoaConfig(
+    first_token_timeout_s=5.0, total_timeout_s=20.0, vote_wave=32, vote_confidence=0.95
+)
 
 
 def says(text: str, delay: float = 0.0, logprob: float = -0.1) -> list[Step]:
@@ -51,6 +53,9 @@ async def test_vote_stops_the_rest_once_confident_and_sends_the_winner_at_once()
     first, *rest = upstream.requests
     assert first.temperature == 0.0 and first.seed == 7
     assert all(r.temperature is None and r.top_p is None for r in rest)
+    # ... never colder than the configured floor (the worker's min_temperature field).
+    assert all(r.metadata["min_temperature"] == 0.5 for r in rest)
+    assert "min_temperature" not in first.metadata
     assert sorted(r.seed for r in rest) == list(range(8, 15))
 
 
