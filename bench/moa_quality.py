@@ -466,7 +466,8 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
             )
         question = row.get("question", "")
         policy, _ = choose_policy(request_for(question, 64)) if question else ("vote", "")
-        label = "mesh vote (N=8)" if policy == "vote" else "mesh race (3)"
+        largest = max(n for n in N_SWEEP if n <= min(8, len(samples) + 1))
+        label = f"mesh vote (N={largest})" if policy == "vote" else "mesh race (3)"
         note("mesh auto", *(out[label][k][-1] for k in ("hit", "used", "tokens", "steps")))
         note("oracle (any of the N=8 pool)", any(ok[:8]), 8, 0, 0)
     return out
@@ -481,27 +482,34 @@ def report(
     lines = ['# `model="mesh"` answer quality: self-mixture on SmolLM2-135M', ""]
     if partial:
         lines += [
-            "**PARTIAL RESULTS** – the recording did not finish on the shared 2-core box "
-            f"({len(eval_rows)} evaluation items of the 300 the issue asks for). Each command "
-            "continues its item log where it stopped; `report` redraws this page from the logs:",
-            "",
-            "    export LD_PRELOAD=\"$(.venv/bin/python -c 'from worker.cpu import preload_env; "
-            'print(preload_env().get("LD_PRELOAD", ""))\')"',
-            "    nice .venv/bin/python bench/moa_quality.py screen --items 4 --samples 8 --hot 0.7",
-            "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 "
-            "--samples 15 --hot 0.7",
+            "**PARTIAL RESULTS** – the recording has not finished "
+            f"({len(eval_rows)} evaluation items of the 300 the issue asks for).",
             "",
         ]
+    lines += [
+        "Commands (each continues its item log where it stopped; `report` redraws this page "
+        "from the logs):",
+        "",
+        "    export LD_PRELOAD=\"$(.venv/bin/python -c 'from worker.cpu import preload_env; "
+        'print(preload_env().get("LD_PRELOAD", ""))\')"',
+        "    nice .venv/bin/python bench/moa_quality.py screen --items 8 --samples 15 --hot 0.5 0.8",
+        "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "
+        "--hot 0.5 --hot-samples 15 --batch 19",
+        "    nice .venv/bin/python bench/moa_quality.py judge --batch 19",
+        "",
+    ]
     lines += [
         "## Screening: pass@1 vs pass@8 per task",
         "",
         f"Seed {SCREEN_SEED}; pass@1 = mean correctness of one pool's 8 samples, pass@8 = any of "
         "them correct; the gap in points per pool (the model's default T, and each fixed T). "
-        "Kept: a gap of ≥ 10 points in some pool (at least the 6 widest gaps).",
+        f"Kept: a gap of ≥ 10 points in the pool the vote draws on (T = {args.pool}; at least "
+        "the 6 widest gaps).",
         "",
     ]
     if screen_rows:
-        lines += screen_table(screen_rows)
+        lines += screen_table(screen_rows, args.pool)
+        lines += ["", *tuning_section(screen_rows, args.pool)]
     if eval_rows:
         lines += ["", *policy_section(eval_rows, args)]
     if screen_rows:
@@ -516,9 +524,64 @@ def report(
     return "\n".join(lines) + "\n"
 
 
-def screen_table(rows: list[dict[str, Any]]) -> list[str]:
+def tuning_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
+    """What the shipped vote settings were chosen on: the screening items of the kept tasks,
+    replayed with each sample pool, and with each confidence and first wave at ``pool``."""
+    kept = set(kept_tasks(rows, pool))
+    mine = [r for r in rows if r["task"] in kept]
+    n = len(mine)
+    shipped = MoaConfig()
+    lines = [
+        "## How the vote's settings were chosen (screening items only)",
+        "",
+        f"The kept tasks' {n} screening items (seed {SCREEN_SEED}), replayed; the evaluation "
+        "items below were not looked at before these were fixed. Greedy single: "
+        f"{100 * sum(r['correct'][0] for r in mine) / max(1, n):.1f} %.",
+        "",
+        "| samples from | vote N = 8 | vote N = 16 | single sample |",
+        "|---|---:|---:|---:|",
+    ]
+    for label in pools(mine):
+        cells = []
+        for total in (8, 16):
+            hits = 0
+            for r in mine:
+                samples, ok = pool_of(r, label)
+                vote = replay(
+                    "vote", [r["greedy"], *samples[: total - 1]], shipped, shipped.vote_wave
+                )
+                hits += bool(vote.winner is not None and [r["correct"][0], *ok][vote.winner])
+            cells.append(f"{100 * hits / max(1, n):.1f} %")
+        single = sum(pool_of(r, label)[1][0] for r in mine)
+        name = "the model's default (T = 0.2)" if label == "default" else f"T = {label}"
+        lines.append(f"| {name} | {' | '.join(cells)} | {100 * single / max(1, n):.1f} % |")
+    lines += [
+        "",
+        f"At T = {pool}, N = 8: the Beta rule's confidence and the first wave "
+        f"(shipped: {shipped.vote_confidence}, {shipped.vote_wave}).",
+        "",
+        "| confidence | first wave | correct | samples started (share of N) | decode steps |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for confidence in (0.8, 0.9, 0.95):
+        for wave in (2, 4, 8):
+            config = dataclasses.replace(shipped, vote_confidence=confidence)
+            hits = used = steps = 0
+            for r in mine:
+                samples, ok = pool_of(r, pool)
+                vote = replay("vote", [r["greedy"], *samples[:7]], config, wave)
+                hits += bool(vote.winner is not None and [r["correct"][0], *ok][vote.winner])
+                used, steps = used + vote.used, steps + vote.decided_step
+            lines.append(
+                f"| {confidence} | {wave if wave < 8 else 'all'} | {100 * hits / max(1, n):.1f} % | "
+                f"{used / max(1, n):.2f} ({100 * used / max(1, 8 * n):.0f} %) | {steps / max(1, n):.0f} |"
+            )
+    return lines
+
+
+def screen_table(rows: list[dict[str, Any]], pool: str) -> list[str]:
     labels = pools(rows)
-    kept = kept_tasks(rows)
+    kept = kept_tasks(rows, pool)
     lines = [
         "| task | items | greedy | "
         + " | ".join(f"pass@1 / pass@8 ({p})" for p in labels)
@@ -696,9 +759,9 @@ def main() -> None:
     parser.add_argument("--judge-log", type=Path, default=RESULTS / "moa-quality-judge.jsonl")
     parser.add_argument(
         "--pool",
-        default="default",
+        default="0.5",
         help="the samples the vote and the judge draw on: default (the model's own sampling) or "
-        "a --hot temperature, chosen on the screening items",
+        "a --hot temperature; 0.5, chosen on the screening items (MoaConfig.vote_min_temperature)",
     )
     args = parser.parse_args()
     if args.hot_samples is None:
@@ -708,7 +771,7 @@ def main() -> None:
         asyncio.run(record(args, SCREEN_SEED, args.screen_log))
     elif args.phase == "eval":
         if args.tasks == ["kept"]:
-            args.tasks = kept_tasks(_rows(args.screen_log))
+            args.tasks = kept_tasks(_rows(args.screen_log), args.pool)
             print(f"kept tasks: {' '.join(args.tasks)}", flush=True)
         asyncio.run(record(args, EVAL_SEED, args.eval_log))
     elif args.phase == "judge":
@@ -734,10 +797,12 @@ def screen_gaps(rows: list[dict[str, Any]], task: str) -> dict[str, float]:
     }
 
 
-def kept_tasks(rows: list[dict[str, Any]], minimum: int = 6) -> list[str]:
-    """Tasks whose pass@8 − pass@1 is ≥ 10 points in some sample pool; at least ``minimum``
-    (the widest gaps) when fewer pass."""
-    gaps = {t: max(screen_gaps(rows, t).values(), default=0.0) for t in TASKS}
+def kept_tasks(rows: list[dict[str, Any]], pool: str, minimum: int = 6) -> list[str]:
+    """Tasks whose pass@8 − pass@1 is ≥ 10 points in the sample pool the vote draws on; at least
+    ``minimum`` (the widest gaps) when fewer pass."""
+    gaps = {
+        t: screen_gaps(rows, t).get(pool, 0.0) for t in TASKS if any(r["task"] == t for r in rows)
+    }
     ranked = sorted(gaps, key=lambda t: -gaps[t])
     kept = [t for t in ranked if gaps[t] >= 10]
     return kept if len(kept) >= minimum else ranked[:minimum]
