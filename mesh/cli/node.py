@@ -63,7 +63,9 @@ def up_command(
         help="Append one JSON row per request here [default: HOME/requests.jsonl].",
     ),
     moa_policy: str = typer.Option(
-        "race", "--moa-policy", help="model=mesh arbiter: race, consensus, reduce, vote or auto."
+        "race",
+        "--moa-policy",
+        help="model=mesh arbiter: race, consensus, reduce, vote, judge or auto.",
     ),
     moa_workers: int = typer.Option(
         3, "--moa-workers", help="model=mesh: most worker calls per request."
