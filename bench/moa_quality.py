@@ -663,8 +663,9 @@ def policy_section(
         "",
         *mode_table(results, n),
         "",
-        f"Recording wall time per item (greedy + {len(rows[0]['samples'])} samples per pool × "
-        f"{len(labels)} pools, one batch): {wall:.1f} s.",
+        f"Recording wall time per item (greedy, {len(rows[0]['samples'])} samples at the default"
+        + "".join(f", {len(pool_of(rows[0], p)[0])} at T = {p}" for p in labels[1:])
+        + f"; one batch): {wall:.1f} s.",
         "",
         *sign_tests(results, n),
         "",
