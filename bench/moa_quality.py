@@ -473,6 +473,57 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
     return out
 
 
+def two_model_section(
+    rows: list[dict[str, Any]], second: list[dict[str, Any]], pool: str, name: str
+) -> list[str]:
+    """The mesh of this model and a second one (``second``: its item log on the same items):
+    race over one call per model, and the vote of 8 as ``plan_samples`` spreads it – the larger
+    model first (the caller's own, greedy, request), then alternating, each model's samples at
+    its own sampling (this model's from ``pool``)."""
+    theirs = {(r["task"], r["index"]): r for r in second}
+    pairs = [(r, theirs[r["task"], r["index"]]) for r in rows if (r["task"], r["index"]) in theirs]
+    if not pairs:
+        return []
+    n, config = len(pairs), MoaConfig()
+    hits: dict[str, list[bool]] = {}
+    for mine, other in pairs:
+        own, own_ok = pool_of(mine, pool)
+        their, their_ok = other["samples"], other["correct"][1:]
+        race = replay("race", [other["greedy"], mine["greedy"]], config)
+        race_ok = [other["correct"][0], mine["correct"][0]]
+        mixed = [other["greedy"]]
+        mixed_ok = [other["correct"][0]]
+        for i in range(1, 8):  # s1, g1, s2, g2, ...: round-robin over the two models
+            k = (i - 1) // 2
+            mixed.append(own[k] if i % 2 else their[k])
+            mixed_ok.append(own_ok[k] if i % 2 else their_ok[k])
+        vote = replay("vote", mixed, config, config.vote_wave)
+        alone = replay("vote", [mine["greedy"], *own[:7]], config, config.vote_wave)
+        for label, hit in (
+            ("single greedy, this model", mine["correct"][0]),
+            (f"single greedy, {name}", other["correct"][0]),
+            ("mesh race (both)", race.winner is not None and race_ok[race.winner]),
+            ("mesh vote (N=8, both models)", vote.winner is not None and mixed_ok[vote.winner]),
+            (
+                "mesh vote (N=8, this model alone)",
+                alone.winner is not None and [mine["correct"][0], *own_ok][alone.winner],
+            ),
+            ("oracle (any of the mixed 8)", any(mixed_ok)),
+        ):
+            hits.setdefault(label, []).append(bool(hit))
+    lines = [
+        f"## Two models: this one and {name} ({n} evaluation items)",
+        "",
+        f"{name}'s answers recorded on the same items (greedy and {len(pairs[0][1]['samples'])} "
+        "samples at its own sampling), replayed as the mesh would mix them.",
+        "",
+        "| mode | correct |",
+        "|---|---:|",
+    ]
+    lines += [f"| {label} | {sum(h)}/{n} ({100 * sum(h) / n:.1f} %) |" for label, h in hits.items()]
+    return lines
+
+
 def report(
     screen_rows: list[dict[str, Any]],
     eval_rows: list[dict[str, Any]],
@@ -512,6 +563,10 @@ def report(
         lines += ["", *tuning_section(screen_rows, args.pool)]
     if eval_rows:
         lines += ["", *policy_section(eval_rows, args)]
+        second = _rows(args.mix_log) if args.mix_log else []
+        if second:
+            mix = two_model_section(eval_rows, second, args.pool, args.mix_name)
+            lines += ["", *mix]
     if screen_rows:
         # Drawn last, so the plot shows these while the evaluation has fewer items.
         lines += [
@@ -758,6 +813,13 @@ def main() -> None:
     parser.add_argument("--screen-log", type=Path, default=RESULTS / "moa-quality-screen.jsonl")
     parser.add_argument("--eval-log", type=Path, default=RESULTS / "moa-quality-items.jsonl")
     parser.add_argument("--judge-log", type=Path, default=RESULTS / "moa-quality-judge.jsonl")
+    parser.add_argument(
+        "--mix-log",
+        type=Path,
+        default=RESULTS / "moa-quality-items-gemma3-270m.jsonl",
+        help="a second model's eval log on the same items (eval --model M2 --eval-log PATH)",
+    )
+    parser.add_argument("--mix-name", default="gemma3-270m")
     parser.add_argument(
         "--pool",
         default="0.5",
