@@ -83,6 +83,14 @@ TASKS: dict[str, tuple[str, dict[str, Any]]] = {
     "count_bits_small": ("count_bits", {"min_n": 1, "max_n": 64}),
 }
 N_SWEEP = (1, 2, 4, 8, 16)
+TASK_MODES = (
+    "single greedy",
+    "single sample (default T)",
+    "mesh vote (N=8)",
+    "mesh judge, confidence (N=8)",
+    "mesh judge, model pick (N=8)",
+    "oracle (any of the N=8 pool)",
+)
 # The judge over N = 8 (the vote's default); its grace in replay steps (~2 s of 16-row decode).
 JUDGE_N = 8
 JUDGE_CONFIDENCE = MoaConfig(policy="judge", grace_s=20.0, judge_pick=False)
@@ -414,6 +422,7 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
         for key, value in (("hit", hit), ("used", used), ("tokens", tokens), ("steps", steps)):
             slot[key].append(value)
 
+    judged_all = all("judge_replies" in r for r in rows)  # else a partial judge log
     for row in rows:
         greedy, correct = row["greedy"], row["correct"]
         samples, hits = pool_of(row, pool)
@@ -454,7 +463,7 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
             judged.decided_step,
         )
         replies = row.get("judge_replies")
-        if replies is not None:  # the judge model's recorded replies (phase ``judge``)
+        if judged_all and replies is not None:  # the judge model's recorded replies (phase ``judge``)
             judged = replay("judge", shown, JUDGE_PICK, pick=lambda i, r=replies: r.get(_key(i)))
             hit = bool(judged.winner is not None and ok[judged.winner])
             note(
@@ -737,13 +746,32 @@ def policy_section(
         if all(key in by_pool[p] for p in labels):
             cells = [f"{100 * sum(by_pool[p][key]['hit']) / n:.1f} %" for p in labels]
             lines.append(f"| {k} | {' | '.join(cells)} |")
-    lines += ["", *wave_section(rows, n)]
+    lines += ["", *task_section(results, rows), "", *wave_section(rows, n, pool)]
     plot(by_pool, n)
     lines += ["", "![accuracy against N](moa-quality-n.png)"]
     return lines
 
 
-def wave_section(rows: list[dict[str, Any]], n: int) -> list[str]:
+def task_section(results: Results, rows: list[dict[str, Any]]) -> list[str]:
+    """Each mode's accuracy per task: where a policy wins or loses."""
+    tasks = sorted({r["task"] for r in rows})
+    modes = [m for m in results if m in TASK_MODES]
+    lines = [
+        "### Per task",
+        "",
+        "| task | items | " + " | ".join(modes) + " |",
+        "|---|---:|" + "---:|" * len(modes),
+    ]
+    for task in tasks:
+        where = [i for i, r in enumerate(rows) if r["task"] == task]
+        cells = [
+            f"{100 * sum(results[m]['hit'][i] for i in where) / len(where):.0f} %" for m in modes
+        ]
+        lines.append(f"| {task} | {len(where)} | {' | '.join(cells)} |")
+    return lines
+
+
+def wave_section(rows: list[dict[str, Any]], n: int, pool: str) -> list[str]:
     """The vote at N = 8 and 16 with every wave size: what a smaller wave saves and costs."""
     lines = [
         "### Wave size",
@@ -753,10 +781,10 @@ def wave_section(rows: list[dict[str, Any]], n: int) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for total in (8, 16):
-        if total > len(rows[0]["samples"]) + 1:
+        if total > len(pool_of(rows[0], pool)[0]) + 1:
             continue
         for wave in sorted({1, 2, 4, 8, total} - {k for k in (8, 16) if k > total}):
-            r = evaluate(rows, "default", wave)[f"mesh vote (N={total})"]
+            r = evaluate(rows, pool, wave)[f"mesh vote (N={total})"]
             used, tokens, steps = (sum(r[k]) / n for k in ("used", "tokens", "steps"))
             lines.append(
                 f"| {total} | {wave if wave < total else 'all'} | {100 * sum(r['hit']) / n:.1f} % | "

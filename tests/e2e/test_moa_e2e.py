@@ -36,7 +36,9 @@ def mesh_gateway(tiny_think_model_dir, tiny_model_dir):
         solo.add(ModelInfo("think", parameters=2), upstreams["think"])
         duo.add(ModelInfo("think", parameters=2), upstreams["think"])
         duo.add(ModelInfo("plain", parameters=1), upstreams["plain"])
-        config = MoaConfig(race_min_tokens=2, first_token_timeout_s=60, total_timeout_s=120)
+        config = MoaConfig(
+            race_min_tokens=2, first_token_timeout_s=60, total_timeout_s=120, judge_pick=True
+        )
         with (
             ServerThread(create_app(solo, GatewayConfig(), moa=MixtureOfAgents(solo, config))) as a,
             ServerThread(create_app(duo, GatewayConfig(), moa=MixtureOfAgents(duo, config))) as b,

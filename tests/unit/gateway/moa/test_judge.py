@@ -28,7 +28,9 @@ from tests.unit.gateway.moa.test_splice import (
     text_of,
 )
 
-CONFIG = MoaConfig(policy="judge", grace_s=2.0, first_token_timeout_s=5.0, total_timeout_s=20.0)
+CONFIG = MoaConfig(
+    policy="judge", grace_s=2.0, first_token_timeout_s=5.0, total_timeout_s=20.0, judge_pick=True
+)
 
 
 def view(name: str, text: str, logprob: float, finish: str = "stop") -> WorkerView:
@@ -123,8 +125,7 @@ def test_stragglers_get_grace_once_most_have_finished_then_are_stopped():
 
 
 def test_without_the_pick_the_most_confident_stands():
-    config = MoaConfig(policy="judge", judge_pick=False)
-    arbiter = Arbiter(["a", "b"], config, now=0.0)
+    arbiter = Arbiter(["a", "b"], MoaConfig(policy="judge"), now=0.0)  # the default
     feed(arbiter, "a", "Paris.", -0.5, 1.0)
     assert feed(arbiter, "b", "Lyon.", -0.2, 1.1) == [Commit("b", "confidence")]
 
@@ -148,7 +149,9 @@ async def test_judge_run_splices_the_chosen_sample_and_reports_it():
         name="local",
     )
     # Three answer; the fourth stalls until the grace after the majority, then is stopped.
-    config = MoaConfig(grace_s=0.05, first_token_timeout_s=5.0, total_timeout_s=20.0)
+    config = MoaConfig(
+        grace_s=0.05, first_token_timeout_s=5.0, total_timeout_s=20.0, judge_pick=True
+    )
     moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), config)
     events = await collect(moa, ask(metadata={"moa_policy": "judge", "moa_samples": 4}))
     assert_well_formed(events)
