@@ -61,12 +61,6 @@ class _LookupRow:
         self.index.extend([sampled])  # fed this step, whatever is accepted
         return self.index.draft(limit)
 
-    def draft_ahead(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens to follow ``tokens`` + the token about to be sampled, guessed
-        to be the one the match continues with (so drafting needs no wait for it)."""
-        self.index.sync(tokens)
-        return self.index.draft(limit + 1)[1:]
-
 
 class DraftModel:
     """A small model that drafts greedily for the main one (same tokenizer).

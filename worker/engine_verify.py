@@ -123,8 +123,6 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         eligible = self._eligible()
         if not eligible:
             return super().next()  # type: ignore[no-any-return]
-        if all(hasattr(self._rows[i].drafter, "draft_ahead") for i in eligible):
-            return self._next_ahead(eligible)
         mx.eval(self._next_tokens)
         sampled = [int(t) for t in self._next_tokens.tolist()]
         drafts: list[list[int]] = [[] for _ in self.uids]
@@ -135,20 +133,6 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         if not any(drafts):
             return super().next()  # type: ignore[no-any-return]
         return self._verify(sampled, drafts)
-
-    def _next_ahead(self, eligible: list[int]) -> list[Any]:
-        """Draft from the context alone, guessing the sampled token too (prompt lookup), so the
-        verify pass is built while the step before still computes: no wait for the sampled
-        tokens. A wrong guess of the sampled token only costs its row's draft (rejected at once:
-        that row emits its sampled token and the next, as a plain step would)."""
-        drafts: list[list[int]] = [[] for _ in self.uids]
-        for i in eligible:
-            room = self.max_tokens[i] - self._num_tokens[i] - 1
-            limit = min(self.speculation.draft_tokens, room)
-            drafts[i] = self._rows[i].drafter.draft_ahead(self.tokens[i], limit)  # type: ignore[attr-defined]
-        if not any(drafts):
-            return super().next()  # type: ignore[no-any-return]
-        return self._verify(None, drafts)
 
     def _eligible(self) -> list[int]:
         """The rows that may draft this step and whose context has a match (checked before
@@ -173,26 +157,15 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
                 rows.append(i)
         return rows
 
-    def _verify(self, sampled: list[int] | None, drafts: list[list[int]]) -> list[Any]:
-        """One pass over each row's sampled token and its draft; ``sampled`` None: the sampled
-        tokens are still being computed (they join the pass lazily, and are read after it)."""
+    def _verify(self, sampled: list[int], drafts: list[list[int]]) -> list[Any]:
         width = 1 + max(len(d) for d in drafts)
-        if sampled is None:
-            tail = mx.array([[*d, *([0] * (width - 1 - len(d)))] for d in drafts], dtype=mx.uint32)
-            inputs = mx.concatenate([self._next_tokens[:, None].astype(mx.uint32), tail], axis=1)
-        else:
-            inputs = mx.array(
-                [
-                    [t, *d, *([t] * (width - 1 - len(d)))]
-                    for t, d in zip(sampled, drafts, strict=True)
-                ]
-            )
+        inputs = mx.array(
+            [[t, *d, *([t] * (width - 1 - len(d)))] for t, d in zip(sampled, drafts, strict=True)]
+        )
         logits = self.model(inputs, cache=self.prompt_cache)
         logits = self._process_first(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         accepted, following = self._accept(logprobs, drafts)
-        if sampled is None:  # computed by now: the pass above read them
-            sampled = [int(t) for t in self._next_tokens.tolist()]
         emitted = [[t, *d[:n]] for t, d, n in zip(sampled, drafts, accepted, strict=True)]
         # Each emitted token's distribution: the sampled one's from the step before, a draft's
         # from the position before it.

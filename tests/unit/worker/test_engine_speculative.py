@@ -16,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker.draft_model import PromptLookup
 from worker.engine import Engine, Job
 from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
 from worker.engine_verify import _accept_sampled
@@ -346,12 +345,3 @@ def test_a_row_whose_drafts_fail_rests_then_tries_again() -> None:
     assert [policy.may_draft() for _ in range(4)] == [False, False, False, True]
     policy.record(10, 9)
     assert policy.may_draft()
-
-
-def test_a_draft_ahead_guesses_the_token_being_sampled_and_drafts_after_it() -> None:
-    # The verify pass is built before the sampled token is known: the match's next token (5) is
-    # taken as the guess for it, and the draft is what followed that.
-    row = PromptLookup().row()
-    context = [9, 1, 2, 5, 6, 7, 3, 1, 2]
-    assert row.draft_ahead(context, 2) == [6, 7]  # type: ignore[attr-defined]
-    assert row.draft_ahead([*context, 4], 2) == []  # "2 4": no match, no draft (and no wait)
