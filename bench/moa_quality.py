@@ -463,7 +463,8 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
             judged.decided_step,
         )
         replies = row.get("judge_replies")
-        if judged_all and replies is not None:  # the judge model's recorded replies (phase ``judge``)
+        # The judge model's recorded replies (phase ``judge``), when every item has them.
+        if judged_all and replies is not None:
             judged = replay("judge", shown, JUDGE_PICK, pick=lambda i, r=replies: r.get(_key(i)))
             hit = bool(judged.winner is not None and ok[judged.winner])
             note(
