@@ -62,6 +62,9 @@ class ChatRequest(BaseModel):
     tools: list[ToolSpec] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = None
+    # Without a temperature: the model's recommended one, but at least this (set by model=mesh
+    # for its vote samples, never by a client API).
+    min_temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None

@@ -102,8 +102,8 @@ def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
         body["chat_template_kwargs"] = kwargs
     if request.metadata.get("logprobs"):
         body["logprobs"] = True
-    if request.temperature is None and request.metadata.get("min_temperature") is not None:
-        body["min_temperature"] = request.metadata["min_temperature"]  # model=mesh's samples
+    if request.temperature is None and request.min_temperature is not None:
+        body["min_temperature"] = request.min_temperature  # model=mesh's vote samples
     if request.output_format is not None:
         body["response_format"] = _response_format(request.output_format)
     return body

@@ -178,13 +178,10 @@ def plan_samples(
         name = f"{model.id}#{i}" if n > 1 else model.id
         sample = worker_request(request, model.id, name=name)
         if i:
-            metadata = dict(sample.metadata)
-            if min_temperature is not None:
-                metadata["min_temperature"] = min_temperature
             sample = sample.model_copy(
                 update={
-                    "metadata": metadata,
                     "temperature": None,
+                    "min_temperature": min_temperature,
                     "top_p": None,
                     "top_k": None,
                     "min_p": None,

@@ -58,7 +58,14 @@ from gateway.moa.judge import judge_request
 from gateway.moa.scoring import WinRecord
 from gateway.request import ChatRequest
 from gateway.router import ROUTE_REASON_HEADER
-from gateway.upstream import MESH_MODEL, ModelDirectory, StartHold, Upstream, close_stream
+from gateway.upstream import (
+    MESH_MODEL,
+    ModelDirectory,
+    ModelInfo,
+    StartHold,
+    Upstream,
+    close_stream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -340,15 +347,18 @@ class _Run:
             headers["x-moa-routes"] = ", ".join(reasons)
         return headers
 
-    def _start_reducer(self, decision: StartReducer) -> list[Decision]:
+    def _strongest(self) -> tuple[ModelInfo, Upstream]:
+        """The mesh's largest model and its first route: the aggregator's and the judge's."""
         model = strongest(mixable_models(self.moa.directory))
-        upstream = self.moa.directory.routes(model.id)[0].upstream
+        return model, self.moa.directory.routes(model.id)[0].upstream
+
+    def _start_reducer(self, decision: StartReducer) -> list[Decision]:
+        model, upstream = self._strongest()
         request = reducer_request(self.request, decision.answers, model)
         return self._start(decision.worker, upstream, request)
 
     def _start_judge(self, decision: StartJudge) -> list[Decision]:
-        model = strongest(mixable_models(self.moa.directory))
-        upstream = self.moa.directory.routes(model.id)[0].upstream
+        model, upstream = self._strongest()
         request = judge_request(self.request, [text for _, text in decision.options], model)
         return self._start(decision.worker, upstream, request)
 

@@ -88,7 +88,10 @@ def test_every_route_follows_the_one_normalised_setting(api, fields, asked) -> N
 
 
 def test_a_vote_samples_temperature_floor_reaches_the_worker_only_without_a_temperature():
-    floored = ChatRequest(model="m", messages=[], metadata={"min_temperature": 0.5})
+    floored = ChatRequest(model="m", messages=[], min_temperature=0.5)
     assert worker_body(floored, "m")["min_temperature"] == 0.5
     fixed = floored.model_copy(update={"temperature": 0.0})
     assert "min_temperature" not in worker_body(fixed, "m")
+    # A client's own metadata is not a way to set it (Responses copies metadata through).
+    caller = ChatRequest(model="m", messages=[], metadata={"min_temperature": "hot"})
+    assert "min_temperature" not in worker_body(caller, "m")

@@ -54,8 +54,8 @@ async def test_vote_stops_the_rest_once_confident_and_sends_the_winner_at_once()
     assert first.temperature == 0.0 and first.seed == 7
     assert all(r.temperature is None and r.top_p is None for r in rest)
     # ... never colder than the configured floor (the worker's min_temperature field).
-    assert all(r.metadata["min_temperature"] == 0.5 for r in rest)
-    assert "min_temperature" not in first.metadata
+    assert all(r.min_temperature == 0.5 for r in rest)
+    assert first.min_temperature is None
     assert sorted(r.seed for r in rest) == list(range(8, 15))
 
 
