@@ -352,6 +352,16 @@ def replay(
         step += 1
 
 
+def vote_on(
+    row: dict[str, Any], pool: str, n: int, config: MoaConfig, wave: int | None
+) -> tuple[Outcome, bool]:
+    """The vote of ``n`` over one recorded item – the caller's own (greedy) request, then
+    n − 1 samples of ``pool`` – and whether its winner is right."""
+    samples, hits = pool_of(row, pool)
+    vote = replay("vote", [row["greedy"], *samples[: n - 1]], config, wave)
+    return vote, bool(vote.winner is not None and [row["correct"][0], *hits][vote.winner])
+
+
 def _judge(arbiter: Arbiter, reply: str | None, now: float) -> None:
     if reply is None:
         arbiter.handle(WorkerFailed(JUDGE, "not recorded"), now)
@@ -448,8 +458,7 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
         for n in N_SWEEP:
             if n > len(samples) + 1:
                 continue
-            vote = replay("vote", [greedy, *samples[: n - 1]], config, wave)
-            hit = bool(vote.winner is not None and ok[vote.winner])
+            vote, hit = vote_on(row, pool, n, config, wave)
             note(f"mesh vote (N={n})", hit, vote.used, vote.tokens, vote.decided_step)
         judge_n = min(JUDGE_N, len(samples) + 1)
         shown = [greedy, *samples[: judge_n - 1]]
@@ -508,16 +517,13 @@ def two_model_section(
             mixed.append(own[k] if i % 2 else their[k])
             mixed_ok.append(own_ok[k] if i % 2 else their_ok[k])
         vote = replay("vote", mixed, config, config.vote_wave)
-        alone = replay("vote", [mine["greedy"], *own[:7]], config, config.vote_wave)
+        _, alone = vote_on(mine, pool, 8, config, config.vote_wave)
         for label, hit in (
             ("single greedy, this model", mine["correct"][0]),
             (f"single greedy, {name}", other["correct"][0]),
             ("mesh race (both)", race.winner is not None and race_ok[race.winner]),
             ("mesh vote (N=8, both models)", vote.winner is not None and mixed_ok[vote.winner]),
-            (
-                "mesh vote (N=8, this model alone)",
-                alone.winner is not None and [mine["correct"][0], *own_ok][alone.winner],
-            ),
+            ("mesh vote (N=8, this model alone)", alone),
             ("oracle (any of the mixed 8)", any(mixed_ok)),
         ):
             hits.setdefault(label, []).append(bool(hit))
@@ -609,13 +615,7 @@ def tuning_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
     for label in pools(mine):
         cells = []
         for total in (8, 16):
-            hits = 0
-            for r in mine:
-                samples, ok = pool_of(r, label)
-                vote = replay(
-                    "vote", [r["greedy"], *samples[: total - 1]], shipped, shipped.vote_wave
-                )
-                hits += bool(vote.winner is not None and [r["correct"][0], *ok][vote.winner])
+            hits = sum(vote_on(r, label, total, shipped, shipped.vote_wave)[1] for r in mine)
             cells.append(f"{100 * hits / max(1, n):.1f} %")
         single = sum(pool_of(r, label)[1][0] for r in mine)
         name = "the model's default (T = 0.2)" if label == "default" else f"T = {label}"
@@ -633,9 +633,8 @@ def tuning_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
             config = dataclasses.replace(shipped, vote_confidence=confidence)
             hits = used = steps = 0
             for r in mine:
-                samples, ok = pool_of(r, pool)
-                vote = replay("vote", [r["greedy"], *samples[:7]], config, wave)
-                hits += bool(vote.winner is not None and [r["correct"][0], *ok][vote.winner])
+                vote, hit = vote_on(r, pool, 8, config, wave)
+                hits += hit
                 used, steps = used + vote.used, steps + vote.decided_step
             lines.append(
                 f"| {confidence} | {wave if wave < 8 else 'all'} | {100 * hits / max(1, n):.1f} % | "
