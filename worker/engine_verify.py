@@ -17,9 +17,9 @@ Rows run the plain step (with its asynchronous pipelining) whenever no row has a
 drafts only when speculation is on, the batch is small enough that decode is bandwidth-bound
 (``max_rows``), it has no logits processors (a grammar's matcher consumes the tokens it sees;
 penalties read the context: see notes in ``_eligible``), its sampler is the engine's own
-(greedy or :class:`~worker.sampling.RequestSampler`), its caches are plain ``BatchKVCache``
-(a rotating window cannot hand back a rejected tail) and its acceptance holds up
-(:class:`~worker.speculative.RowPolicy`).
+(greedy or :class:`~worker.sampling.RequestSampler`), its caches can hand a rejected tail back
+(``BatchKVCache``, or a sliding window's ``BatchRotatingKVCache`` outside a split group: see
+``_trim_window``) and its acceptance holds up (:class:`~worker.speculative.RowPolicy`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from worker.draft_model import DraftSource, PromptLookup, RowDrafter
 from worker.sampling import RequestSampler, greedy
@@ -139,7 +139,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         the sampled token is known, which would cost the pipelining a wait)."""
         if len(self.uids) > self.speculation.max_rows:
             return []
-        if not all(type(c) is BatchKVCache or _is_recording(c) for c in self.prompt_cache):
+        if not _can_trim(self.prompt_cache):
             return []
         rows = []
         for i, row in enumerate(self._rows):
@@ -253,6 +253,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         common = min(rejected)
         extra = [r - common for r in rejected]
         for cache in self.prompt_cache:
+            if type(cache) is BatchRotatingKVCache:
+                _trim_window(cache, common, extra)
+                continue
             if common:
                 cache.trim(common)
             if any(extra):
@@ -306,6 +309,32 @@ def _accept_sampled(
 
 def _item(token: mx.array) -> int:
     return int(token.item())  # type: ignore[arg-type]
+
+
+def _can_trim(caches: list[Any]) -> bool:
+    """Whether a verify pass can hand every layer's rejected tail back: plain batch caches,
+    with sliding windows among them outside a split group (a split rank 0 records its first
+    layer's calls, which its followers replay on every layer: they would not cut a window)."""
+    if caches and _is_recording(caches[0]):
+        return all(type(c) is BatchKVCache or _is_recording(c) for c in caches)
+    return all(type(c) in (BatchKVCache, BatchRotatingKVCache) for c in caches)
+
+
+def _trim_window(cache: BatchRotatingKVCache, common: int, extra: list[int]) -> None:
+    """Drop rejected positions from a sliding-window layer, leaving it as a prefill of the
+    accepted tokens would have (so mlx-lm's own window, rotation and mask logic go on as
+    after any prefill). A verify pass of two or more tokens went through the window's
+    concatenating update, so its keys are in temporal order and the rejected tail is at the
+    end: ``trim`` moves the write index back and the tail is cut off (left there, a later
+    rotation would keep it as context); a row that rejected more rolls its extra tail into
+    its left padding, as mlx-lm does for a right-padded prefill (``finalize``)."""
+    if common:
+        cache.trim(common)
+        cache.keys = cache.keys[..., : cache._idx, :]
+        cache.values = cache.values[..., : cache._idx, :]
+    if any(extra):
+        cache._lengths = cache.offset - mx.array(extra)
+        cache.finalize()
 
 
 def _is_recording(cache: Any) -> bool:

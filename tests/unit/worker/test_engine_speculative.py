@@ -240,6 +240,45 @@ async def test_a_batch_wider_than_max_rows_decodes_without_drafting(tiny_model_d
         engine.close()
 
 
+async def test_a_sliding_window_model_speculates_and_gives_the_same_tokens(
+    sliding_model_dir: Path,
+) -> None:
+    """A sliding-window layer (gemma 2/3, gpt-oss) hands its rejected tail back too: rows of
+    one batch, prompts and answers longer than the window (8) so it rotates between verify
+    passes, then a second turn that resumes from the committed cache."""
+    sliding = start(sliding_model_dir, "off"), start(sliding_model_dir, "auto")
+    texts = ["Hello world! How are you today?", "The quick brown fox", "0123456789", "Paris"]
+    try:
+
+        def requests(engine: Engine) -> list[GenerationRequest]:
+            return [
+                GenerationRequest(prompt_of(engine, t), max_tokens=30 + 11 * i, sampling=GREEDY,
+                                  logprobs=True)
+                for i, t in enumerate(texts)
+            ]  # fmt: skip
+
+        first = await both(sliding, requests)
+        assert_same(*first)
+        assert sliding[1].speculation.accepted > 0
+
+        def second_turn(engine: Engine) -> list[GenerationRequest]:
+            answer = first[0][0][0]
+            turn = [
+                {"role": "user", "content": texts[0]},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And again?"},
+            ]
+            tokens, _ = engine.render_prompt(turn, None, {})
+            return [GenerationRequest(tokens, 40, GREEDY, logprobs=True)]
+
+        plain, speculated = await both(sliding, second_turn)
+        assert_same(plain, speculated)
+        assert speculated[0][1].cached_tokens > 0  # it resumed from the cache
+    finally:
+        for engine in sliding:
+            engine.close()
+
+
 async def test_seeded_sampling_with_speculation_is_reproducible(
     pair: tuple[Engine, Engine],
 ) -> None:
