@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from worker.engine import Engine, Job
@@ -32,6 +33,15 @@ def prompt_of(engine: Engine, text: str = "Tell me about rivers") -> list[int]:
     tokens, _ = engine.render_prompt([{"role": "user", "content": text}], None, {})
     assert len(tokens) > 3 * STEP
     return tokens
+
+
+def same_answer(tokens: list[tuple[str, float]], expected: list[tuple[str, float]]) -> bool:
+    """The same tokens, logprobs equal up to float rounding: a batch of several rows runs its
+    matmuls in other blocks than one row does, and some BLAS kernels (OpenBLAS on Intel) then
+    round the last bits differently. A wrong KV moves a logprob by far more than 1e-4."""
+    return [t for t, _ in tokens] == [t for t, _ in expected] and np.allclose(
+        [lp for _, lp in tokens], [lp for _, lp in expected], rtol=0, atol=1e-4
+    )
 
 
 def request(prompt: list[int], sampling: SamplingParams = GREEDY, n: int = 10) -> GenerationRequest:
@@ -59,7 +69,7 @@ async def test_three_samples_cost_one_prefill_and_say_what_one_request_says(
         assert engine.stats.shared_prefills == 2
         assert engine.stats.shared_prefill_tokens == 2 * (len(prompt) - 1)
         for tokens, done in results:
-            assert tokens == expected
+            assert same_answer(tokens, expected)
             assert done.prompt_tokens == len(prompt)
         assert [done.cached_tokens for _, done in results] == [0, len(prompt) - 1, len(prompt) - 1]
         assert engine.stats.queue_depth == 0 and engine.stats.in_flight == 0
@@ -121,7 +131,7 @@ async def test_a_prefix_shared_prompt_waits_and_runs_only_its_own_tail(
         assert "follows" in engine.stats.events_for(second.id)
         assert done.cached_tokens == len(prompt) - 1
         assert sum(spy.chunks) == (len(prompt) - 1) + (len(longer) - done.cached_tokens - 1)
-        assert tokens == expected
+        assert same_answer(tokens, expected)
         assert done_first.cached_tokens == 0
     finally:
         engine.close()
@@ -154,7 +164,7 @@ async def test_cancelling_the_source_mid_prefill_leaves_its_siblings_running(
         results = await asyncio.gather(*(collect_logprobs(engine, job) for job in jobs[1:]))
         spy.on_chunk = None
         assert "cancelled" in engine.stats.events_for(jobs[0].id)
-        assert all(tokens == expected for tokens, _ in results)
+        assert all(same_answer(tokens, expected) for tokens, _ in results)
         assert sum(spy.chunks) == len(prompt) - 1  # the cancelled one's chunks were kept
         assert engine.stats.queue_depth == 0 and engine.stats.in_flight == 0
     finally:
