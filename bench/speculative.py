@@ -167,6 +167,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--out", help="results file (default: by model, see results_path)")
     args = parser.parse_args()
     from worker.engine import Engine
     from worker.engine_types import EngineConfig, GenerationRequest
@@ -213,6 +214,14 @@ async def main() -> None:
     write(rows, costs, args)
 
 
+def results_path(args: Any) -> Path:
+    """bench/results/speculative.md for the default model, speculative-NAME.md for another."""
+    if args.out:
+        return Path(args.out)
+    name = Path(args.model).name
+    return RESULTS if name == DEFAULT_MODEL.name else RESULTS.with_name(f"speculative-{name}.md")
+
+
 def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> None:
     out = [
         "# Speculative decoding (prompt lookup): same engine, speculation off vs auto",
@@ -250,7 +259,7 @@ def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> No
         by_rows.setdefault(b, {})[w] = s
     for b, widths in by_rows.items():
         out.append(f"| {b} | " + " | ".join(f"{widths[w] * 1000:.0f} ms" for w in (1, 5, 9)) + " |")
-    RESULTS.write_text("\n".join(out) + "\n")
+    results_path(args).write_text("\n".join(out) + "\n")
     print("\n".join(out))
 
 

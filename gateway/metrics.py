@@ -106,6 +106,7 @@ _SPECULATION = {
     "accepted": ("accepted_tokens", "counter", "drafted tokens the model accepted"),
     "acceptance_rate": ("acceptance_rate", "gauge", "accepted / drafted since start"),
     "tokens_per_step": ("tokens_per_step", "gauge", "tokens a verify pass gave each request"),
+    "empty_drafts": ("empty_drafts", "counter", "rows whose context matched but drafted nothing"),
 }
 
 

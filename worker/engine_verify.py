@@ -46,6 +46,7 @@ class SpeculationStats:
     accepted: int = 0  # of those, tokens the model agreed with
     emitted: int = 0  # tokens the verify passes gave their rows (accepted + one per row)
     row_steps: int = 0  # (row, verify pass) pairs
+    empty_drafts: int = 0  # rows whose context matched but whose draft came out empty
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, drafted: int, accepted: int, emitted: int, rows: int) -> None:
@@ -55,6 +56,10 @@ class SpeculationStats:
             self.accepted += accepted
             self.emitted += emitted
             self.row_steps += rows
+
+    def add_empty(self, rows: int) -> None:
+        with self._lock:
+            self.empty_drafts += rows
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -66,7 +71,14 @@ class SpeculationStats:
                 "accepted": self.accepted,
                 "acceptance_rate": None if rate is None else round(rate, 4),
                 "tokens_per_step": None if per_step is None else round(per_step, 4),
+                "empty_drafts": self.empty_drafts,
             }
+
+
+# Refused draft tokens an empty draft counts as in a row's policy: a verify pass of 9 tokens
+# costs ~2 plain steps (bench/results/speculative.md: ~0.12 of a step a refused token), a lost
+# pipelining ~0.25 (the forward graph's Python is a quarter of the engine thread: worker.md).
+EMPTY_DRAFT_COST = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +142,19 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             room = self.max_tokens[i] - self._num_tokens[i] - 1
             limit = min(self.speculation.draft_tokens, room)
             drafts[i] = self._rows[i].drafter.draft(self.tokens[i], sampled[i], limit)
+        self._count_empty([i for i in eligible if not drafts[i]])
         if not any(drafts):
             return super().next()  # type: ignore[no-any-return]
         return self._verify(sampled, drafts)
+
+    def _count_empty(self, rows: list[int]) -> None:
+        """A row whose context matched but whose draft came out empty (the sampled token broke
+        the match) cost the step its pipelining, a sync on the sampled tokens: a quarter of a
+        step or so, as much as two refused draft tokens, so its policy counts it as those."""
+        for i in rows:
+            self._rows[i].policy.record(EMPTY_DRAFT_COST, 0)
+        if rows:
+            self.spec_stats.add_empty(len(rows))
 
     def _eligible(self) -> list[int]:
         """The rows that may draft this step and whose context has a match (checked before
@@ -164,13 +186,17 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         )
         logits = self.model(inputs, cache=self.prompt_cache)
         logits = self._process_first(logits, inputs)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        accepted, following = self._accept(logprobs, drafts)
+        # Normalised per row and position, lazily: only what is read gets its exp (MLX's CPU
+        # exp is single-threaded; rows x width x vocabulary of it cost a 4-row pass of 9 tokens
+        # on gemma3's 262k vocabulary more than its forward pass). Greedy acceptance needs the
+        # argmax only; the next step reads each row's following position; a row that samples,
+        # its drafted positions; a token's vector, the client that asked for logprobs.
+        accepted, following = self._accept(logits, drafts)
         emitted = [[t, *d[:n]] for t, d, n in zip(sampled, drafts, accepted, strict=True)]
         # Each emitted token's distribution: the sampled one's from the step before, a draft's
         # from the position before it.
         vectors = [
-            [self._next_logprobs[i], *(logprobs[i, j] for j in range(n))]
+            [self._next_logprobs[i], *(_normalised(logits[i, j]) for j in range(n))]
             for i, n in enumerate(accepted)
         ]
         finish = self._finishes(emitted)
@@ -181,7 +207,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             if self.logits_processors[i]:
                 self._token_context[i].update_and_fetch(inputs[i, :1])
         self._next_tokens = mx.array(following, dtype=mx.uint32)
-        self._next_logprobs = [logprobs[i, n] for i, n in enumerate(accepted)]
+        self._next_logprobs = [_normalised(logits[i, n]) for i, n in enumerate(accepted)]
         self._current_tokens = mx.array(sampled, dtype=mx.uint32)
         drafted = [len(d) for d in drafts]
         for row, d, n in zip(self._rows, drafted, accepted, strict=True):
@@ -208,16 +234,16 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             rows.append(row)
         return mx.concatenate(rows, axis=0)
 
-    def _accept(self, logprobs: mx.array, drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+    def _accept(self, logits: mx.array, drafts: list[list[int]]) -> tuple[list[int], list[int]]:
         """Per row: how many drafted tokens stand, and the token that follows them."""
-        best = mx.argmax(logprobs, axis=-1)
+        best = mx.argmax(logits, axis=-1)  # the logprobs' argmax, without their exp
         mx.eval(best)
         best_rows = best.tolist()
         accepted, following = [], []
         for i, draft in enumerate(drafts):
             sampler = self.samplers[i] if self.samplers else None
             if isinstance(sampler, RequestSampler):
-                n, token = _accept_sampled(sampler, logprobs[i], draft)
+                n, token = _accept_sampled(sampler, _normalised(logits[i, : len(draft) + 1]), draft)
             else:
                 n = 0
                 while n < len(draft) and best_rows[i][n] == draft[n]:
@@ -225,7 +251,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
                 if sampler is greedy or not self.samplers:
                     token = best_rows[i][n]
                 else:  # a row that did not draft, with a sampler of its own
-                    token = int(sampler(logprobs[i, :1]).item())
+                    token = int(sampler(_normalised(logits[i, :1])).item())
             accepted.append(n)
             following.append(token)
         return accepted, following
@@ -305,6 +331,11 @@ def _accept_sampled(
                 residual = probs[n].at[draft[n]].multiply(0.0)
                 return n, _item(sampler.categorical(mx.log(residual)))
     return k, _item(sampler.categorical(mx.log(probs[k])))
+
+
+def _normalised(logits: mx.array) -> mx.array:
+    """Log-probabilities over the last axis."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _item(token: mx.array) -> int:

@@ -213,7 +213,8 @@ async def test_metrics_carry_the_workers_speculation_counters():
     """The node's status picture carries each worker's /health speculation block; /metrics
     exposes it by model (and nothing for a worker that has none)."""
     block = {"mode": "auto", "draft": "prompt lookup", "verify_steps": 4, "drafted": 20,
-             "accepted": 15, "acceptance_rate": 0.75, "tokens_per_step": 4.75}  # fmt: skip
+             "accepted": 15, "acceptance_rate": 0.75, "tokens_per_step": 4.75,
+             "empty_drafts": 3}  # fmt: skip
     workers = {"m": {"restarts": 0, "speculation": block}, "other": {"restarts": 1}}
     directory = StaticDirectory()
     directory.add(ModelInfo(id="m"), ScriptedUpstream.of(*text_script("ok")))
@@ -224,6 +225,7 @@ async def test_metrics_carry_the_workers_speculation_counters():
     assert 'gateway_worker_speculation_verify_steps_total{model="m"} 4.0' in metrics
     assert 'gateway_worker_speculation_acceptance_rate{model="m"} 0.75' in metrics
     assert 'gateway_worker_speculation_tokens_per_step{model="m"} 4.75' in metrics
+    assert 'gateway_worker_speculation_empty_drafts_total{model="m"} 3.0' in metrics
     assert 'model="other"' not in metrics
     block["drafted"] = 30  # read at each scrape
     metrics = (await asgi_request(app, "GET", "/metrics")).body.decode()

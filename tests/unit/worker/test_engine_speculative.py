@@ -384,3 +384,48 @@ def test_a_row_whose_drafts_fail_rests_then_tries_again() -> None:
     assert [policy.may_draft() for _ in range(4)] == [False, False, False, True]
     policy.record(10, 9)
     assert policy.may_draft()
+
+
+class _MatchesButNeverDrafts:
+    """A row whose context always seems to match and whose draft always comes out empty."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def ready(self, tokens: Any) -> bool:
+        self.asked += 1
+        return True
+
+    def draft(self, tokens: Any, sampled: int, limit: int) -> list[int]:
+        return []
+
+
+def test_a_row_whose_drafts_come_out_empty_rests_like_one_whose_drafts_fail(
+    tiny_model_dir: Path,
+) -> None:
+    """Each empty draft cost the step a sync on its sampled token: the row's policy counts it
+    as refused tokens, so after a window of them it stops asking (and the step pipelines)."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from worker.engine_verify import Speculation, SpeculationStats, install
+    from worker.sampling import greedy
+
+    model, _ = load(str(tiny_model_dir))
+    generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
+    stats, row = SpeculationStats(), _MatchesButNeverDrafts()
+
+    class Source:
+        def row(self) -> _MatchesButNeverDrafts:
+            return row
+
+    install(generator, Speculation(), stats, Source())
+    (uid,) = generator.insert([list(range(3, 12))], max_tokens=[60], samplers=[greedy])
+    tokens = 0
+    while tokens < 60:
+        tokens += sum(1 for r in generator.next()[1] if r.uid == uid)
+    policy = RowPolicy()
+    asked_before_rest = policy.window // 2  # two refused tokens an empty draft
+    assert stats.empty_drafts == asked_before_rest == row.asked
+    assert stats.verify_steps == 0
+    generator.close()
