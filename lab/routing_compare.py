@@ -200,6 +200,7 @@ def summarize(turns: list[Turn]) -> dict:
         "lost": len(turns) - len(ok),
         "client_retries": sum(t.attempts - 1 for t in turns),
         "cached_ratio": cached / prompt if prompt else 0.0,
+        "ceiling": ceiling(ok),
         "prompt_tokens": prompt,
         "prefill_tokens": prompt - cached,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
@@ -207,6 +208,26 @@ def summarize(turns: list[Turn]) -> dict:
         "hedged": sum(1 for t in ok if t.hedge),
         "reasons": reasons,
     }
+
+
+def ceiling(ok: list[Turn]) -> float:
+    """The cached/prompt a perfect router with unbounded caches would reach on these turns: a
+    session's turn can find at most its previous turn's prompt cached (the replayed assistant
+    turn that follows it is not what the model generated), its first turn the prefix all
+    sessions share (the most any first turn found cached)."""
+    shared = max((t.cached_tokens for t in ok if t.turn == 0), default=0)
+    by_session: dict[int, list[Turn]] = {}
+    for t in ok:
+        by_session.setdefault(t.session, []).append(t)
+    best = total = 0
+    for turns in by_session.values():
+        previous = shared
+        for t in sorted(turns, key=lambda t: t.turn):
+            prompt = t.input_tokens + t.cached_tokens
+            best += min(previous, prompt)
+            total += prompt
+            previous = prompt
+    return best / total if total else 0.0
 
 
 def runs(spec: SessionsSpec) -> list[tuple[str, list[str], bool, bool]]:
@@ -226,9 +247,9 @@ def render(scenario: Scenario, results: dict[str, dict]) -> str:
     lines = [
         f"# {scenario.name}: {scenario.description}",
         "",
-        "| run | requests | lost | client retries | cached/prompt | prefill tokens "
+        "| run | requests | lost | client retries | cached/prompt | ceiling | prefill tokens "
         "| TTFT p50 / p95 s | hedged | route reasons | wall s |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for label, r in results.items():
         p50 = "–" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.2f}"
@@ -236,7 +257,8 @@ def render(scenario: Scenario, results: dict[str, dict]) -> str:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items()))
         lines.append(
             f"| {label} | {r['requests']} | {r['lost']} | {r['client_retries']} "
-            f"| {r['cached_ratio']:.3f} | {r['prefill_tokens']} | {p50} / {p95} "
+            f"| {r['cached_ratio']:.3f} | {r['ceiling']:.3f} | {r['prefill_tokens']} "
+            f"| {p50} / {p95} "
             f"| {r['hedged']} | {reasons} | {r['wall_s']} |"
         )
     return "\n".join(lines) + "\n"

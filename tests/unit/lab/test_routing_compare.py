@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
-from lab.routing_compare import FIXTURE, Turn, build_sessions, runs, summarize
+from lab.routing_compare import FIXTURE, Turn, build_sessions, ceiling, runs, summarize
 from lab.scenario import load_scenario
 
 
@@ -41,6 +41,20 @@ def test_summary_counts_cached_tokens_as_part_of_the_prompt():
     assert summary["cached_ratio"] == 0.75 and summary["prefill_tokens"] == 100
     assert summary["lost"] == 1 and summary["client_retries"] == 1
     assert summary["reasons"] == {"cache": 1}
+
+
+def test_the_ceiling_is_each_turns_previous_prompt_and_the_shared_prefix():
+    def turn(session: int, number: int, prompt: int, cached: int) -> Turn:
+        return Turn(session, number, 0, ok=True, input_tokens=prompt - cached, cached_tokens=cached)
+
+    turns = [
+        turn(0, 1, 300, 0),  # out of order: its session's turns are taken by number
+        turn(0, 0, 200, 0),
+        turn(1, 0, 210, 50),  # the prefix all first turns share: 50
+        turn(1, 1, 320, 320),  # cannot have found more than its previous prompt
+    ]
+    assert ceiling(turns) == (50 + 200 + 50 + 210) / (200 + 300 + 210 + 320)
+    assert ceiling([]) == 0.0
 
 
 def test_the_routing_scenario_compares_three_modes_then_hedges():
