@@ -14,10 +14,13 @@ stream's end. Also: acceptance and tokens per verify step (the engine's counters
 cost of a verify pass by batch rows and width (what the ``speculation_max_rows`` default rests
 on). The box is shared: only same-run ratios mean anything.
 
-    nice -n 5 python bench/speculative.py [--model DIR] [--max-tokens 96]
+    nice -n 5 python bench/speculative.py [--model DIR] [--max-tokens 96] [--draft-model DIR]
+        [--workloads "agent edit,open chat"] [--streams 1,4] [--no-costs] [--out FILE]
 
-Writes ``bench/results/speculative.md``. Targets: edit >= 2.5x, Claude Code turn >= 1.5x,
-open chat >= 0.95x.
+``--draft-model`` adds a third engine that drafts with that model (same tokenizer) and a
+table of its own. Writes ``bench/results/speculative.md`` for the default model,
+``speculative-NAME.md`` for another. Targets: edit >= 2.5x, Claude Code turn >= 1.5x, open
+chat >= 0.95x.
 """
 
 from __future__ import annotations
@@ -168,14 +171,25 @@ async def main() -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", help="results file (default: by model, see results_path)")
+    parser.add_argument(
+        "--draft-model", help="also run an engine drafting with this model (a third column)"
+    )
+    parser.add_argument(
+        "--workloads", default="agent edit,Claude Code turn,open chat", help="comma-separated"
+    )
+    parser.add_argument("--streams", default="1,4", help="comma-separated")
+    parser.add_argument("--no-costs", action="store_true", help="skip the verify-cost table")
     args = parser.parse_args()
     from worker.engine import Engine
     from worker.engine_types import EngineConfig, GenerationRequest
     from worker.sampling import SamplingParams
 
+    configs = {"off": EngineConfig(speculation="off"), "auto": EngineConfig(speculation="auto")}
+    if args.draft_model:
+        configs["draft"] = EngineConfig(speculation="auto", draft_model=args.draft_model)
     engines = {}
-    for mode in ("off", "auto"):
-        engine = Engine(args.model, name=mode, config=EngineConfig(speculation=mode))
+    for mode, config in configs.items():
+        engine = Engine(args.model, name=mode, config=config)
         engine.start(timeout=600)
         engines[mode] = engine
     tokenizer_engine = engines["off"]
@@ -185,15 +199,17 @@ async def main() -> None:
         "Claude Code turn": [(cc_messages, cc_tools)],
         "open chat": [([{"role": "user", "content": q}], None) for q in OPEN_CHAT],
     }
+    chosen = args.workloads.split(",")
     prompts = {
         name: [tokenizer_engine.render_prompt(m, t, {})[0] for m, t in items]
         for name, items in workloads.items()
+        if name in chosen
     }
     print({name: [len(p) for p in items] for name, items in prompts.items()}, flush=True)
     rows = []
     for name, items in prompts.items():
         for temperature in (0.0, 0.7):
-            for streams in (1, 4):
+            for streams in (int(n) for n in args.streams.split(",")):
                 results = {}
                 for mode, engine in engines.items():
                     requests = [
@@ -210,7 +226,7 @@ async def main() -> None:
                 rows.append((name, temperature, streams, results))
     for engine in engines.values():
         engine.close()
-    costs = verify_cost(args.model)
+    costs = [] if args.no_costs else verify_cost(args.model)
     write(rows, costs, args)
 
 
@@ -223,42 +239,56 @@ def results_path(args: Any) -> Path:
 
 
 def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> None:
+    flags = f"--max-tokens {args.max_tokens}"
+    if Path(args.model).name != DEFAULT_MODEL.name:
+        flags += f" --model {args.model}"
+    if args.draft_model:
+        flags += f" --draft-model {args.draft_model}"
     out = [
-        "# Speculative decoding (prompt lookup): same engine, speculation off vs auto",
+        "# Speculative decoding: same engine, speculation off vs auto",
         "",
-        f"`nice -n 5 python bench/speculative.py --max-tokens {args.max_tokens}` on "
+        f"`nice -n 5 python bench/speculative.py {flags}` on "
         f"{platform.machine()} {platform.system()} (shared box: same-run ratios only), "
         f"model `{Path(args.model).name}`, CPU backend. Decode tok/s after the first token, all "
         "streams together. Acceptance: accepted / drafted tokens; per step: tokens a verify pass "
         "gave a row (1 = plain decoding).",
-        "",
-        "| workload | temp | streams | off tok/s | auto tok/s | × | target | acceptance | "
-        "tokens/verify step | verify steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, temperature, streams, results in rows:
-        off, auto = results["off"][0], results["auto"][0]
-        counts = results["auto"][1]
-        ratio = auto / off if off else float("nan")
-        acc = counts["acceptance"]
-        per = counts["per_step"]
-        out.append(
-            f"| {name} | {temperature} | {streams} | {off:.2f} | {auto:.2f} | {ratio:.2f} | "
-            f"≥ {TARGETS[name]} | {'-' if acc is None else f'{acc:.2f}'} | "
-            f"{'-' if per is None else f'{per:.2f}'} | {counts['verify_steps']} |"
-        )
-    out += [
-        "",
-        "## Cost of a verify pass (B rows × W tokens each, 512 tokens cached)",
-        "",
-        "| rows | 1 token | 5 tokens | 9 tokens |",
-        "|---|---|---|---|",
-    ]
-    by_rows: dict[int, dict[int, float]] = {}
-    for b, w, s in costs:
-        by_rows.setdefault(b, {})[w] = s
-    for b, widths in by_rows.items():
-        out.append(f"| {b} | " + " | ".join(f"{widths[w] * 1000:.0f} ms" for w in (1, 5, 9)) + " |")
+    sections = {"auto": "Prompt lookup (`--speculation auto`)"}
+    if args.draft_model:
+        sections["draft"] = f"Draft model `{Path(args.draft_model).name}` (`--draft-model`)"
+    for mode, title in sections.items():
+        out += [
+            "",
+            f"## {title}",
+            "",
+            "| workload | temp | streams | off tok/s | on tok/s | × | target | acceptance | "
+            "tokens/verify step | verify steps |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, temperature, streams, results in rows:
+            off, on = results["off"][0], results[mode][0]
+            counts = results[mode][1]
+            ratio = on / off if off else float("nan")
+            acc, per = counts["acceptance"], counts["per_step"]
+            out.append(
+                f"| {name} | {temperature} | {streams} | {off:.2f} | {on:.2f} | {ratio:.2f} | "
+                f"≥ {TARGETS[name]} | {'-' if acc is None else f'{acc:.2f}'} | "
+                f"{'-' if per is None else f'{per:.2f}'} | {counts['verify_steps']} |"
+            )
+    if costs:
+        out += [
+            "",
+            "## Cost of a verify pass (B rows × W tokens each, 512 tokens cached)",
+            "",
+            "| rows | 1 token | 5 tokens | 9 tokens |",
+            "|---|---|---|---|",
+        ]
+        by_rows: dict[int, dict[int, float]] = {}
+        for b, w, seconds in costs:
+            by_rows.setdefault(b, {})[w] = seconds
+        for b, widths in by_rows.items():
+            cells = " | ".join(f"{widths[w] * 1000:.0f} ms" for w in (1, 5, 9))
+            out.append(f"| {b} | {cells} |")
     results_path(args).write_text("\n".join(out) + "\n")
     print("\n".join(out))
 

@@ -107,6 +107,11 @@ _SPECULATION = {
     "acceptance_rate": ("acceptance_rate", "gauge", "accepted / drafted since start"),
     "tokens_per_step": ("tokens_per_step", "gauge", "tokens a verify pass gave each request"),
     "empty_drafts": ("empty_drafts", "counter", "rows whose context matched but drafted nothing"),
+    "declined": (
+        "declined_steps",
+        "counter",
+        "steps with drafts a plain step was expected to beat",
+    ),
 }
 
 

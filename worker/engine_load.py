@@ -67,7 +67,9 @@ def make_generator(
             stream=stream,
         )
         if config.speculation != "off":
-            rule = Speculation(config.speculation_tokens, config.speculation_max_rows)
+            rule = Speculation(
+                config.speculation_tokens, config.speculation_max_rows, config.speculation_slope
+            )
             install(generator, rule, speculation or SpeculationStats(), source)
         return generator
     return SequentialGenerator(

@@ -64,6 +64,9 @@ class EngineConfig:
     speculation: str = "auto"
     speculation_tokens: int = 8  # drafted tokens at most, a row and step
     speculation_max_rows: int = 4
+    # What a drafted position adds to a verify pass, as a share of a plain step: None measures
+    # it as the batch runs (worker/speculative.py: StepCosts); a number fixes it (tests).
+    speculation_slope: float | None = None
     # A small model of the same tokenizer that drafts instead of prompt lookup (an MLX
     # directory or hub id: worker/draft_model.py); None: prompt lookup.
     draft_model: str | None = None

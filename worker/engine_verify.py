@@ -25,6 +25,8 @@ penalties read the context: see notes in ``_eligible``), its sampler is the engi
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +36,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from worker.draft_model import DraftSource, PromptLookup, RowDrafter
 from worker.sampling import RequestSampler, greedy
-from worker.speculative import RowPolicy
+from worker.speculative import RowPolicy, StepCosts, best_width
 
 
 @dataclass
@@ -47,6 +49,7 @@ class SpeculationStats:
     emitted: int = 0  # tokens the verify passes gave their rows (accepted + one per row)
     row_steps: int = 0  # (row, verify pass) pairs
     empty_drafts: int = 0  # rows whose context matched but whose draft came out empty
+    declined: int = 0  # steps with drafts that a plain step was expected to beat
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, drafted: int, accepted: int, emitted: int, rows: int) -> None:
@@ -61,6 +64,10 @@ class SpeculationStats:
         with self._lock:
             self.empty_drafts += rows
 
+    def add_declined(self) -> None:
+        with self._lock:
+            self.declined += 1
+
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
             rate = self.accepted / self.drafted if self.drafted else None
@@ -72,6 +79,7 @@ class SpeculationStats:
                 "acceptance_rate": None if rate is None else round(rate, 4),
                 "tokens_per_step": None if per_step is None else round(per_step, 4),
                 "empty_drafts": self.empty_drafts,
+                "declined": self.declined,
             }
 
 
@@ -88,6 +96,7 @@ class Speculation:
 
     draft_tokens: int = 8
     max_rows: int = 4
+    slope: float | None = None  # a drafted position's share of a step; None: measured
 
 
 @dataclass
@@ -103,6 +112,11 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
     spec_stats: SpeculationStats
     source: DraftSource
     _rows: list[_Row]
+    costs: StepCosts  # what plain steps and verify passes cost here (decides the width)
+    prompt_tokens: Callable[[], int]  # the generator's prefilled tokens so far
+    # The step under way, to be timed when the next begins: (kind, rows, width, start,
+    # prompt tokens at its start); None when it is not one to learn from.
+    _clocked: tuple[str, int, int, float, int] | None
 
     @classmethod
     def make(
@@ -118,6 +132,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         batch.spec_stats = stats
         batch.source = source
         batch._rows = []
+        batch.costs = StepCosts(fixed=speculation.slope)
+        batch.prompt_tokens = lambda: 0
+        batch._clocked = None
         return batch
 
     def extend(self, batch: Any) -> None:
@@ -132,8 +149,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
     def next(self) -> list[Any]:
         if not self.uids:
             return []
+        started = self._clock()
         eligible = self._eligible()
         if not eligible:
+            self._start_clock("plain", 1, started)
             return super().next()  # type: ignore[no-any-return]
         mx.eval(self._next_tokens)
         sampled = [int(t) for t in self._next_tokens.tolist()]
@@ -143,9 +162,54 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             limit = min(self.speculation.draft_tokens, room)
             drafts[i] = self._rows[i].drafter.draft(self.tokens[i], sampled[i], limit)
         self._count_empty([i for i in eligible if not drafts[i]])
+        drafts = self._fit(drafts)
         if not any(drafts):
             return super().next()  # type: ignore[no-any-return]
+        self._start_clock("verify", 1 + max(len(d) for d in drafts), started)
         return self._verify(sampled, drafts)
+
+    def _clock(self) -> float:
+        """Time the step that just ended (from its start to this one's) into the costs, unless
+        a prefill chunk ran in between; returns this step's start."""
+        now, prompt = time.perf_counter(), self.prompt_tokens()
+        if self._clocked is not None:
+            kind, rows, width, start, before = self._clocked
+            if prompt == before:
+                if kind == "plain":
+                    self.costs.plain(rows, now - start)
+                else:
+                    self.costs.verify(rows, width, now - start)
+        self._clocked = None
+        return now
+
+    def _start_clock(self, kind: str, width: int, started: float) -> None:
+        """A plain step is timed only when nothing was synced for it (a steady, pipelined step)."""
+        self._clocked = (kind, len(self.uids), width, started, self.prompt_tokens())
+
+    def _fit(self, drafts: list[list[int]]) -> list[list[int]]:
+        """Cut the drafts to the width that gives the batch the most tokens for its time
+        (:func:`~worker.speculative.best_width`: each row's recent acceptance against what a
+        drafted position costs here), all to nothing when a plain step gives more. A row that
+        samples keeps the length its own history and the prior cost give it, whatever its
+        neighbours or the clock say: so a seeded answer comes out the same alone or in any
+        batch (its random draws depend on how it was drafted)."""
+        rates = [row.policy.rate for row in self._rows]
+        lengths = [len(d) for d in drafts]
+        floor = 1
+        own_slope = self.costs.prior_slope if self.costs.fixed is None else self.costs.fixed
+        for i, draft in enumerate(drafts):
+            sampler = self.samplers[i] if self.samplers else None
+            if draft and isinstance(sampler, RequestSampler):
+                lengths[i] = best_width([len(draft)], [rates[i]], own_slope) - 1
+                floor = max(floor, lengths[i] + 1)
+        width = best_width(lengths, rates, self.costs.slope(len(self.uids)), floor)
+        fitted = [d[: min(n, width - 1)] for d, n in zip(drafts, lengths, strict=True)]
+        for row, draft, kept in zip(self._rows, drafts, fitted, strict=True):
+            if draft and not kept:
+                row.policy.skip()
+        if width == 1 and any(drafts):
+            self.spec_stats.add_declined()
+        return fitted
 
     def _count_empty(self, rows: list[int]) -> None:
         """A row whose context matched but whose draft came out empty (the sampled token broke
@@ -381,6 +445,8 @@ def install(
 ) -> None:
     """Put a :class:`SpeculativeBatch` into a fresh ``BatchGenerator`` (drafting by prompt
     lookup unless given another ``source``: worker/draft_model.py)."""
-    generator._generation_batch = SpeculativeBatch.make(
+    batch = SpeculativeBatch.make(
         generator.model, generator.sampler, speculation, stats, source or PromptLookup()
     )
+    batch.prompt_tokens = lambda: generator._counters.prompt_tokens
+    generator._generation_batch = batch

@@ -89,6 +89,10 @@ class RowPolicy:
     accepted: int = 0
     resting: int = 0
     totals: list[int] = field(default_factory=lambda: [0, 0])  # drafted, accepted: ever
+    # How likely the next drafted token is accepted, for :func:`best_width`: a moving average
+    # over drafts (weight ``memory`` on the past) of each draft's own estimate; 0.5 at first.
+    memory: float = 0.7
+    rate: float = 0.5
 
     def may_draft(self) -> bool:
         if self.resting > 0:
@@ -96,7 +100,21 @@ class RowPolicy:
             return False
         return True
 
+    def skip(self, rest_steps: int = 8) -> None:
+        """The row had a draft but checking it was expected to cost more than it gives: rest a
+        few steps (asking costs the step its pipelining), and forget a little, so that a row
+        whose drafts once failed gets to try again (its rate drifts back to the prior)."""
+        self.rate = self.memory * self.rate + (1 - self.memory) * 0.5
+        self.resting = max(self.resting, rest_steps)
+
     def record(self, drafted: int, accepted: int) -> None:
+        # A draft is a run of trials that stops at the first refusal: ``accepted`` stood and
+        # one was refused (estimate n / (n + 1)), or all stood (Laplace: (n + 1) / (n + 2)).
+        if accepted < drafted:
+            estimate = accepted / (accepted + 1)
+        else:
+            estimate = (accepted + 1) / (accepted + 2)
+        self.rate = self.memory * self.rate + (1 - self.memory) * estimate
         self.drafted += drafted
         self.accepted += accepted
         self.totals[0] += drafted
@@ -105,3 +123,70 @@ class RowPolicy:
             if self.accepted < self.min_rate * self.drafted:
                 self.resting = self.rest_steps
             self.drafted = self.accepted = 0
+
+
+def expected_tokens(rate: float, drafted: int) -> float:
+    """Tokens a verify pass is expected to give a row that drafted ``drafted`` tokens, each
+    standing with chance ``rate`` while all before it stood: the sampled one, then 1 + rate +
+    rate^2 + ... up to rate^drafted."""
+    return sum(rate**j for j in range(drafted + 1))
+
+
+def best_width(drafted: Sequence[int], rates: Sequence[float], slope: float, floor: int = 1) -> int:
+    """The verify width (1 + drafted tokens a row; 1 is a plain step) that gives the batch the
+    most tokens per unit of step time, a pass of width ``w`` costing ``1 + slope * (w - 1)``
+    plain steps (measured: :class:`StepCosts`). Rows are cut to the width; a row that drafted
+    nothing gives its one token either way. ``floor``: the narrowest width allowed (rows that
+    must keep the drafts they have)."""
+    rows = len(drafted)
+    best, most = 1, float(rows)  # a plain step: a token a row, for one step's time
+    if floor > 1:
+        best, most = floor, -1.0
+    for width in range(max(2, floor), max(drafted, default=0) + 2):
+        cut = [min(d, width - 1) for d in drafted]
+        tokens = sum(expected_tokens(r, d) for d, r in zip(cut, rates, strict=True))
+        per_step = tokens / (1 + slope * (width - 1))
+        if per_step > most:
+            best, most = width, per_step
+    return best
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds of the batch's steps: plain decode steps by batch rows, and what each
+    drafted position adds to a verify pass, as a share of a plain step (its slope), by rows.
+
+    A verify pass of a few tokens costs about one step where decode is bandwidth-bound and
+    more as rows and vocabulary grow (bench/results/speculative.md); the slope says which, on
+    this machine and model, from the last ``samples`` steps (medians: a step that shared its
+    time with a prefill chunk is an outlier, not the rule)."""
+
+    prior_slope: float = 0.15  # SmolLM2-135M on this CPU box, 1-4 rows (the bench's table)
+    fixed: float | None = None  # a slope to use instead of measuring
+    samples: int = 9
+    plain_s: dict[int, list[float]] = field(default_factory=dict)
+    slopes: dict[int, list[float]] = field(default_factory=dict)
+
+    def plain(self, rows: int, seconds: float) -> None:
+        self._add(self.plain_s, rows, seconds)
+
+    def verify(self, rows: int, width: int, seconds: float) -> None:
+        plain = self._median(self.plain_s, rows)
+        if plain is not None and width > 1:
+            self._add(self.slopes, rows, max(0.0, (seconds / plain - 1) / (width - 1)))
+
+    def slope(self, rows: int) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        measured = self._median(self.slopes, rows)
+        return self.prior_slope if measured is None else measured
+
+    def _add(self, table: dict[int, list[float]], rows: int, value: float) -> None:
+        values = table.setdefault(rows, [])
+        values.append(value)
+        del values[: -self.samples]
+
+    @staticmethod
+    def _median(table: dict[int, list[float]], rows: int) -> float | None:
+        values = sorted(table.get(rows, ()))
+        return values[len(values) // 2] if values else None

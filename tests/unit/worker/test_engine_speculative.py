@@ -20,7 +20,7 @@ from worker.engine import Engine, Job
 from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
 from worker.engine_verify import _accept_sampled
 from worker.sampling import RequestSampler, SamplingParams
-from worker.speculative import NgramIndex, RowPolicy
+from worker.speculative import NgramIndex, RowPolicy, StepCosts, best_width, expected_tokens
 from worker.structured.json_grammar import json_grammar
 from worker.structured.processor import make_grammar_processor
 from worker.testing import wait_until
@@ -31,6 +31,9 @@ Outcome = tuple[str, Finished, list[tuple[str, float]], Job]
 
 def start(model_dir: Path, speculation: str, **config: Any) -> Engine:
     config.setdefault("loop_guard_tokens", 0)
+    # A fixed, low cost of a drafted position: on the tiny model a step is so cheap that the
+    # measured one would (rightly) decline most drafts, and these tests are about drafting.
+    config.setdefault("speculation_slope", 0.05)
     engine = Engine(str(model_dir), config=EngineConfig(speculation=speculation, **config))
     engine.start(timeout=60)
     return engine
@@ -429,3 +432,56 @@ def test_a_row_whose_drafts_come_out_empty_rests_like_one_whose_drafts_fail(
     assert stats.empty_drafts == asked_before_rest == row.asked
     assert stats.verify_steps == 0
     generator.close()
+
+
+# ---- how wide a verify pass is worth it -----------------------------------------------------
+
+
+def test_expected_tokens_count_the_sampled_one_and_each_draft_while_all_before_stood() -> None:
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 2) == 1 + 0.5 + 0.25
+    assert expected_tokens(1.0, 8) == 9
+
+
+def test_the_width_follows_acceptance_and_what_a_drafted_position_costs() -> None:
+    assert best_width([8], [0.99], slope=0.1) == 9  # copying: draft all it has
+    assert best_width([8], [0.05], slope=0.1) == 1  # guesses that fail: a plain step
+    assert 1 < best_width([8], [0.6], slope=0.1) < 9  # in between: a few tokens
+    assert best_width([8], [0.6], slope=2.0) == 1  # drafted positions dear: never
+    # A batch: rows that drafted nothing give their token either way, so they dilute the gain.
+    assert best_width([4, 0, 0, 0], [0.7] * 4, slope=0.2) < best_width([4], [0.7], slope=0.2)
+    assert best_width([], [], slope=0.1) == 1
+    # Rows that must keep their drafts: never narrower than that, even where a plain step wins.
+    assert best_width([3, 8], [0.05, 0.05], slope=0.5, floor=4) == 4
+
+
+def test_a_rows_rate_rises_with_accepted_drafts_and_drifts_back_when_it_rests() -> None:
+    policy = RowPolicy()
+    assert policy.rate == 0.5  # before any draft
+    for _ in range(5):
+        policy.record(8, 8)
+    assert policy.rate > 0.8
+    for _ in range(5):
+        policy.record(8, 0)
+    low = policy.rate
+    assert low < 0.3
+    policy.skip()
+    assert policy.resting >= 8 and not policy.may_draft()
+    for _ in range(20):
+        policy.skip()
+    assert low < policy.rate < 0.5  # forgets: it will try again
+
+
+def test_step_costs_measure_a_drafted_positions_share_of_a_plain_step() -> None:
+    costs = StepCosts(prior_slope=0.15)
+    assert costs.slope(4) == 0.15  # nothing measured yet
+    costs.verify(4, 9, 0.3)  # no plain step at 4 rows to compare with: not a sample
+    assert costs.slope(4) == 0.15
+    for seconds in (0.1, 0.1, 5.0):  # one step shared its time with a prefill chunk
+        costs.plain(4, seconds)
+    costs.verify(4, 9, 0.26)
+    assert costs.slope(4) == pytest.approx((0.26 / 0.1 - 1) / 8)
+    assert costs.slope(1) == 0.15  # by rows
+    for _ in range(20):
+        costs.plain(4, 0.2)
+    assert len(costs.plain_s[4]) == costs.samples  # bounded
