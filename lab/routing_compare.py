@@ -143,20 +143,20 @@ class Driver:
         self.up.add(node)
 
 
-async def one_run(
-    scenario: Scenario, out: Path, up_args: list[str], *, kill: bool, slow: bool, console: Console
-) -> dict:
+async def one_run(scenario: Scenario, out: Path, run: Run, *, console: Console) -> dict:
     spec = scenario.sessions
     assert spec is not None
-    lab = NetLab(scenario, LabOptions(out_dir=out, up_args=up_args), console)
+    kill, slow = run.kill, run.slow
+    lab = NetLab(scenario, LabOptions(out_dir=out, up_args=run.up_args), console)
     started = time.monotonic()
     try:
         await lab.setup()
         model = lab.nodes[0].model_id
         driver = Driver(lab, spec, model, random.Random(spec.seed))
         driver.up = {n.index for n in lab.nodes if n.running()}
+        driver.spec = spec.model_copy(update={"session_keys": run.session_keys})
         if not kill:
-            driver.spec = spec.model_copy(update={"stop_node": None})
+            driver.spec = driver.spec.model_copy(update={"stop_node": None})
         if slow:
             await lab.apply(
                 SlowStep(
@@ -230,14 +230,29 @@ def ceiling(ok: list[Turn]) -> float:
     return best / total if total else 0.0
 
 
-def runs(spec: SessionsSpec) -> list[tuple[str, list[str], bool, bool]]:
-    """(label, mesh up flags, kill the stop node, slow the slow node) of each run."""
-    out = [(mode, ["--routing", mode], True, False) for mode in spec.routings]
+@dataclass(frozen=True)
+class Run:
+    label: str
+    up_args: list[str]  # mesh up flags
+    kill: bool = True  # kill and restart the stop node midway
+    slow: bool = False  # hold the slow node to its CPU duty
+    session_keys: bool = True  # the clients send their session ids (as the scenario says)
+
+
+def runs(spec: SessionsSpec) -> list[Run]:
+    """Each routing with the scenario's session keys; then, where the scenario sends them,
+    each without (``keyless``: clients that send no session id, whose turns only the cache
+    can place); then the hedge runs."""
+    out = [Run(mode, ["--routing", mode], session_keys=spec.session_keys) for mode in spec.routings]
+    if spec.session_keys:
+        for mode in spec.keyless:
+            out.append(Run(f"{mode}, no session key", ["--routing", mode], session_keys=False))
     if spec.hedge_runs:
         mode, slowed = spec.routings[-1], f"node {spec.slow_node} slowed"
         for hedge, slow in (("auto", False), ("off", True), ("auto", True)):
             label = f"{mode}, hedge {hedge}, {slowed if slow else 'healthy'}"
-            out.append((label, ["--routing", mode, "--hedge", hedge], False, slow))
+            flags = ["--routing", mode, "--hedge", hedge]
+            out.append(Run(label, flags, kill=False, slow=slow, session_keys=spec.session_keys))
     return out
 
 
@@ -267,14 +282,12 @@ def render(scenario: Scenario, results: dict[str, dict]) -> str:
 async def compare(scenario: Scenario, out: Path, console: Console, only: list[str]) -> dict:
     assert scenario.sessions is not None
     results: dict[str, dict] = {}
-    for number, (label, up_args, kill, slow) in enumerate(runs(scenario.sessions)):
-        if only and label not in only:
+    for number, run in enumerate(runs(scenario.sessions)):
+        if only and run.label not in only:
             continue
-        console.rule(label)
-        results[label] = await one_run(
-            scenario, out / f"run-{number}", up_args, kill=kill, slow=slow, console=console
-        )
-        console.print(results[label])
+        console.rule(run.label)
+        results[run.label] = await one_run(scenario, out / f"run-{number}", run, console=console)
+        console.print(results[run.label])
     return results
 
 

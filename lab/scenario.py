@@ -207,7 +207,8 @@ class SessionsSpec(_Strict):
     """Replayed agent sessions instead of the probe (``python -m lab.routing_compare``): each
     session replays ``tests/fixtures/agent_conversation.json`` under its own task line, one
     turn after another, every request entering at a random running node; the run repeats for
-    each of ``routings`` (``mesh up --routing``) on a fresh mesh. ``stop_node`` is killed when
+    each of ``routings`` (``mesh up --routing``) on a fresh mesh, and each of ``keyless``
+    again with no session ids. ``stop_node`` is killed when
     ``stop_at`` of all turns are done and restarted at ``restart_at``; then ``hedge_runs``:
     the last routing with ``--hedge auto`` healthy, and with ``slow_node`` held to
     ``slow_duty`` of the CPU (with ``--hedge off`` and ``auto``)."""
@@ -215,6 +216,9 @@ class SessionsSpec(_Strict):
     count: int = Field(12, ge=1)
     routings: list[str] = Field(default_factory=lambda: ["today", "round-robin", "cache"])
     session_keys: bool = True  # send x-session-id, as agent harnesses send their session id
+    # Routings run once more without session ids (when the above sends them): a client that
+    # sends none, whose next turn only a cache-aware router can place.
+    keyless: list[str] = Field(default_factory=list)
     max_tokens: int = Field(16, gt=0)
     seed: int = 25
     stop_node: int | None = 2

@@ -145,9 +145,12 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
         self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._clocked = None  # idle from here: the time until rows come is no step's
 
     def next(self) -> list[Any]:
         if not self.uids:
+            self._clocked = None  # idle from here: the time until rows come is no step's
             return []
         started = self._clock()
         eligible = self._eligible()

@@ -60,6 +60,10 @@ def test_the_ceiling_is_each_turns_previous_prompt_and_the_shared_prefix():
 def test_the_routing_scenario_compares_three_modes_then_hedges():
     spec = load_scenario("routing").sessions
     assert spec is not None and spec.count == 12
-    labels = [label for label, *_ in runs(spec)]
+    plan = runs(spec)
+    labels = [run.label for run in plan]
     assert labels[:3] == ["today", "round-robin", "cache"]
-    assert labels[3:] == ["cache, hedge auto, healthy", "cache, hedge off, node 1 slowed", "cache, hedge auto, node 1 slowed"]  # fmt: skip
+    assert labels[3:5] == ["today, no session key", "cache, no session key"]
+    assert [run.session_keys for run in plan[:5]] == [True, True, True, False, False]
+    assert labels[5:] == ["cache, hedge auto, healthy", "cache, hedge off, node 1 slowed", "cache, hedge auto, node 1 slowed"]  # fmt: skip
+    assert [(run.kill, run.slow) for run in plan[5:]] == [(False, False), (False, True), (False, True)]  # fmt: skip
