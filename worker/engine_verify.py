@@ -5,15 +5,20 @@ next one. :class:`SpeculativeBatch` takes its place in the ``BatchGenerator``: w
 context predicts what comes next (prompt lookup, worker/speculative.py), the step feeds each row
 its sampled token *and* its drafted tokens (a prefill of up to K+1 tokens a row, rows without a
 draft padded), then accepts each draft as far as the model agrees: at temperature 0 while the
-argmax equals the draft (so the tokens are the ones decoding would give), above it by the
-rejection rule of Leviathan et al. 2023 (so they follow the same distribution). A row that
+argmax equals the draft, above it while each position's draw (with the key plain decoding
+would use there) equals the draft – so the tokens are the ones decoding would give, seeded or
+greedy, and follow the same distribution (Leviathan et al. 2023's rule for a certain
+proposal). A row that
 accepted n drafts emits n+1 tokens and keeps their KV only; rows trim independently: every
 row drops what all rejected (``trim``), and a row that rejected more rolls its extra tail into
 its left padding (``prepare(right_padding)`` + ``finalize``, as mlx-lm pads a prefill). Those
 are the batch cache's own operations, so a split group's followers replay them
 (worker/split/cache.py) like any other.
 
-Rows run the plain step (with its asynchronous pipelining) whenever no row has a draft. A row
+Rows run the plain step (with its asynchronous pipelining) whenever no row has a draft, or
+when the drafts are not worth their verify pass: each step the drafts are cut to the width
+that gives the most tokens for its time (``_fit``: rows' recent acceptance against the batch's
+own timing of its steps, worker/speculative.py). A row
 drafts only when speculation is on, the batch is small enough that decode is bandwidth-bound
 (``max_rows``), it has no logits processors (a grammar's matcher consumes the tokens it sees;
 penalties read the context: see notes in ``_eligible``), its sampler is the engine's own
@@ -192,21 +197,12 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
     def _fit(self, drafts: list[list[int]]) -> list[list[int]]:
         """Cut the drafts to the width that gives the batch the most tokens for its time
         (:func:`~worker.speculative.best_width`: each row's recent acceptance against what a
-        drafted position costs here), all to nothing when a plain step gives more. A row that
-        samples keeps the length its own history and the prior cost give it, whatever its
-        neighbours or the clock say: so a seeded answer comes out the same alone or in any
-        batch (its random draws depend on how it was drafted)."""
+        drafted position costs here), all to nothing when a plain step gives more. Which
+        width is chosen never changes an answer, only its speed (seeded draws are keyed by
+        position: ``_accept_sampled``)."""
         rates = [row.policy.rate for row in self._rows]
-        lengths = [len(d) for d in drafts]
-        floor = 1
-        own_slope = self.costs.prior_slope if self.costs.fixed is None else self.costs.fixed
-        for i, draft in enumerate(drafts):
-            sampler = self.samplers[i] if self.samplers else None
-            if draft and isinstance(sampler, RequestSampler):
-                lengths[i] = best_width([len(draft)], [rates[i]], own_slope) - 1
-                floor = max(floor, lengths[i] + 1)
-        width = best_width(lengths, rates, self.costs.slope(len(self.uids)), floor)
-        fitted = [d[: min(n, width - 1)] for d, n in zip(drafts, lengths, strict=True)]
+        width = best_width([len(d) for d in drafts], rates, self.costs.slope(len(self.uids)))
+        fitted = [d[: width - 1] for d in drafts]
         for row, draft, kept in zip(self._rows, drafts, fitted, strict=True):
             if draft and not kept:
                 row.policy.skip()
@@ -383,30 +379,24 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
 def _accept_sampled(
     sampler: RequestSampler, logprobs: mx.array, draft: list[int]
 ) -> tuple[int, int]:
-    """Leviathan et al.'s rule for a draft that proposed each token with certainty (prompt
-    lookup): accept drafted token d with probability p(d); at the first rejection draw from p
-    with d taken out (the normalised residual max(p - q, 0)); all accepted: draw the next from p.
-    The tokens then follow p exactly, as plain sampling's would."""
+    """A draft that proposed each token with certainty (prompt lookup, a greedy draft model)
+    checked by sampling: draw each position's token from p with the key plain decoding would
+    draw it with, and keep the drafted tokens while they equal the draws. Each emitted token is
+    then p's draw at its position – Leviathan et al.'s rule for a one-hot proposal (accept d
+    with chance p(d), else draw from p without d) – and a seed gives the very tokens plain
+    decoding gives it."""
     k = len(draft)
-    probs = sampler.probs(logprobs[: k + 1])
-    if k:
-        chance = probs[mx.arange(k), mx.array(draft)]
-        draws = sampler.uniform(k)
-        mx.eval(chance, draws)
-        for n in range(k):
-            if draws[n].item() >= chance[n].item():  # type: ignore[operator]
-                residual = probs[n].at[draft[n]].multiply(0.0)
-                return n, _item(sampler.categorical(mx.log(residual)))
-    return k, _item(sampler.categorical(mx.log(probs[k])))
+    draws = sampler.draw_each(logprobs[: k + 1])
+    n = 0
+    while n < k and draws[n] == draft[n]:
+        n += 1
+    sampler.keep(n + 1)
+    return n, draws[n]
 
 
 def _normalised(logits: mx.array) -> mx.array:
     """Log-probabilities over the last axis."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _item(token: mx.array) -> int:
-    return int(token.item())  # type: ignore[arg-type]
 
 
 def _can_trim(caches: list[Any]) -> bool:

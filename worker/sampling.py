@@ -50,8 +50,10 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
 
 class RequestSampler:
     """Samples one request's tokens at temperature > 0: its filters (top-p, min-p, top-k), then
-    the temperature. Speculative decoding (worker/engine_verify.py) reads the same distribution
-    through :meth:`probs` and draws its acceptance tests from the same key chain."""
+    the temperature. A seeded sampler draws the n-th token of its answer with the n-th key of
+    its chain, however it is asked: a plain step draws one (``__call__``), a verify pass draws
+    one for each of its positions and keeps the keys of those it used (:meth:`draw_each`,
+    :meth:`keep`), so speculation gives a seed the same tokens as plain decoding."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -71,6 +73,7 @@ class RequestSampler:
         self._inverse_temperature = 1.0 / params.temperature
         # Keys take unsigned 64-bit seeds; a negative (signed) one maps to its two's complement.
         self._key = None if params.seed is None else mx.random.key(params.seed % 2**64)
+        self._drawn: list[mx.array] = []  # the chain after each of draw_each's positions
 
     def _next_key(self) -> mx.array | None:
         if self._key is None:
@@ -87,14 +90,29 @@ class RequestSampler:
     def probs(self, logprobs: mx.array) -> mx.array:
         return mx.softmax(self.scaled(logprobs), axis=-1)
 
-    def categorical(self, logits: mx.array) -> mx.array:
-        return mx.random.categorical(logits, key=self._next_key())
-
-    def uniform(self, n: int) -> mx.array:
-        return mx.random.uniform(shape=(n,), key=self._next_key())
-
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return self.categorical(self.scaled(logprobs))
+        return mx.random.categorical(self.scaled(logprobs), key=self._next_key())
+
+    def draw_each(self, logprobs: mx.array) -> list[int]:
+        """A token for each position of ``logprobs`` (positions x vocabulary), each with the
+        key the plain step at that position would use; the chain stays where it was until
+        :meth:`keep` says how many of them the answer took."""
+        scaled = self.scaled(logprobs)
+        key, draws, self._drawn = self._key, [], []
+        for j in range(scaled.shape[0]):
+            step_key = None
+            if key is not None:
+                key, step_key = mx.random.split(key)
+                self._drawn.append(key)
+            # One row at a time, shaped as a plain step's: the same key draws the same token.
+            draws.append(mx.random.categorical(scaled[j : j + 1], key=step_key))
+        return [int(t) for t in mx.concatenate(draws).tolist()]
+
+    def keep(self, used: int) -> None:
+        """The answer took the first ``used`` tokens :meth:`draw_each` drew."""
+        if used and self._drawn:
+            self._key = self._drawn[used - 1]
+        self._drawn = []
 
 
 def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:

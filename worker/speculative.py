@@ -132,17 +132,14 @@ def expected_tokens(rate: float, drafted: int) -> float:
     return sum(rate**j for j in range(drafted + 1))
 
 
-def best_width(drafted: Sequence[int], rates: Sequence[float], slope: float, floor: int = 1) -> int:
+def best_width(drafted: Sequence[int], rates: Sequence[float], slope: float) -> int:
     """The verify width (1 + drafted tokens a row; 1 is a plain step) that gives the batch the
     most tokens per unit of step time, a pass of width ``w`` costing ``1 + slope * (w - 1)``
     plain steps (measured: :class:`StepCosts`). Rows are cut to the width; a row that drafted
-    nothing gives its one token either way. ``floor``: the narrowest width allowed (rows that
-    must keep the drafts they have)."""
+    nothing gives its one token either way."""
     rows = len(drafted)
     best, most = 1, float(rows)  # a plain step: a token a row, for one step's time
-    if floor > 1:
-        best, most = floor, -1.0
-    for width in range(max(2, floor), max(drafted, default=0) + 2):
+    for width in range(2, max(drafted, default=0) + 2):
         cut = [min(d, width - 1) for d in drafted]
         tokens = sum(expected_tokens(r, d) for d, r in zip(cut, rates, strict=True))
         per_step = tokens / (1 + slope * (width - 1))
@@ -164,6 +161,7 @@ class StepCosts:
     prior_slope: float = 0.15  # SmolLM2-135M on this CPU box, 1-4 rows (the bench's table)
     fixed: float | None = None  # a slope to use instead of measuring
     samples: int = 9
+    trusted: int = 3
     plain_s: dict[int, list[float]] = field(default_factory=dict)
     slopes: dict[int, list[float]] = field(default_factory=dict)
 
@@ -176,8 +174,13 @@ class StepCosts:
             self._add(self.slopes, rows, max(0.0, (seconds / plain - 1) / (width - 1)))
 
     def slope(self, rows: int) -> float:
+        """The prior until ``trusted`` passes at this many rows were timed (one pass that ran
+        beside something else would otherwise decide alone, and a declined draft is never
+        timed), then the median of the recent ones."""
         if self.fixed is not None:
             return self.fixed
+        if len(self.slopes.get(rows, ())) < self.trusted:
+            return self.prior_slope
         measured = self._median(self.slopes, rows)
         return self.prior_slope if measured is None else measured
 
