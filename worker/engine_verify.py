@@ -215,7 +215,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         the match) cost the step its pipelining, a sync on the sampled tokens: a quarter of a
         step or so, as much as two refused draft tokens, so its policy counts it as those."""
         for i in rows:
-            self._rows[i].policy.record(EMPTY_DRAFT_COST, 0)
+            self._rows[i].policy.miss(EMPTY_DRAFT_COST)
         if rows:
             self.spec_stats.add_empty(len(rows))
 

@@ -107,6 +107,12 @@ class RowPolicy:
         self.rate = self.memory * self.rate + (1 - self.memory) * 0.5
         self.resting = max(self.resting, rest_steps)
 
+    def miss(self, cost: int) -> None:
+        """A step where the row's context matched but the draft came out empty: it counts
+        against the row's window as ``cost`` refused tokens (what asking cost), not in its
+        rate (no drafted token was refused)."""
+        self._window(cost, 0)
+
     def record(self, drafted: int, accepted: int) -> None:
         # A draft is a run of trials that stops at the first refusal: ``accepted`` stood and
         # one was refused (estimate n / (n + 1)), or all stood (Laplace: (n + 1) / (n + 2)).
@@ -115,6 +121,9 @@ class RowPolicy:
         else:
             estimate = (accepted + 1) / (accepted + 2)
         self.rate = self.memory * self.rate + (1 - self.memory) * estimate
+        self._window(drafted, accepted)
+
+    def _window(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.totals[0] += drafted
