@@ -92,6 +92,7 @@ class SpeculationStats:
 # costs ~2 plain steps (bench/results/speculative.md: ~0.12 of a step a refused token), a lost
 # pipelining ~0.25 (the forward graph's Python is a quarter of the engine thread: worker.md).
 EMPTY_DRAFT_COST = 2
+EXPLORE_AFTER = 32  # declined steps before one decision goes on the prior slope again
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
     # The step under way, to be timed when the next begins: (kind, rows, width, start,
     # prompt tokens at its start); None when it is not one to learn from.
     _clocked: tuple[str, int, int, float, int] | None
+    _steady: int  # plain steps in a row without a sync
+    _declines: int  # declined steps since a decision last went on the prior
 
     @classmethod
     def make(
@@ -140,12 +143,16 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         batch.costs = StepCosts(fixed=speculation.slope)
         batch.prompt_tokens = lambda: 0
         batch._clocked = None
+        batch._steady = 0
+        batch._declines = 0
         return batch
 
     def extend(self, batch: Any) -> None:
         super().extend(batch)
         rows = getattr(batch, "_rows", None)
         self._rows.extend(rows or [_Row(self.source.row()) for _ in batch.uids])
+        self._clocked = None  # the joining rows' first pass ran inside this period
+        self._steady = 0
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -157,12 +164,16 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         if not self.uids:
             self._clocked = None  # idle from here: the time until rows come is no step's
             return []
-        started = self._clock()
         eligible = self._eligible()
+        self._clock(synced=bool(eligible))
         if not eligible:
-            self._start_clock("plain", 1, started)
+            self._steady += 1
+            self._start_clock("plain", 1)
             return super().next()  # type: ignore[no-any-return]
+        self._steady = 0
+        # The wait for the previous step's tokens is that step's compute, not this step's.
         mx.eval(self._next_tokens)
+        started = time.perf_counter()
         sampled = [int(t) for t in self._next_tokens.tolist()]
         drafts: list[list[int]] = [[] for _ in self.uids]
         for i in eligible:
@@ -176,22 +187,23 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         self._start_clock("verify", 1 + max(len(d) for d in drafts), started)
         return self._verify(sampled, drafts)
 
-    def _clock(self) -> float:
+    def _clock(self, synced: bool) -> None:
         """Time the step that just ended (from its start to this one's) into the costs, unless
-        a prefill chunk ran in between; returns this step's start."""
+        a prefill chunk ran in between. A plain step counts only in a steady run of them (the
+        pipeline refills over the first two after a sync, one period short and one long) and
+        not when this step is about to wait for its tokens (its compute is not over)."""
         now, prompt = time.perf_counter(), self.prompt_tokens()
         if self._clocked is not None:
             kind, rows, width, start, before = self._clocked
-            if prompt == before:
-                if kind == "plain":
-                    self.costs.plain(rows, now - start)
-                else:
+            if prompt == before and rows == len(self.uids):
+                if kind == "verify":
                     self.costs.verify(rows, width, now - start)
+                elif self._steady >= 2 and not synced:
+                    self.costs.plain(rows, now - start)
         self._clocked = None
-        return now
 
-    def _start_clock(self, kind: str, width: int, started: float) -> None:
-        """A plain step is timed only when nothing was synced for it (a steady, pipelined step)."""
+    def _start_clock(self, kind: str, width: int, started: float | None = None) -> None:
+        started = time.perf_counter() if started is None else started
         self._clocked = (kind, len(self.uids), width, started, self.prompt_tokens())
 
     def _fit(self, drafts: list[list[int]]) -> list[list[int]]:
@@ -201,13 +213,19 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         width is chosen never changes an answer, only its speed (seeded draws are keyed by
         position: ``_accept_sampled``)."""
         rates = [row.policy.rate for row in self._rows]
-        width = best_width([len(d) for d in drafts], rates, self.costs.slope(len(self.uids)))
+        # A declined draft is never timed: after EXPLORE_AFTER declines, one decision on the
+        # prior, so that a slope that once came out high gets measured again.
+        explore = self._declines >= EXPLORE_AFTER
+        slope = self.costs.prior_slope if explore else self.costs.slope(len(self.uids))
+        self._declines = 0 if explore else self._declines
+        width = best_width([len(d) for d in drafts], rates, slope)
         fitted = [d[: width - 1] for d in drafts]
         for row, draft, kept in zip(self._rows, drafts, fitted, strict=True):
             if draft and not kept:
                 row.policy.skip()
         if width == 1 and any(drafts):
             self.spec_stats.add_declined()
+            self._declines += 1
         return fitted
 
     def _count_empty(self, rows: list[int]) -> None:
@@ -247,6 +265,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         inputs = mx.array(
             [[t, *d, *([t] * (width - 1 - len(d)))] for t, d in zip(sampled, drafts, strict=True)]
         )
+        _in_order(self.prompt_cache)
         logits = self.model(inputs, cache=self.prompt_cache)
         logits = self._process_first(logits, inputs)
         # Normalised per row and position, lazily: only what is read gets its exp (MLX's CPU
@@ -406,6 +425,17 @@ def _can_trim(caches: list[Any]) -> bool:
     if caches and _is_recording(caches[0]):
         return all(type(c) is BatchKVCache or _is_recording(c) for c in caches)
     return all(type(c) in (BatchKVCache, BatchRotatingKVCache) for c in caches)
+
+
+def _in_order(caches: list[Any]) -> None:
+    """Put rotated sliding windows back in temporal order before a pass of several tokens. The
+    model builds its mask before the layers update their caches, from the write index; a
+    rotated window's update of several tokens first reorders itself (moving that index), so
+    its mask would be one column off and a row shorter than the window would lose its oldest
+    token. Plain decoding never feeds a rotated window several tokens; a verify pass does."""
+    for cache in caches:
+        if type(cache) is BatchRotatingKVCache and cache.keys is not None:
+            cache._temporal_order()
 
 
 def _trim_window(cache: BatchRotatingKVCache, common: int, extra: list[int]) -> None:

@@ -184,10 +184,10 @@ class StepCosts:
 
     def slope(self, rows: int) -> float:
         """The prior until ``trusted`` passes at this many rows were timed (one pass that ran
-        beside something else would otherwise decide alone, and a declined draft is never
-        timed), then the median of the recent ones."""
+        beside something else would otherwise decide alone), then the median of the recent
+        ones."""
         if self.fixed is not None:
-            return self.fixed
+            return max(0.0, self.fixed)
         if len(self.slopes.get(rows, ())) < self.trusted:
             return self.prior_slope
         measured = self._median(self.slopes, rows)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-from worker.engine_verify import _trim_window
+from worker.engine_verify import _in_order, _trim_window
 
 WINDOW, DIM = 8, 4
 
@@ -42,6 +42,7 @@ def test_a_trimmed_window_attends_as_if_it_held_the_accepted_tokens_only(
     kept = [prompt[i : i + 1, :, longest - n :] for i, n in enumerate(lengths)]
     for number, rejected in enumerate(rounds):
         verify = mx.random.normal((rows, 1, width, DIM), key=mx.random.key(number))
+        _in_order([batch])  # as the verify pass does
         attend(batch, verify)
         common = min(rejected)
         _trim_window(batch, common, [r - common for r in rejected])
@@ -62,3 +63,31 @@ def test_a_trimmed_window_attends_as_if_it_held_the_accepted_tokens_only(
         kept = [
             mx.concatenate([k, *(s[i : i + 1] for s in steps)], axis=2) for i, k in enumerate(kept)
         ]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "decoded"),
+    [([3], WINDOW), ([3, 20], WINDOW), ([12, 1], 2), ([20, 3, 5], 3), ([9, 2], 1)],
+)
+def test_a_verify_pass_on_a_rotated_window_sees_what_a_prefill_would(
+    lengths: list[int], decoded: int
+) -> None:
+    """Decode steps rotate the window; the verify pass that follows (several tokens at once)
+    must attend, at each of its positions, to each row's last window of tokens: rows shorter
+    than the window included (their oldest token is the one a misplaced mask hides)."""
+    rows, longest = len(lengths), max(lengths)
+    prompt = mx.random.normal((rows, 1, longest, DIM), key=mx.random.key(7))
+    batch = BatchRotatingKVCache(WINDOW, [longest - n for n in lengths])
+    attend(batch, prompt)
+    steps = [mx.random.normal((rows, 1, 1, DIM), key=mx.random.key(50 + s)) for s in range(decoded)]
+    for step in steps:
+        attend(batch, step)
+    assert batch.rotated
+    verify = mx.random.normal((rows, 1, 4, DIM), key=mx.random.key(99))
+    _in_order([batch])
+    output = attend(batch, verify)
+    for i, n in enumerate(lengths):
+        alone = BatchRotatingKVCache(WINDOW, [0])
+        history = [prompt[i : i + 1, :, longest - n :], *(s[i : i + 1] for s in steps)]
+        attend(alone, mx.concatenate(history, axis=2))
+        assert mx.allclose(attend(alone, verify[i : i + 1]), output[i : i + 1], atol=1e-5)
