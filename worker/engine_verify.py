@@ -164,7 +164,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         if not self.uids:
             self._clocked = None  # idle from here: the time until rows come is no step's
             return []
-        eligible = self._eligible()
+        # Until plain steps at this batch size are timed, the batch takes them (a few steps
+        # once per size; which steps draft never changes an answer).
+        eligible = [] if self.costs.needs_plain(len(self.uids)) else self._eligible()
         self._clock(synced=bool(eligible))
         if not eligible:
             self._steady += 1

@@ -182,6 +182,11 @@ class StepCosts:
         if plain is not None and width > 1:
             self._add(self.slopes, rows, max(0.0, (seconds / plain - 1) / (width - 1)))
 
+    def needs_plain(self, rows: int) -> bool:
+        """Whether plain steps at this many rows are still to be timed (a verify pass's cost
+        is measured against them; a batch that drafts every step would never time one)."""
+        return self.fixed is None and len(self.plain_s.get(rows, ())) < self.trusted
+
     def slope(self, rows: int) -> float:
         """The prior until ``trusted`` passes at this many rows were timed (one pass that ran
         beside something else would otherwise decide alone), then the median of the recent

@@ -495,10 +495,13 @@ def test_a_rows_rate_rises_with_accepted_drafts_and_drifts_back_when_it_rests() 
 def test_step_costs_measure_a_drafted_positions_share_of_a_plain_step() -> None:
     costs = StepCosts(prior_slope=0.15)
     assert costs.slope(4) == 0.15  # nothing measured yet
+    assert costs.needs_plain(4)
     costs.verify(4, 9, 0.3)  # no plain step at 4 rows to compare with: not a sample
     assert costs.slope(4) == 0.15
     for seconds in (0.1, 0.1, 5.0):  # one step shared its time with a prefill chunk
         costs.plain(4, seconds)
+    assert not costs.needs_plain(4) and costs.needs_plain(1)
+    assert not StepCosts(fixed=0.1).needs_plain(4)
     costs.verify(4, 9, 0.26)
     assert costs.slope(4) == 0.15  # one pass is not enough to go on
     costs.verify(4, 9, 0.26)
