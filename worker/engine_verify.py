@@ -17,7 +17,7 @@ are the batch cache's own operations, so a split group's followers replay them
 
 Rows run the plain step (with its asynchronous pipelining) whenever no row has a draft, or
 when the drafts are not worth their verify pass: each step the drafts are cut to the width
-that gives the most tokens for its time (``_fit``: rows' recent acceptance against the batch's
+that gives the most tokens for its time (``_plan``: rows' recent acceptance against the batch's
 own timing of its steps, worker/speculative.py). A row
 drafts only when speculation is on, the batch is small enough that decode is bandwidth-bound
 (``max_rows``), it has no logits processors (a grammar's matcher consumes the tokens it sees;
@@ -167,6 +167,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         # Until plain steps at this batch size are timed, the batch takes them (a few steps
         # once per size; which steps draft never changes an answer).
         eligible = [] if self.costs.needs_plain(len(self.uids)) else self._eligible()
+        limits = self._plan(eligible)
+        eligible = [i for i in eligible if limits[i]]
         self._clock(synced=bool(eligible))
         if not eligible:
             self._steady += 1
@@ -179,11 +181,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         sampled = [int(t) for t in self._next_tokens.tolist()]
         drafts: list[list[int]] = [[] for _ in self.uids]
         for i in eligible:
-            room = self.max_tokens[i] - self._num_tokens[i] - 1
-            limit = min(self.speculation.draft_tokens, room)
-            drafts[i] = self._rows[i].drafter.draft(self.tokens[i], sampled[i], limit)
+            drafts[i] = self._rows[i].drafter.draft(self.tokens[i], sampled[i], limits[i])
         self._count_empty([i for i in eligible if not drafts[i]])
-        drafts = self._fit(drafts)
         if not any(drafts):
             return super().next()  # type: ignore[no-any-return]
         self._start_clock("verify", 1 + max(len(d) for d in drafts), started)
@@ -208,27 +207,32 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         started = time.perf_counter() if started is None else started
         self._clocked = (kind, len(self.uids), width, started, self.prompt_tokens())
 
-    def _fit(self, drafts: list[list[int]]) -> list[list[int]]:
-        """Cut the drafts to the width that gives the batch the most tokens for its time
-        (:func:`~worker.speculative.best_width`: each row's recent acceptance against what a
-        drafted position costs here), all to nothing when a plain step gives more. Which
-        width is chosen never changes an answer, only its speed (seeded draws are keyed by
-        position: ``_accept_sampled``)."""
+    def _plan(self, eligible: list[int]) -> list[int]:
+        """How many tokens each row drafts this step: the width that gives the batch the most
+        tokens for its time if each eligible row drafted all it may (``best_width``: each row's
+        recent acceptance against what a drafted position costs here), 0 for all when a plain
+        step gives more – decided before drafting, which costs a draft model its own passes.
+        Which width is chosen never changes an answer, only its speed (seeded draws are keyed
+        by position: ``_accept_sampled``)."""
+        limits = [0] * len(self.uids)
+        for i in eligible:
+            room = self.max_tokens[i] - self._num_tokens[i] - 1
+            limits[i] = min(self.speculation.draft_tokens, room)
+        if not eligible:
+            return limits
         rates = [row.policy.rate for row in self._rows]
         # A declined draft is never timed: after EXPLORE_AFTER declines, one decision on the
         # prior, so that a slope that once came out high gets measured again.
         explore = self._declines >= EXPLORE_AFTER
         slope = self.costs.prior_slope if explore else self.costs.slope(len(self.uids))
         self._declines = 0 if explore else self._declines
-        width = best_width([len(d) for d in drafts], rates, slope)
-        fitted = [d[: width - 1] for d in drafts]
-        for row, draft, kept in zip(self._rows, drafts, fitted, strict=True):
-            if draft and not kept:
-                row.policy.skip()
-        if width == 1 and any(drafts):
+        width = best_width(limits, rates, slope)
+        if width == 1:
+            for i in eligible:
+                self._rows[i].policy.skip()
             self.spec_stats.add_declined()
             self._declines += 1
-        return fitted
+        return [min(n, width - 1) for n in limits]
 
     def _count_empty(self, rows: list[int]) -> None:
         """A row whose context matched but whose draft came out empty (the sampled token broke
