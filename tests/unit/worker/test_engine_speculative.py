@@ -477,7 +477,7 @@ def test_the_width_follows_acceptance_and_what_a_drafted_position_costs() -> Non
 
 def test_a_rows_rate_rises_with_accepted_drafts_and_drifts_back_when_it_rests() -> None:
     policy = RowPolicy()
-    assert policy.rate == 0.5  # before any draft
+    assert policy.rate == policy.prior  # before any draft
     for _ in range(5):
         policy.record(8, 8)
     assert policy.rate > 0.8
@@ -489,7 +489,7 @@ def test_a_rows_rate_rises_with_accepted_drafts_and_drifts_back_when_it_rests() 
     assert policy.resting >= 8 and not policy.may_draft()
     for _ in range(20):
         policy.skip()
-    assert low < policy.rate < 0.5  # forgets: it will try again
+    assert low < policy.rate < policy.prior  # forgets: it will try again
 
 
 def test_step_costs_measure_a_drafted_positions_share_of_a_plain_step() -> None:
