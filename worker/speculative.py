@@ -89,14 +89,20 @@ class RowPolicy:
     accepted: int = 0
     resting: int = 0
     totals: list[int] = field(default_factory=lambda: [0, 0])  # drafted, accepted: ever
-    # How likely the next drafted token is accepted, for :func:`best_width`: a moving average
-    # over drafts (weight ``memory`` on the past) of each draft's own estimate. It starts at
-    # ``prior``: a context match usually goes on (acceptance 0.7-0.99 on the greedy copying
-    # workloads of bench/results/speculative.md); starting at 0.5 drafted two tokens at a time
-    # and, with four rows, declined before a row could show it copies.
-    memory: float = 0.7
+    # How likely the next drafted token is accepted, for :func:`best_width`: Laplace's rule
+    # over recent drafted tokens that stood and drafts cut short, decayed by ``memory`` a
+    # drafted token checked (so accepted short drafts keep raising it: an estimate per draft
+    # was capped by the draft's length, and one-token drafts stayed one token for ever). It
+    # starts at ``prior``: a context match usually goes on (acceptance 0.7-0.99 on the greedy
+    # copying workloads of bench/results/speculative.md).
+    memory: float = 0.9
     prior: float = 0.7
-    rate: float = 0.7
+    stood: float = 4 / 3  # (stood + 1) / (stood + cut + 2) = prior
+    cut: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.stood + 1) / (self.stood + self.cut + 2)
 
     def may_draft(self) -> bool:
         if self.resting > 0:
@@ -108,7 +114,8 @@ class RowPolicy:
         """The row had a draft but checking it was expected to cost more than it gives: rest a
         few steps (asking costs the step its pipelining), and forget a little, so that a row
         whose drafts once failed gets to try again (its rate drifts back to the prior)."""
-        self.rate = self.memory * self.rate + (1 - self.memory) * self.prior
+        self.stood *= self.memory
+        self.cut *= self.memory
         self.resting = max(self.resting, rest_steps)
 
     def miss(self, cost: int) -> None:
@@ -118,13 +125,12 @@ class RowPolicy:
         self._window(cost, 0)
 
     def record(self, drafted: int, accepted: int) -> None:
-        # A draft is a run of trials that stops at the first refusal: ``accepted`` stood and
-        # one was refused (estimate n / (n + 1)), or all stood (Laplace: (n + 1) / (n + 2)).
-        if accepted < drafted:
-            estimate = accepted / (accepted + 1)
-        else:
-            estimate = (accepted + 1) / (accepted + 2)
-        self.rate = self.memory * self.rate + (1 - self.memory) * estimate
+        # A draft is a run of trials that stops at the first refusal: ``accepted`` stood, and
+        # one more was checked and refused unless all stood.
+        refused = int(accepted < drafted)
+        decay = self.memory ** (accepted + refused)
+        self.stood = decay * self.stood + accepted
+        self.cut = decay * self.cut + refused
         self._window(drafted, accepted)
 
     def _window(self, drafted: int, accepted: int) -> None:
