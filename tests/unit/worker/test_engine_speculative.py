@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,21 @@ def start(model_dir: Path, speculation: str, **config: Any) -> Engine:
     return engine
 
 
+@contextmanager
+def engines_of(model_dir: Path, **config: Any) -> Iterator[tuple[Engine, Engine]]:
+    """The same model without and with speculation, closed at the end."""
+    engines = start(model_dir, "off", **config), start(model_dir, "auto", **config)
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.close()
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
-    """The same model without and with speculation."""
-    off, on = start(tiny_model_dir, "off"), start(tiny_model_dir, "auto")
-    yield off, on
-    off.close()
-    on.close()
+    with engines_of(tiny_model_dir) as engines:
+        yield engines
 
 
 def prompt_of(engine: Engine, text: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -127,14 +136,10 @@ async def test_a_tool_prompt_and_a_tool_call_are_the_same(
         return [GenerationRequest(prompt, 60, GREEDY), GenerationRequest(prompt[:-2], 30, GREEDY)]
 
     assert_same(*await both(pair, requests))
-    tool_pair = start(tiny_tool_model_dir, "off"), start(tiny_tool_model_dir, "auto")
-    try:
+    with engines_of(tiny_tool_model_dir) as tool_pair:
         plain, speculated = await both(tool_pair, requests)
         assert "get_weather" in plain[0][0]
         assert_same(plain, speculated)
-    finally:
-        for engine in tool_pair:
-            engine.close()
 
 
 async def test_grammar_rows_decode_as_before_next_to_drafting_rows(
@@ -185,11 +190,7 @@ async def test_a_stop_string_inside_an_accepted_draft_ends_there_and_keeps_that_
 
 
 async def test_the_loop_guard_ends_the_same_answer_at_the_same_token(tiny_model_dir: Path) -> None:
-    guarded = (
-        start(tiny_model_dir, "off", loop_guard_tokens=24),
-        start(tiny_model_dir, "auto", loop_guard_tokens=24),
-    )
-    try:
+    with engines_of(tiny_model_dir, loop_guard_tokens=24) as guarded:
 
         def requests(engine: Engine) -> list[GenerationRequest]:
             return [GenerationRequest(prompt_of(engine, t), 300, GREEDY) for t in ("Hi", "Paris")]
@@ -203,9 +204,6 @@ async def test_the_loop_guard_ends_the_same_answer_at_the_same_token(tiny_model_
                 len(pending.tokens) == len(outcome[3].request.prompt) + outcome[1].completion_tokens
             )
             assert pending.cache[0].offset == len(pending.tokens)
-    finally:
-        for engine in guarded:
-            engine.close()
 
 
 async def test_a_cancelled_job_keeps_the_kv_of_the_tokens_it_was_given(
@@ -249,9 +247,8 @@ async def test_a_sliding_window_model_speculates_and_gives_the_same_tokens(
     """A sliding-window layer (gemma 2/3, gpt-oss) hands its rejected tail back too: rows of
     one batch, prompts and answers longer than the window (8) so it rotates between verify
     passes, then a second turn that resumes from the committed cache."""
-    sliding = start(sliding_model_dir, "off"), start(sliding_model_dir, "auto")
     texts = ["Hello world! How are you today?", "The quick brown fox", "0123456789", "Paris"]
-    try:
+    with engines_of(sliding_model_dir) as sliding:
 
         def requests(engine: Engine) -> list[GenerationRequest]:
             return [
@@ -277,9 +274,6 @@ async def test_a_sliding_window_model_speculates_and_gives_the_same_tokens(
         plain, speculated = await both(sliding, second_turn)
         assert_same(plain, speculated)
         assert speculated[0][1].cached_tokens > 0  # it resumed from the cache
-    finally:
-        for engine in sliding:
-            engine.close()
 
 
 async def test_a_seed_gives_the_same_tokens_with_speculation_as_without(
