@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
@@ -366,15 +367,26 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated subset of: preload (mlx_lm.server with the worker's LD_PRELOAD), "
         "plain (mlx_lm.server as started by hand)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="also run our worker with these extra arguments, as one more column (e.g. "
+        "'--speculation off': what a feature costs or gives, in the same run); repeatable",
+    )
     return parser.parse_args()
 
 
-def start_servers(model_dir: str, anchors: str, tmp: Path) -> list[Server]:
-    """Our worker, then each anchor's ``mlx_lm.server``, all on ``model_dir``."""
+def start_servers(model_dir: str, anchors: str, variants: list[str], tmp: Path) -> list[Server]:
+    """Our worker (and its variants), then each anchor's ``mlx_lm.server``, all on
+    ``model_dir``."""
     python = sys.executable
-    port = free_port()
-    command = [python, "-m", "worker", "--model", model_dir, "--port", str(port)]
-    servers = [start("ours", command, port, None, tmp)]
+    servers = []
+    for label, extra in [("ours", ""), *((f"ours {v}", v) for v in variants)]:
+        port = free_port()
+        command = [python, "-m", "worker", "--model", model_dir, "--port", str(port)]
+        servers.append(start(label, command + shlex.split(extra), port, None, tmp))
     for label, env in anchor_commands(anchors.split(",")):
         port = free_port()
         command = [python, "-m", "mlx_lm.server", "--model", model_dir, "--port", str(port)]
@@ -399,7 +411,7 @@ async def main() -> int:
             )
         model_dir = served_dir
         print(f"model: {model_label}", flush=True)
-        servers = start_servers(model_dir, args.anchors, tmp)
+        servers = start_servers(model_dir, args.anchors, args.variant, tmp)
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
             await asyncio.gather(*(wait_ready(s, http) for s in servers))
