@@ -61,7 +61,10 @@ from gateway.request import ChatRequest, Message
 from gateway.upstream import ModelInfo
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCREEN_SEED, EVAL_SEED = 1001, 2002
+EVAL_LOG = RESULTS / "moa-quality-items.jsonl"
+# Screening, tuning (the settings were chosen on these items) and held-out (the done-when,
+# recorded after the settings were fixed and not looked at before).
+SCREEN_SEED, EVAL_SEED, HELDOUT_SEED = 1001, 2002, 3003
 INSTRUCTION = "Reply with only the final answer."  # the question's own, not the judge's
 # Candidate tasks, easy settings (a 135M model must get some right), chosen before measuring:
 # arithmetic, counting, string manipulation and number theory, so the selection stays general.
@@ -545,12 +548,13 @@ def report(
     eval_rows: list[dict[str, Any]],
     args: argparse.Namespace,
     partial: bool,
+    heldout_rows: list[dict[str, Any]] | None = None,
 ) -> str:
     lines = ['# `model="mesh"` answer quality: self-mixture on SmolLM2-135M', ""]
     if partial:
         lines += [
             "**PARTIAL RESULTS** – the recording has not finished "
-            f"({len(eval_rows)} evaluation items of the 300 the issue asks for).",
+            f"({len(heldout_rows or eval_rows)} evaluation items of the 300 the issue asks for).",
             "",
         ]
     lines += [
@@ -563,6 +567,9 @@ def report(
         "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "
         "--hot 0.5 --hot-samples 15 --batch 19",
         "    nice .venv/bin/python bench/moa_quality.py judge --batch 19",
+        "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "
+        f"--hot 0.5 --hot-samples 15 --batch 19 --seed {HELDOUT_SEED} "
+        "--eval-log bench/results/moa-quality-heldout.jsonl",
         "",
     ]
     lines += [
@@ -577,8 +584,19 @@ def report(
     if screen_rows:
         lines += screen_table(screen_rows, args.pool)
         lines += ["", *tuning_section(screen_rows, args.pool)]
+    if heldout_rows:
+        lines += [
+            "",
+            "The held-out items below were recorded after the vote's settings (the tie rule, "
+            "self-refuting replies abstaining, the confidence and the wave) were fixed on the "
+            f"tuning items (seed {EVAL_SEED}, the section after them): the done-when.",
+            "",
+            *policy_section(heldout_rows, args, seed=HELDOUT_SEED, title="Held-out: policies"),
+        ]
     if eval_rows:
-        lines += ["", *policy_section(eval_rows, args)]
+        title = "Tuning: policies" if heldout_rows else "Policies"
+        lines += ["", *policy_section(eval_rows, args, title=title, figure=not heldout_rows)]
+        lines += ["", *confidence_section(eval_rows, args.pool)]
         second = _rows(args.mix_log) if args.mix_log else []
         if second:
             mix = two_model_section(eval_rows, second, args.pool, args.mix_name)
@@ -590,7 +608,7 @@ def report(
             "The policies below are replayed over the *screening* items (all candidate tasks, "
             "few items) – an early look, not the done-when.",
             "",
-            *policy_section(screen_rows, args, seed=SCREEN_SEED),
+            *policy_section(screen_rows, args, seed=SCREEN_SEED, figure=False),
         ]
     return "\n".join(lines) + "\n"
 
@@ -706,7 +724,11 @@ def sign_tests(results: Results, n: int) -> list[str]:
 
 
 def policy_section(
-    rows: list[dict[str, Any]], args: argparse.Namespace, seed: int = EVAL_SEED
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    seed: int = EVAL_SEED,
+    title: str = "Policies",
+    figure: bool = True,
 ) -> list[str]:
     n = len(rows)
     tasks = sorted({r["task"] for r in rows})
@@ -718,7 +740,7 @@ def policy_section(
     results = by_pool[pool]
     drawn = "the model's default sampling" if pool == "default" else f"temperature {pool}"
     lines = [
-        f"## Policies on {n} items ({', '.join(tasks)}; seed {seed})",
+        f"## {title} on {n} items ({', '.join(tasks)}; seed {seed})",
         "",
         f"The vote in waves of {config.vote_wave} (`MoaConfig.vote_wave`); its N − 1 samples (and the "
         f"judge's) at {drawn}. Decode steps: from the fan-out until the answer's "
@@ -747,8 +769,32 @@ def policy_section(
             cells = [f"{100 * sum(by_pool[p][key]['hit']) / n:.1f} %" for p in labels]
             lines.append(f"| {k} | {' | '.join(cells)} |")
     lines += ["", *task_section(results, rows), "", *wave_section(rows, n, pool)]
-    plot(by_pool, n)
-    lines += ["", "![accuracy against N](moa-quality-n.png)"]
+    if figure:
+        plot(by_pool, n)
+        lines += ["", "![accuracy against N](moa-quality-n.png)"]
+    return lines
+
+
+def confidence_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
+    """The Beta rule's confidence and the first wave, replayed over ``rows`` (N = 8 and 16):
+    accuracy against the samples they start."""
+    lines = [
+        f"### The stopping rule on these items (samples at T = {pool})",
+        "",
+        "| N | confidence | first wave | correct | samples started (share of N) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for n in (8, 16):
+        for confidence in (0.8, 0.9, 0.95, 1.0):
+            config = MoaConfig(vote_confidence=confidence)
+            for wave in (2, 4, None):
+                outcomes = [vote_on(r, pool, n, config, wave or n) for r in rows]
+                hits = sum(hit for _, hit in outcomes) / len(rows)
+                used = sum(o.used for o, _ in outcomes) / len(rows)
+                lines.append(
+                    f"| {n} | {confidence} | {wave or 'all'} | {100 * hits:.1f} % | "
+                    f"{used:.2f} ({100 * used / n:.0f} %) |"
+                )
     return lines
 
 
@@ -832,6 +878,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="the worker's completion batch size")
     parser.add_argument("--time-budget-s", type=float, default=math.inf)
     parser.add_argument(
+        "--seed", type=int, default=EVAL_SEED, help="eval: the items' seed (a fresh set: a new one)"
+    )
+    parser.add_argument(
         "--hot",
         type=float,
         nargs="*",
@@ -839,8 +888,9 @@ def main() -> None:
         help="also record --samples samples at each of these temperatures (a floor's measure)",
     )
     parser.add_argument("--screen-log", type=Path, default=RESULTS / "moa-quality-screen.jsonl")
-    parser.add_argument("--eval-log", type=Path, default=RESULTS / "moa-quality-items.jsonl")
+    parser.add_argument("--eval-log", type=Path, default=EVAL_LOG)
     parser.add_argument("--judge-log", type=Path, default=RESULTS / "moa-quality-judge.jsonl")
+    parser.add_argument("--heldout-log", type=Path, default=RESULTS / "moa-quality-heldout.jsonl")
     parser.add_argument(
         "--mix-log",
         type=Path,
@@ -864,13 +914,18 @@ def main() -> None:
         if args.tasks == ["kept"]:
             args.tasks = kept_tasks(_rows(args.screen_log), args.pool)
             print(f"kept tasks: {' '.join(args.tasks)}", flush=True)
-        asyncio.run(record(args, EVAL_SEED, args.eval_log))
+        asyncio.run(record(args, args.seed, args.eval_log))
     elif args.phase == "judge":
         asyncio.run(record_judge(args, args.judge_log))
     screen = _rows(args.screen_log)
-    evals = with_judge_replies(_rows(args.eval_log), args.judge_log)
-    partial = len({r["task"] for r in evals}) < 6 or len(evals) < 300
-    (RESULTS / "moa-quality.md").write_text(report(screen, evals, args, partial))
+    # Recording the held-out items (--eval-log = --heldout-log) still reports the tuning ones.
+    tuning_log = EVAL_LOG if args.eval_log == args.heldout_log else args.eval_log
+    evals = with_judge_replies(_rows(tuning_log), args.judge_log)
+    heldout = _rows(args.heldout_log)
+    done = heldout or evals
+    partial = len({r["task"] for r in done}) < 6 or len(done) < 300
+    text = report(screen, evals, args, partial, heldout)
+    (RESULTS / "moa-quality.md").write_text(text)
     print((RESULTS / "moa-quality.md").read_text())
 
 

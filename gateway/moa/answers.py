@@ -11,11 +11,18 @@ What counts as the answer, first that applies:
 Inside 1, 2 and 4 a lone choice letter ("(B)", "B.") becomes ``b`` and a number is written
 canonically ("1,000.50" → "1000.5", "-0" → "0"). Anything else – an open-ended answer – has no
 extractable answer (None) and does not vote.
+
+A reply that refutes itself does not vote either: one that states an arithmetic equation that is
+false ("10 + 9 = 10"), checked exactly (:func:`states_false_equation`). On the tuning items of
+``bench/moa_quality.py`` 7 % of wrong replies stated one and 0.2 % of right ones did.
 """
 
 from __future__ import annotations
 
+import ast
+import operator
 import re
+from fractions import Fraction
 
 from gateway.moa.scoring import normalize_answer
 
@@ -89,3 +96,42 @@ def extract_answer(text: str) -> str | None:
         return answer
     numbers = _NUMBER.findall(text)
     return canonical_number(numbers[-1]) if numbers else None
+
+
+# "3 + 4 = 7", "6 × 7 = 42", "12 / 4 = 3.0": at least one operator, numbers only on both sides.
+_EQUATION = re.compile(
+    r"(?<![\w.^])(-?\d+(?:\.\d+)?(?:\s*[-+*/×÷]\s*-?\d+(?:\.\d+)?)+)\s*=\s*(-?\d+(?:\.\d+)?)(?![\w.]*\d)"
+)
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _value(node: ast.AST) -> Fraction:
+    """An arithmetic expression of + - * / over numbers, exactly; anything else raises."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return Fraction(str(node.value))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_value(node.operand)
+    if isinstance(node, ast.BinOp):
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Div):
+            return left / right  # ZeroDivisionError: not a checkable claim
+        return _OPERATORS[type(node.op)](left, right)
+    raise ValueError("not arithmetic")
+
+
+def states_false_equation(text: str) -> bool:
+    """Whether the reply claims an arithmetic equation that does not hold ("10 + 9 = 10")."""
+    for left, right in _EQUATION.findall(text):
+        expression = left.replace("×", "*").replace("÷", "/")
+        if len(expression) > 200:
+            continue
+        try:
+            value = _value(ast.parse(expression, mode="eval").body)
+        except (SyntaxError, ValueError, KeyError, ZeroDivisionError):
+            continue
+        claimed = Fraction(right)
+        # "10 / 3 = 3.33": a rounded decimal is not false.
+        places = len(right.partition(".")[2])
+        if abs(value - claimed) > Fraction(1, 2 * 10**places) if places else value != claimed:
+            return True
+    return False

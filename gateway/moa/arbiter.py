@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from gateway.events import ErrorKind
 from gateway.moa import gates, judge, scoring
-from gateway.moa.answers import extract_answer
+from gateway.moa.answers import extract_answer, states_false_equation
 from gateway.moa.config import MoaConfig, Policy
 from gateway.moa.events import (
     Cancel,
@@ -111,7 +111,10 @@ class Arbiter:
         for view in list(self.workers.values())[self.wave :]:
             view.status = WorkerStatus.WAITING
         self.launched = list(workers)[: self.wave]
-        self.tally = Tally(workers, confidence=config.vote_confidence)
+        # Ties go to the first candidate's answer: the caller's own request (plan_candidates).
+        self.tally = Tally(
+            workers, confidence=config.vote_confidence, preferred=next(iter(workers))
+        )
         self._grace_passed = False
         self._handlers: dict[type, Callable[[WorkerView, WorkerEvent, float], None]] = {
             WorkerStarted: self._on_started,
@@ -421,7 +424,8 @@ class Arbiter:
         for view in self.workers.values():
             if view.finished:
                 complete = view.finish_reason != "length"
-                answer = None if view.tool_calls else extract_answer(view.text)
+                refuted = view.tool_calls or states_false_equation(view.text)
+                answer = None if refuted else extract_answer(view.text)
                 self.tally.cast(view.name, answer, view.mean_logprob, complete)
             elif not view.alive:
                 self.tally.withdraw(view.name)

@@ -52,8 +52,15 @@ def beta_leads(leader: int, runner_up: int) -> float:
 class Tally:
     """The ballots of one request's candidates, and whether they settle the vote."""
 
-    def __init__(self, candidates: Iterable[str], *, confidence: float = CONFIDENCE) -> None:
+    def __init__(
+        self,
+        candidates: Iterable[str],
+        *,
+        confidence: float = CONFIDENCE,
+        preferred: str | None = None,
+    ) -> None:
         self.pending: set[str] = set(candidates)
+        self.preferred = preferred
         self.total = len(self.pending)
         self.confidence = confidence
         self.ballots: list[Ballot] = []
@@ -131,10 +138,11 @@ class Tally:
         for ballot in self.ballots:
             clusters.setdefault(ballot.answer, []).append(ballot)
 
-        def strength(cluster: list[Ballot]) -> tuple[int, float, int]:
+        def strength(cluster: list[Ballot]) -> tuple[int, bool, float, int]:
             known = [b.mean_logprob for b in cluster if b.mean_logprob is not None]
             mean = sum(known) / len(known) if known else -math.inf
-            return (len(cluster), mean, -cluster[0].order)
+            preferred = any(b.candidate == self.preferred for b in cluster)
+            return (len(cluster), preferred, mean, -cluster[0].order)
 
         best = max(clusters.values(), key=strength)
         return max(best, key=lambda b: (b.complete, b.confidence, -b.order))

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from gateway.moa.answers import extract_answer
+from gateway.moa.answers import extract_answer, states_false_equation
 from gateway.moa.arbiter import Arbiter, ArbiterState
 from gateway.moa.config import MoaConfig
 from gateway.moa.events import (
@@ -58,6 +58,29 @@ def test_extract_answer(text, answer):
 )
 def test_open_ended_or_empty_text_has_no_answer(text):
     assert extract_answer(text) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "false"),
+    [
+        ("10 + 9 = 10\n\nThe answer is 10.", True),
+        ("6 * 7 = 43", True),
+        ("12 - 3 - 4 = 6", True),
+        ("10/3 = 3.4", True),
+        ("10 + 9 = 19", False),
+        ("6 × 7 = 42", False),
+        ("3 - 5 = -2", False),
+        ("10 / 3 = 3.33", False),  # rounded, not false
+        ("0.5 * 4 = 2.0", False),
+        ("2^3 + 1 = 9", False),  # a power it does not read is not checked
+        ("x + 3 = 5", False),
+        ("4 / 0 = 0", False),
+        ("The war lasted 1939-1945 = six years", False),
+        ("5 = 5", False),
+    ],
+)
+def test_a_false_equation_is_found_and_a_true_or_unreadable_one_is_not(text, false):
+    assert states_false_equation(text) is false
 
 
 # -- tally ------------------------------------------------------------------------------------
@@ -144,6 +167,32 @@ def test_a_tie_goes_to_the_answer_whose_voters_are_more_confident():
     assert tally.winner().candidate == "d"
 
 
+def test_a_tie_goes_to_the_preferred_candidates_answer_whatever_the_confidence():
+    tally = Tally(["a", "b", "c", "d"], preferred="a")
+    for name, answer, lp in (
+        ("a", "1", -0.5),
+        ("b", "2", -0.2),
+        ("c", "1", -0.6),
+        ("d", "2", -0.1),
+    ):
+        tally.cast(name, answer, lp)
+    assert tally.winner().candidate == "a"
+    # Outnumbered, the preferred answer loses.
+    tally = Tally(["a", "b", "c"], preferred="a")
+    for name, answer in (("a", "1"), ("b", "2"), ("c", "2")):
+        tally.cast(name, answer, -0.1)
+    assert tally.winner().candidate == "b"
+
+
+def test_a_tie_without_the_preferred_answer_goes_to_confidence():
+    tally = Tally(["a", "b", "c", "d", "e"], preferred="a")
+    for name, answer, lp in (("a", "1", -0.1), ("b", "2", -0.5), ("c", "3", -0.2)):
+        tally.cast(name, answer, lp)
+    for name, answer, lp in (("d", "2", -0.5), ("e", "3", -0.2)):
+        tally.cast(name, answer, lp)
+    assert tally.winner().candidate in {"c", "e"}  # 3 (mean -0.2) beats 2 (mean -0.5)
+
+
 def test_nobody_voted_means_no_winner():
     tally = Tally(["a", "b"])
     tally.cast("a", None, -0.1)
@@ -206,13 +255,23 @@ def test_vote_winner_is_the_most_confident_in_the_majority():
     assert decisions == [Commit("w2", "complete")]
 
 
-def test_a_tie_at_the_end_goes_to_the_more_confident_answer():
+def test_a_tie_at_the_end_goes_to_the_callers_own_answer():
     arbiter = make(names(4))
-    answer(arbiter, "w0", "A", 1.0, logprob=-0.5)
+    answer(arbiter, "w0", "A", 1.0, logprob=-0.5)  # the caller's own request
     answer(arbiter, "w1", "B", 1.0, logprob=-0.2)
     answer(arbiter, "w2", "A", 1.0, logprob=-0.6)
     decisions = answer(arbiter, "w3", "B", 1.0, logprob=-0.3)
-    assert decisions == [Commit("w1", "complete")]
+    assert decisions == [Commit("w0", "complete")]
+
+
+def test_a_reply_that_refutes_itself_abstains():
+    arbiter = make(names(3))
+    answer(arbiter, "w0", "10 + 9 = 10 The answer is 10.", 1.0, logprob=-0.01)
+    answer(arbiter, "w1", "10 + 9 = 19", 1.0, logprob=-0.4)
+    decisions = answer(arbiter, "w2", "The answer is 10.", 1.0, logprob=-0.3)
+    # 19 : 10 is a tie once the false equation abstains; the caller's own did not vote.
+    assert arbiter.tally.abstained == ["w0"] and arbiter.tally.votes() == {"19": 1, "10": 1}
+    assert decisions == [Commit("w2", "complete")]  # 10's voter is the more confident
 
 
 def test_all_unextractable_the_most_confident_complete_text_wins():
