@@ -621,10 +621,12 @@ def tuning_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
     n = len(mine)
     shipped = MoaConfig()
     lines = [
-        "## How the vote's settings were chosen (screening items only)",
+        "## How the vote's sample temperature was chosen (screening items)",
         "",
-        f"The kept tasks' {n} screening items (seed {SCREEN_SEED}), replayed; the evaluation "
-        "items below were not looked at before these were fixed. Greedy single: "
+        f"The kept tasks' {n} screening items (seed {SCREEN_SEED}), replayed (the tie rule, "
+        "self-refuting replies abstaining and the confidence were then chosen on the tuning "
+        f"items, seed {EVAL_SEED}: their section below; the held-out items, seed "
+        f"{HELDOUT_SEED}, were recorded after all of it was fixed). Greedy single: "
         f"{100 * sum(r['correct'][0] for r in mine) / max(1, n):.1f} %.",
         "",
         "| samples from | vote N = 8 | vote N = 16 | single sample |",

@@ -63,9 +63,10 @@ def up_command(
         help="Append one JSON row per request here [default: HOME/requests.jsonl].",
     ),
     moa_policy: str = typer.Option(
-        "race",
+        "auto",
         "--moa-policy",
-        help="model=mesh arbiter: race, consensus, reduce, vote, judge or auto.",
+        help="model=mesh arbiter: auto (vote for short-answer questions, race otherwise), "
+        "race, consensus, reduce, vote or judge.",
     ),
     moa_workers: int = typer.Option(
         3, "--moa-workers", help="model=mesh: most worker calls per request."
