@@ -129,9 +129,9 @@ def states_false_equation(text: str) -> bool:
             value = _value(ast.parse(expression, mode="eval").body)
         except (SyntaxError, ValueError, KeyError, ZeroDivisionError):
             continue
-        claimed = Fraction(right)
-        # "10 / 3 = 3.33": a rounded decimal is not false.
+        # "10 / 3 = 3.33": a decimal rounded to its places is not false; an integer is exact.
         places = len(right.partition(".")[2])
-        if abs(value - claimed) > Fraction(1, 2 * 10**places) if places else value != claimed:
+        tolerance = Fraction(1, 2 * 10**places) if places else Fraction(0)
+        if abs(value - Fraction(right)) > tolerance:
             return True
     return False

@@ -422,6 +422,8 @@ class Arbiter:
 
     def _decide_vote(self, now: float) -> list[Decision]:
         for view in self.workers.values():
+            if view.name not in self.tally.pending:  # counted already: read each text once
+                continue
             if view.finished:
                 complete = view.finish_reason != "length"
                 refuted = view.tool_calls or states_false_equation(view.text)

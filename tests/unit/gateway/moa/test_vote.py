@@ -154,43 +154,42 @@ def test_winner_is_the_majority_answers_most_confident_candidate():
     assert tally.winner().candidate == "c"
 
 
-def test_a_tie_goes_to_the_answer_whose_voters_are_more_confident():
-    tally = Tally(["a", "b", "c", "d"])
-    for name, answer, lp in (
-        ("a", "1", -0.5),
-        ("b", "2", -0.2),
-        ("c", "1", -0.6),
-        ("d", "2", -0.1),
-    ):
+# Two answers, two votes each: "2"'s voters are the more confident, "1" has the first candidate.
+TIED = (("a", "1", -0.5), ("b", "2", -0.2), ("c", "1", -0.6), ("d", "2", -0.1))
+
+
+def cast_all(tally, ballots):
+    for name, answer, lp in ballots:
         tally.cast(name, answer, lp)
+    return tally
+
+
+def test_a_tie_goes_to_the_answer_whose_voters_are_more_confident():
+    tally = cast_all(Tally(["a", "b", "c", "d"]), TIED)
     assert tally.decision() == "complete"
     assert tally.winner().candidate == "d"
 
 
 def test_a_tie_goes_to_the_preferred_candidates_answer_whatever_the_confidence():
-    tally = Tally(["a", "b", "c", "d"], preferred="a")
-    for name, answer, lp in (
-        ("a", "1", -0.5),
-        ("b", "2", -0.2),
-        ("c", "1", -0.6),
-        ("d", "2", -0.1),
-    ):
-        tally.cast(name, answer, lp)
+    tally = cast_all(Tally(["a", "b", "c", "d"], preferred="a"), TIED)
     assert tally.winner().candidate == "a"
     # Outnumbered, the preferred answer loses.
-    tally = Tally(["a", "b", "c"], preferred="a")
-    for name, answer in (("a", "1"), ("b", "2"), ("c", "2")):
-        tally.cast(name, answer, -0.1)
+    outvoted = (("a", "1", -0.1), ("b", "2", -0.1), ("c", "2", -0.1))
+    tally = cast_all(Tally(["a", "b", "c"], preferred="a"), outvoted)
     assert tally.winner().candidate == "b"
 
 
 def test_a_tie_without_the_preferred_answer_goes_to_confidence():
-    tally = Tally(["a", "b", "c", "d", "e"], preferred="a")
-    for name, answer, lp in (("a", "1", -0.1), ("b", "2", -0.5), ("c", "3", -0.2)):
-        tally.cast(name, answer, lp)
-    for name, answer, lp in (("d", "2", -0.5), ("e", "3", -0.2)):
-        tally.cast(name, answer, lp)
-    assert tally.winner().candidate in {"c", "e"}  # 3 (mean -0.2) beats 2 (mean -0.5)
+    ballots = (
+        ("a", "1", -0.1),
+        ("b", "2", -0.5),
+        ("c", "3", -0.2),
+        ("d", "2", -0.5),
+        ("e", "3", -0.2),
+    )
+    tally = cast_all(Tally(["a", "b", "c", "d", "e"], preferred="a"), ballots)
+    # 3 (mean -0.2) beats 2 (mean -0.5); within it, equal confidence: the first to vote.
+    assert tally.winner().candidate == "c"
 
 
 def test_nobody_voted_means_no_winner():
