@@ -25,8 +25,8 @@ Policies:
   model picks one (:mod:`gateway.moa.judge`); a judge that names none leaves the most confident.
 
 Common rules: a worker without a first delta by ``first_token_timeout_s``, or still running at
-``total_timeout_s``, is failed and cancelled; the last survivor is committed as is; when all fail
-the request fails.
+``total_timeout_s``, is failed and cancelled; the last survivor is committed as is once it has
+streamed anything; when all fail the request fails.
 """
 
 from __future__ import annotations
@@ -251,9 +251,14 @@ class Arbiter:
         if not candidates:
             return self._fail_all()
         if len(candidates) == 1 and not candidates[0].waiting:
-            return self._commit(
-                candidates[0].name, "single" if len(self.workers) == 1 else "survivor", now
-            )
+            last = candidates[0]
+            if len(self.workers) == 1:
+                return self._commit(last.name, "single", now)
+            # The last one left is committed once it streams: while silent it may still miss
+            # its first-token deadline, and then the request fails with a real status.
+            if last.first_token_at is None and not last.finished:
+                return []
+            return self._commit(last.name, "survivor", now)
         return self._policies[self.policy](now)
 
     def _commit(self, worker: str, reason: str, now: float) -> list[Decision]:

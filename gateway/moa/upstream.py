@@ -77,6 +77,10 @@ class _StreamBroke:
     reason: str
 
 
+# What counts as a first token (the arbiter's TokenArrived).
+_CONTENT = (TextDelta, ReasoningDelta, ToolCallDelta)
+
+
 def _worker_event(worker: str, event: Event | _StreamBroke) -> WorkerEvent | None:
     """What the arbiter learns from one upstream event (None: nothing it judges)."""
     match event:
@@ -380,15 +384,21 @@ class _Run:
             if is_terminal(buffered):
                 return
         self.buffers[winner] = []  # keep accepting the winner's live events
-        deadline = arbiter.workers[winner].started_at + self.config.total_timeout_s
+        view = arbiter.workers[winner]
+        finish_by = view.started_at + self.config.total_timeout_s
+        # A survivor (or a lone worker) can be committed before its first token: the
+        # first-token deadline still holds until one comes.
+        silent = view.first_token_at is None
         while True:
-            item = await self._next(deadline)
+            first_token_by = view.started_at + self.config.first_token_timeout_s
+            item = await self._next(min(first_token_by, finish_by) if silent else finish_by)
             if item is None:
-                yield Error("timeout", f"MoA winner {winner} did not finish in time")
+                yield Error("timeout", self._timeout_message(winner, silent))
                 return
             worker, event = item
             if worker != winner:
                 continue
+            silent = silent and not isinstance(event, _CONTENT)
             if isinstance(event, _StreamBroke):
                 yield Error("upstream", f"MoA winner {winner} failed: {event.reason}")
                 return
@@ -396,6 +406,13 @@ class _Run:
                 yield event
             if is_terminal(event):
                 return
+
+    def _timeout_message(self, winner: str, silent: bool) -> str:
+        if silent:
+            return (
+                f"MoA winner {winner}: no first token within {self.config.first_token_timeout_s:g}s"
+            )
+        return f"MoA winner {winner} did not finish in time"
 
     async def close(self) -> None:
         """Cancel every worker still running and wait until each has closed its stream."""

@@ -169,8 +169,19 @@ def test_first_token_deadline_fails_a_silent_worker(policy):
 def test_the_last_survivor_is_passed_through(policy):
     arbiter = make(policy)
     assert arbiter.handle(WorkerFailed("a", "upstream: boom"), 0.1) == []
-    decisions = arbiter.handle(WorkerFailed("b", "raised"), 0.2)
-    assert decisions == [Commit("c", "survivor")]
+    # Silent, c could still miss its first-token deadline: it is committed once it streams.
+    assert arbiter.handle(WorkerFailed("b", "raised"), 0.2) == []
+    assert arbiter.next_deadline() == pytest.approx(5.0)
+    assert arbiter.handle(TokenArrived("c", "x"), 0.3) == [Commit("c", "survivor")]
+
+
+def test_a_silent_survivor_that_misses_its_deadline_fails_the_request():
+    arbiter = make("race", workers=("a", "b"))
+    assert arbiter.handle(WorkerFailed("a", "upstream: boom"), 0.1) == []
+    decisions = arbiter.tick(5.0)
+    assert Cancel("b") in decisions and [d.kind for d in decisions if isinstance(d, Fail)] == [
+        "upstream"
+    ]
 
 
 def test_all_timed_out_fails_with_timeout():

@@ -318,6 +318,21 @@ async def test_all_workers_hanging_ends_with_a_timeout_error():
     assert all(u.cancelled == 1 and u.active == 0 for u in workers)
 
 
+@pytest.mark.parametrize("others", [[Raise(RuntimeError("boom"))], []])
+async def test_a_silent_last_worker_still_has_its_first_token_deadline(others):
+    # The other worker fails at once (or there is none: the single worker is committed at
+    # start): the silent one must not get total_timeout_s to say its first word.
+    silent = ScriptedUpstream.of(Stall())
+    workers = [("s", 1, silent)] + ([("f", 2, ScriptedUpstream.of(*others))] if others else [])
+    config = MoaConfig(max_workers=len(workers), first_token_timeout_s=0.2, total_timeout_s=60.0)
+    events = await collect(MixtureOfAgents(mesh_of(*workers), config), ask(), limit=5.0)
+    assert_well_formed(events)
+    error = events[-1][1]
+    assert isinstance(error, Error) and "no first token" in error.message
+    assert error.kind == ("upstream" if others else "timeout")  # not every failure timed out
+    assert silent.cancelled == 1 and silent.active == 0
+
+
 @pytest.mark.parametrize(
     ("tail", "kind"),
     [

@@ -306,7 +306,8 @@ def test_a_candidate_failing_mid_stream_withdraws_and_the_vote_goes_on():
 def test_when_all_but_one_fail_the_survivor_is_committed_live():
     arbiter = make(names(3))
     arbiter.handle(WorkerFailed("w0", "boom"), 1.0)
-    assert arbiter.handle(WorkerFailed("w1", "boom"), 1.0) == [Commit("w2", "survivor")]
+    assert arbiter.handle(WorkerFailed("w1", "boom"), 1.0) == []  # w2 is still silent
+    assert arbiter.handle(TokenArrived("w2", "4"), 1.1) == [Commit("w2", "survivor")]
 
 
 def test_one_sample_is_committed_at_once_and_streams_live():

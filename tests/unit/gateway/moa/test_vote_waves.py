@@ -8,7 +8,7 @@ import dataclasses
 from gateway.moa import MixtureOfAgents
 from gateway.moa.arbiter import Arbiter
 from gateway.moa.costs import parse_votes
-from gateway.moa.events import Cancel, Commit, Launch, WorkerFailed, WorkerStarted
+from gateway.moa.events import Cancel, Commit, Launch, TokenArrived, WorkerFailed, WorkerStarted
 from gateway.moa.views import WorkerStatus
 from gateway.testing import Stall
 from tests.unit.gateway.moa.test_splice import ask, assert_well_formed, collect, mesh_of, meta_of
@@ -94,7 +94,8 @@ def test_a_wave_that_all_fails_launches_the_next_instead_of_failing():
     # One of the new wave fails too: the other is the survivor and streams live.
     arbiter.handle(WorkerStarted("w2"), 1.0)
     arbiter.handle(WorkerStarted("w3"), 1.0)
-    assert arbiter.handle(WorkerFailed("w2", "boom"), 2.0) == [Commit("w3", "survivor")]
+    assert arbiter.handle(WorkerFailed("w2", "boom"), 2.0) == []
+    assert arbiter.handle(TokenArrived("w3", "4"), 2.1) == [Commit("w3", "survivor")]
 
 
 def test_a_single_sample_wave_is_not_mistaken_for_the_survivor():
