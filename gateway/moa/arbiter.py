@@ -113,7 +113,10 @@ class Arbiter:
         self.launched = list(workers)[: self.wave]
         # Ties go to the first candidate's answer: the caller's own request (plan_candidates).
         self.tally = Tally(
-            workers, confidence=config.vote_confidence, preferred=next(iter(workers))
+            workers,
+            confidence=config.vote_confidence,
+            preferred=next(iter(workers)),
+            scatter=config.vote_scatter,
         )
         self._grace_passed = False
         self._handlers: dict[type, Callable[[WorkerView, WorkerEvent, float], None]] = {

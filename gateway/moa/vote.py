@@ -8,14 +8,17 @@ abstains when it has none; a failed one withdraws. The vote is decided as soon a
   runner-up by more than their number, so not even a tie is possible), or
 - ``confident``: the Beta stopping rule says the leader's share beats the runner-up's with at
   least ``confidence`` (posterior Beta(v1 + 1, v2 + 1) over the leader's share of the two), or
+- ``scattered``: at least half of the candidates are in and no answer has more than ``scatter``
+  of them (abstentions count as in): the samples disagree too much for the rest to find a
+  majority worth having, so the leader (on a tie the caller's own answer) stands, or
 - ``complete``: nobody is left to vote.
 
 The winner is the leading answer's candidate with the highest mean token log-probability,
 complete ones before those cut off by ``max_tokens`` (ties: the one that voted first). A cut-off
 candidate votes with the answer its text so far gives (what a reader of that text would take
 as its answer): on the screening items of ``bench/moa_quality.py`` its vote is worth more than
-its abstention. Tied answers at the end go to the answer whose voters have the
-higher mean log-probability.
+its abstention. Tied answers go to the caller's own (``preferred``) answer, else to the answer
+whose voters have the higher mean log-probability.
 """
 
 from __future__ import annotations
@@ -58,11 +61,13 @@ class Tally:
         *,
         confidence: float = CONFIDENCE,
         preferred: str | None = None,
+        scatter: float | None = None,
     ) -> None:
         self.pending: set[str] = set(candidates)
         self.preferred = preferred
         self.total = len(self.pending)
         self.confidence = confidence
+        self.scatter = scatter
         self.ballots: list[Ballot] = []
         self.abstained: list[str] = []
         self.withdrawn: list[str] = []
@@ -103,7 +108,8 @@ class Tally:
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
     def decision(self) -> str | None:
-        """``safe``, ``confident`` or ``complete`` once the vote is decided, else None."""
+        """``safe``, ``confident``, ``scattered`` or ``complete`` once the vote is decided, else
+        None."""
         counts = list(self.votes().values())
         leader = counts[0] if counts else 0
         runner_up = counts[1] if len(counts) > 1 else 0
@@ -113,7 +119,15 @@ class Tally:
             return "safe"
         if leader and beta_leads(leader, runner_up) >= self.confidence:
             return "confident"
+        if self._scattered(leader):
+            return "scattered"
         return None
+
+    def _scattered(self, leader: int) -> bool:
+        cast = len(self.ballots) + len(self.abstained)
+        if self.scatter is None or 2 * cast < self.total or len(self.votes()) < 2:
+            return False  # disagreement needs two answers (abstentions alone say nothing)
+        return leader <= self.scatter * cast
 
     def needed(self) -> int:
         """The fewest further votes that could decide the vote (all of them going to the

@@ -122,6 +122,26 @@ def test_beta_rule_stops_four_unanimous_votes_of_eight():
     assert tally.decision() == "confident"
 
 
+def test_scattered_answers_stop_the_vote_once_half_are_in_and_the_caller_s_answer_stands():
+    tally = Tally(names(8), preferred="w0", scatter=1 / 3)
+    for i, answer in enumerate(["1", "2", "3"]):
+        tally.cast(f"w{i}", answer, -0.1 * (3 - i))  # the caller's own is the least confident
+    assert tally.decision() is None  # three of eight: not half yet
+    tally.cast("w3", None, None)  # an abstention counts as in: half, and no answer has two
+    assert tally.decision() == "scattered" and tally.winner().candidate == "w0"
+
+
+def test_a_leader_with_more_than_the_scatter_share_keeps_the_vote_open():
+    tally = Tally(names(8), scatter=1 / 3)
+    for i, answer in enumerate(["1", "1", "2", "3"]):
+        tally.cast(f"w{i}", answer, None)
+    assert tally.decision() is None  # "1" has half of the four
+    tally.cast("w4", "4", None)
+    tally.cast("w5", "5", None)
+    assert tally.decision() == "scattered"  # two of six: a third
+    assert Tally(names(8)).scatter is None  # off unless asked (the arbiter passes MoaConfig's)
+
+
 def test_abstentions_and_withdrawals_only_shrink_the_remaining_count():
     tally = Tally(["a", "b", "c"], confidence=1.0)
     tally.cast("a", "5", -0.1)
