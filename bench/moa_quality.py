@@ -64,7 +64,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EVAL_LOG = RESULTS / "moa-quality-items.jsonl"
 # Screening, tuning (the settings were chosen on these items) and held-out (the done-when,
 # recorded after the settings were fixed and not looked at before).
-SCREEN_SEED, EVAL_SEED, HELDOUT_SEED = 1001, 2002, 3003
+# A second held-out set was recorded after the scatter rule was fixed on the tuning items.
+SCREEN_SEED, EVAL_SEED, HELDOUT_SEED, HELDOUT2_SEED = 1001, 2002, 3003, 4004
+HELDOUT_LOGS = [RESULTS / "moa-quality-heldout.jsonl", RESULTS / "moa-quality-heldout-4004.jsonl"]
 INSTRUCTION = "Reply with only the final answer."  # the question's own, not the judge's
 # Candidate tasks, easy settings (a 135M model must get some right), chosen before measuring:
 # arithmetic, counting, string manipulation and number theory, so the selection stays general.
@@ -548,13 +550,14 @@ def report(
     eval_rows: list[dict[str, Any]],
     args: argparse.Namespace,
     partial: bool,
-    heldout_rows: list[dict[str, Any]] | None = None,
+    heldout: dict[int, list[dict[str, Any]]] | None = None,
 ) -> str:
+    heldout = heldout or {}
     lines = ['# `model="mesh"` answer quality: self-mixture on SmolLM2-135M', ""]
     if partial:
         lines += [
             "**PARTIAL RESULTS** – the recording has not finished "
-            f"({len(heldout_rows or eval_rows)} evaluation items of the 300 the issue asks for).",
+            "(fewer than 300 items of 6 tasks in a held-out or the evaluation log).",
             "",
         ]
     lines += [
@@ -570,6 +573,9 @@ def report(
         "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "
         f"--hot 0.5 --hot-samples 15 --batch 19 --seed {HELDOUT_SEED} "
         "--eval-log bench/results/moa-quality-heldout.jsonl",
+        "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "
+        f"--hot 0.5 --hot-samples 15 --batch 19 --seed {HELDOUT2_SEED} "
+        "--eval-log bench/results/moa-quality-heldout-4004.jsonl",
         "",
     ]
     lines += [
@@ -584,19 +590,13 @@ def report(
     if screen_rows:
         lines += screen_table(screen_rows, args.pool)
         lines += ["", *tuning_section(screen_rows, args.pool)]
-    if heldout_rows:
-        lines += [
-            "",
-            "The held-out items below were recorded after the vote's settings (the tie rule, "
-            "self-refuting replies abstaining, the confidence and the wave) were fixed on the "
-            f"tuning items (seed {EVAL_SEED}, the section after them): the done-when.",
-            "",
-            *policy_section(heldout_rows, args, seed=HELDOUT_SEED, title="Held-out: policies"),
-        ]
+    if heldout:
+        lines += ["", *heldout_sections(heldout, args)]
     if eval_rows:
-        title = "Tuning: policies" if heldout_rows else "Policies"
-        lines += ["", *policy_section(eval_rows, args, title=title, figure=not heldout_rows)]
-        lines += ["", *confidence_section(eval_rows, args.pool)]
+        title = "Tuning: policies" if heldout else "Policies"
+        lines += ["", *policy_section(eval_rows, args, title=title, figure=not heldout)]
+        lines += ["", "### The stopping rule on these items", ""]
+        lines += stopping_rule_table(eval_rows, args.pool)
         second = _rows(args.mix_log) if args.mix_log else []
         if second:
             mix = two_model_section(eval_rows, second, args.pool, args.mix_name)
@@ -611,6 +611,33 @@ def report(
             *policy_section(screen_rows, args, seed=SCREEN_SEED, figure=False),
         ]
     return "\n".join(lines) + "\n"
+
+
+def heldout_sections(
+    heldout: dict[int, list[dict[str, Any]]], args: argparse.Namespace
+) -> list[str]:
+    """Each held-out set's modes and sign tests, then every set pooled in full: the done-when."""
+    when = {
+        HELDOUT_SEED: "after the tie rule, self-refuting replies abstaining, the confidence and "
+        "the wave were fixed",
+        HELDOUT2_SEED: "after the scatter rule was fixed as well",
+    }
+    lines = [
+        f"The held-out items were recorded once the vote's settings were fixed on the tuning "
+        f"items (seed {EVAL_SEED}, the section after them) and chose nothing: "
+        + "; ".join(f"seed {seed} {when.get(seed, 'later')}" for seed in heldout)
+        + ". Each set alone, then all of them pooled (the done-when).",
+    ]
+    for seed, rows in heldout.items():
+        pool = args.pool if args.pool in pools(rows) else "default"
+        results = evaluate(rows, pool)
+        n = len(rows)
+        lines += ["", f"## Held-out, seed {seed}: {n} items", "", *mode_table(results, n)]
+        lines += ["", *sign_tests(results, n)]
+    pooled = [r for rows in heldout.values() for r in rows]
+    seeds = " + ".join(str(seed) for seed in heldout)
+    title = "Held-out, pooled: policies" if len(heldout) > 1 else "Held-out: policies"
+    return [*lines, "", *policy_section(pooled, args, seed=seeds, title=title)]
 
 
 def tuning_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
@@ -640,26 +667,7 @@ def tuning_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
         single = sum(pool_of(r, label)[1][0] for r in mine)
         name = "the model's default (T = 0.2)" if label == "default" else f"T = {label}"
         lines.append(f"| {name} | {' | '.join(cells)} | {100 * single / max(1, n):.1f} % |")
-    lines += [
-        "",
-        f"At T = {pool}, N = 8: the Beta rule's confidence and the first wave "
-        f"(shipped: {shipped.vote_confidence}, {shipped.vote_wave}).",
-        "",
-        "| confidence | first wave | correct | samples started (share of N) | decode steps |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for confidence in (0.8, 0.9, 0.95):
-        for wave in (2, 4, 8):
-            config = dataclasses.replace(shipped, vote_confidence=confidence)
-            hits = used = steps = 0
-            for r in mine:
-                vote, hit = vote_on(r, pool, 8, config, wave)
-                hits += hit
-                used, steps = used + vote.used, steps + vote.decided_step
-            lines.append(
-                f"| {confidence} | {wave if wave < 8 else 'all'} | {100 * hits / max(1, n):.1f} % | "
-                f"{used / max(1, n):.2f} ({100 * used / max(1, 8 * n):.0f} %) | {steps / max(1, n):.0f} |"
-            )
+    lines += ["", *stopping_rule_table(mine, pool, sizes=(8,))]
     return lines
 
 
@@ -728,7 +736,7 @@ def sign_tests(results: Results, n: int) -> list[str]:
 def policy_section(
     rows: list[dict[str, Any]],
     args: argparse.Namespace,
-    seed: int = EVAL_SEED,
+    seed: int | str = EVAL_SEED,
     title: str = "Policies",
     figure: bool = True,
 ) -> list[str]:
@@ -777,27 +785,40 @@ def policy_section(
     return lines
 
 
-def confidence_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
-    """The Beta rule's confidence and the first wave, replayed over ``rows`` (N = 8 and 16):
-    accuracy against the samples they start."""
+def stopping_rule_table(
+    rows: list[dict[str, Any]], pool: str, sizes: tuple[int, ...] = (8, 16)
+) -> list[str]:
+    """The vote's stopping rules replayed over ``rows`` at each N in ``sizes``: the Beta rule's
+    confidence, the scatter share and the first wave, against the samples they start."""
+    shipped = MoaConfig()
     lines = [
-        f"### The stopping rule on these items (samples at T = {pool})",
+        f"Stopping rules at T = {pool} (shipped: confidence {shipped.vote_confidence}, scatter "
+        f"{_share(shipped.vote_scatter)}, waves of {shipped.vote_wave}):",
         "",
-        "| N | confidence | first wave | correct | samples started (share of N) |",
-        "|---:|---:|---:|---:|---:|",
+        "| N | confidence | scatter | first wave | correct | samples started (share of N) | "
+        "decode steps |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n in (8, 16):
-        for confidence in (0.8, 0.9, 0.95, 1.0):
-            config = MoaConfig(vote_confidence=confidence)
-            for wave in (2, 4, None):
-                outcomes = [vote_on(r, pool, n, config, wave or n) for r in rows]
-                hits = sum(hit for _, hit in outcomes) / len(rows)
-                used = sum(o.used for o, _ in outcomes) / len(rows)
-                lines.append(
-                    f"| {n} | {confidence} | {wave or 'all'} | {100 * hits:.1f} % | "
-                    f"{used:.2f} ({100 * used / n:.0f} %) |"
+    for n in sizes:
+        for confidence in (0.8, 0.9, 0.95):
+            for scatter in (None, 1 / 4, 1 / 3):
+                config = dataclasses.replace(
+                    shipped, vote_confidence=confidence, vote_scatter=scatter
                 )
+                for wave in (2, n):
+                    outcomes = [vote_on(r, pool, n, config, wave) for r in rows]
+                    hits = sum(hit for _, hit in outcomes) / len(rows)
+                    used = sum(o.used for o, _ in outcomes) / len(rows)
+                    steps = sum(o.decided_step for o, _ in outcomes) / len(rows)
+                    lines.append(
+                        f"| {n} | {confidence} | {_share(scatter)} | {wave if wave < n else 'all'} "
+                        f"| {100 * hits:.1f} % | {used:.2f} ({100 * used / n:.0f} %) | {steps:.0f} |"
+                    )
     return lines
+
+
+def _share(share: float | None) -> str:
+    return "off" if share is None else f"1/{round(1 / share)}"
 
 
 def task_section(results: Results, rows: list[dict[str, Any]]) -> list[str]:
@@ -892,7 +913,13 @@ def main() -> None:
     parser.add_argument("--screen-log", type=Path, default=RESULTS / "moa-quality-screen.jsonl")
     parser.add_argument("--eval-log", type=Path, default=EVAL_LOG)
     parser.add_argument("--judge-log", type=Path, default=RESULTS / "moa-quality-judge.jsonl")
-    parser.add_argument("--heldout-log", type=Path, default=RESULTS / "moa-quality-heldout.jsonl")
+    parser.add_argument(
+        "--heldout-log",
+        type=Path,
+        nargs="+",
+        default=HELDOUT_LOGS,
+        help="the held-out item logs, each reported alone and all of them pooled",
+    )
     parser.add_argument(
         "--mix-log",
         type=Path,
@@ -921,11 +948,13 @@ def main() -> None:
         asyncio.run(record_judge(args, args.judge_log))
     screen = _rows(args.screen_log)
     # Recording the held-out items (--eval-log = --heldout-log) still reports the tuning ones.
-    tuning_log = EVAL_LOG if args.eval_log == args.heldout_log else args.eval_log
+    tuning_log = EVAL_LOG if args.eval_log in args.heldout_log else args.eval_log
     evals = with_judge_replies(_rows(tuning_log), args.judge_log)
-    heldout = _rows(args.heldout_log)
-    done = heldout or evals
-    partial = len({r["task"] for r in done}) < 6 or len(done) < 300
+    heldout = {_seed(path): rows for path in args.heldout_log if (rows := _rows(path))}
+    done = next(iter(heldout.values()), evals)
+    partial = any(
+        len({r["task"] for r in d}) < 6 or len(d) < 300 for d in [done, *heldout.values()]
+    )
     text = report(screen, evals, args, partial, heldout)
     (RESULTS / "moa-quality.md").write_text(text)
     print((RESULTS / "moa-quality.md").read_text())
@@ -954,6 +983,12 @@ def kept_tasks(rows: list[dict[str, Any]], pool: str, minimum: int = 6) -> list[
     ranked = sorted(gaps, key=lambda t: -gaps[t])
     kept = [t for t in ranked if gaps[t] >= 10]
     return kept if len(kept) >= minimum else ranked[:minimum]
+
+
+def _seed(path: Path) -> int:
+    """The items' seed, from the log's header line."""
+    with path.open("rb") as log:
+        return int(orjson.loads(log.readline())["header"]["seed"])
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
