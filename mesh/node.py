@@ -68,6 +68,7 @@ class NodeConfig:
     split: SplitOptions | None = None  # mesh up --split N: every model over N local ranks
     speculation: str = "auto"  # the workers' --speculation
     draft_model: str | None = None  # the workers' --draft-model (a resolved path or hub id)
+    prompt_cache_gb: float = 2.0  # the workers' --prompt-cache-gb
 
     def worker_options(self) -> WorkerOptions:
         return WorkerOptions(
@@ -79,6 +80,7 @@ class NodeConfig:
             split=self.split,
             speculation=self.speculation,
             draft_model=self.draft_model,
+            prompt_cache_gb=self.prompt_cache_gb,
         )
 
     def check(self) -> None:

@@ -57,6 +57,7 @@ class WorkerOptions:
     split: SplitOptions | None = None
     speculation: str = "auto"  # the worker's --speculation (auto|off)
     draft_model: str | None = None  # the worker's --draft-model
+    prompt_cache_gb: float = 2.0  # the worker's --prompt-cache-gb
 
 
 def check_model_available(home: Path, model: str) -> None:
@@ -120,6 +121,7 @@ class WorkerProcess:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--home", str(self.options.home),
             "--speculation", self.options.speculation,
+            "--prompt-cache-gb", f"{self.options.prompt_cache_gb:g}",
             *(("--draft-model", self.options.draft_model) if self.options.draft_model else ()),
         ]  # fmt: skip
 

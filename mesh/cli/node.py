@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 import typer
 
 from mesh.cli.app import HomeOption, app, err_console, fail, read_secret, resolve_home
-from mesh.cli.worker import DRAFT_MODEL_OPTION_HELP, SPECULATION_OPTION_HELP
+from mesh.cli.worker import (
+    DRAFT_MODEL_OPTION_HELP,
+    PROMPT_CACHE_OPTION_HELP,
+    SPECULATION_OPTION_HELP,
+    check_worker_options,
+)
 
 if TYPE_CHECKING:
     from mesh.copy.server import CopyConfig
@@ -139,6 +144,7 @@ def up_command(
     ),
     speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
     draft_model: str | None = typer.Option(None, "--draft-model", help=DRAFT_MODEL_OPTION_HELP),
+    prompt_cache_gb: float = typer.Option(2.0, "--prompt-cache-gb", help=PROMPT_CACHE_OPTION_HELP),
     bridge_port: int | None = typer.Option(
         None,
         "--bridge-port",
@@ -168,8 +174,7 @@ def up_command(
         raise fail("--split takes the number of ranks, at least 2")
     if share_memory < 0:
         raise fail("--share-memory takes a size in GB")
-    if speculation not in ("auto", "off"):
-        raise fail(f"--speculation is auto or off, not {speculation!r}")
+    check_worker_options(speculation, prompt_cache_gb)
     over = tuple(n.strip() for n in split_over.split(",") if n.strip()) if split_over else ()
     if split_over is not None and not over:
         raise fail("--split-over takes node ids (or 'self'), separated by commas")
@@ -195,6 +200,7 @@ def up_command(
         start_workers=not no_worker,
         speculation=speculation,
         draft_model=draft,
+        prompt_cache_gb=prompt_cache_gb,
         gateway=GatewayConfig(
             api_key=api_key,
             max_in_flight=max_in_flight,

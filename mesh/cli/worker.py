@@ -12,10 +12,22 @@ SPECULATION_OPTION_HELP = (
     "Speculative decoding: auto drafts from each request's prompt and answer and checks the"
     " drafts in one forward pass (per request while they are accepted); off: a token a step."
 )
+PROMPT_CACHE_OPTION_HELP = (
+    "GB of memory each worker keeps for cached prompt prefixes (KV), reused by later turns that"
+    " share them; 0 turns the cache off."
+)
 DRAFT_MODEL_OPTION_HELP = (
     "A small model of the same tokenizer (store name or MLX directory) that drafts the tokens"
     " speculation checks, instead of the request's own prompt (e.g. qwen3-0.6b for qwen3-8b)."
 )
+
+
+def check_worker_options(speculation: str, prompt_cache_gb: float) -> None:
+    """Refuse, in words, worker settings ``mesh up`` and ``mesh worker`` share."""
+    if speculation not in ("auto", "off"):
+        raise fail(f"--speculation is auto or off, not {speculation!r}")
+    if prompt_cache_gb < 0:
+        raise fail("--prompt-cache-gb takes a size in GB (0: no prompt cache)")
 
 
 @app.command("worker")
@@ -27,13 +39,13 @@ def worker_command(
     name: str | None = typer.Option(None, "--name", help="Serve the model under this name."),
     speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
     draft_model: str | None = typer.Option(None, "--draft-model", help=DRAFT_MODEL_OPTION_HELP),
+    prompt_cache_gb: float = typer.Option(2.0, "--prompt-cache-gb", help=PROMPT_CACHE_OPTION_HELP),
 ) -> None:
     """Serve MODEL over HTTP (OpenAI chat completions, /v1/models, /health)."""
     from worker.engine import EngineError
     from worker.serve_main import exit_process, run
 
-    if speculation not in ("auto", "off"):
-        raise fail(f"--speculation is auto or off, not {speculation!r}")
+    check_worker_options(speculation, prompt_cache_gb)
     try:
         run(
             model,
@@ -43,6 +55,7 @@ def worker_command(
             name=name,
             speculation=speculation,
             draft_model=draft_model,
+            prompt_cache_gb=prompt_cache_gb,
         )
     except KeyboardInterrupt:
         exit_process(0)
