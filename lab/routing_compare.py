@@ -243,15 +243,22 @@ def runs(spec: SessionsSpec) -> list[Run]:
     """Each routing with the scenario's session keys; then, where the scenario sends them,
     each without (``keyless``: clients that send no session id, whose turns only the cache
     can place); then the hedge runs."""
-    out = [Run(mode, ["--routing", mode], session_keys=spec.session_keys) for mode in spec.routings]
+    cache = (
+        [] if spec.prompt_cache_gb is None else ["--prompt-cache-gb", f"{spec.prompt_cache_gb:g}"]
+    )
+    out = [
+        Run(mode, ["--routing", mode, *cache], session_keys=spec.session_keys)
+        for mode in spec.routings
+    ]
     if spec.session_keys:
         for mode in spec.keyless:
-            out.append(Run(f"{mode}, no session key", ["--routing", mode], session_keys=False))
+            flags = ["--routing", mode, *cache]
+            out.append(Run(f"{mode}, no session key", flags, session_keys=False))
     if spec.hedge_runs:
         mode, slowed = spec.routings[-1], f"node {spec.slow_node} slowed"
         for hedge, slow in (("auto", False), ("off", True), ("auto", True)):
             label = f"{mode}, hedge {hedge}, {slowed if slow else 'healthy'}"
-            flags = ["--routing", mode, "--hedge", hedge]
+            flags = ["--routing", mode, "--hedge", hedge, *cache]
             out.append(Run(label, flags, kill=False, slow=slow, session_keys=spec.session_keys))
     return out
 

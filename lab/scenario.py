@@ -227,6 +227,9 @@ class SessionsSpec(_Strict):
     hedge_runs: bool = True
     slow_node: int = 1
     slow_duty: float = Field(0.25, gt=0, le=1)
+    # Every node's workers' prompt cache (mesh up --prompt-cache-gb); None: the default. Small
+    # enough that a node holds only some sessions, where a turn lands decides what it finds.
+    prompt_cache_gb: float | None = Field(None, ge=0)
 
 
 class Scenario(_Strict):

@@ -67,3 +67,13 @@ def test_the_routing_scenario_compares_three_modes_then_hedges():
     assert [run.session_keys for run in plan[:5]] == [True, True, True, False, False]
     assert labels[5:] == ["cache, hedge auto, healthy", "cache, hedge off, node 1 slowed", "cache, hedge auto, node 1 slowed"]  # fmt: skip
     assert [(run.kill, run.slow) for run in plan[5:]] == [(False, False), (False, True), (False, True)]  # fmt: skip
+
+
+def test_the_small_cache_scenario_gives_every_run_its_cache_size():
+    spec = load_scenario("routing-small-cache").sessions
+    assert spec is not None and spec.prompt_cache_gb == 0.005
+    plan = runs(spec)
+    assert [run.label for run in plan][-2:] == ["today, no session key", "cache, no session key"]
+    for run in plan:
+        assert run.up_args[run.up_args.index("--prompt-cache-gb") + 1] == "0.005"
+    assert "--prompt-cache-gb" not in runs(load_scenario("routing").sessions)[0].up_args
