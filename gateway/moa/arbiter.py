@@ -37,7 +37,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from gateway.events import ErrorKind
 from gateway.moa import gates, judge, scoring
-from gateway.moa.answers import extract_answer, states_false_equation
 from gateway.moa.config import MoaConfig, Policy
 from gateway.moa.events import (
     Cancel,
@@ -54,7 +53,7 @@ from gateway.moa.events import (
     WorkerStarted,
 )
 from gateway.moa.views import WorkerStatus, WorkerView
-from gateway.moa.vote import Tally
+from gateway.moa.vote import Tally, read_ballots
 
 log = logging.getLogger(__name__)
 
@@ -301,22 +300,13 @@ class Arbiter:
     def _support(self, view: WorkerView) -> float:
         """Share of the other live workers whose text agrees with this one so far."""
         others = [
-            v for v in self.workers.values() if v.alive and v is not view and v.name != REDUCER
+            (v.text, v.finished)
+            for v in self.workers.values()
+            if v.alive and v is not view and v.name != REDUCER
         ]
-        if not others or not view.text.strip():
-            return 0.0
-        mine = scoring.normalize_answer(view.text)
-        agree = 0
-        for other in others:
-            theirs = scoring.normalize_answer(other.text)
-            if not theirs:
-                continue
-            need = min(self.config.agree_prefix_chars, len(mine), len(theirs))
-            if view.finished and other.finished:
-                agree += mine == theirs
-            elif scoring.common_prefix_length(mine, theirs) >= need:
-                agree += 1
-        return agree / len(others)
+        return scoring.agreement_share(
+            view.text, view.finished, others, self.config.agree_prefix_chars
+        )
 
     def _best(self, views: Sequence[WorkerView]) -> WorkerView:
         # Highest score; ties go to the worker with more output, then the earliest.
@@ -429,16 +419,7 @@ class Arbiter:
         return decisions
 
     def _decide_vote(self, now: float) -> list[Decision]:
-        for view in self.workers.values():
-            if view.name not in self.tally.pending:  # counted already: read each text once
-                continue
-            if view.finished:
-                complete = view.finish_reason != "length"
-                refuted = view.tool_calls or states_false_equation(view.text)
-                answer = None if refuted else extract_answer(view.text)
-                self.tally.cast(view.name, answer, view.mean_logprob, complete)
-            elif not view.alive:
-                self.tally.withdraw(view.name)
+        read_ballots(self.tally, self.workers.values())
         reason = self.tally.decision()
         if reason is None:
             if any(v.running for v in self.workers.values()):

@@ -61,6 +61,29 @@ def prefix_agreement(texts: dict[str, str], min_chars: int) -> list[str]:
     return best
 
 
+def agreement_share(
+    mine: str, finished: bool, others: Sequence[tuple[str, bool]], prefix_chars: int
+) -> float:
+    """Share of ``others`` (each ``(text, finished)``) whose text agrees with ``mine`` so far:
+    two finished texts agree when their normalised answers are equal; otherwise when they share
+    ``prefix_chars`` leading characters (or all of the shorter one). An empty text agrees with
+    nothing and is not held against the others' share."""
+    if not others or not mine.strip():
+        return 0.0
+    normalised = normalize_answer(mine)
+    agree = 0
+    for text, other_finished in others:
+        theirs = normalize_answer(text)
+        if not theirs:
+            continue
+        need = min(prefix_chars, len(normalised), len(theirs))
+        if finished and other_finished:
+            agree += normalised == theirs
+        elif common_prefix_length(normalised, theirs) >= need:
+            agree += 1
+    return agree / len(others)
+
+
 def mean_logprob(total: float, count: int) -> float | None:
     return total / count if count else None
 

@@ -27,6 +27,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.moa.answers import extract_answer, states_false_equation
+from gateway.moa.views import WorkerView
+
 CONFIDENCE = 0.95
 
 
@@ -160,3 +163,20 @@ class Tally:
 
         best = max(clusters.values(), key=strength)
         return max(best, key=lambda b: (b.complete, b.confidence, -b.order))
+
+
+def read_ballots(tally: Tally, views: Iterable[WorkerView]) -> None:
+    """Count the candidates that finished or died since the last look (each text is read once).
+
+    A finished candidate votes with its extracted answer; one that called a tool or states a
+    false equation refutes itself and abstains; one cut off by ``max_tokens`` votes with what
+    its text gives, as an incomplete ballot; a failed or cancelled one withdraws."""
+    for view in views:
+        if view.name not in tally.pending:
+            continue
+        if view.finished:
+            refuted = view.tool_calls or states_false_equation(view.text)
+            answer = None if refuted else extract_answer(view.text)
+            tally.cast(view.name, answer, view.mean_logprob, view.finish_reason != "length")
+        elif not view.alive:
+            tally.withdraw(view.name)

@@ -254,3 +254,14 @@ def test_reducer_request_lists_the_answers_under_the_callers_system_prompt():
 )
 def test_is_conclusive(text, conclusive):
     assert gates.is_conclusive(text) is conclusive
+
+
+def test_agreement_share_compares_answers_when_both_finished_and_prefixes_while_streaming():
+    others = [("Paris.", True), ("paris", True), ("Lyon", True), ("", False)]
+    # Two of four agree; the silent one counts against the share but not as a disagreement.
+    assert scoring.agreement_share("Paris", True, others, prefix_chars=8) == 0.5
+    # While streaming, "The cap" shares its whole length with "The capital is Paris".
+    assert scoring.agreement_share("The cap", False, [("The capital is Paris", True)], 8) == 1.0
+    assert scoring.agreement_share("The cat", False, [("The capital is Paris", True)], 8) == 0.0
+    assert scoring.agreement_share("  ", True, others, prefix_chars=8) == 0.0
+    assert scoring.agreement_share("Paris", True, [], prefix_chars=8) == 0.0

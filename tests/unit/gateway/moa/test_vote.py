@@ -18,7 +18,8 @@ from gateway.moa.events import (
     WorkerFinished,
     WorkerStarted,
 )
-from gateway.moa.vote import Tally, beta_leads
+from gateway.moa.views import WorkerStatus, WorkerView
+from gateway.moa.vote import Tally, beta_leads, read_ballots
 
 # -- answers ----------------------------------------------------------------------------------
 
@@ -333,3 +334,26 @@ def test_when_all_but_one_fail_the_survivor_is_committed_live():
 def test_one_sample_is_committed_at_once_and_streams_live():
     arbiter = Arbiter(["w0"], CONFIG, now=0.0, policy="vote")
     assert arbiter.handle(WorkerStarted("w0"), 0.0) == [Commit("w0", "single")]
+
+
+def test_read_ballots_counts_each_candidate_once_and_refuted_ones_abstain():
+    def view(name: str, text: str, status: WorkerStatus, finish: str = "stop") -> WorkerView:
+        v = WorkerView(name, started_at=0.0)
+        v.text, v.status, v.finish_reason = text, status, finish
+        return v
+
+    views = [
+        view("a", "The answer is 12.", WorkerStatus.FINISHED),
+        view("b", "3 + 4 = 8, so 8.", WorkerStatus.FINISHED),  # a false equation
+        view("c", "It is 12 and", WorkerStatus.FINISHED, finish="length"),
+        view("d", "", WorkerStatus.FAILED),
+        view("e", "12", WorkerStatus.RUNNING),
+    ]
+    tally = Tally([v.name for v in views])
+    read_ballots(tally, views)
+    read_ballots(tally, views)  # already counted: nothing is cast twice
+    assert [(b.candidate, b.answer, b.complete) for b in tally.ballots] == [
+        ("a", "12", True),
+        ("c", "12", False),
+    ]
+    assert tally.abstained == ["b"] and tally.withdrawn == ["d"] and tally.pending == {"e"}
