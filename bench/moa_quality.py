@@ -637,7 +637,44 @@ def heldout_sections(
     pooled = [r for rows in heldout.values() for r in rows]
     seeds = " + ".join(str(seed) for seed in heldout)
     title = "Held-out, pooled: policies" if len(heldout) > 1 else "Held-out: policies"
-    return [*lines, "", *policy_section(pooled, args, seed=seeds, title=title)]
+    pool = args.pool if args.pool in pools(pooled) else "default"
+    lines += ["", *policy_section(pooled, args, seed=seeds, title=title)]
+    return [*lines, "", *scatter_check(pooled, pool)]
+
+
+def scatter_check(rows: list[dict[str, Any]], pool: str, n: int = 8) -> list[str]:
+    """The shipped vote against the same vote without its scatter stop, paired on ``rows``:
+    what stopping a scattered vote costs in answers and saves in samples and decode steps."""
+    shipped = MoaConfig()
+    without = dataclasses.replace(shipped, vote_scatter=None)
+    runs = {
+        label: [vote_on(r, pool, n, config, shipped.vote_wave) for r in rows]
+        for label, config in (("shipped", shipped), ("no scatter stop", without))
+    }
+    lines = [
+        f"### The scatter stop on these items (N = {n})",
+        "",
+        "| vote | correct | samples started (share of N) | tokens decoded / item | decode steps |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, outcomes in runs.items():
+        hits = sum(hit for _, hit in outcomes) / len(rows)
+        used = sum(o.used for o, _ in outcomes) / len(rows)
+        tokens = sum(o.tokens for o, _ in outcomes) / len(rows)
+        steps = sum(o.decided_step for o, _ in outcomes) / len(rows)
+        lines.append(
+            f"| {label} | {100 * hits:.1f} % | {used:.2f} ({100 * used / n:.0f} %) "
+            f"| {tokens:.0f} | {steps:.0f} |"
+        )
+    pairs = list(zip(runs["shipped"], runs["no scatter stop"], strict=True))
+    wins = sum(a[1] and not b[1] for a, b in pairs)
+    losses = sum(b[1] and not a[1] for a, b in pairs)
+    return [
+        *lines,
+        "",
+        f"Paired: the scatter stop wins {wins} items and loses {losses} "
+        f"(sign test p = {sign_test_p(wins, losses):.3g}).",
+    ]
 
 
 def tuning_section(rows: list[dict[str, Any]], pool: str) -> list[str]:
