@@ -42,7 +42,7 @@ class Gossiper:
         self._load_probe = load_probe
         self._publisher = GossipPublisher(node_id, interval_s=interval_s)
         self.last_state: NodeState | None = None  # what a new link is told first
-        self.load: dict[str, Any] = {}  # the workers' load, as the probe last found it
+        self.load: dict[str, Any] = {}  # the workers' load, as the probe last found it, and when
 
     async def run(self) -> None:
         probe_at = 0.0
@@ -52,7 +52,9 @@ class Gossiper:
                 probe_at = now + self._interval_s
                 try:
                     async with asyncio.timeout(1.0):
-                        self.load = await self._load_probe()
+                        load = await self._load_probe()
+                    # When it was measured: routing drains an old queue depth by its age.
+                    self.load = {**load, "probed_at": time.monotonic()}
                 except (OSError, TimeoutError, ValueError) as exc:
                     log.debug("load probe failed: %s", exc)
             try:

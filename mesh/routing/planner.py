@@ -133,6 +133,7 @@ class RoutePlanner:
                 digest_at=now,
                 queue_depth=int(load.get("queue_depth", 0)),
                 running=max(running, int(load.get("in_flight", 0))),
+                load_at=load.get("probed_at"),
                 ttft_s=self.observed.ttft_s(node_id),
             )
         record = self.peers.peers[node_id]
@@ -144,6 +145,7 @@ class RoutePlanner:
             digest_at=now if routed >= cached else record.last_seen,
             queue_depth=record.state.queue_depth,
             running=max(record.outstanding, record.state.in_flight),
+            load_at=record.last_seen,
             ttft_s=self.observed.ttft_s(node_id),
             rtt_s=record.rtt_s,
         )

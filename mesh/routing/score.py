@@ -2,7 +2,17 @@
 
 Each candidate's cost is an estimate of the seconds to its first token::
 
-    cost = uncached_tokens / prefill_tok_s  +  (queued + running) * per_request_s  +  rtt
+    cost = uncached_tokens / prefill_tok_s
+           + (queued_batches + running_share * running) * per_request_s  +  rtt
+
+The engine prefills its queue in batches of up to ``prefill_batch`` prompts (the worker's
+``prefill_batch_size``), so a newcomer waits for ``ceil(queued / prefill_batch)`` batches, each
+about one first token's time: counted one request each, seven prompts prefilling together
+(a burst of agent turns) outweighed a 900-token cache hit in the routing lab. A queue depth
+heard ``age`` seconds ago (``load_at``: gossip and the load probe run every 2 s) has had
+``age / per_request_s`` batches served since. A running row does not make a newcomer wait: its
+prefill runs before the batch's next decode step, so the rows decoding delay it by about a
+step, which grows only slowly with the batch – each counts ``running_share`` of a request.
 
 ``uncached_tokens`` is the prompt less the prefix the node's cache digest holds (a digest older
 than ``digest_ttl_s`` counts for nothing: the cache may have moved on); ``per_request_s`` is the
@@ -17,6 +27,7 @@ requests spread over idle nodes (but ``prefer``, this node, wins a tie no sessio
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +39,8 @@ class Policy:
     digest_ttl_s: float = 30.0
     tie_s: float = 0.05
     tie_ratio: float = 0.1
+    running_share: float = 0.05
+    prefill_batch: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +52,7 @@ class Candidate:
     digest_at: float | None = None
     queue_depth: int = 0
     running: int = 0  # rows generating there, ours included
+    load_at: float | None = None  # when queue_depth was measured (None: now)
     ttft_s: float | None = None
     rtt_s: float | None = None
 
@@ -67,7 +81,10 @@ def usable_cached(candidate: Candidate, prompt_tokens: int, now: float, policy: 
 def cost(candidate: Candidate, prompt_tokens: int, now: float, policy: Policy) -> float:
     uncached = prompt_tokens - usable_cached(candidate, prompt_tokens, now, policy)
     per_request = candidate.ttft_s if candidate.ttft_s is not None else policy.default_request_s
-    wait = (candidate.queue_depth + candidate.running) * per_request
+    batches = float(math.ceil(candidate.queue_depth / max(1, policy.prefill_batch)))
+    if candidate.load_at is not None and per_request > 0:
+        batches = max(0.0, batches - max(0.0, now - candidate.load_at) / per_request)
+    wait = (batches + policy.running_share * candidate.running) * per_request
     return uncached / policy.prefill_tok_s + wait + (candidate.rtt_s or 0.0)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mesh.routing.score import Candidate, Policy, affinity, rank
+from mesh.routing.score import Candidate, Policy, affinity, cost, rank
 
 NOW = 100.0
 
@@ -29,6 +29,38 @@ def test_a_long_prefix_is_worth_waiting_for_one_running_request():
         [fresh("a", 20000, running=1, ttft_s=0.5), fresh("b")], prompt_tokens=20100, now=NOW
     )
     assert ranked[0].node_id == "a"
+
+
+def test_running_rows_share_the_batch_but_queued_requests_wait_for_a_prefill_batch():
+    # Half the prompt cached: 1 s of prefill saved (1,000 tok/s), against idle "b".
+    batching = fresh("a", 1000, running=7, ttft_s=0.5)
+    assert rank([batching, fresh("b")], prompt_tokens=2000, now=NOW)[0].node_id == "a"
+    # Seven queued prefill together: one batch ahead, 0.5 s, and the cache still wins...
+    burst = fresh("a", 1000, queue_depth=7, ttft_s=0.5)
+    assert rank([burst, fresh("b")], prompt_tokens=2000, now=NOW)[0].node_id == "a"
+    # ...but seventeen fill three batches (1.5 s): the idle node wins on load.
+    queued = fresh("a", 1000, queue_depth=17, ttft_s=0.5)
+    ranked = rank([queued, fresh("b")], prompt_tokens=2000, now=NOW)
+    assert ranked[0].node_id == "b" and ranked[0].reason == "load"
+    assert cost(fresh("a", 0, queue_depth=8), 100, NOW, Policy()) == cost(
+        fresh("a", 0, queue_depth=1), 100, NOW, Policy()
+    )
+
+
+def test_a_queue_heard_a_while_ago_has_drained_by_its_age():
+    # Three batches queued at 0.5 s each outweigh 1 s of prefill when heard now...
+    now_heard = fresh("a", 1000, queue_depth=17, ttft_s=0.5, load_at=NOW)
+    assert rank([now_heard, fresh("b")], prompt_tokens=2000, now=NOW)[0].node_id == "b"
+    # ...but heard 1 s ago two of them have been served: one left, the cache wins.
+    heard_before = fresh("a", 1000, queue_depth=17, ttft_s=0.5, load_at=NOW - 1.0)
+    assert rank([heard_before, fresh("b")], prompt_tokens=2000, now=NOW)[0].node_id == "a"
+    # A queue never drains below empty, and a report from the future counts in full.
+    idle = cost(fresh("a", 0, ttft_s=0.5), 2000, NOW, Policy())
+    one = cost(fresh("a", 0, queue_depth=1, ttft_s=0.5), 2000, NOW, Policy())
+    long_ago = fresh("a", 0, queue_depth=1, ttft_s=0.5, load_at=NOW - 60)
+    future = fresh("a", 0, queue_depth=1, ttft_s=0.5, load_at=NOW + 5)
+    assert cost(long_ago, 2000, NOW, Policy()) == idle
+    assert cost(future, 2000, NOW, Policy()) == one > idle
 
 
 def test_a_stale_digest_counts_for_nothing():
