@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from worker.cache_digest import DEFAULT_BLOCK_SIZE, CacheDigest, block_hashes
@@ -44,6 +46,16 @@ def copy_cache(cache: list[Any], *, merged_by_reader: bool) -> list[Any]:
     if merged_by_reader and all(type(c) is KVCache for c in cache):
         return [copy.copy(c) for c in cache]
     return copy.deepcopy(cache)
+
+
+def materialize(cache: list[Any]) -> None:
+    """Evaluate a cache's arrays now. A row extracted from a batch (``BatchKVCache.extract``) is
+    a lazy copy: stored as is it keeps the whole batch's buffer alive, uncounted, and the copy
+    runs inside the next turn's first forward pass – on its time to first token."""
+    states = [c.state for c in cache if not (hasattr(c, "empty") and c.empty())]
+    arrays = [v for _, v in tree_flatten(states) if isinstance(v, mx.array)]
+    if arrays:
+        mx.eval(arrays)
 
 
 def cache_nbytes(cache: list[Any]) -> int:
@@ -134,6 +146,7 @@ class PromptCacheStore:
         """Store a cache holding exactly ``tokens``; entries it extends are dropped."""
         if not tokens or not cache:
             return
+        materialize(cache)
         trimmable = can_trim_prompt_cache(cache)
         key_tokens = tuple(tokens)
         for key, entry in list(self._entries.items()):
