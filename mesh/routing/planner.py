@@ -13,10 +13,17 @@ chat template: ``POST /v1/prompt_blocks``), once per request. A node that does n
 model has no tokenizer for it and ranks by load, RTT and session only: a text digest cannot
 say how many tokens a prefix is, nor match the template's rendering, and forwarding the
 tokenization to a peer costs a round trip on every request (see notes-routing.md).
+
+A request without a session key gets one from its conversation (:func:`conversation_key`: its
+first user message), so that every entry node breaks a tie for the same conversation the same
+way. Without it a tie went to whichever node the turn entered, and a conversation entering at
+random nodes left its turns' caches on all of them, none holding the latest: the gossiped
+digest arrives up to one interval (2 s) after a turn, later than an agent's next turn.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.hedge import HedgedUpstream
-from gateway.request import ChatRequest
+from gateway.request import ChatRequest, Message
 from gateway.upstream import ModelDirectory, Route, Upstream
 from mesh.peers import PeerTable
 from mesh.routing.observed import Observed, TrackedUpstream
@@ -76,6 +83,8 @@ class RoutePlanner:
         if self.config.mode == "today":
             return []
         model, key = request.model, request.session_key
+        if self.config.mode == "cache" and not key:
+            key = conversation_key(request.messages)
         local = list(self.local.routes(model, key))
         peer_ids = self.peers.candidates(model, key)
         nodes = ([self.self_id] if local else []) + sorted(peer_ids)
@@ -208,6 +217,16 @@ class RoutePlanner:
 
     def status(self) -> dict[str, Any]:
         return {"mode": self.config.mode, "hedge": self.config.hedge} | self.observed.snapshot()
+
+
+def conversation_key(messages: list[Message]) -> str | None:
+    """A stand-in session key: the hash of the first user message, which every turn of a
+    conversation repeats (its system prompt is usually shared by every conversation of the same
+    agent, so it says nothing). Conversations that open alike share a key, and their prefix."""
+    first = next((m.content for m in messages if m.role == "user" and m.content), None)
+    if first is None:
+        return None
+    return "conversation:" + hashlib.sha256(first[:8192].encode()).hexdigest()[:16]
 
 
 def _headers(route: Route) -> dict[str, str]:

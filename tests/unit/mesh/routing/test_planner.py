@@ -10,7 +10,7 @@ from gateway.testing import ScriptedUpstream, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.gossip import ModelAd, NodeState
 from mesh.peers import PeerTable
-from mesh.routing.planner import RoutePlanner, RoutingConfig
+from mesh.routing.planner import RoutePlanner, RoutingConfig, conversation_key
 from mesh.routing.score import affinity
 from worker.cache_digest import CacheDigest, block_hashes
 
@@ -44,9 +44,39 @@ async def test_the_peer_holding_the_prefix_comes_first_with_its_reason():
     assert [r.reason for r in routes[1:]] == ["next", "next"]
 
 
-async def test_with_nothing_cached_this_node_serves_and_says_why():
-    routes = await _planner(cached_on=None).routes(REQUEST)
+async def test_with_nothing_cached_and_no_conversation_this_node_serves_and_says_why():
+    bare = ChatRequest(model="m", messages=[Message(role="system", content="be brief")])
+    routes = await _planner(cached_on=None).routes(bare)
     assert routes[0].kind == "local" and routes[0].reason == "local"
+
+
+def _turns(first: str, count: int) -> list[ChatRequest]:
+    messages = [Message(role="system", content="shared agent prompt"), Message(role="user", content=first)]  # fmt: skip
+    turns = []
+    for i in range(count):
+        turns.append(ChatRequest(model="m", messages=list(messages)))
+        messages += [Message(role="assistant", content=f"step {i}"), Message(role="tool", content="ok", tool_call_id=f"c{i}")]  # fmt: skip
+    return turns
+
+
+def test_a_conversation_keeps_its_key_turn_after_turn_and_others_differ():
+    turns = _turns("fix the parser", 3)
+    keys = {conversation_key(t.messages) for t in turns}
+    assert len(keys) == 1 and None not in keys
+    assert conversation_key(_turns("write the docs", 1)[0].messages) not in keys
+    assert conversation_key([Message(role="system", content="x")]) is None
+
+
+async def test_keyless_turns_entering_anywhere_go_to_the_conversations_node():
+    """No session key, nothing in any digest yet: every turn of a conversation, whichever node
+    it enters (a fresh planner: no routing memory), breaks the tie for the same node – the
+    tie used to go to the entry node, scattering the conversation's caches over the mesh."""
+    for first in ("fix the parser", "write the docs", "port the lab", "tune the vote"):
+        key = conversation_key(_turns(first, 1)[0].messages)
+        for turn in _turns(first, 3):
+            routes = await _planner(cached_on=None).routes(turn)
+            assert (routes[0].peer or "me") == _sticky_node(key)
+            assert routes[0].reason == "sticky"
 
 
 async def test_the_next_turn_follows_the_prompt_before_the_digest_says_so():
