@@ -250,6 +250,11 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             return []
         if not _can_trim(self.prompt_cache):
             return []
+        if 0 in self._num_tokens:
+            # A row that just joined holds its first token (its prefill's): a plain step hands
+            # it out at once (its pipelining returns it while the next step runs), a verify
+            # pass would hold it back – and the time to first token – for a whole pass.
+            return []
         rows = []
         for i, row in enumerate(self._rows):
             # Logits processors are left out, so drafting never changes what they see: a

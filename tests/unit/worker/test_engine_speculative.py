@@ -450,6 +450,57 @@ def test_a_row_whose_drafts_come_out_empty_rests_like_one_whose_drafts_fail(
     generator.close()
 
 
+class _AlwaysDrafts:
+    """A row whose context always matches and whose draft is always its sampled token again."""
+
+    def ready(self, tokens: Any) -> bool:
+        return True
+
+    def draft(self, tokens: Any, sampled: int, limit: int) -> list[int]:
+        return [sampled] * min(limit, 2)
+
+
+def test_a_joining_rows_first_token_is_not_held_behind_a_verify_pass(
+    tiny_model_dir: Path,
+) -> None:
+    """The step after a row's prefill hands its first token out by itself: a verify pass for
+    the running rows would hold that token (the time to first token) for a whole pass."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from worker.engine_verify import Speculation, SpeculationStats, install
+    from worker.sampling import greedy
+
+    model, _ = load(str(tiny_model_dir))
+    generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
+    stats = SpeculationStats()
+
+    class Source:
+        def row(self) -> _AlwaysDrafts:
+            return _AlwaysDrafts()
+
+    install(generator, Speculation(slope=0.05), stats, Source())
+    generator.insert([list(range(3, 12))], max_tokens=[200], samplers=[greedy])
+    for _ in range(50):
+        generator.next()
+        if stats.verify_steps:
+            break
+    assert stats.verify_steps, "the running row never verified a draft: the test proves nothing"
+    (joining,) = generator.insert([list(range(20, 30))], max_tokens=[20], samplers=[greedy])
+    for _ in range(50):
+        before = stats.verify_steps
+        responses = generator.next()[1]
+        if any(r.uid == joining for r in responses):
+            break
+    else:
+        raise AssertionError("the joining row never gave a token")
+    assert stats.verify_steps == before
+    for _ in range(5):
+        generator.next()
+    assert stats.verify_steps > before, "drafting never resumed after the first token"
+    generator.close()
+
+
 # ---- how wide a verify pass is worth it -----------------------------------------------------
 
 
