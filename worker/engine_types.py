@@ -36,6 +36,11 @@ class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
     commit_wait_s: float = 2.0  # a job waiting for a pending commit proceeds without it after this
     pending_commit_ttl_s: float = 30.0  # a commit never requested is dropped after this
+    # An idle engine that gets a job waits this long for the next before it prefills (each
+    # arrival restarts the wait, up to admit_window_s): requests sent together reach it a
+    # millisecond or two apart, and one that misses the first's prefill waits a whole one.
+    admit_gap_s: float = 0.003
+    admit_window_s: float = 0.010
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512

@@ -351,7 +351,7 @@ def run_worker_in_thread(
 
 class PrefillSpy:
     """Watches the prefill of an engine's model: each forward pass over more than one token (a
-    prefill chunk) is counted in ``chunks`` (its length) and, if set, ``on_chunk(n)`` is called
+    prefill chunk) is counted in ``chunks`` (its length; ``rows``: how many prompts it ran) and, if set, ``on_chunk(n)`` is called
     with its number as the n-th one starts, on the engine's owner thread (so a test can cancel
     at an exact chunk: MLX builds the chunk's graph before it runs it).
 
@@ -360,6 +360,7 @@ class PrefillSpy:
 
     def __init__(self) -> None:
         self.chunks: list[int] = []
+        self.rows: list[int] = []
         self.on_chunk: Callable[[int], None] | None = None
 
     @classmethod
@@ -383,6 +384,7 @@ class PrefillSpy:
 
             def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
                 if x.shape[1] > 1:
+                    spy.rows.append(x.shape[0])
                     spy._saw(x.shape[1])
                 return self.inner(x, *args, **kwargs)
 
@@ -392,6 +394,7 @@ class PrefillSpy:
 
     def reset(self) -> None:
         self.chunks.clear()
+        self.rows.clear()
         self.on_chunk = None
 
     def _saw(self, tokens: int) -> None:

@@ -119,6 +119,31 @@ async def test_concurrent_jobs_are_batched_and_match_solo_runs(engine: Engine) -
     assert engine.stats.in_flight == 0 and engine.stats.queue_depth == 0
 
 
+async def test_requests_that_reach_an_idle_engine_together_prefill_as_one_batch(
+    tiny_model_dir: Path,
+) -> None:
+    """Requests sent at once reach the engine a few ms apart; an idle engine that started the
+    first's prefill at once made the others wait a whole prefill for theirs. Here they come
+    10 ms apart (the gap is widened so a loaded machine cannot split them) and prefill in one
+    pass."""
+    from worker.testing import PrefillSpy
+
+    config = EngineConfig(admit_gap_s=0.25, admit_window_s=2.0)
+    engine = Engine(str(tiny_model_dir), config=config)
+    engine.start(timeout=60)
+    try:
+        spy = PrefillSpy.install(engine)
+        jobs = []
+        for i in range(3):
+            prompt = prompt_of(engine, f"request {i} of three, " + "long " * (i * 3))
+            jobs.append(asyncio.ensure_future(run(engine, GenerationRequest(prompt, 4, GREEDY))))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*jobs)
+        assert spy.rows[0] == 3, spy.rows
+    finally:
+        engine.close()
+
+
 async def test_cancel_stops_generation(engine: Engine) -> None:
     before = engine.stats.cancelled
     job = engine.submit(GenerationRequest(prompt_of(engine, "go on forever"), 3000, GREEDY))
