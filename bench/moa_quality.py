@@ -65,8 +65,12 @@ EVAL_LOG = RESULTS / "moa-quality-items.jsonl"
 # Screening, tuning (the settings were chosen on these items) and held-out (the done-when,
 # recorded after the settings were fixed and not looked at before).
 # A second held-out set was recorded after the scatter rule was fixed on the tuning items.
-SCREEN_SEED, EVAL_SEED, HELDOUT_SEED, HELDOUT2_SEED = 1001, 2002, 3003, 4004
-HELDOUT_LOGS = [RESULTS / "moa-quality-heldout.jsonl", RESULTS / "moa-quality-heldout-4004.jsonl"]
+SCREEN_SEED, EVAL_SEED, HELDOUT_SEED, HELDOUT2_SEED, HELDOUT3_SEED = 1001, 2002, 3003, 4004, 5005
+HELDOUT_LOGS = [
+    RESULTS / "moa-quality-heldout.jsonl",
+    RESULTS / "moa-quality-heldout-4004.jsonl",
+    RESULTS / "moa-quality-heldout-5005.jsonl",
+]
 INSTRUCTION = "Reply with only the final answer."  # the question's own, not the judge's
 # Candidate tasks, easy settings (a 135M model must get some right), chosen before measuring:
 # arithmetic, counting, string manipulation and number theory, so the selection stays general.
@@ -576,6 +580,9 @@ def report(
         "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "
         f"--hot 0.5 --hot-samples 15 --batch 19 --seed {HELDOUT2_SEED} "
         "--eval-log bench/results/moa-quality-heldout-4004.jsonl",
+        "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "
+        f"--hot 0.5 --hot-samples 15 --batch 19 --seed {HELDOUT3_SEED} "
+        "--eval-log bench/results/moa-quality-heldout-5005.jsonl",
         "",
     ]
     lines += [
@@ -621,6 +628,8 @@ def heldout_sections(
         HELDOUT_SEED: "after the tie rule, self-refuting replies abstaining, the confidence and "
         "the wave were fixed",
         HELDOUT2_SEED: "after the scatter rule was fixed as well",
+        HELDOUT3_SEED: "after the confidence was lowered from 0.9 to 0.85 (chosen on the tuning "
+        "items, the two sets above having judged 0.9): the one set that judges 0.85 unseen",
     }
     lines = [
         f"The held-out items were recorded once the vote's settings were fixed on the tuning "
@@ -837,7 +846,7 @@ def stopping_rule_table(
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in sizes:
-        for confidence in (0.8, 0.9, 0.95):
+        for confidence in (0.8, 0.85, 0.9, 0.95):
             for scatter in (None, 1 / 4, 1 / 3):
                 config = dataclasses.replace(
                     shipped, vote_confidence=confidence, vote_scatter=scatter
