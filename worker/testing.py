@@ -351,9 +351,10 @@ def run_worker_in_thread(
 
 class PrefillSpy:
     """Watches the prefill of an engine's model: each forward pass over more than one token (a
-    prefill chunk) is counted in ``chunks`` (its length; ``rows``: how many prompts it ran) and, if set, ``on_chunk(n)`` is called
-    with its number as the n-th one starts, on the engine's owner thread (so a test can cancel
-    at an exact chunk: MLX builds the chunk's graph before it runs it).
+    prefill chunk) is counted in ``chunks`` (its length) and ``rows`` (how many prompts it ran)
+    and, if set, ``on_chunk(n)`` is called with its number as the n-th one starts, on the
+    engine's owner thread (so a test can cancel at an exact chunk: MLX builds the chunk's graph
+    before it runs it).
 
     Install with ``PrefillSpy.install(engine)`` on a started engine; it wraps the model's first
     layer, so it sees every generator and cache type alike."""
@@ -384,8 +385,7 @@ class PrefillSpy:
 
             def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
                 if x.shape[1] > 1:
-                    spy.rows.append(x.shape[0])
-                    spy._saw(x.shape[1])
+                    spy._saw(x.shape[1], x.shape[0])
                 return self.inner(x, *args, **kwargs)
 
         layers = engine._model.layers
@@ -397,8 +397,9 @@ class PrefillSpy:
         self.rows.clear()
         self.on_chunk = None
 
-    def _saw(self, tokens: int) -> None:
+    def _saw(self, tokens: int, rows: int) -> None:
         self.chunks.append(tokens)
+        self.rows.append(rows)
         if self.on_chunk is not None:
             self.on_chunk(len(self.chunks))
 
