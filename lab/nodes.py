@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import re
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from lab.procs import ManagedProcess
 from lab.scenario import NodeSpec
 from mesh.membership.invite import decode_invite
 from mesh.node_file import NodeFileError, read_node_file
+from mesh.ports import free_port
 
 # `python -c` rather than the console script: works from a checkout without an installed `mesh`.
 # Node logs (node-N.log) carry the mesh's INFO lines with times: links, dials, refusals.
@@ -56,38 +56,6 @@ class LabError(RuntimeError):
 
 def mesh_argv(*args: str) -> list[str]:
     return [sys.executable, "-c", MESH_MAIN, *args]
-
-
-def ephemeral_range() -> tuple[int, int]:
-    """The ports the kernel picks for ``bind(0)`` and outgoing connections (Linux says;
-    elsewhere IANA's 49152-65535, macOS's default)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 49152, 65535
-
-
-def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    """A port free now (TCP for gateways, UDP for mesh endpoints), *below* the ephemeral range.
-
-    A port ``bind(0)`` hands out is one the kernel will hand out again – to an outgoing
-    connection or another test's listener opened before the node binds it – and a node then
-    failed to start with "address already in use" now and then. The kernel never picks a
-    port below the range on its own, so one drawn there stays free unless someone names it."""
-    low, _ = ephemeral_range()
-    draw = random.SystemRandom()
-    for _ in range(200):
-        port = draw.randrange(max(1024, low - 16384), low)
-        with socket.socket(socket.AF_INET, kind) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, kind) as probe:  # a crowded range: the kernel's pick
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def mesh_up_flags() -> set[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 from pathlib import Path
 
 from mesh.children import child_preexec, forward_output
@@ -56,15 +55,3 @@ async def stop_process(process: asyncio.subprocess.Process) -> None:
         with contextlib.suppress(ProcessLookupError):
             process.kill()
         await process.wait()
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports free right now (all bound at once, so no repeats)."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()

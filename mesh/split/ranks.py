@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from mesh.errors import NodeError, PlanError, SplitError
+from mesh.ports import free_ports
 from mesh.split.bridge import BridgeLink
 from mesh.split.coordinator import RankReport, RemoteRank, SplitMesh, new_group_id
 from mesh.split.host import open_link
@@ -45,7 +46,7 @@ from mesh.split.plan import (
     plan_split,
     whole_model_bytes,
 )
-from mesh.split.processes import free_ports, spawn_rank, stop_process, wake
+from mesh.split.processes import spawn_rank, stop_process, wake
 from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, served_name
 from worker.split.signals import LOCKSTEP_VERSION, WAKE_LINE
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from mesh.copy.tls import cert_der
 from mesh.identity import NodeIdentity
+from mesh.ports import free_ports
 from mesh.split.bridge import BridgeLink, BridgeServer
-from mesh.split.processes import free_ports
 
-__all__ = ["bridged_hostfiles", "free_ports", "serve_split", "spawn_ranks", "stream_until_signal"]
+__all__ = ["bridged_hostfiles", "serve_split", "spawn_ranks", "stream_until_signal"]
 
 Hostfiles = dict[int, list[list[str]]]
 

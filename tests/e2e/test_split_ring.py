@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.split.testing import bridged_hostfiles, free_ports, spawn_ranks
+from mesh.ports import free_ports
+from mesh.split.testing import bridged_hostfiles, spawn_ranks
 from worker.cpu import REEXEC_MARKER
 from worker.split.rank import GROUP_BROKEN
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, run_worker_in_thread

@@ -11,9 +11,9 @@ from mesh_services import echo_rank
 
 from mesh.copy.tls import cert_der, make_context
 from mesh.identity import NodeIdentity
+from mesh.ports import free_ports
 from mesh.split import bridge
 from mesh.split.bridge import BridgeLink, BridgeServer
-from mesh.split.processes import free_ports
 
 
 async def closed_without_data(reader: asyncio.StreamReader) -> bool:
