@@ -20,8 +20,9 @@ when the drafts are not worth their verify pass: each step the drafts are cut to
 that gives the most tokens for its time (``_plan``: rows' recent acceptance against the batch's
 own timing of its steps, worker/speculative.py). A row
 drafts only when speculation is on, the batch is small enough that decode is bandwidth-bound
-(``max_rows``), it has no logits processors (a grammar's matcher consumes the tokens it sees;
-penalties read the context: see notes in ``_eligible``), its sampler is the engine's own
+(``max_rows``), its logits processors can see drafted positions and give refused ones back
+(``DraftAwareProcessor``: a grammar's matcher, which also cuts a draft where the grammar
+refuses it; penalties and logit bias, which read the context only), its sampler is the engine's own
 (greedy or :class:`~worker.sampling.RequestSampler`), its caches can hand a rejected tail back
 (``BatchKVCache``, or a sliding window's ``BatchRotatingKVCache`` outside a split group: see
 ``_trim_window``) and its acceptance holds up (:class:`~worker.speculative.RowPolicy`).
@@ -40,7 +41,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from worker.draft_model import DraftSource, PromptLookup, RowDrafter
-from worker.sampling import RequestSampler, greedy
+from worker.sampling import DraftAwareProcessor, RequestSampler, greedy
 from worker.speculative import RowPolicy, StepCosts, best_width
 
 
@@ -181,7 +182,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         sampled = [int(t) for t in self._next_tokens.tolist()]
         drafts: list[list[int]] = [[] for _ in self.uids]
         for i in eligible:
-            drafts[i] = self._rows[i].drafter.draft(self.tokens[i], sampled[i], limits[i])
+            draft = self._rows[i].drafter.draft(self.tokens[i], sampled[i], limits[i])
+            for processor in self.logits_processors[i]:
+                draft = draft[: processor.draft_limit([sampled[i]], draft)]
+            drafts[i] = draft
         self._count_empty([i for i in eligible if not drafts[i]])
         if not any(drafts):
             return super().next()  # type: ignore[no-any-return]
@@ -257,10 +261,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             return []
         rows = []
         for i, row in enumerate(self._rows):
-            # Logits processors are left out, so drafting never changes what they see: a
-            # grammar's matcher would have to consume and roll back drafted tokens, and the
-            # penalties would need the context of every drafted position.
-            if self.logits_processors[i]:
+            # A logits processor must be able to see each drafted position with its own
+            # context and give back refused drafts (a grammar's matcher; penalties and logit
+            # bias read the context only); any other processor's row decodes a token a step.
+            if not all(isinstance(p, DraftAwareProcessor) for p in self.logits_processors[i]):
                 continue
             sampler = self.samplers[i] if self.samplers else None
             if not (sampler is greedy or isinstance(sampler, RequestSampler)):
@@ -278,7 +282,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         )
         _in_order(self.prompt_cache)
         logits = self.model(inputs, cache=self.prompt_cache)
-        logits = self._process_first(logits, inputs)
+        logits = self._process(logits, inputs, drafts)
         # Normalised per row and position, lazily: only what is read gets its exp (MLX's CPU
         # exp is single-threaded; rows x width x vocabulary of it cost a 4-row pass of 9 tokens
         # on gemma3's 262k vocabulary more than its forward pass). Greedy acceptance needs the
@@ -298,7 +302,11 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         for i, tokens in enumerate(emitted):
             self.tokens[i].extend(tokens)
             if self.logits_processors[i]:
-                self._token_context[i].update_and_fetch(inputs[i, :1])
+                # What was fed and kept: the sampled token and the accepted drafts (the
+                # following token is fed next step, as after a plain one).
+                self._token_context[i].update_and_fetch(inputs[i, : accepted[i] + 1])
+                for processor in self.logits_processors[i]:
+                    processor.rollback(len(drafts[i]) - accepted[i])
         self._next_tokens = mx.array(following, dtype=mx.uint32)
         self._next_logprobs = [_normalised(logits[i, n]) for i, n in enumerate(accepted)]
         self._current_tokens = mx.array(sampled, dtype=mx.uint32)
@@ -309,22 +317,28 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         self.spec_stats.add(sum(drafted), sum(accepted), sum(kept), len(kept))
         return self._responses(emitted, vectors, finish)
 
-    def _process_first(self, logits: mx.array, inputs: mx.array) -> mx.array:
-        """The rows with logits processors (never drafting) run them on their one real
-        position, with the context a plain step gives them."""
+    def _process(self, logits: mx.array, inputs: mx.array, drafts: list[list[int]]) -> mx.array:
+        """Rows with logits processors run them on each of their real positions (the sampled
+        token's, then each drafted one's), in order, with the context plain decoding would give
+        that position had the drafts before it been sampled: a grammar's matcher consumes the
+        drafts one by one (``_verify`` gives back the refused ones), penalties see them."""
         if not any(self.logits_processors):
             return logits
         rows = []
         for e, processors in enumerate(self.logits_processors):
-            row = logits[e : e + 1]
+            row = logits[e]
             if processors:
-                context = self._token_context[e].tokens
-                context = mx.concatenate([context, inputs[e, :1].astype(context.dtype)])
-                first = row[:, 0, :]
-                for processor in processors:
-                    first = processor(context, first)
-                row = mx.concatenate([first[:, None, :], row[:, 1:, :]], axis=1)
-            rows.append(row)
+                before = self._token_context[e].tokens
+                fed = inputs[e, : len(drafts[e]) + 1].astype(before.dtype)
+                positions = []
+                for j in range(fed.size):
+                    context = mx.concatenate([before, fed[: j + 1]])
+                    position = row[j : j + 1]
+                    for processor in processors:
+                        position = processor(context, position)
+                    positions.append(position)
+                row = mx.concatenate([*positions, row[fed.size :]], axis=0)
+            rows.append(row[None])
         return mx.concatenate(rows, axis=0)
 
     def _accept(self, logits: mx.array, drafts: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
@@ -115,13 +116,51 @@ class RequestSampler:
         self._drawn = []
 
 
+@runtime_checkable
+class DraftAwareProcessor(Protocol):
+    """A logits processor that speculative decoding may run on drafted positions
+    (worker/engine_verify.py): a verify pass calls it once a position, in order, each time with
+    the context one token longer (as plain decoding would, had the drafts been sampled), then
+    gives back the tokens the model did not accept."""
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array: ...
+
+    def draft_limit(self, unseen: list[int], draft: list[int]) -> int:
+        """How many of ``draft`` may be checked after ``unseen`` (the context's tokens this
+        processor has not been called with: the token just sampled)."""
+        ...
+
+    def rollback(self, count: int) -> None:
+        """Forget the last ``count`` tokens it was called with (drafts the model refused)."""
+        ...
+
+
+class ContextProcessor:
+    """One of mlx-lm's processors (logit bias, repetition/presence/frequency penalties): a
+    function of the context alone, so any drafted position is processed right by handing it
+    its own context, and nothing needs giving back."""
+
+    def __init__(self, function: LogitsProcessor) -> None:
+        self.function = function
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return self.function(tokens, logits)
+
+    def draft_limit(self, unseen: list[int], draft: list[int]) -> int:
+        return len(draft)
+
+    def rollback(self, count: int) -> None:
+        pass
+
+
 def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    return make_logits_processors(
+    processors = make_logits_processors(
         logit_bias=params.logit_bias or None,
         repetition_penalty=params.repetition_penalty or None,
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
     )
+    return [ContextProcessor(p) for p in processors]
 
 
 class StopMatcher:

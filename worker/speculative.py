@@ -73,6 +73,26 @@ def _continue(tokens: list[int], start: int, limit: int) -> list[int]:
     return draft
 
 
+def lookup_ceiling(prompt: list[int], answer: list[int], width: int = 8) -> tuple[int, int]:
+    """(answer tokens, verify passes) if every pass drafted ``width`` tokens by prompt lookup
+    and kept the ones the answer has: what the answer itself allows, whatever the cost of a
+    pass (a ceiling on tokens per pass; an answer that copies nothing gives 1)."""
+    index = NgramIndex()
+    index.extend(prompt)
+    done = passes = 0
+    while done < len(answer):
+        draft = index.draft(width)
+        kept = 0
+        while (
+            kept < len(draft) and done + kept < len(answer) and draft[kept] == answer[done + kept]
+        ):
+            kept += 1
+        step = min(kept + 1, len(answer) - done)
+        index.extend(answer[done : done + step])
+        done, passes = done + step, passes + 1
+    return len(answer), passes
+
+
 @dataclass
 class RowPolicy:
     """Whether a row drafts, from its measured acceptance.

@@ -123,6 +123,28 @@ class GrammarProcessor:
             bits = np.pad(bits, (0, width - bits.size))
         return mx.array(bits[:width].view(np.bool_))
 
+    # Speculative decoding (worker.sampling.DraftAwareProcessor): the verify pass calls this
+    # processor on each drafted position in turn, so the matcher consumes the drafts, and
+    # gives back the ones the model refused.
+    def draft_limit(self, unseen: list[int], draft: list[int]) -> int:
+        """How many of ``draft`` the grammar allows after ``unseen``; a draft stops before an
+        end token (the answer ends there anyway, and a stopped matcher is not rolled back)."""
+        if self._broken or self.matcher.is_stopped() or self.matcher.is_error():
+            return 0
+        for at, token in enumerate(draft):
+            if token in self._eos:
+                draft = draft[:at]
+                break
+        return max(0, self.matcher.validate_tokens(unseen + draft) - len(unseen))
+
+    def rollback(self, count: int) -> None:
+        if count <= 0 or self._broken or self._seen is None:
+            return
+        if not self.matcher.rollback(count):
+            log.error("the grammar could not give back %d drafted tokens", count)
+            self._broken = True
+        self._seen -= count
+
     def _only_end(self, width: int) -> mx.array:
         allowed = np.zeros(width, dtype=np.bool_)
         allowed[[t for t in self._eos if t < width]] = True

@@ -21,7 +21,14 @@ from worker.engine import Engine, Job
 from worker.engine_types import EngineConfig, Finished, GenerationRequest, TokenChunk
 from worker.engine_verify import _accept_sampled
 from worker.sampling import RequestSampler, SamplingParams
-from worker.speculative import NgramIndex, RowPolicy, StepCosts, best_width, expected_tokens
+from worker.speculative import (
+    NgramIndex,
+    RowPolicy,
+    StepCosts,
+    best_width,
+    expected_tokens,
+    lookup_ceiling,
+)
 from worker.structured.json_grammar import json_grammar
 from worker.structured.processor import make_grammar_processor
 from worker.testing import wait_until
@@ -142,23 +149,100 @@ async def test_a_tool_prompt_and_a_tool_call_are_the_same(
         assert_same(plain, speculated)
 
 
-async def test_grammar_rows_decode_as_before_next_to_drafting_rows(
+async def test_rows_under_a_grammar_or_penalties_draft_and_answer_as_decoding_does(
     pair: tuple[Engine, Engine],
 ) -> None:
-    """A row under a grammar never drafts (its matcher sees exactly decoding's tokens); the
-    rows beside it still do, in the same verify passes."""
-    grammar = json_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
+    """A grammar's matcher consumes each drafted token as its position is processed and gives
+    back the refused ones; penalties and logit bias see each position's own context. Their
+    rows draft (beside plain ones, in the same verify passes) and answer token for token as
+    decoding does."""
+    grammar = json_grammar({"type": "object", "properties": {"a": {"type": "string"}}})
+    text = 'json {"a": "hello hello"}'
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    biased = SamplingParams(temperature=0.0, logit_bias={5: 3.0}, presence_penalty=0.5)
 
-    def requests(engine: Engine) -> list[GenerationRequest]:
+    def grammar_only(engine: Engine) -> list[GenerationRequest]:
         processor = make_grammar_processor(engine.tokenizer, grammar)
+        return [GenerationRequest(prompt_of(engine, text), 60, GREEDY, logits_processors=(processor,))]  # fmt: skip
+
+    def mixed(engine: Engine) -> list[GenerationRequest]:
         return [
-            GenerationRequest(prompt_of(engine, "json"), 30, GREEDY, logits_processors=(processor,)),
+            *grammar_only(engine),
+            GenerationRequest(prompt_of(engine, text), 60, penalised, logits_processors=(
+                make_grammar_processor(engine.tokenizer, grammar),), logprobs=True),
+            GenerationRequest(prompt_of(engine, text), 50, biased, logprobs=True),
             GenerationRequest(prompt_of(engine, "The quick brown fox"), 60, GREEDY),
         ]  # fmt: skip
 
-    before = pair[1].speculation.accepted
-    assert_same(*await both(pair, requests))
-    assert pair[1].speculation.accepted > before
+    before = pair[1].speculation.as_dict()
+    assert_same(*await both(pair, grammar_only))
+    alone = pair[1].speculation.as_dict()
+    assert alone["accepted"] > before["accepted"], "the grammar row never drafted"
+    assert_same(*await both(pair, mixed))
+    after = pair[1].speculation.as_dict()
+    assert after["drafted"] - alone["drafted"] > after["accepted"] - alone["accepted"] > 0
+
+
+class _Oracle:
+    """Drafts the answer plain decoding gave, with every other draft wrong from its second
+    token on: drafts accepted whole, refused part way (the matcher gives tokens back) and cut
+    by the grammar all happen."""
+
+    def __init__(self, prompt: list[int], answer: list[int]) -> None:
+        self.prompt, self.answer, self.calls = prompt, answer, 0
+
+    def ready(self, tokens: Any) -> bool:
+        return len(tokens) - len(self.prompt) + 1 < len(self.answer)
+
+    def draft(self, tokens: Any, sampled: int, limit: int) -> list[int]:
+        at = len(tokens) - len(self.prompt) + 1  # answer tokens so far, the sampled one too
+        draft = list(self.answer[at : at + limit])
+        self.calls += 1
+        if self.calls % 2 and len(draft) > 1:
+            draft[1] = 3 + (draft[1] + 1) % 90
+        return draft
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_row_gives_back_refused_drafts_greedy_and_seeded(
+    tiny_model_dir: Path, temperature: float
+) -> None:
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from worker.engine_verify import Speculation, SpeculationStats, install
+    from worker.sampling import make_request_sampler
+
+    model, tokenizer = load(str(tiny_model_dir))
+    grammar = json_grammar({"type": "object", "properties": {"a": {"type": "string"}}})
+    params = SamplingParams(temperature=temperature, seed=11)
+    prompt = tokenizer.encode('json {"a": "hello"}')
+
+    def answer(source: Any = None) -> tuple[list[int], SpeculationStats]:
+        generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
+        stats = SpeculationStats()
+        if source is not None:
+            install(generator, Speculation(slope=0.05), stats, source)
+        (uid,) = generator.insert(
+            [prompt], max_tokens=[40], samplers=[make_request_sampler(params)],
+            logits_processors=[[make_grammar_processor(tokenizer, grammar)]],
+        )  # fmt: skip
+        tokens: list[int] = []
+        while len(tokens) < 40:
+            tokens += [r.token for r in generator.next()[1] if r.uid == uid]
+        generator.close()
+        return tokens, stats
+
+    plain, _ = answer()
+    oracle = _Oracle(prompt, plain)
+
+    class Source:
+        def row(self) -> _Oracle:
+            return oracle
+
+    speculated, stats = answer(Source())
+    assert speculated == plain
+    assert stats.accepted > 0 and stats.drafted > stats.accepted  # both ways, really
 
 
 async def test_a_stop_string_inside_an_accepted_draft_ends_there_and_keeps_that_kv_only(
@@ -395,6 +479,17 @@ def test_the_longest_match_wins() -> None:
     index.extend([7, 8, 1, 2, 7, 5, 8, 9, 1, 2, 7, 8, 1, 2])
     # "1 2" was last followed by 7, but "8 1 2" by 7 too; "7 8 1 2" only at the start: 7 5
     assert index.draft(2) == [7, 5]
+
+
+def test_the_lookup_ceiling_counts_the_passes_an_answer_allows() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    # A copy of the prompt's tail: "1 2" drafts 3..10 (all kept) and 11 comes with that pass.
+    assert lookup_ceiling(prompt, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], width=8) == (11, 3)
+    # Nothing of the prompt: a token a pass.
+    assert lookup_ceiling(prompt, [20, 21, 22, 23], width=8) == (4, 4)
+    # A draft is cut at the answer's first departure; the departing token comes with the pass.
+    assert lookup_ceiling(prompt, [1, 2, 3, 4, 30], width=8) == (5, 3)
+    assert lookup_ceiling(prompt, [], width=8) == (0, 0)
 
 
 def test_a_row_whose_drafts_fail_rests_then_tries_again() -> None:
