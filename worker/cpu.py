@@ -424,7 +424,10 @@ class CpuFastPath:
             from worker.cpu_attention import MIN_QUERY_TOKENS
 
             modules = ", ".join(name.rsplit(".", 1)[-1] for name in self.numpy_attention)
-            out.append(f"cpu attention: numpy for chunks of {MIN_QUERY_TOKENS}+ tokens ({modules})")
+            out.append(
+                f"cpu attention: numpy for chunks of {MIN_QUERY_TOKENS}+ tokens and long verify"
+                f" passes ({modules})"
+            )
         return out
 
 

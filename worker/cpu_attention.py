@@ -11,8 +11,9 @@ too (``exp(finfo.min - max)`` is 0), so they are skipped (a causal chunk's upper
 left padding, a sliding window's far past).
 
 The result is MLX's up to float32 rounding (summation order, the ``exp`` implementation), so
-greedy outputs stay the same. Decode steps and short chunks (fewer than ``MIN_QUERY_TOKENS``
-queries), quantized KV caches and dtypes other than float32 stay on MLX, as does everything on
+greedy outputs stay the same. Decode steps (one query) and small calls (fewer than
+``MIN_QUERY_TOKENS`` queries and ``MIN_SCORES`` scores a head: short verify passes over a
+short context), quantized KV caches and dtypes other than float32 stay on MLX, as does everything on
 Metal: :func:`install` is called by the CPU fast path only (``worker.cpu.prepare_cpu_model``).
 ``MLX_MESH_CPU_ATTENTION=off`` leaves MLX's attention in place.
 
@@ -39,10 +40,18 @@ log = logging.getLogger(__name__)
 
 ATTENTION_ENV = "MLX_MESH_CPU_ATTENTION"
 OFF_VALUES = frozenset({"off", "0", "no", "false", "mlx"})
-# Fewer queries stay on MLX: decode steps and speculative verify passes keep their lazy,
-# pipelined graph (the numpy path evaluates at every layer). In isolation numpy wins from 4
-# queries at 3,072 keys (0.6 vs 8 ms for 9 heads); 32 is the first size only prefill reaches.
+# Fewer queries stay on MLX unless the call is big enough (below): decode steps keep their
+# lazy, pipelined graph (the numpy path evaluates at every layer). In isolation numpy wins
+# from 4 queries at 3,072 keys (0.6 vs 8 ms for 9 heads); 32 is the first size only prefill
+# reaches.
 MIN_QUERY_TOKENS = 32
+# A speculative verify pass (2-9 queries a row) evaluates right after its forward pass, so
+# cutting its graph costs it nothing, and its softmax grows with rows x queries x keys.
+# SmolLM2-135M on this 2-core box (bench/results/speculative.md): 4 rows x 9 queries over
+# 1,500 keys 391 -> 247 ms a pass, 4 x 5 over 512 keys 163 -> 143 ms; 1 row x 5 over 512
+# keys 86 vs 91 ms (MLX ahead). So calls of 2+ queries take numpy from this many score
+# elements a head (batch x queries x keys).
+MIN_SCORES = 4096
 # Query rows per tile and query head, so a tile's scores stay in cache: a whole 512-row chunk
 # per tile took 1.5-2x the time (3,072 keys); 32, 64 and 128 rows measured within 10 %.
 ROW_BLOCK = 64
@@ -238,7 +247,10 @@ def wanted(queries: Any, keys: Any, values: Any, cache: Any, mask: Any, sinks: A
         return False
     if any(a.dtype != mx.float32 for a in (queries, keys, values)):
         return False
-    if queries.shape[2] < MIN_QUERY_TOKENS or queries.shape[1] % keys.shape[1]:
+    batch, heads, length = queries.shape[:3]
+    if length < MIN_QUERY_TOKENS and (length < 2 or batch * length * keys.shape[2] < MIN_SCORES):
+        return False
+    if heads % keys.shape[1]:
         return False
     if sinks is not None and (sinks.dtype != mx.float32 or sinks.shape != (queries.shape[1],)):
         return False

@@ -115,6 +115,20 @@ def test_prefill_chunks_take_numpy_and_match_mlx(numpy_calls: list[tuple[int, ..
     np.testing.assert_allclose(np.asarray(got), _mlx(q, k, v, mask, None), rtol=0, atol=2e-6)
 
 
+def test_a_verify_pass_over_a_long_context_takes_numpy_and_matches_mlx(
+    numpy_calls: list[tuple[int, ...]],
+) -> None:
+    """4 rows x 9 queries (a sampled token and 8 drafted ones) over 1,500 keys, left padding
+    in the mask as a batch cache makes it: its softmax is worth the numpy path."""
+    rows, width, keys = 4, 9, 1500
+    q, k, v = _normal(rows, 4, width, 16), _normal(rows, 2, keys, 16), _normal(rows, 2, keys, 16)
+    mask = create_causal_mask(width, keys - width, left_padding=mx.array([0, 7, 30, 2]))
+    assert rows * width * keys >= cpu_attention.MIN_SCORES
+    got = cpu_attention.scaled_dot_product_attention(q, k, v, None, 0.3, mask)
+    assert numpy_calls == [(rows, 4, width, 16)]
+    np.testing.assert_allclose(np.asarray(got), _mlx(q, k, v, mask, None), rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize(
     "case", ["decode", "short chunk", "quantized cache", "bfloat16", "int mask", "wrong sinks"]
 )
@@ -173,7 +187,9 @@ def test_fast_path_installs_it_unless_turned_off(
     monkeypatch.delenv(cpu_attention.ATTENTION_ENV)
     on = cpu.prepare_cpu_model(load(str(tiny_model_dir))[0])
     assert on.as_dict()["attention"] == "numpy"
-    assert "cpu attention: numpy for chunks of 32+ tokens (llama)" in on.lines()
+    assert (
+        "cpu attention: numpy for chunks of 32+ tokens and long verify passes (llama)" in on.lines()
+    )
 
 
 # ---- the engine: same greedy tokens with the hook as without ------------------------------
@@ -240,7 +256,8 @@ async def test_engine_says_the_same_with_and_without_numpy_attention(
     lengths = (300, 181)  # several chunks each, the shorter one left-padded in the batch
 
     with_numpy = await _greedy(model_dir, lengths, batching)
-    assert numpy_calls and all(shape[2] >= cpu_attention.MIN_QUERY_TOKENS for shape in numpy_calls)
+    # Prefill chunks and verify passes; never a decode step (it keeps its pipelined graph).
+    assert numpy_calls and all(shape[2] > 1 for shape in numpy_calls)
     cpu_attention.uninstall()
     monkeypatch.setenv(cpu_attention.ATTENTION_ENV, "off")
     calls = len(numpy_calls)
