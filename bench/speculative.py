@@ -5,17 +5,20 @@ One process, two engines on the same model (``EngineConfig.speculation`` "off" =
 
 - agent edit: a 60-120-line file of this repository, returned with one change;
 - Claude Code turn: the captured request that hands a Bash result back
-  (tests/fixtures/claude_code_requests.json), its tools and messages rendered as text;
+  (tests/fixtures/claude_code_requests.json) as the worker renders it behind a node;
 - open chat: a question whose answer shares nothing with the prompt.
 
-Temperature 0 and 0.7 (seeded), 1 and 4 concurrent streams. Decode tok/s = completion tokens
+Temperature 0 and 0.7 (seeded), 1 and 4 concurrent streams, ``--trials`` runs of each with
+off and on alternating first (medians; the ratio is the median of the paired ones). Decode tok/s = completion tokens
 after each stream's first token / the time from the first stream's first token to the last
 stream's end. Also: acceptance and tokens per verify step (the engine's counters), and the
 cost of a verify pass by batch rows and width (what the ``speculation_max_rows`` default rests
-on). The box is shared: only same-run ratios mean anything.
+on), the lookup ceiling (the tokens a pass the baseline's own answer allows prompt lookup:
+``worker.speculative.lookup_ceiling``) and the start of each answer. The box is shared: only
+same-run ratios mean anything.
 
     nice -n 5 python bench/speculative.py [--model DIR] [--max-tokens 96] [--draft-model DIR]
-        [--workloads "agent edit,open chat"] [--streams 1,4] [--no-costs] [--out FILE]
+        [--workloads "agent edit,open chat"] [--streams 1,4] [--trials 3] [--no-costs] [--out FILE]
 
 ``--draft-model`` adds a third engine that drafts with that model (same tokenizer) and a
 table of its own. Writes ``bench/results/speculative.md`` for the default model,
@@ -30,6 +33,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,42 +64,23 @@ def edit_messages(path: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": ask}]
 
 
-def claude_code_turn() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The captured Anthropic request as plain chat messages and OpenAI-style tools."""
+def claude_code_prompt(engine: Any) -> list[int]:
+    """The captured Claude Code request (tests/fixtures/claude_code_requests.json: it hands a
+    Bash result back) as the worker renders it when a node forwards it: the gateway's
+    Anthropic parse, the worker body, the worker's chat prompt with the tools listed as fully
+    as the context allows (Claude Code sends 25 tools)."""
+    from gateway.api.messages import parse
+    from gateway.worker_client import worker_body
+    from worker.chat_job import fitted_prompt
+    from worker.schemas import ChatCompletionRequest
+
     data = json.loads((ROOT / "tests" / "fixtures" / "claude_code_requests.json").read_text())
-    body = data["tool_result"]["body"]
-    messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system:
-        text = system if isinstance(system, str) else "\n".join(b.get("text", "") for b in system)
-        messages.append({"role": "system", "content": text})
-    for message in body["messages"]:
-        content = message["content"]
-        if isinstance(content, str):
-            messages.append({"role": message["role"], "content": content})
-            continue
-        parts = []
-        for block in content:
-            kind = block.get("type")
-            if kind == "text":
-                parts.append(block["text"])
-            elif kind == "tool_use":
-                parts.append(json.dumps({"name": block["name"], "arguments": block["input"]}))
-            elif kind == "tool_result":
-                inner = block.get("content")
-                if isinstance(inner, list):
-                    inner = "\n".join(b.get("text", "") for b in inner)
-                parts.append(str(inner))
-        messages.append({"role": message["role"], "content": "\n".join(parts)})
-    # SmolLM2 holds 8,192 tokens and Claude Code sends ~20 tools: the turn's own tool (Bash)
-    # and two more, descriptions cut to 400 characters, keep it a ~2,000-token prompt.
-    used = {"Bash", "Read", "Edit"}
-    tools = [
-        {"type": "function", "function": {"name": t["name"], "description": t.get("description",
-         "")[:400], "parameters": t.get("input_schema", {})}}
-        for t in body.get("tools", []) if t["name"] in used
-    ]  # fmt: skip
-    return messages, tools
+    chat, _ = parse(data["tool_result"]["body"])
+    request = ChatCompletionRequest.model_validate(worker_body(chat, "model"))
+    messages = [m.to_template() for m in request.messages]
+    tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
+    (prompt, _), _ = fitted_prompt(engine, messages, tools, {})
+    return prompt
 
 
 OPEN_CHAT = [
@@ -106,36 +91,53 @@ OPEN_CHAT = [
 ]
 
 
-async def stream(engine: Any, request: Any) -> tuple[float | None, float, int]:
+async def stream(engine: Any, request: Any) -> tuple[float | None, float, int, str]:
     from worker.engine_types import Finished, TokenChunk
 
     job = engine.submit(request)
-    first, tokens = None, 0
+    first, tokens, text = None, 0, []
     async for event in job.events():
-        if isinstance(event, TokenChunk) and first is None:
-            first, tokens = time.perf_counter(), event.completion_tokens
+        if isinstance(event, TokenChunk):
+            text.append(event.text)
+            if first is None:
+                first, tokens = time.perf_counter(), event.completion_tokens
         elif isinstance(event, Finished):
             engine.commit(job)
-            return first, time.perf_counter(), event.completion_tokens - tokens
+            return first, time.perf_counter(), event.completion_tokens - tokens, "".join(text)
     raise RuntimeError("no terminal event")
 
 
-async def measure(engine: Any, requests: list[Any]) -> tuple[float, dict[str, Any]]:
-    """Decode tok/s of ``requests`` run together, and what speculation did meanwhile."""
+async def measure(engine: Any, requests: list[Any]) -> tuple[float, dict[str, Any], list[str]]:
+    """Decode tok/s of ``requests`` run together, what speculation did meanwhile, the answers."""
     stats = engine.speculation
     before = (stats.drafted, stats.accepted, stats.verify_steps, stats.emitted, stats.row_steps)
     results = await asyncio.gather(*(stream(engine, r) for r in requests))
     after = (stats.drafted, stats.accepted, stats.verify_steps, stats.emitted, stats.row_steps)
-    drafted, accepted, steps, emitted, row_steps = (
-        a - b for a, b in zip(after, before, strict=True)
-    )
-    starts = [f for f, _, _ in results if f is not None]
-    span = max(e for _, e, _ in results) - min(starts)
-    tok_s = sum(n for _, _, n in results) / span if span > 0 else 0.0
-    return tok_s, {
-        "acceptance": accepted / drafted if drafted else None,
-        "verify_steps": steps,
-        "per_step": emitted / row_steps if row_steps else None,
+    counts = dict(
+        zip(("drafted", "accepted", "verify_steps", "emitted", "row_steps"),
+            (a - b for a, b in zip(after, before, strict=True)), strict=True)
+    )  # fmt: skip
+    starts = [f for f, _, _, _ in results if f is not None]
+    span = max(e for _, e, _, _ in results) - min(starts)
+    tok_s = sum(n for _, _, n, _ in results) / span if span > 0 else 0.0
+    return tok_s, counts, [text for _, _, _, text in results]
+
+
+def summarise(trials: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    """A row's trials: median tok/s each side, the median of the paired ratios, counters."""
+    off = [t["off"][0] for t in trials]
+    on = [t[mode][0] for t in trials]
+    ratios = [b / a for a, b in zip(off, on, strict=True) if a]
+    counts = {k: sum(t[mode][1][k] for t in trials) for k in trials[0][mode][1]}
+    return {
+        "off": statistics.median(off),
+        "on": statistics.median(on),
+        "ratio": statistics.median(ratios) if ratios else float("nan"),
+        "low": min(ratios, default=float("nan")),
+        "high": max(ratios, default=float("nan")),
+        "acceptance": counts["accepted"] / counts["drafted"] if counts["drafted"] else None,
+        "per_step": counts["emitted"] / counts["row_steps"] if counts["row_steps"] else None,
+        "verify_steps": counts["verify_steps"],
     }
 
 
@@ -166,6 +168,59 @@ def verify_cost(model_dir: str) -> list[tuple[int, int, float]]:
     return rows
 
 
+def workload_prompts(engine: Any, chosen: list[str]) -> dict[str, list[list[int]]]:
+    chat = {
+        "agent edit": [edit_messages(p) for p in EDIT_FILES],
+        "open chat": [[{"role": "user", "content": q}] for q in OPEN_CHAT],
+    }
+    prompts = {
+        name: [engine.render_prompt(m, None, {})[0] for m in items] for name, items in chat.items()
+    }
+    if "Claude Code turn" in chosen:
+        prompts["Claude Code turn"] = [claude_code_prompt(engine)]
+    return {name: prompts[name] for name in chosen if name in prompts}
+
+
+async def run_row(
+    engines: dict[str, Any], items: list[list[int]], temperature: float, streams: int, args: Any
+) -> tuple[list[dict[str, Any]], list[int], str]:
+    """``args.trials`` runs of one row on every engine, who goes first alternating (a slow
+    minute hits both sides); the baseline's answers give the lookup ceiling."""
+    from worker.engine_types import GenerationRequest
+    from worker.sampling import SamplingParams
+    from worker.speculative import lookup_ceiling
+
+    tokenizer = engines["off"].tokenizer
+    trials: list[dict[str, Any]] = []
+    ceiling = [0, 0]  # answer tokens, passes
+    answers: list[str] = []
+    for trial in range(args.trials):
+        order = list(engines.items())[:: -1 if trial % 2 else 1]
+        results = {}
+        for mode, engine in order:
+            requests = [
+                GenerationRequest(
+                    items[i % len(items)],
+                    args.max_tokens,
+                    SamplingParams(temperature=temperature, seed=i + 100 * trial),
+                )
+                for i in range(streams)
+            ]
+            tok_s, counts, texts = await measure(engine, requests)
+            results[mode] = (tok_s, counts)
+            print(temperature, streams, trial, mode, round(tok_s, 2), counts, flush=True)
+            if mode != "off":
+                continue
+            answers = answers or texts
+            for request, text in zip(requests, texts, strict=True):
+                answer = tokenizer.encode(text, add_special_tokens=False)
+                n, passes = lookup_ceiling(request.prompt, answer)
+                ceiling[0] += n
+                ceiling[1] += passes
+        trials.append(results)
+    return trials, ceiling, answers[0]
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -179,10 +234,12 @@ async def main() -> None:
     )
     parser.add_argument("--streams", default="1,4", help="comma-separated")
     parser.add_argument("--no-costs", action="store_true", help="skip the verify-cost table")
+    parser.add_argument(
+        "--trials", type=int, default=3, help="runs of each row, off and on alternating first"
+    )
     args = parser.parse_args()
     from worker.engine import Engine
-    from worker.engine_types import EngineConfig, GenerationRequest
-    from worker.sampling import SamplingParams
+    from worker.engine_types import EngineConfig
 
     configs = {"off": EngineConfig(speculation="off"), "auto": EngineConfig(speculation="auto")}
     if args.draft_model:
@@ -192,38 +249,14 @@ async def main() -> None:
         engine = Engine(args.model, name=mode, config=config)
         engine.start(timeout=600)
         engines[mode] = engine
-    tokenizer_engine = engines["off"]
-    cc_messages, cc_tools = claude_code_turn()
-    workloads = {
-        "agent edit": [(edit_messages(p), None) for p in EDIT_FILES],
-        "Claude Code turn": [(cc_messages, cc_tools)],
-        "open chat": [([{"role": "user", "content": q}], None) for q in OPEN_CHAT],
-    }
-    chosen = args.workloads.split(",")
-    prompts = {
-        name: [tokenizer_engine.render_prompt(m, t, {})[0] for m, t in items]
-        for name, items in workloads.items()
-        if name in chosen
-    }
+    prompts = workload_prompts(engines["off"], args.workloads.split(","))
     print({name: [len(p) for p in items] for name, items in prompts.items()}, flush=True)
     rows = []
     for name, items in prompts.items():
         for temperature in (0.0, 0.7):
             for streams in (int(n) for n in args.streams.split(",")):
-                results = {}
-                for mode, engine in engines.items():
-                    requests = [
-                        GenerationRequest(
-                            items[i % len(items)],
-                            args.max_tokens,
-                            SamplingParams(temperature=temperature, seed=i),
-                        )
-                        for i in range(streams)
-                    ]
-                    tok_s, counts = await measure(engine, requests)
-                    results[mode] = (tok_s, counts)
-                    print(name, temperature, streams, mode, round(tok_s, 2), counts, flush=True)
-                rows.append((name, temperature, streams, results))
+                trials, ceiling, answer = await run_row(engines, items, temperature, streams, args)
+                rows.append((name, temperature, streams, trials, ceiling, answer))
     for engine in engines.values():
         engine.close()
     costs = [] if args.no_costs else verify_cost(args.model)
@@ -239,7 +272,7 @@ def results_path(args: Any) -> Path:
 
 
 def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> None:
-    flags = f"--max-tokens {args.max_tokens}"
+    flags = f"--max-tokens {args.max_tokens} --trials {args.trials}"
     if Path(args.model).name != DEFAULT_MODEL.name:
         flags += f" --model {args.model}"
     if args.draft_model:
@@ -250,8 +283,12 @@ def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> No
         f"`nice -n 5 python bench/speculative.py {flags}` on "
         f"{platform.machine()} {platform.system()} (shared box: same-run ratios only), "
         f"model `{Path(args.model).name}`, CPU backend. Decode tok/s after the first token, all "
-        "streams together. Acceptance: accepted / drafted tokens; per step: tokens a verify pass "
-        "gave a row (1 = plain decoding).",
+        f"streams together, median of {args.trials} trials (off and on alternating first); "
+        "× is the median of the trials' paired ratios, its range after it. Acceptance: accepted "
+        "/ drafted tokens; per step: tokens a verify pass gave a row (1 = plain decoding). "
+        "Lookup ceiling: tokens a pass would give if every pass drafted 8 tokens by prompt "
+        "lookup and kept those the baseline's own answer has – what the answer allows at any "
+        "cost of a pass (1.0: it copies nothing from its context).",
     ]
     sections = {"auto": "Prompt lookup (`--speculation auto`)"}
     if args.draft_model:
@@ -261,20 +298,25 @@ def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> No
             "",
             f"## {title}",
             "",
-            "| workload | temp | streams | off tok/s | on tok/s | × | target | acceptance | "
-            "tokens/verify step | verify steps |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| workload | temp | streams | off tok/s | on tok/s | × | × range | target | "
+            "acceptance | tokens/verify step | verify steps | lookup ceiling |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for name, temperature, streams, results in rows:
-            off, on = results["off"][0], results[mode][0]
-            counts = results[mode][1]
-            ratio = on / off if off else float("nan")
-            acc, per = counts["acceptance"], counts["per_step"]
+        for name, temperature, streams, trials, ceiling, _ in rows:
+            row = summarise(trials, mode)
+            acc, per = row["acceptance"], row["per_step"]
+            limit = ceiling[0] / ceiling[1] if ceiling[1] else float("nan")
             out.append(
-                f"| {name} | {temperature} | {streams} | {off:.2f} | {on:.2f} | {ratio:.2f} | "
-                f"≥ {TARGETS[name]} | {'-' if acc is None else f'{acc:.2f}'} | "
-                f"{'-' if per is None else f'{per:.2f}'} | {counts['verify_steps']} |"
+                f"| {name} | {temperature} | {streams} | {row['off']:.2f} | {row['on']:.2f} | "
+                f"{row['ratio']:.2f} | {row['low']:.2f}-{row['high']:.2f} | ≥ {TARGETS[name]} | "
+                f"{'-' if acc is None else f'{acc:.2f}'} | "
+                f"{'-' if per is None else f'{per:.2f}'} | {row['verify_steps']} | {limit:.2f} |"
             )
+    out += ["", "## What the model wrote (first stream, first trial, speculation off)", ""]
+    for name, temperature, streams, _, _, answer in rows:
+        if streams == 1:
+            shown = answer[:240].replace("\n", "⏎").replace("|", "\\|").replace("`", "'")
+            out.append(f"- {name}, temperature {temperature}: `{shown}`")
     if costs:
         out += [
             "",

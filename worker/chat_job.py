@@ -80,7 +80,7 @@ async def start_job(
     context = engine.info.context_length
     try:
         (prompt, in_reasoning), listing = await asyncio.to_thread(
-            _fitted_prompt, engine, messages, tools, template_kwargs
+            fitted_prompt, engine, messages, tools, template_kwargs
         )
     except jinja2.TemplateError as exc:
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
@@ -143,7 +143,7 @@ def listing_header(listing: Listing) -> dict[str, str]:
     return {} if listing == "full" else {"x-tools-listing": listing}
 
 
-def _fitted_prompt(
+def fitted_prompt(
     engine: Engine,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
