@@ -100,11 +100,17 @@ class RowPolicy:
     A verify pass carries the drafted tokens through the model: on a bandwidth-bound decode
     they cost little, but a row whose guesses keep failing pays for them and gains nothing. After
     ``window`` drafted tokens with fewer than ``min_rate`` of them accepted, the row rests for
-    ``rest_steps`` steps (the text may turn to copying later: an edit's unchanged tail)."""
+    ``rest_steps`` steps, twice as long after each failing window in a row up to
+    ``max_rest_steps`` (back to ``rest_steps`` after one that passes): the text may turn to
+    copying again soon – an answer that stops copying its prompt and starts repeating itself,
+    an edit's unchanged tail – and a fixed 64-step rest sat out a 96-token answer's whole
+    repeating part (the Claude Code turn of bench/results/speculative.md)."""
 
     window: int = 24
     min_rate: float = 0.3
-    rest_steps: int = 64
+    rest_steps: int = 16
+    max_rest_steps: int = 64
+    _next_rest: int = 0  # the rest the next failing window gets (0: rest_steps)
     drafted: int = 0
     accepted: int = 0
     resting: int = 0
@@ -160,7 +166,10 @@ class RowPolicy:
         self.totals[1] += accepted
         if self.drafted >= self.window:
             if self.accepted < self.min_rate * self.drafted:
-                self.resting = self.rest_steps
+                self.resting = self._next_rest or self.rest_steps
+                self._next_rest = min(2 * self.resting, self.max_rest_steps)
+            else:
+                self._next_rest = 0
             self.drafted = self.accepted = 0
 
 

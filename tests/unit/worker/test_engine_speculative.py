@@ -500,6 +500,19 @@ def test_a_row_whose_drafts_fail_rests_then_tries_again() -> None:
     assert policy.may_draft()
 
 
+def test_a_row_rests_longer_after_each_failing_window_and_short_again_after_one_that_passes() -> (
+    None
+):
+    policy = RowPolicy(window=10, min_rate=0.5, rest_steps=3, max_rest_steps=8)
+    rests = []
+    for accepted in (2, 2, 2, 2, 9, 2):
+        policy.record(10, accepted)
+        rests.append(policy.resting)
+        while not policy.may_draft():
+            pass
+    assert rests == [3, 6, 8, 8, 0, 3]
+
+
 class _MatchesButNeverDrafts:
     """A row whose context always seems to match and whose draft always comes out empty."""
 
@@ -540,7 +553,9 @@ def test_a_row_whose_drafts_come_out_empty_rests_like_one_whose_drafts_fail(
         tokens += sum(1 for r in generator.next()[1] if r.uid == uid)
     policy = RowPolicy()
     asked_before_rest = policy.window // 2  # two refused tokens an empty draft
-    assert stats.empty_drafts == asked_before_rest == row.asked
+    # 12 asks, a 16-step rest, 12 asks, then a 32-step rest that outlasts the 60 tokens.
+    assert policy.rest_steps == 16 and asked_before_rest == 12
+    assert stats.empty_drafts == row.asked == 2 * asked_before_rest
     assert stats.verify_steps == 0
     generator.close()
 
