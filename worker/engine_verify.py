@@ -228,9 +228,12 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         # A declined draft is never timed: after EXPLORE_AFTER declines, one decision on the
         # prior, so that a slope that once came out high gets measured again.
         explore = self._declines >= EXPLORE_AFTER
-        slope = self.costs.prior_slope if explore else self.costs.slope(len(self.uids))
+        if explore:
+            overhead, slope = self.costs.prior_overhead, self.costs.prior_slope
+        else:
+            overhead, slope = self.costs.model(len(self.uids))
         self._declines = 0 if explore else self._declines
-        width = best_width(limits, rates, slope)
+        width = best_width(limits, rates, slope, overhead)
         if width == 1:
             for i in eligible:
                 self._rows[i].policy.skip()

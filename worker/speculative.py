@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 MIN_NGRAM = 2  # shorter matches guess wrong too often to pay for their verify tokens
 MAX_NGRAM = 4
@@ -180,17 +181,19 @@ def expected_tokens(rate: float, drafted: int) -> float:
     return sum(rate**j for j in range(drafted + 1))
 
 
-def best_width(drafted: Sequence[int], rates: Sequence[float], slope: float) -> int:
+def best_width(
+    drafted: Sequence[int], rates: Sequence[float], slope: float, overhead: float = 0.0
+) -> int:
     """The verify width (1 + drafted tokens a row; 1 is a plain step) that gives the batch the
-    most tokens per unit of step time, a pass of width ``w`` costing ``1 + slope * (w - 1)``
-    plain steps (measured: :class:`StepCosts`). Rows are cut to the width; a row that drafted
-    nothing gives its one token either way."""
+    most tokens per unit of step time, a pass of width ``w`` costing ``1 + overhead + slope *
+    (w - 1)`` plain steps (measured: :class:`StepCosts`). Rows are cut to the width; a row
+    that drafted nothing gives its one token either way."""
     rows = len(drafted)
     best, most = 1, float(rows)  # a plain step: a token a row, for one step's time
     for width in range(2, max(drafted, default=0) + 2):
         cut = [min(d, width - 1) for d in drafted]
         tokens = sum(expected_tokens(r, d) for d, r in zip(cut, rates, strict=True))
-        per_step = tokens / (1 + slope * (width - 1))
+        per_step = tokens / (1 + overhead + slope * (width - 1))
         if per_step > most:
             best, most = width, per_step
     return best
@@ -198,20 +201,26 @@ def best_width(drafted: Sequence[int], rates: Sequence[float], slope: float) -> 
 
 @dataclass
 class StepCosts:
-    """Measured seconds of the batch's steps: plain decode steps by batch rows, and what each
-    drafted position adds to a verify pass, as a share of a plain step (its slope), by rows.
+    """Measured seconds of the batch's steps: plain decode steps by batch rows, and what a
+    verify pass costs beyond one, as shares of a plain step, by rows: an ``overhead`` any pass
+    pays (the sync that costs the step its pipelining, the drafting, the rows that trim apart
+    rolling their caches) and a ``slope`` each drafted position adds.
 
     A verify pass of a few tokens costs about one step where decode is bandwidth-bound and
-    more as rows and vocabulary grow (bench/results/speculative.md); the slope says which, on
-    this machine and model, from the last ``samples`` steps (medians: a step that shared its
-    time with a prefill chunk is an outlier, not the rule)."""
+    more as rows and vocabulary grow (bench/results/speculative.md). One slope alone charged
+    the overhead to the drafted positions of narrow passes – 2-token passes of 4 rows measured
+    0.5-1.2 a position, which then kept every pass narrow or declined – so the two are fitted
+    apart from the last ``samples`` passes of each batch size, robustly (Theil-Sen: a pass that
+    shared its time with a prefill chunk is an outlier, not the rule)."""
 
     prior_slope: float = 0.15  # SmolLM2-135M on this CPU box, 1-4 rows (the bench's table)
-    fixed: float | None = None  # a slope to use instead of measuring
+    prior_overhead: float = 0.0
+    fixed: float | None = None  # a slope to use instead of measuring (and no overhead)
     samples: int = 9
     trusted: int = 3
     plain_s: dict[int, list[float]] = field(default_factory=dict)
-    slopes: dict[int, list[float]] = field(default_factory=dict)
+    # Per batch size: (drafted positions, pass time / plain step - 1) of recent passes.
+    passes: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
     def plain(self, rows: int, seconds: float) -> None:
         self._add(self.plain_s, rows, seconds)
@@ -219,30 +228,52 @@ class StepCosts:
     def verify(self, rows: int, width: int, seconds: float) -> None:
         plain = self._median(self.plain_s, rows)
         if plain is not None and width > 1:
-            self._add(self.slopes, rows, max(0.0, (seconds / plain - 1) / (width - 1)))
+            self._add(self.passes, rows, (width - 1, seconds / plain - 1))
 
     def needs_plain(self, rows: int) -> bool:
         """Whether plain steps at this many rows are still to be timed (a verify pass's cost
         is measured against them; a batch that drafts every step would never time one)."""
         return self.fixed is None and len(self.plain_s.get(rows, ())) < self.trusted
 
-    def slope(self, rows: int) -> float:
-        """The prior until ``trusted`` passes at this many rows were timed (one pass that ran
-        beside something else would otherwise decide alone), then the median of the recent
-        ones."""
+    def model(self, rows: int) -> tuple[float, float]:
+        """(overhead, slope) at this many rows: the priors until ``trusted`` passes were timed
+        (one pass that ran beside something else would otherwise decide alone), then the
+        median of the pairwise slopes between passes of different widths and the median
+        overhead that leaves. Passes all of one width cannot tell the two apart: the slope is
+        then the prior's (or less, when even that is more than the passes cost)."""
         if self.fixed is not None:
-            return max(0.0, self.fixed)
-        if len(self.slopes.get(rows, ())) < self.trusted:
-            return self.prior_slope
-        measured = self._median(self.slopes, rows)
-        return self.prior_slope if measured is None else measured
+            return 0.0, max(0.0, self.fixed)
+        passes = self.passes.get(rows, [])
+        if len(passes) < self.trusted:
+            return self.prior_overhead, self.prior_slope
+        pairs = [
+            (y2 - y1) / (x2 - x1)
+            for i, (x1, y1) in enumerate(passes)
+            for x2, y2 in passes[i + 1 :]
+            if x2 != x1
+        ]
+        if pairs:
+            slope = max(0.0, _median_of(pairs))
+        else:
+            drafted, excess = passes[0][0], _median_of([y for _, y in passes])
+            slope = min(self.prior_slope, max(0.0, excess) / drafted)
+        overhead = max(0.0, _median_of([y - slope * x for x, y in passes]))
+        return overhead, slope
 
-    def _add(self, table: dict[int, list[float]], rows: int, value: float) -> None:
+    def slope(self, rows: int) -> float:
+        return self.model(rows)[1]
+
+    def _add(self, table: dict[int, list[Any]], rows: int, value: Any) -> None:
         values = table.setdefault(rows, [])
         values.append(value)
         del values[: -self.samples]
 
     @staticmethod
     def _median(table: dict[int, list[float]], rows: int) -> float | None:
-        values = sorted(table.get(rows, ()))
-        return values[len(values) // 2] if values else None
+        values = table.get(rows)
+        return _median_of(values) if values else None
+
+
+def _median_of(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]

@@ -652,20 +652,39 @@ def test_a_rows_rate_rises_with_accepted_drafts_and_drifts_back_when_it_rests() 
 
 def test_step_costs_measure_a_drafted_positions_share_of_a_plain_step() -> None:
     costs = StepCosts(prior_slope=0.15)
-    assert costs.slope(4) == 0.15  # nothing measured yet
+    assert costs.model(4) == (0.0, 0.15)  # nothing measured yet
     assert costs.needs_plain(4)
     costs.verify(4, 9, 0.3)  # no plain step at 4 rows to compare with: not a sample
-    assert costs.slope(4) == 0.15
+    assert costs.model(4) == (0.0, 0.15)
     for seconds in (0.1, 0.1, 5.0):  # one step shared its time with a prefill chunk
         costs.plain(4, seconds)
     assert not costs.needs_plain(4) and costs.needs_plain(1)
     assert not StepCosts(fixed=0.1).needs_plain(4)
+    assert StepCosts(fixed=0.1).model(4) == (0.0, 0.1)
     costs.verify(4, 9, 0.26)
-    assert costs.slope(4) == 0.15  # one pass is not enough to go on
+    assert costs.model(4) == (0.0, 0.15)  # one pass is not enough to go on
     costs.verify(4, 9, 0.26)
     costs.verify(4, 9, 0.9)  # it ran beside something else
-    assert costs.slope(4) == pytest.approx((0.26 / 0.1 - 1) / 8)
-    assert costs.slope(1) == 0.15  # by rows
+    # One width cannot tell overhead from slope: the prior slope, the rest overhead.
+    overhead, slope = costs.model(4)
+    assert slope == 0.15 and overhead == pytest.approx(0.26 / 0.1 - 1 - 8 * 0.15)
+    assert costs.model(1) == (0.0, 0.15)  # by rows
     for _ in range(20):
         costs.plain(4, 0.2)
     assert len(costs.plain_s[4]) == costs.samples  # bounded
+
+
+def test_step_costs_tell_a_passs_overhead_from_what_each_drafted_position_adds() -> None:
+    """Narrow passes no longer charge the pass's own overhead to their one drafted position
+    (which kept every pass narrow): passes of several widths fit both, robust to an outlier."""
+    costs = StepCosts(prior_slope=0.15)
+    for _ in range(3):
+        costs.plain(1, 0.1)
+    for width in (2, 5, 9, 2, 5, 3):
+        costs.verify(1, width, 0.1 * (1 + 0.3 + 0.05 * (width - 1)))
+    costs.verify(1, 2, 0.1 * 3.5)  # beside a prefill chunk
+    overhead, slope = costs.model(1)
+    assert overhead == pytest.approx(0.3) and slope == pytest.approx(0.05)
+    # What the old single slope made of the 2-token passes: 0.35 a position.
+    assert best_width([8], [0.8], slope, overhead) == 9
+    assert best_width([8], [0.8], slope=0.35) < 5
