@@ -308,8 +308,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
                 # What was fed and kept: the sampled token and the accepted drafts (the
                 # following token is fed next step, as after a plain one).
                 self._token_context[i].update_and_fetch(inputs[i, : accepted[i] + 1])
-                for processor in self.logits_processors[i]:
-                    processor.rollback(len(drafts[i]) - accepted[i])
+                if drafts[i]:  # only rows whose processors are all draft-aware have drafts
+                    for processor in self.logits_processors[i]:
+                        processor.rollback(len(drafts[i]) - accepted[i])
         self._next_tokens = mx.array(following, dtype=mx.uint32)
         self._next_logprobs = [_normalised(logits[i, n]) for i, n in enumerate(accepted)]
         self._current_tokens = mx.array(sampled, dtype=mx.uint32)

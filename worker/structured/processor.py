@@ -128,19 +128,33 @@ class GrammarProcessor:
     # gives back the ones the model refused.
     def draft_limit(self, unseen: list[int], draft: list[int]) -> int:
         """How many of ``draft`` the grammar allows after ``unseen``; a draft stops before an
-        end token (the answer ends there anyway, and a stopped matcher is not rolled back)."""
+        end token (the answer ends there anyway: drafting past it gains nothing)."""
         if self._broken or self.matcher.is_stopped() or self.matcher.is_error():
             return 0
         for at, token in enumerate(draft):
             if token in self._eos:
                 draft = draft[:at]
                 break
-        return max(0, self.matcher.validate_tokens(unseen + draft) - len(unseen))
+        try:
+            valid = self.matcher.validate_tokens(unseen + draft)
+        except BaseException as exc:  # a panic would end the engine's owner thread
+            if not is_panic(exc):
+                raise
+            log.error("the grammar library failed checking a draft: %s", exc)
+            return 0
+        return max(0, valid - len(unseen))
 
     def rollback(self, count: int) -> None:
         if count <= 0 or self._broken or self._seen is None:
             return
-        if not self.matcher.rollback(count):
+        try:
+            given_back = self.matcher.rollback(count)
+        except BaseException as exc:
+            if not is_panic(exc):
+                raise
+            given_back = False
+        if not given_back:
+            # The answer is then ended at the next step (only end tokens allowed).
             log.error("the grammar could not give back %d drafted tokens", count)
             self._broken = True
         self._seen -= count

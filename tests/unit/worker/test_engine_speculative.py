@@ -183,6 +183,26 @@ async def test_rows_under_a_grammar_or_penalties_draft_and_answer_as_decoding_do
     assert after["drafted"] - alone["drafted"] > after["accepted"] - alone["accepted"] > 0
 
 
+async def test_a_row_with_a_processor_that_cannot_see_drafts_decodes_beside_drafting_rows(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """A processor with none of the draft hooks (a bare function) keeps its row to a token a
+    step, in the same verify passes as rows that draft, and nothing asks it to give back."""
+
+    def unchanged(tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits
+
+    def requests(engine: Engine) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(prompt_of(engine, "json"), 40, GREEDY, logits_processors=(unchanged,)),
+            GenerationRequest(prompt_of(engine, "The quick brown fox"), 60, GREEDY),
+        ]  # fmt: skip
+
+    before = pair[1].speculation.accepted
+    assert_same(*await both(pair, requests))
+    assert pair[1].speculation.accepted > before
+
+
 class _Oracle:
     """Drafts the answer plain decoding gave, with every other draft wrong from its second
     token on: drafts accepted whole, refused part way (the matcher gives tokens back) and cut
@@ -688,3 +708,13 @@ def test_step_costs_tell_a_passs_overhead_from_what_each_drafted_position_adds()
     # What the old single slope made of the 2-token passes: 0.35 a position.
     assert best_width([8], [0.8], slope, overhead) == 9
     assert best_width([8], [0.8], slope=0.35) < 5
+    # A lone pass of another width is in every pair: it does not get to set the slope alone.
+    lone = StepCosts(prior_slope=0.15)
+    for _ in range(3):
+        lone.plain(1, 0.1)
+    for _ in range(6):
+        lone.verify(1, 9, 0.1 * 2.0)
+    alone = lone.model(1)  # one width: 1.0 over 8 positions, 0.125 each (under the prior)
+    lone.verify(1, 3, 0.1 * 3.0)
+    assert alone == (pytest.approx(0.0), pytest.approx(0.125))
+    assert lone.model(1)[1] == pytest.approx(0.125)  # the pair slope would have been -0.17
