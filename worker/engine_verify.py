@@ -25,7 +25,7 @@ drafts only when speculation is on, the batch is small enough that decode is ban
 refuses it; penalties and logit bias, which read the context only), its sampler is the engine's own
 (greedy or :class:`~worker.sampling.RequestSampler`), its caches can hand a rejected tail back
 (``BatchKVCache``, or a sliding window's ``BatchRotatingKVCache`` outside a split group: see
-``_trim_window``) and its acceptance holds up (:class:`~worker.speculative.RowPolicy`).
+``trim_window`` in worker/verify_cache.py) and its acceptance holds up (:class:`~worker.speculative.RowPolicy`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from worker.draft_model import DraftSource, PromptLookup, RowDrafter
 from worker.sampling import DraftAwareProcessor, RequestSampler, greedy
 from worker.speculative import RowPolicy, StepCosts, best_width
+from worker.verify_cache import can_trim, in_order, trim_rows
 
 
 @dataclass
@@ -255,7 +255,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         the sampled token is known, which would cost the pipelining a wait)."""
         if len(self.uids) > self.speculation.max_rows:
             return []
-        if not _can_trim(self.prompt_cache):
+        if not can_trim(self.prompt_cache):
             return []
         if 0 in self._num_tokens:
             # A row that just joined holds its first token (its prefill's): a plain step hands
@@ -283,7 +283,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         inputs = mx.array(
             [[t, *d, *([t] * (width - 1 - len(d)))] for t, d in zip(sampled, drafts, strict=True)]
         )
-        _in_order(self.prompt_cache)
+        in_order(self.prompt_cache)
         logits = self.model(inputs, cache=self.prompt_cache)
         logits = self._process(logits, inputs, drafts)
         # Normalised per row and position, lazily: only what is read gets its exp (MLX's CPU
@@ -301,7 +301,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         ]
         finish = self._finishes(emitted)
         kept = [len(e) for e in emitted]  # cut at a finish: tokens after it are not the answer
-        self._trim([width - k for k in kept])
+        trim_rows(self.prompt_cache, [width - k for k in kept])
         for i, tokens in enumerate(emitted):
             self.tokens[i].extend(tokens)
             if self.logits_processors[i]:
@@ -385,20 +385,6 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             finish.append(reason)
         return finish
 
-    def _trim(self, rejected: list[int]) -> None:
-        """Drop each row's last ``rejected[i]`` positions from every layer's cache."""
-        common = min(rejected)
-        extra = [r - common for r in rejected]
-        for cache in self.prompt_cache:
-            if type(cache) is BatchRotatingKVCache:
-                _trim_window(cache, common, extra)
-                continue
-            if common:
-                cache.trim(common)
-            if any(extra):
-                cache.prepare(right_padding=extra)
-                cache.finalize()
-
     def _responses(
         self, emitted: list[list[int]], vectors: list[list[mx.array]], finish: list[str | None]
     ) -> list[Any]:
@@ -445,48 +431,6 @@ def _accept_sampled(
 def _normalised(logits: mx.array) -> mx.array:
     """Log-probabilities over the last axis."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _can_trim(caches: list[Any]) -> bool:
-    """Whether a verify pass can hand every layer's rejected tail back: plain batch caches,
-    with sliding windows among them outside a split group (a split rank 0 records its first
-    layer's calls, which its followers replay on every layer: they would not cut a window)."""
-    if caches and _is_recording(caches[0]):
-        return all(type(c) is BatchKVCache or _is_recording(c) for c in caches)
-    return all(type(c) in (BatchKVCache, BatchRotatingKVCache) for c in caches)
-
-
-def _in_order(caches: list[Any]) -> None:
-    """Put rotated sliding windows back in temporal order before a pass of several tokens. The
-    model builds its mask before the layers update their caches, from the write index; a
-    rotated window's update of several tokens first reorders itself (moving that index), so
-    its mask would be one column off and a row shorter than the window would lose its oldest
-    token. Plain decoding never feeds a rotated window several tokens; a verify pass does."""
-    for cache in caches:
-        if type(cache) is BatchRotatingKVCache and cache.keys is not None:
-            cache._temporal_order()
-
-
-def _trim_window(cache: BatchRotatingKVCache, common: int, extra: list[int]) -> None:
-    """Drop rejected positions from a sliding-window layer, leaving it as a prefill of the
-    accepted tokens would have (so mlx-lm's own window, rotation and mask logic go on as
-    after any prefill). A verify pass of two or more tokens went through the window's
-    concatenating update, so its keys are in temporal order and the rejected tail is at the
-    end: ``trim`` moves the write index back and the tail is cut off (left there, a later
-    rotation would keep it as context); a row that rejected more rolls its extra tail into
-    its left padding, as mlx-lm does for a right-padded prefill (``finalize``)."""
-    if common:
-        cache.trim(common)
-        cache.keys = cache.keys[..., : cache._idx, :]
-        cache.values = cache.values[..., : cache._idx, :]
-    if any(extra):
-        cache._lengths = cache.offset - mx.array(extra)
-        cache.finalize()
-
-
-def _is_recording(cache: Any) -> bool:
-    """A split rank 0's batch cache: ``BatchKVCache`` with its calls recorded."""
-    return type(cache).__name__ == "RecordingBatchKVCache" and isinstance(cache, BatchKVCache)
 
 
 def install(

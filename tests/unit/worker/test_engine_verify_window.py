@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-from worker.engine_verify import _in_order, _trim_window
+from worker.verify_cache import in_order, trim_window
 
 WINDOW, DIM = 8, 4
 
@@ -42,10 +42,10 @@ def test_a_trimmed_window_attends_as_if_it_held_the_accepted_tokens_only(
     kept = [prompt[i : i + 1, :, longest - n :] for i, n in enumerate(lengths)]
     for number, rejected in enumerate(rounds):
         verify = mx.random.normal((rows, 1, width, DIM), key=mx.random.key(number))
-        _in_order([batch])  # as the verify pass does
+        in_order([batch])  # as the verify pass does
         attend(batch, verify)
         common = min(rejected)
-        _trim_window(batch, common, [r - common for r in rejected])
+        trim_window(batch, common, [r - common for r in rejected])
         kept = [
             mx.concatenate([k, verify[i : i + 1, :, : width - r]], axis=2)
             for i, (k, r) in enumerate(zip(kept, rejected, strict=True))
@@ -84,7 +84,7 @@ def test_a_verify_pass_on_a_rotated_window_sees_what_a_prefill_would(
         attend(batch, step)
     assert batch.rotated
     verify = mx.random.normal((rows, 1, 4, DIM), key=mx.random.key(99))
-    _in_order([batch])
+    in_order([batch])
     output = attend(batch, verify)
     for i, n in enumerate(lengths):
         alone = BatchRotatingKVCache(WINDOW, [0])
