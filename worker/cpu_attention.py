@@ -13,8 +13,8 @@ left padding, a sliding window's far past).
 The result is MLX's up to float32 rounding (summation order, the ``exp`` implementation), so
 greedy outputs stay the same. Decode steps (one query) and small calls (fewer than
 ``MIN_QUERY_TOKENS`` queries and ``MIN_SCORES`` scores a head: short verify passes over a
-short context), quantized KV caches and dtypes other than float32 stay on MLX, as does everything on
-Metal: :func:`install` is called by the CPU fast path only (``worker.cpu.prepare_cpu_model``).
+short context), quantized KV caches and dtypes other than float32 stay on MLX, as does
+everything on Metal: :func:`install` is called by the CPU fast path only (``worker.cpu.prepare_cpu_model``).
 ``MLX_MESH_CPU_ATTENTION=off`` leaves MLX's attention in place.
 
 The numpy path evaluates the queries, keys and values when the model's graph is built (MLX is
@@ -252,7 +252,7 @@ def wanted(queries: Any, keys: Any, values: Any, cache: Any, mask: Any, sinks: A
         return False
     if heads % keys.shape[1]:
         return False
-    if sinks is not None and (sinks.dtype != mx.float32 or sinks.shape != (queries.shape[1],)):
+    if sinks is not None and (sinks.dtype != mx.float32 or sinks.shape != (heads,)):
         return False
     if isinstance(mask, str):
         return mask == "causal" and queries.shape[2] <= keys.shape[2]

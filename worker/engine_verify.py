@@ -22,10 +22,11 @@ own timing of its steps, worker/speculative.py). A row
 drafts only when speculation is on, the batch is small enough that decode is bandwidth-bound
 (``max_rows``), its logits processors can see drafted positions and give refused ones back
 (``DraftAwareProcessor``: a grammar's matcher, which also cuts a draft where the grammar
-refuses it; penalties and logit bias, which read the context only), its sampler is the engine's own
-(greedy or :class:`~worker.sampling.RequestSampler`), its caches can hand a rejected tail back
-(``BatchKVCache``, or a sliding window's ``BatchRotatingKVCache`` outside a split group: see
-``trim_window`` in worker/verify_cache.py) and its acceptance holds up (:class:`~worker.speculative.RowPolicy`).
+refuses it; penalties and logit bias, which read the context only), its sampler is the
+engine's own (greedy or :class:`~worker.sampling.RequestSampler`), its caches can hand a
+rejected tail back (``BatchKVCache``, or a sliding window's ``BatchRotatingKVCache`` outside a
+split group: see ``trim_window`` in worker/verify_cache.py) and its acceptance holds up
+(:class:`~worker.speculative.RowPolicy`).
 """
 
 from __future__ import annotations

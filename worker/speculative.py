@@ -240,9 +240,9 @@ class StepCosts:
         """(overhead, slope) at this many rows: the priors until ``trusted`` passes were timed
         (one pass that ran beside something else would otherwise decide alone), then the
         median of the pairwise slopes between passes of different widths and the median
-        overhead that leaves, once two widths were timed twice each. Until then the passes cannot
-        tell the two apart: the slope is the prior's (or less, when even that is more than the
-        passes cost)."""
+        overhead that leaves, once two widths were timed twice each. Until then the passes
+        cannot tell the two apart: the slope is the prior's (or less, when even that is more
+        than the passes cost)."""
         if self.fixed is not None:
             return 0.0, max(0.0, self.fixed)
         passes = self.passes.get(rows, [])
@@ -251,13 +251,13 @@ class StepCosts:
         widths = Counter(x for x, _ in passes)
         # Pairs only once two widths were each timed twice: a lone pass of another width
         # would be in every pair and set the slope alone.
-        pairs = [
-            (y2 - y1) / (x2 - x1)
-            for i, (x1, y1) in enumerate(passes)
-            for x2, y2 in passes[i + 1 :]
-            if x2 != x1
-        ]
         if sum(1 for n in widths.values() if n >= 2) >= 2:
+            pairs = [
+                (y2 - y1) / (x2 - x1)
+                for i, (x1, y1) in enumerate(passes)
+                for x2, y2 in passes[i + 1 :]
+                if x2 != x1
+            ]
             slope = max(0.0, _median_of(pairs))
         else:
             drafted = _median_of([x for x, _ in passes])
@@ -265,9 +265,6 @@ class StepCosts:
             slope = min(self.prior_slope, max(0.0, excess) / drafted)
         overhead = max(0.0, _median_of([y - slope * x for x, y in passes]))
         return overhead, slope
-
-    def slope(self, rows: int) -> float:
-        return self.model(rows)[1]
 
     def _add(self, table: dict[int, list[Any]], rows: int, value: Any) -> None:
         values = table.setdefault(rows, [])
