@@ -40,6 +40,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
 from mesh.identity import NodeIdentity
+from mesh.ports import free_port
 from mesh.tunnel.config import TunnelConfig
 
 # Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
@@ -62,16 +63,10 @@ ODD: list[Any] = [
 RAW = [b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b"[" * 5000 + b"]" * 5000]
 
 
-def _free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Node:
     def __init__(self, home: Path, *args: str) -> None:
         self.home = home
-        self.mesh_port = _free_port(socket.SOCK_DGRAM)
+        self.mesh_port = free_port(socket.SOCK_DGRAM)
         cmd = [sys.executable, "-c", "from mesh.cli import main; main()", "up", "--home", str(home)]
         cmd += ["--port", "0", "--mesh-host", "127.0.0.1", "--mesh-port", str(self.mesh_port)]
         cmd += ["--no-discovery", *args]

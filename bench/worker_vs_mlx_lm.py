@@ -27,7 +27,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -77,12 +76,6 @@ class Measurements:
     concurrent_ttft: list[float] = field(default_factory=list)  # mean of the four, per trial
     turn1_ttft: list[float] = field(default_factory=list)
     turn2_ttft: list[float] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pick_model(arg: str | None, tmp: Path) -> tuple[str, str]:
@@ -381,6 +374,9 @@ def parse_args() -> argparse.Namespace:
 def start_servers(model_dir: str, anchors: str, variants: list[str], tmp: Path) -> list[Server]:
     """Our worker (and its variants), then each anchor's ``mlx_lm.server``, all on
     ``model_dir``."""
+    sys.path.insert(0, str(ROOT))
+    from mesh.ports import free_port
+
     python = sys.executable
     servers = []
     for label, extra in [("ours", ""), *((f"ours {v}", v) for v in variants)]:
