@@ -44,6 +44,7 @@ from worker.draft_model import DraftSource, PromptLookup, RowDrafter
 from worker.sampling import DraftAwareProcessor, RequestSampler, greedy
 from worker.speculative import RowPolicy, StepCosts, best_width
 from worker.verify_cache import can_trim, in_order, trim_rows
+from worker.verify_holes import Holes, can_punch, trim_punching
 
 
 @dataclass
@@ -127,6 +128,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
     _clocked: tuple[str, int, int, float, int] | None
     _steady: int  # plain steps in a row without a sync
     _declines: int  # declined steps since a decision last went on the prior
+    _holes: Holes  # rejected positions left masked in the cache (worker/verify_holes.py)
 
     @classmethod
     def make(
@@ -147,20 +149,31 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         batch._clocked = None
         batch._steady = 0
         batch._declines = 0
+        batch._holes = Holes()
         return batch
 
     def extend(self, batch: Any) -> None:
+        before = self.prompt_cache[0]._idx if self.prompt_cache else 0
+        other_before = batch.prompt_cache[0]._idx if batch.prompt_cache else 0
         super().extend(batch)
+        if self.prompt_cache:
+            self._holes.extend(
+                self.prompt_cache, before, getattr(batch, "_holes", None), other_before
+            )
         rows = getattr(batch, "_rows", None)
         self._rows.extend(rows or [_Row(self.source.row()) for _ in batch.uids])
         self._clocked = None  # the joining rows' first pass ran inside this period
         self._steady = 0
 
     def filter(self, keep: list[int]) -> None:
+        self._holes.filter(self.prompt_cache, keep)
         super().filter(keep)
         self._rows = [self._rows[i] for i in keep]
         if not keep:
             self._clocked = None  # idle from here: the time until rows come is no step's
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        return self._holes.extract(self.prompt_cache, idx) or super().extract_cache(idx)
 
     def next(self) -> list[Any]:
         if not self.uids:
@@ -302,7 +315,11 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         ]
         finish = self._finishes(emitted)
         kept = [len(e) for e in emitted]  # cut at a finish: tokens after it are not the answer
-        trim_rows(self.prompt_cache, [width - k for k in kept])
+        rejected = [width - k for k in kept]
+        if can_punch(self.prompt_cache):
+            trim_punching(self.prompt_cache, rejected, self._holes)
+        else:
+            trim_rows(self.prompt_cache, rejected)
         for i, tokens in enumerate(emitted):
             self.tokens[i].extend(tokens)
             if self.logits_processors[i]:
