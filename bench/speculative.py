@@ -8,7 +8,8 @@ One process, two engines on the same model (``EngineConfig.speculation`` "off" =
   (tests/fixtures/claude_code_requests.json) as the worker renders it behind a node;
 - open chat: a question whose answer shares nothing with the prompt.
 
-Temperature 0 and 0.7 (seeded), 1 and 4 concurrent streams, ``--trials`` runs of each with
+Temperature 0 and 0.7 (seeded), 1 and 4 concurrent streams (every item of a workload runs:
+with fewer streams than items, in rounds one after another), ``--trials`` runs of each with
 off and on alternating first (medians; the ratio is the median of the paired ones). Decode
 tok/s = completion tokens after each stream's first token / the time from the first stream's
 first token to the last stream's end. Also: acceptance and tokens per verify step (the engine's counters), and the
@@ -107,8 +108,9 @@ async def stream(engine: Any, request: Any) -> tuple[float | None, float, int, s
     raise RuntimeError("no terminal event")
 
 
-async def measure(engine: Any, requests: list[Any]) -> tuple[float, dict[str, Any], list[str]]:
-    """Decode tok/s of ``requests`` run together, what speculation did meanwhile, the answers."""
+async def measure(engine: Any, requests: list[Any]) -> tuple[int, float, dict[str, Any], list[str]]:
+    """Decode tokens and seconds of ``requests`` run together, what speculation did meanwhile,
+    the answers."""
     stats = engine.speculation
     before = (stats.drafted, stats.accepted, stats.verify_steps, stats.emitted, stats.row_steps)
     results = await asyncio.gather(*(stream(engine, r) for r in requests))
@@ -119,8 +121,8 @@ async def measure(engine: Any, requests: list[Any]) -> tuple[float, dict[str, An
     )  # fmt: skip
     starts = [f for f, _, _, _ in results if f is not None]
     span = max(e for _, e, _, _ in results) - min(starts)
-    tok_s = sum(n for _, _, n, _ in results) / span if span > 0 else 0.0
-    return tok_s, counts, [text for _, _, _, text in results]
+    tokens = sum(n for _, _, n, _ in results)
+    return tokens, span, counts, [text for _, _, _, text in results]
 
 
 def summarise(trials: list[dict[str, Any]], mode: str) -> dict[str, Any]:
@@ -198,15 +200,26 @@ async def run_row(
         order = list(engines.items())[:: -1 if trial % 2 else 1]
         results = {}
         for mode, engine in order:
-            requests = [
-                GenerationRequest(
-                    items[i % len(items)],
-                    args.max_tokens,
-                    SamplingParams(temperature=temperature, seed=i + 100 * trial),
-                )
-                for i in range(streams)
-            ]
-            tok_s, counts, texts = await measure(engine, requests)
+            # Every item once at least: with fewer streams than items, rounds of ``streams``
+            # one after another (one stream runs each edit in turn, not the first alone).
+            rounds = -(-len(items) // streams)
+            requests, texts, tokens, span = [], [], 0, 0.0
+            counts: dict[str, Any] = {}
+            for r in range(rounds):
+                batch = [
+                    GenerationRequest(
+                        items[(r * streams + i) % len(items)],
+                        args.max_tokens,
+                        SamplingParams(temperature=temperature, seed=i + 100 * trial),
+                    )
+                    for i in range(streams)
+                ]
+                n, seconds, got, answers_of = await measure(engine, batch)
+                requests += batch
+                texts += answers_of
+                tokens, span = tokens + n, span + seconds
+                counts = {k: counts.get(k, 0) + v for k, v in got.items()}
+            tok_s = tokens / span if span > 0 else 0.0
             results[mode] = (tok_s, counts)
             print(temperature, streams, trial, mode, round(tok_s, 2), counts, flush=True)
             if mode != "off":
