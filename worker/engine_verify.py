@@ -10,9 +10,11 @@ would use there) equals the draft – so the tokens are the ones decoding would 
 greedy, and follow the same distribution (Leviathan et al. 2023's rule for a certain
 proposal). A row that
 accepted n drafts emits n+1 tokens and keeps their KV only; rows trim independently: every
-row drops what all rejected (``trim``), and a row that rejected more rolls its extra tail into
-its left padding (``prepare(right_padding)`` + ``finalize``, as mlx-lm pads a prefill). Those
-are the batch cache's own operations, so a split group's followers replay them
+row drops what all rejected (``trim``), and what a row rejected beyond that stays in place as
+masked holes (worker/verify_holes.py: rolling it out moved the row's whole history, more than a
+decode step's time). Sliding windows and a split group's recorded caches roll it into the
+row's left padding instead (``prepare(right_padding)`` + ``finalize``, as mlx-lm pads a
+prefill): the batch cache's own operations, which a split group's followers replay
 (worker/split/cache.py) like any other.
 
 Rows run the plain step (with its asynchronous pipelining) whenever no row has a draft, or
