@@ -46,7 +46,7 @@ from worker.draft_model import DraftSource, PromptLookup, RowDrafter
 from worker.sampling import DraftAwareProcessor, RequestSampler, greedy
 from worker.speculative import RowPolicy, StepCosts, best_width
 from worker.verify_cache import can_trim, in_order, trim_rows
-from worker.verify_holes import Holes, can_punch, trim_punching
+from worker.verify_holes import Holes
 
 
 @dataclass
@@ -317,11 +317,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         ]
         finish = self._finishes(emitted)
         kept = [len(e) for e in emitted]  # cut at a finish: tokens after it are not the answer
-        rejected = [width - k for k in kept]
-        if can_punch(self.prompt_cache):
-            trim_punching(self.prompt_cache, rejected, self._holes)
-        else:
-            trim_rows(self.prompt_cache, rejected)
+        trim_rows(self.prompt_cache, [width - k for k in kept], self._holes)
         for i, tokens in enumerate(emitted):
             self.tokens[i].extend(tokens)
             if self.logits_processors[i]:

@@ -13,13 +13,21 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
+from worker.verify_holes import Holes, can_punch
 
-def trim_rows(caches: list[Any], rejected: list[int]) -> None:
+
+def trim_rows(caches: list[Any], rejected: list[int], holes: Holes | None = None) -> None:
     """Drop each row's last ``rejected[i]`` positions from every layer's cache: what all rows
-    rejected is trimmed, a row that rejected more rolls its extra tail into its left padding
-    (as mlx-lm pads a prefill)."""
+    rejected is trimmed; what a row rejected beyond that becomes ``holes`` where the layers
+    allow (worker/verify_holes.py), else it rolls into the row's left padding (as mlx-lm pads
+    a prefill)."""
     common = min(rejected)
     extra = [r - common for r in rejected]
+    if holes is not None and can_punch(caches):
+        for cache in caches:
+            cache.trim(common)
+        holes.punch(caches, extra)
+        return
     for cache in caches:
         if type(cache) is BatchRotatingKVCache:
             trim_window(cache, common, extra)

@@ -2,7 +2,7 @@
 
 A verify pass feeds every row the same width; a row that drafted less (or nothing) rejects more
 of it than the others. Rolling each such row's rejected tail into its left padding
-(``trim_rows``) moves the row's whole history in every layer: on this CPU box 170-190 ms for 4
+(the roll in ``trim_rows``) moves the row's whole history in every layer: on this CPU box 170-190 ms for 4
 rows over 1,300 positions of SmolLM2, more than a plain decode step, so a pass where one row of
 four copies its prompt cost two steps and speculation declined (bench/results/speculative.md).
 Here a row's rejected positions stay where they are and the attention mask hides them; each
@@ -30,16 +30,6 @@ def can_punch(caches: list[Any]) -> bool:
     return bool(caches) and all(type(c) is BatchKVCache for c in caches)
 
 
-def trim_punching(caches: list[Any], rejected: list[int], holes: Holes) -> None:
-    """``trim_rows`` for plain batch caches: what all rows rejected is trimmed, what a row
-    rejected beyond that becomes holes."""
-    common = min(rejected)
-    if common:
-        for cache in caches:
-            cache.trim(common)
-    holes.punch(caches, [r - common for r in rejected])
-
-
 class Holes:
     """Which buffer positions of each row are real tokens; None while there are no holes."""
 
@@ -49,24 +39,19 @@ class Holes:
 
     def punch(self, caches: list[Any], extra: list[int]) -> None:
         """Row i's last ``extra[i]`` positions before the write index (after the pass's common
-        trim) become holes: the next tokens are written after them."""
-        if not any(extra):
-            self.truncate(caches[0]._idx)
+        trim) become holes: the next tokens are written after them. Earlier holes past the
+        write index are gone (those positions will be written again)."""
+        if any(extra):
+            shift = mx.array(extra)
+            for cache in caches:
+                cache.offset = cache.offset - shift
+        elif self.valid is None:
             return
         end = caches[0]._idx
-        shift = mx.array(extra)
-        for cache in caches:
-            cache.offset = cache.offset - shift
         valid = self._sized(len(extra), end)
         for row, n in enumerate(extra):
             valid[row, end - n : end] = False
         self._set(caches, valid)
-
-    def truncate(self, end: int) -> None:
-        """Positions from ``end`` on will be written again: they are real tokens to be."""
-        if self.valid is not None and self.valid.shape[1] > end:
-            self.valid = self.valid[:, :end]
-            self._visible = None
 
     def filter(self, caches: list[Any], keep: list[int]) -> None:
         """Follow ``BatchKVCache.filter`` (called before it): rows kept, and the left padding

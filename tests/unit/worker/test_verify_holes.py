@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from worker.verify_cache import trim_rows
-from worker.verify_holes import Holes, trim_punching
+from worker.verify_holes import Holes
 
 H, D = 2, 4
 
@@ -40,7 +40,7 @@ class Pair:
     def verify(self, keys: mx.array, rejected: list[int]) -> None:
         self.feed(keys)
         trim_rows([self.rolled], rejected)
-        trim_punching([self.holed], rejected, self.holes)
+        trim_rows([self.holed], rejected, self.holes)
 
     def filter(self, keep: list[int]) -> None:
         self.holes.filter([self.holed], keep)
