@@ -12,10 +12,11 @@ Temperature 0 and 0.7 (seeded), 1 and 4 concurrent streams (every item of a work
 with fewer streams than items, in rounds one after another), ``--trials`` runs of each with
 off and on alternating first (medians; the ratio is the median of the paired ones). Decode
 tok/s = completion tokens after each stream's first token / the time from the first stream's
-first token to the last stream's end. Also: acceptance and tokens per verify step (the engine's counters), and the
-cost of a verify pass by batch rows and width (what the ``speculation_max_rows`` default rests
-on), the lookup ceiling (the tokens a pass the baseline's own answer allows prompt lookup:
-``worker.speculative.lookup_ceiling``) and the start of each answer. The box is shared: only
+first token to the last stream's end. Also: acceptance and tokens per verify step (the
+engine's counters), and the cost of a verify pass by batch rows and width (what the
+``speculation_max_rows`` default rests on), the lookup ceiling (the tokens a pass the
+baseline's own answer allows prompt lookup: ``worker.speculative.lookup_ceiling``) and the
+start of each answer. The box is shared: only
 same-run ratios mean anything.
 
     nice -n 5 python bench/speculative.py [--model DIR] [--max-tokens 96] [--draft-model DIR]
