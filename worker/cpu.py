@@ -425,8 +425,8 @@ class CpuFastPath:
 
             modules = ", ".join(name.rsplit(".", 1)[-1] for name in self.numpy_attention)
             out.append(
-                f"cpu attention: numpy for chunks of {MIN_QUERY_TOKENS}+ tokens and long verify"
-                f" passes ({modules})"
+                f"cpu attention: numpy for chunks of {MIN_QUERY_TOKENS}+ tokens, long verify"
+                f" passes and batched long decode steps ({modules})"
             )
         return out
 

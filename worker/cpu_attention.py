@@ -11,10 +11,13 @@ too (``exp(finfo.min - max)`` is 0), so they are skipped (a causal chunk's upper
 left padding, a sliding window's far past).
 
 The result is MLX's up to float32 rounding (summation order, the ``exp`` implementation), so
-greedy outputs stay the same. Decode steps (one query) and small calls (fewer than
-``MIN_QUERY_TOKENS`` queries and ``MIN_SCORES`` scores a head: short verify passes over a
-short context), quantized KV caches and dtypes other than float32 stay on MLX, as does
-everything on Metal: :func:`install` is called by the CPU fast path only (``worker.cpu.prepare_cpu_model``).
+greedy outputs stay the same. A decode step (one query a row) takes numpy when several rows
+read a long context (``decode_in_numpy``): its keys split over the threads and the parts'
+softmaxes merged, a short row's left padding skipped (bench/results/decode-attention.md).
+Other decode steps, small calls (fewer than ``MIN_QUERY_TOKENS`` queries and ``MIN_SCORES``
+scores a head: short verify passes over a short context), quantized KV caches and dtypes other
+than float32 stay on MLX, as does everything on Metal: :func:`install` is called by the CPU
+fast path only (``worker.cpu.prepare_cpu_model``).
 ``MLX_MESH_CPU_ATTENTION=off`` leaves MLX's attention in place.
 
 The numpy path evaluates the queries, keys and values when the model's graph is built (MLX is
@@ -32,6 +35,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -52,10 +56,18 @@ MIN_QUERY_TOKENS = 32
 # keys 86 vs 91 ms (MLX ahead). So calls of 2+ queries take numpy from this many score
 # elements a head (batch x queries x keys).
 MIN_SCORES = 4096
+# A decode step (one query a row) cuts its lazy graph at every layer when it takes numpy
+# (~0.3 ms a layer), which pays once MLX's one-thread ``exp`` over rows x keys scores costs more:
+# with several rows over long contexts, and most with short rows left-padded beside a long one
+# (numpy skips keys a row cannot see). Read off bench/results/decode-attention.md.
+MIN_DECODE_ROWS = 2
+MIN_DECODE_SCORES = 6144
 # Query rows per tile and query head, so a tile's scores stay in cache: a whole 512-row chunk
 # per tile took 1.5-2x the time (3,072 keys); 32, 64 and 128 rows measured within 10 %.
 ROW_BLOCK = 64
 MAX_THREADS = 8
+# Keys a part of a decode step reads at least (fewer: the threads' handoff outweighs the work).
+MIN_PART_KEYS = 256
 _NAME = "scaled_dot_product_attention"
 _F32_MIN = np.finfo(np.float32).min
 
@@ -167,6 +179,65 @@ def _tile(
     out[...] = (scores @ v[lo:hi]).reshape(heads, rows, -1)
 
 
+def _decode(
+    scaled: np.ndarray,  # (B, Hq, 1, D), already scaled
+    keys: np.ndarray,  # (B, Hkv, S, D)
+    values: np.ndarray,  # (B, Hkv, S, Dv)
+    mask: np.ndarray | None,  # (B, Hq, 1, S) bool or float (a broadcast view), or None
+    sinks: np.ndarray | None,  # (Hq,)
+    out: np.ndarray,  # (B, Hq, 1, Dv)
+) -> None:
+    """One query a row: the keys a row can see split into parts over the threads (each reads
+    its own share of the cache, the bound of a decode step), every KV head of the row in one
+    part; the parts' softmaxes merged by their maxima and sums (as flash-decoding does)."""
+    batch, heads, _, dim = scaled.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    grouped = (batch, kv_heads, heads // kv_heads)
+    q = scaled.reshape(*grouped, dim)
+    seen = None if mask is None else mask.reshape(*grouped, total)
+    spans = [(0, total)] * batch
+    if seen is not None and seen.dtype == np.bool_:
+        spans = [_key_range(seen[b]) or (0, total) for b in range(batch)]
+    workers = _pool.size()
+    share = max(MIN_PART_KEYS, -(-sum(hi - lo for lo, hi in spans) // workers))
+    parts = []
+    for b, (lo, hi) in enumerate(spans):
+        pieces = max(1, -(-(hi - lo) // share))
+        edges = np.linspace(lo, hi, pieces + 1).astype(int)
+        parts += [(b, int(a), int(z)) for a, z in pairwise(edges)]
+    partials: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
+
+    def work(chunk: Sequence[tuple[int, int, int]]) -> None:
+        for b, lo, hi in chunk:
+            scores = np.matmul(q[b], keys[b, :, lo:hi].transpose(0, 2, 1))  # (Hkv, R, n)
+            if seen is not None and seen.dtype == np.bool_:
+                np.copyto(scores, _F32_MIN, where=~seen[b, ..., lo:hi])
+            elif seen is not None:
+                scores += seen[b, ..., lo:hi]
+            top = scores.max(axis=-1, keepdims=True)
+            scores -= top
+            np.exp(scores, out=scores)
+            partials[b, lo, hi] = (
+                top,
+                scores.sum(axis=-1, keepdims=True),
+                scores @ values[b, :, lo:hi],
+            )
+
+    _pool.map(work, [parts[i::workers] for i in range(min(workers, len(parts)))])
+    sink = None if sinks is None else sinks.reshape(kv_heads, -1, 1)
+    for b in range(batch):
+        mine = [partials[p] for p in parts if p[0] == b]
+        top = np.maximum.reduce([t for t, _, _ in mine])
+        if sink is not None:
+            top = np.maximum(top, sink)
+        weights = [np.exp(t - top) for t, _, _ in mine]
+        total_weight = sum(w * s for w, (_, s, _) in zip(weights, mine, strict=True))
+        if sink is not None:
+            total_weight = total_weight + np.exp(sink - top)
+        merged = sum(w * o for w, (_, _, o) in zip(weights, mine, strict=True))
+        out[b, :, 0] = (merged / total_weight).reshape(heads, -1)
+
+
 _uppers: dict[int, np.ndarray] = {}
 
 
@@ -200,6 +271,9 @@ def attention(
     full = None
     if isinstance(mask, np.ndarray):
         full = np.broadcast_to(mask, (batch, heads, length, total))
+    if length == 1:
+        _decode(scaled, keys, values, full, sinks, out)
+        return out
     offset = total - length if isinstance(mask, str) else None
     tiles = [
         (b, h, start)
@@ -248,7 +322,10 @@ def wanted(queries: Any, keys: Any, values: Any, cache: Any, mask: Any, sinks: A
     if any(a.dtype != mx.float32 for a in (queries, keys, values)):
         return False
     batch, heads, length = queries.shape[:3]
-    if length < MIN_QUERY_TOKENS and (length < 2 or batch * length * keys.shape[2] < MIN_SCORES):
+    if length == 1:
+        if not decode_in_numpy(batch, keys.shape[2]):
+            return False
+    elif length < MIN_QUERY_TOKENS and batch * length * keys.shape[2] < MIN_SCORES:
         return False
     if heads % keys.shape[1]:
         return False
@@ -259,6 +336,11 @@ def wanted(queries: Any, keys: Any, values: Any, cache: Any, mask: Any, sinks: A
     if mask is None:
         return True
     return mask.ndim <= 4 and mask.dtype in (mx.bool_, mx.float32)
+
+
+def decode_in_numpy(rows: int, keys: int) -> bool:
+    """Whether a decode step of ``rows`` rows over ``keys`` cached positions takes numpy."""
+    return rows >= MIN_DECODE_ROWS and rows * keys >= MIN_DECODE_SCORES
 
 
 def scaled_dot_product_attention(

@@ -74,6 +74,52 @@ def test_numpy_attention_equals_mlx(mask_name: str, heads: int, kv_heads: int, s
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("mask_name", ["none", "causal", "left-padded", "additive", "per-head"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("keys", [40, 700])  # one part a row; several parts merged
+def test_numpy_decode_equals_mlx(
+    mask_name: str, heads: int, kv_heads: int, sinks: bool, keys: int
+) -> None:
+    """One query a row: the keys split into parts over the threads and merged. Left-padded:
+    the second row sees no key at all (MLX: a uniform average)."""
+    batch = 2
+    q = _normal(batch, heads, 1, 16)
+    k, v = _normal(batch, kv_heads, keys, 16), _normal(batch, kv_heads, keys, 16)
+    masks = _masks(batch, heads, 1, keys)
+    masks["left-padded"] = create_causal_mask(1, keys - 1, left_padding=mx.array([5, keys]))
+    mask = masks[mask_name]
+    sink = _normal(heads) if sinks else None
+    expected = _mlx(q, k, v, mask, sink)
+    got = cpu_attention.attention(
+        np.asarray(q),
+        np.asarray(k),
+        np.asarray(v),
+        0.3,
+        np.asarray(mask) if isinstance(mask, mx.array) else mask,
+        None if sink is None else np.asarray(sink),
+    )
+    assert got.shape == expected.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
+
+
+def test_decode_takes_numpy_for_several_rows_over_long_contexts_only() -> None:
+    assert cpu_attention.decode_in_numpy(4, 2000) and cpu_attention.decode_in_numpy(2, 4000)
+    assert not cpu_attention.decode_in_numpy(1, 8000)  # one row: measured no steady gain
+    assert not cpu_attention.decode_in_numpy(4, 1000)  # the graph cuts cost more
+
+
+def test_a_batched_decode_step_over_a_long_context_takes_numpy_and_matches_mlx(
+    numpy_calls: list[tuple[int, ...]],
+) -> None:
+    rows, keys = 4, 2000
+    q, k, v = _normal(rows, 4, 1, 16), _normal(rows, 2, keys, 16), _normal(rows, 2, keys, 16)
+    mask = create_causal_mask(1, keys - 1, left_padding=mx.array([0, 1900, 30, 2]))
+    got = cpu_attention.scaled_dot_product_attention(q, k, v, None, 0.3, mask)
+    assert numpy_calls == [(rows, 4, 1, 16)]
+    np.testing.assert_allclose(np.asarray(got), _mlx(q, k, v, mask, None), rtol=0, atol=2e-6)
+
+
 def test_keys_read_in_place_from_a_larger_cache_buffer() -> None:
     """KVCache hands attention a slice of its buffer: strided, not copied."""
     buffer_k, buffer_v = _normal(1, 2, 256, 16), _normal(1, 2, 256, 16)
@@ -188,7 +234,8 @@ def test_fast_path_installs_it_unless_turned_off(
     on = cpu.prepare_cpu_model(load(str(tiny_model_dir))[0])
     assert on.as_dict()["attention"] == "numpy"
     assert (
-        "cpu attention: numpy for chunks of 32+ tokens and long verify passes (llama)" in on.lines()
+        "cpu attention: numpy for chunks of 32+ tokens, long verify passes and batched long"
+        " decode steps (llama)" in on.lines()
     )
 
 
