@@ -138,8 +138,15 @@ def test_stalled_upstream_gets_keepalives_then_is_cancelled_on_disconnect():
         directory = StaticDirectory()
         directory.add(ModelInfo(id="m"), upstream)
         app = create_app(directory, GatewayConfig(keepalive_s=0.01))
+        # The client leaves once pings came (a chunk each after the three opening events),
+        # not after a fixed time: a loaded machine may not have sent one within 0.1 s.
         result = await asgi_request(
-            app, "POST", "/v1/messages", BODIES["/v1/messages"], disconnect_after_s=0.1
+            app,
+            "POST",
+            "/v1/messages",
+            BODIES["/v1/messages"],
+            disconnect_after_chunks=5,
+            disconnect_after_s=30,
         )
         assert b"event: ping" in result.body
         assert upstream.cancelled == 1 and upstream.active == 0
