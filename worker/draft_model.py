@@ -36,6 +36,12 @@ class RowDrafter(Protocol):
         """Up to ``limit`` tokens to follow ``tokens`` + ``sampled``."""
         ...
 
+    def guess(self, tokens: Sequence[int]) -> int | None:
+        """The token a draft would start with right after ``tokens``, where knowing it costs
+        nothing (a resting row checks its guesses against the tokens that come:
+        ``RowPolicy.observe``); None when there is none or it would cost a forward pass."""
+        ...
+
 
 class DraftSource(Protocol):
     def row(self) -> RowDrafter: ...
@@ -60,6 +66,11 @@ class _LookupRow:
         self.index.sync(tokens)
         self.index.extend([sampled])  # fed this step, whatever is accepted
         return self.index.draft(limit)
+
+    def guess(self, tokens: Sequence[int]) -> int | None:
+        self.index.sync(tokens)
+        found = self.index.draft(1)
+        return found[0] if found else None
 
 
 class DraftModel:
@@ -86,6 +97,9 @@ class _ModelRow:
 
     def ready(self, tokens: Sequence[int]) -> bool:
         return True
+
+    def guess(self, tokens: Sequence[int]) -> int | None:
+        return None  # a forward pass of the draft model
 
     def draft(self, tokens: Sequence[int], sampled: int, limit: int) -> list[int]:
         import mlx.core as mx

@@ -114,6 +114,8 @@ class Speculation:
 class _Row:
     drafter: RowDrafter
     policy: RowPolicy = field(default_factory=RowPolicy)
+    # While the row rests: (its context's length, the token its drafter guessed would follow).
+    guessed: tuple[int, int] | None = None
 
 
 class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
@@ -288,6 +290,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             sampler = self.samplers[i] if self.samplers else None
             if not (sampler is greedy or isinstance(sampler, RequestSampler)):
                 continue
+            if row.policy.resting:
+                _check_guess(row, self.tokens[i])
             if self.max_tokens[i] - self._num_tokens[i] < 2 or not row.policy.may_draft():
                 continue
             if row.drafter.ready(self.tokens[i]):
@@ -424,6 +428,16 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+
+def _check_guess(row: _Row, tokens: list[int]) -> None:
+    """A resting row's free check: whether the token that came after its last guess is the
+    one guessed (``RowPolicy.observe``, which ends the rest after a few in a row), then the
+    guess for the next one. A guess is checked only against the very next token."""
+    if row.guessed is not None and len(tokens) == row.guessed[0] + 1:
+        row.policy.observe(tokens[-1] == row.guessed[1])
+    guess = row.drafter.guess(tokens) if row.policy.resting else None
+    row.guessed = None if guess is None else (len(tokens), guess)
 
 
 def _accept_sampled(

@@ -127,6 +127,14 @@ class RowPolicy:
     prior: float = 0.7
     stood: float = 4 / 3  # (stood + 1) / (stood + cut + 2) = prior
     cut: float = 0.0
+    # A resting row whose drafter guesses for free (prompt lookup) still guesses each step's
+    # token, and the token that comes shows whether a draft would have stood: ``observe``
+    # counts that in the rate like a one-token draft, and ``wake_hits`` guesses in a row that
+    # stood end the rest (the text turned to copying again; a 16-step rest sat out an agent
+    # edit's repeating stretch that verify passes of 8 would have taken: bench/results/
+    # speculative.md).
+    wake_hits: int = 2
+    _hits: int = 0  # guesses in a row that stood during this rest
 
     @property
     def rate(self) -> float:
@@ -145,6 +153,15 @@ class RowPolicy:
         self.stood *= self.memory
         self.cut *= self.memory
         self.resting = max(self.resting, rest_steps)
+        self._hits = 0
+
+    def observe(self, stood: bool) -> None:
+        """A resting row's guess for the token that came was checked: it ``stood`` or not."""
+        self.stood = self.memory * self.stood + stood
+        self.cut = self.memory * self.cut + (not stood)
+        self._hits = self._hits + 1 if stood else 0
+        if self._hits >= self.wake_hits:
+            self.resting = self._hits = 0
 
     def miss(self, cost: int) -> None:
         """A step where the row's context matched but the draft came out empty: it counts
@@ -169,6 +186,7 @@ class RowPolicy:
         if self.drafted >= self.window:
             if self.accepted < self.min_rate * self.drafted:
                 self.resting = self._next_rest or self.rest_steps
+                self._hits = 0
                 self._next_rest = min(2 * self.resting, self.max_rest_steps)
             else:
                 self._next_rest = 0

@@ -51,6 +51,18 @@ def _mlx(q: mx.array, k: mx.array, v: mx.array, mask: Any, sinks: Any) -> np.nda
     return np.asarray(out)
 
 
+def _numpy(q: mx.array, k: mx.array, v: mx.array, mask: Any, sinks: Any, **kw: Any) -> np.ndarray:
+    return cpu_attention.attention(
+        np.asarray(q),
+        np.asarray(k),
+        np.asarray(v),
+        0.3,
+        np.asarray(mask) if isinstance(mask, mx.array) else mask,
+        None if sinks is None else np.asarray(sinks),
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("mask_name", list(_masks(2, 4, 37, 57)))
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (6, 2), (3, 3)])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
@@ -61,15 +73,7 @@ def test_numpy_attention_equals_mlx(mask_name: str, heads: int, kv_heads: int, s
     mask = _masks(batch, heads, length, keys)[mask_name]
     sink = _normal(heads) if sinks else None
     expected = _mlx(q, k, v, mask, sink)
-    got = cpu_attention.attention(
-        np.asarray(q),
-        np.asarray(k),
-        np.asarray(v),
-        0.3,
-        np.asarray(mask) if isinstance(mask, mx.array) else mask,
-        None if sink is None else np.asarray(sink),
-        row_block=8,
-    )
+    got = _numpy(q, k, v, mask, sink, row_block=8)
     assert got.shape == expected.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
 
@@ -91,14 +95,7 @@ def test_numpy_decode_equals_mlx(
     mask = masks[mask_name]
     sink = _normal(heads) if sinks else None
     expected = _mlx(q, k, v, mask, sink)
-    got = cpu_attention.attention(
-        np.asarray(q),
-        np.asarray(k),
-        np.asarray(v),
-        0.3,
-        np.asarray(mask) if isinstance(mask, mx.array) else mask,
-        None if sink is None else np.asarray(sink),
-    )
+    got = _numpy(q, k, v, mask, sink)
     assert got.shape == expected.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6)
 

@@ -222,6 +222,9 @@ class _Oracle:
             draft[1] = 3 + (draft[1] + 1) % 90
         return draft
 
+    def guess(self, tokens: Any) -> int | None:
+        return None
+
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_grammar_row_gives_back_refused_drafts_greedy_and_seeded(
@@ -533,6 +536,90 @@ def test_a_row_rests_longer_after_each_failing_window_and_short_again_after_one_
     assert rests == [3, 6, 8, 8, 0, 3]
 
 
+def test_a_resting_row_wakes_after_its_free_guesses_stand_twice() -> None:
+    policy = RowPolicy(window=10, min_rate=0.5, rest_steps=16)
+    policy.record(10, 1)
+    assert policy.resting == 16
+    low = policy.rate
+    policy.observe(True)
+    policy.observe(False)  # a guess that fell: the count starts again
+    policy.observe(True)
+    assert policy.resting == 16 and not policy.may_draft()
+    policy.observe(True)
+    assert policy.resting == 0 and policy.may_draft()
+    assert policy.rate > low  # three of four guesses stood: the rate rises with them
+
+
+class _FailsThenCopies:
+    """Drafts wrong tokens until the row first pauses (its policy put it to rest), the answer
+    plain decoding gave from then on; guesses the answer's next token for free, or never."""
+
+    def __init__(self, prompt: list[int], answer: list[int], guesses: bool) -> None:
+        self.prompt, self.answer, self.guesses = prompt, answer, guesses
+        self.drafted_at: list[int] = []  # answer tokens so far at each draft
+
+    def _at(self, tokens: Any) -> int:
+        return len(tokens) - len(self.prompt)
+
+    def pause(self) -> int | None:
+        """Steps between the drafts around the row's first rest."""
+        gaps = [b - a for a, b in zip(self.drafted_at, self.drafted_at[1:], strict=False)]
+        return next((gap for gap in gaps if gap > 1), None)
+
+    def ready(self, tokens: Any) -> bool:
+        return self._at(tokens) + 1 < len(self.answer)
+
+    def draft(self, tokens: Any, sampled: int, limit: int) -> list[int]:
+        at = self._at(tokens) + 1  # the sampled token is the answer's too
+        self.drafted_at.append(at)
+        right = list(self.answer[at : at + limit])
+        return right if self.pause() else [3 + (t + 1) % 90 for t in right]
+
+    def guess(self, tokens: Any) -> int | None:
+        at = self._at(tokens)
+        return self.answer[at] if self.guesses and at < len(self.answer) else None
+
+
+@pytest.mark.parametrize("guesses", [True, False], ids=["free guesses", "no guesses"])
+def test_a_resting_row_whose_guesses_stand_drafts_again_before_its_rest_is_over(
+    tiny_model_dir: Path, guesses: bool
+) -> None:
+    """Drafts that fail put the row to rest (8 steps or more); while it rests, its guesses of
+    each next token stand (the text copies again): it drafts again after two of them, not after
+    the whole rest. Without free guesses it sits the rest out. The answer is plain decoding's."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from worker.engine_verify import Speculation, SpeculationStats, install
+    from worker.sampling import greedy
+
+    model, _ = load(str(tiny_model_dir))
+    prompt = list(range(3, 12))
+
+    def run(source: Any) -> list[int]:
+        generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
+        if source is not None:
+            install(generator, Speculation(slope=0.05), SpeculationStats(), source)
+        (uid,) = generator.insert([prompt], max_tokens=[80], samplers=[greedy])
+        answer: list[int] = []
+        while len(answer) < 80:
+            answer += [r.token for r in generator.next()[1] if r.uid == uid]
+        generator.close()
+        return answer
+
+    plain = run(None)
+    row = _FailsThenCopies(prompt, plain, guesses)
+
+    class Source:
+        def row(self) -> _FailsThenCopies:
+            return row
+
+    assert run(Source()) == plain
+    pause = row.pause()
+    assert pause is not None, f"the row never rested and drafted again: {row.drafted_at}"
+    assert pause <= 4 if guesses else pause > 8, row.drafted_at
+
+
 class _MatchesButNeverDrafts:
     """A row whose context always seems to match and whose draft always comes out empty."""
 
@@ -545,6 +632,9 @@ class _MatchesButNeverDrafts:
 
     def draft(self, tokens: Any, sampled: int, limit: int) -> list[int]:
         return []
+
+    def guess(self, tokens: Any) -> int | None:
+        return None
 
 
 def test_a_row_whose_drafts_come_out_empty_rests_like_one_whose_drafts_fail(
@@ -588,6 +678,9 @@ class _AlwaysDrafts:
 
     def draft(self, tokens: Any, sampled: int, limit: int) -> list[int]:
         return [sampled] * min(limit, 2)
+
+    def guess(self, tokens: Any) -> int | None:
+        return None
 
 
 def test_a_joining_rows_first_token_is_not_held_behind_a_verify_pass(
