@@ -103,11 +103,13 @@ EXPLORE_AFTER = 32  # declined steps before one decision goes on the prior slope
 @dataclass(frozen=True, slots=True)
 class Speculation:
     """How the batch speculates: ``draft_tokens`` at most a row and step, ``max_rows`` the
-    largest batch that still drafts (beyond it decode is no longer bandwidth-bound)."""
+    largest batch that still drafts (beyond it decode is no longer bandwidth-bound),
+    ``wake_hits`` free guesses in a row that stand to end a row's rest (``RowPolicy``)."""
 
     draft_tokens: int = 8
     max_rows: int = 4
     slope: float | None = None  # a drafted position's share of a step; None: measured
+    wake_hits: int = RowPolicy.wake_hits
 
 
 @dataclass
@@ -165,7 +167,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
                 self.prompt_cache, before, getattr(batch, "_holes", None), other_before
             )
         rows = getattr(batch, "_rows", None)
-        self._rows.extend(rows or [_Row(self.source.row()) for _ in batch.uids])
+        wake_hits = self.speculation.wake_hits
+        self._rows.extend(
+            rows or [_Row(self.source.row(), RowPolicy(wake_hits=wake_hits)) for _ in batch.uids]
+        )
         self._clocked = None  # the joining rows' first pass ran inside this period
         self._steady = 0
 
