@@ -21,9 +21,11 @@ same-run ratios mean anything.
 
     nice -n 5 python bench/speculative.py [--model DIR] [--max-tokens 96] [--draft-model DIR]
         [--workloads "agent edit,open chat"] [--streams 1,4] [--trials 3] [--no-costs] [--out FILE]
+        [--without-guesses]
 
 ``--draft-model`` adds a third engine that drafts with that model (same tokenizer) and a
-table of its own. Writes ``bench/results/speculative.md`` for the default model,
+table of its own; ``--without-guesses`` one whose resting rows make no free guesses
+(``speculation_wake_hits=0``: the rest rule before them), same run. Writes ``bench/results/speculative.md`` for the default model,
 ``speculative-NAME.md`` for another. Targets: edit >= 2.5x, Claude Code turn >= 1.5x, open
 chat >= 0.95x.
 """
@@ -246,6 +248,11 @@ async def main() -> None:
     parser.add_argument(
         "--workloads", default="agent edit,Claude Code turn,open chat", help="comma-separated"
     )
+    parser.add_argument(
+        "--without-guesses",
+        action="store_true",
+        help="also run an engine whose resting rows make no free guesses (a third column)",
+    )
     parser.add_argument("--streams", default="1,4", help="comma-separated")
     parser.add_argument("--no-costs", action="store_true", help="skip the verify-cost table")
     parser.add_argument(
@@ -258,6 +265,8 @@ async def main() -> None:
     configs = {"off": EngineConfig(speculation="off"), "auto": EngineConfig(speculation="auto")}
     if args.draft_model:
         configs["draft"] = EngineConfig(speculation="auto", draft_model=args.draft_model)
+    if args.without_guesses:
+        configs["no guesses"] = EngineConfig(speculation="auto", speculation_wake_hits=0)
     engines = {}
     for mode, config in configs.items():
         engine = Engine(args.model, name=mode, config=config)
@@ -285,12 +294,29 @@ def results_path(args: Any) -> Path:
     return RESULTS if name == DEFAULT_MODEL.name else RESULTS.with_name(f"speculative-{name}.md")
 
 
-def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> None:
+def command_flags(args: Any) -> str:
     flags = f"--max-tokens {args.max_tokens} --trials {args.trials}"
     if Path(args.model).name != DEFAULT_MODEL.name:
         flags += f" --model {args.model}"
     if args.draft_model:
         flags += f" --draft-model {args.draft_model}"
+    if args.without_guesses:
+        flags += " --without-guesses"
+    return flags
+
+
+def sections_of(args: Any) -> dict[str, str]:
+    """A table per speculating engine: its mode → the table's title."""
+    sections = {"auto": "Prompt lookup (`--speculation auto`)"}
+    if args.draft_model:
+        sections["draft"] = f"Draft model `{Path(args.draft_model).name}` (`--draft-model`)"
+    if args.without_guesses:
+        sections["no guesses"] = "Prompt lookup, resting rows without free guesses (the A/B)"
+    return sections
+
+
+def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> None:
+    flags = command_flags(args)
     out = [
         "# Speculative decoding: same engine, speculation off vs auto",
         "",
@@ -304,10 +330,7 @@ def write(rows: list[Any], costs: list[tuple[int, int, float]], args: Any) -> No
         "lookup and kept those the baseline's own answer has – what the answer allows at any "
         "cost of a pass (1.0: it copies nothing from its context).",
     ]
-    sections = {"auto": "Prompt lookup (`--speculation auto`)"}
-    if args.draft_model:
-        sections["draft"] = f"Draft model `{Path(args.draft_model).name}` (`--draft-model`)"
-    for mode, title in sections.items():
+    for mode, title in sections_of(args).items():
         out += [
             "",
             f"## {title}",

@@ -68,7 +68,10 @@ def make_generator(
         )
         if config.speculation != "off":
             rule = Speculation(
-                config.speculation_tokens, config.speculation_max_rows, config.speculation_slope
+                config.speculation_tokens,
+                config.speculation_max_rows,
+                config.speculation_slope,
+                config.speculation_wake_hits,
             )
             install(generator, rule, speculation or SpeculationStats(), source)
         return generator

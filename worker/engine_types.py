@@ -72,6 +72,9 @@ class EngineConfig:
     # What a drafted position adds to a verify pass, as a share of a plain step: None measures
     # it as the batch runs (worker/speculative.py: StepCosts); a number fixes it (tests).
     speculation_slope: float | None = None
+    # Free guesses in a row that stand to end a resting row's rest (worker/speculative.py:
+    # RowPolicy); 0: resting rows make none and sit their rest out (the benchmark's A/B).
+    speculation_wake_hits: int = 2
     # A small model of the same tokenizer that drafts instead of prompt lookup (an MLX
     # directory or hub id: worker/draft_model.py); None: prompt lookup.
     draft_model: str | None = None

@@ -104,7 +104,8 @@ EXPLORE_AFTER = 32  # declined steps before one decision goes on the prior slope
 class Speculation:
     """How the batch speculates: ``draft_tokens`` at most a row and step, ``max_rows`` the
     largest batch that still drafts (beyond it decode is no longer bandwidth-bound),
-    ``wake_hits`` free guesses in a row that stand to end a row's rest (``RowPolicy``)."""
+    ``wake_hits`` free guesses in a row that stand to end a row's rest (``RowPolicy``; 0:
+    resting rows guess nothing and sit their rest out)."""
 
     draft_tokens: int = 8
     max_rows: int = 4
@@ -295,7 +296,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
             sampler = self.samplers[i] if self.samplers else None
             if not (sampler is greedy or isinstance(sampler, RequestSampler)):
                 continue
-            if row.policy.resting:
+            if row.policy.resting and row.policy.wake_hits:
                 _check_guess(row, self.tokens[i])
             if self.max_tokens[i] - self._num_tokens[i] < 2 or not row.policy.may_draft():
                 continue

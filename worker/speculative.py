@@ -132,7 +132,7 @@ class RowPolicy:
     # counts that in the rate like a one-token draft, and ``wake_hits`` guesses in a row that
     # stood end the rest (the text turned to copying again; a 16-step rest sat out an agent
     # edit's repeating stretch that verify passes of 8 would have taken: bench/results/
-    # speculative.md).
+    # speculative.md). 0: no guesses.
     wake_hits: int = 2
     _hits: int = 0  # guesses in a row that stood during this rest
 

@@ -580,9 +580,13 @@ class _FailsThenCopies:
         return self.answer[at] if self.guesses and at < len(self.answer) else None
 
 
-@pytest.mark.parametrize("guesses", [True, False], ids=["free guesses", "no guesses"])
+@pytest.mark.parametrize(
+    ("guesses", "wake_hits"),
+    [(True, 2), (False, 2), (True, 0)],
+    ids=["free guesses", "no guesses", "guesses turned off"],
+)
 def test_a_resting_row_whose_guesses_stand_drafts_again_before_its_rest_is_over(
-    tiny_model_dir: Path, guesses: bool
+    tiny_model_dir: Path, guesses: bool, wake_hits: int
 ) -> None:
     """Drafts that fail put the row to rest (8 steps or more); while it rests, its guesses of
     each next token stand (the text copies again): it drafts again after two of them, not after
@@ -599,7 +603,8 @@ def test_a_resting_row_whose_guesses_stand_drafts_again_before_its_rest_is_over(
     def run(source: Any) -> list[int]:
         generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
         if source is not None:
-            install(generator, Speculation(slope=0.05), SpeculationStats(), source)
+            rule = Speculation(slope=0.05, wake_hits=wake_hits)
+            install(generator, rule, SpeculationStats(), source)
         (uid,) = generator.insert([prompt], max_tokens=[80], samplers=[greedy])
         answer: list[int] = []
         while len(answer) < 80:
@@ -617,7 +622,7 @@ def test_a_resting_row_whose_guesses_stand_drafts_again_before_its_rest_is_over(
     assert run(Source()) == plain
     pause = row.pause()
     assert pause is not None, f"the row never rested and drafted again: {row.drafted_at}"
-    assert pause <= 4 if guesses else pause > 8, row.drafted_at
+    assert pause <= 4 if guesses and wake_hits else pause > 8, row.drafted_at
 
 
 class _MatchesButNeverDrafts:
