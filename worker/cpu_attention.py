@@ -162,10 +162,8 @@ def _tile(
     grid = scores.reshape(heads, rows, hi - lo)
     if causal_first is not None:
         np.copyto(grid[:, :, causal_first - lo :], _F32_MIN, where=_upper(rows))
-    elif mask is not None and mask.dtype == np.bool_:
-        np.copyto(grid, _F32_MIN, where=~mask[..., lo:hi])
     elif mask is not None:
-        grid += mask[..., lo:hi]
+        _apply_mask(grid, mask[..., lo:hi])
     top = scores.max(axis=-1, keepdims=True)
     if sinks is not None:
         sink = np.repeat(sinks, rows)[:, None]
@@ -210,10 +208,8 @@ def _decode(
     def work(chunk: Sequence[tuple[int, int, int]]) -> None:
         for b, lo, hi in chunk:
             scores = np.matmul(q[b], keys[b, :, lo:hi].transpose(0, 2, 1))  # (Hkv, R, n)
-            if seen is not None and seen.dtype == np.bool_:
-                np.copyto(scores, _F32_MIN, where=~seen[b, ..., lo:hi])
-            elif seen is not None:
-                scores += seen[b, ..., lo:hi]
+            if seen is not None:
+                _apply_mask(scores, seen[b, ..., lo:hi])
             top = scores.max(axis=-1, keepdims=True)
             scores -= top
             np.exp(scores, out=scores)
@@ -236,6 +232,15 @@ def _decode(
             total_weight = total_weight + np.exp(sink - top)
         merged = sum(w * o for w, (_, _, o) in zip(weights, mine, strict=True))
         out[b, :, 0] = (merged / total_weight).reshape(heads, -1)
+
+
+def _apply_mask(scores: np.ndarray, mask: np.ndarray) -> None:
+    """A boolean mask hides what it does not let through (``exp`` gives it 0); any other is
+    added to the scores."""
+    if mask.dtype == np.bool_:
+        np.copyto(scores, _F32_MIN, where=~mask)
+    else:
+        scores += mask
 
 
 _uppers: dict[int, np.ndarray] = {}

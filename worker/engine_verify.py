@@ -116,7 +116,7 @@ class Speculation:
 @dataclass
 class _Row:
     drafter: RowDrafter
-    policy: RowPolicy = field(default_factory=RowPolicy)
+    policy: RowPolicy
     # While the row rests: (its context's length, the token its drafter guessed would follow).
     guessed: tuple[int, int] | None = None
 

@@ -156,9 +156,9 @@ class RowPolicy:
         self._hits = 0
 
     def observe(self, stood: bool) -> None:
-        """A resting row's guess for the token that came was checked: it ``stood`` or not."""
-        self.stood = self.memory * self.stood + stood
-        self.cut = self.memory * self.cut + (not stood)
+        """A resting row's guess for the token that came was checked: it ``stood`` or not (in
+        the rate as a one-token draft; not in the window, which decides rests)."""
+        self._learn(int(stood), int(not stood))
         self._hits = self._hits + 1 if stood else 0
         if self._hits >= self.wake_hits:
             self.resting = self._hits = 0
@@ -173,10 +173,14 @@ class RowPolicy:
         # A draft is a run of trials that stops at the first refusal: ``accepted`` stood, and
         # one more was checked and refused unless all stood.
         refused = int(accepted < drafted)
+        self._learn(accepted, refused)
+        self._window(drafted, accepted)
+
+    def _learn(self, accepted: int, refused: int) -> None:
+        """Fold checked tokens into the rate, each decaying what came before."""
         decay = self.memory ** (accepted + refused)
         self.stood = decay * self.stood + accepted
         self.cut = decay * self.cut + refused
-        self._window(drafted, accepted)
 
     def _window(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
