@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 setup: $(STAMP) blas
 
 # MLX's Linux CPU wheel ships a reference BLAS (~2-5 GFLOP/s); workers preload Debian's OpenBLAS
-# in its place when it is installed (worker/cpu.py). Install it when missing and we are root,
+# in its place when it is installed (worker/cpu/fast_path.py). Install it when missing and we are root,
 # otherwise workers (and the tests) run on the slow one and say so.
 blas:
 	@if [ "$$(uname -s)" != Linux ] || [ -n "$$(ldconfig -p 2>/dev/null | grep libopenblas)" ]; then :; \
@@ -29,7 +29,7 @@ blas:
 	else echo "note: no OpenBLAS and not root; the CPU worker will use MLX's slow reference BLAS"; fi
 
 # LD_PRELOAD for the test run: OpenBLAS first when found (Linux CPU), else what it was.
-PRELOAD = $(BIN)/python -c 'from worker.cpu import preload_env; print(preload_env().get("LD_PRELOAD", ""))'
+PRELOAD = $(BIN)/python -c 'from worker.cpu.fast_path import preload_env; print(preload_env().get("LD_PRELOAD", ""))'
 
 run: setup
 	$(BIN)/mesh models pull $(MODEL)

@@ -9,9 +9,9 @@ of a plain-text continuation (no chat template), after one short warm-up generat
 - baseline: ``mlx_lm.stream_generate`` (the generation path of ``mlx_lm.server``), no preload,
   the model quantized as stored;
 - mlx-lm + OpenBLAS: the same with the preload only (shows what the quantized kernel gains);
-- mlx-lm + fast path: preload + quantized layers unpacked to float32 (``worker.cpu``);
+- mlx-lm + fast path: preload + quantized layers unpacked to float32 (``worker.cpu.fast_path``);
 - worker engine: our ``Engine`` (BatchGenerator, what the worker serves) in a preloaded process,
-  prefill attention in numpy (``worker.cpu_attention``);
+  prefill attention in numpy (``worker.cpu.attention``);
 - worker engine, MLX attention: the same with ``MLX_MESH_CPU_ATTENTION=off`` (the engine before
   issue 24), so the numpy attention's gain is a same-run ratio.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 # Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
-# every answer runs to max_tokens, no loop guard (worker/loop_guard.py).
+# every answer runs to max_tokens, no loop guard (worker/engine/loop_guard.py).
 os.environ.setdefault("MLX_MESH_LOOP_GUARD", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def run_stream(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -
 
 
 def run_engine(engine: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    from worker.engine_types import Failed, GenerationRequest, TokenChunk
+    from worker.engine.types import Failed, GenerationRequest, TokenChunk
     from worker.sampling import SamplingParams
 
     async def go() -> dict[str, Any]:
@@ -142,11 +142,11 @@ def child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm import load
 
-    from worker import cpu
+    from worker.cpu import fast_path as cpu
 
     out: dict[str, Any] = {"probe": cpu.probe_blas().line()}
     if config.engine:
-        from worker.engine import Engine
+        from worker.engine.core import Engine
 
         engine = Engine(args.model)
         engine.start()
@@ -177,7 +177,7 @@ def child(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_env(config: Config) -> dict[str, str]:
-    from worker import cpu
+    from worker.cpu import fast_path as cpu
 
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", cpu.REEXEC_MARKER)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -234,7 +234,7 @@ NOTES = """
   2 ns), compiled or not; a softmax through `mx.power(2, x)` was only 7 % faster overall. A
   3,000-token prompt needs ~1.5 G softmax elements (9 heads x 30 layers x sum of 512 x keys per
   chunk), ~27 s at that rate, plus ~8 s of matmuls (270 MFLOP per token).
-- **Long prompts, now** (`worker/cpu_attention.py`, issue 24): the attention of prefill chunks
+- **Long prompts, now** (`worker/cpu/attention.py`, issue 24): the attention of prefill chunks
   of 32+ queries runs in numpy, the same steps as MLX's CPU fallback (scaled queries, matmul,
   `where(mask, s, finfo.min)` or an added mask, max-subtracted `exp`, normalise, matmul) in
   float32, over tiles of 64 query rows x the query heads of one KV head, on two threads, over
@@ -293,7 +293,7 @@ def attention_ratios(results: dict[str, dict[str, Any]], tokens: int) -> list[st
     prefill_x = numpy_["prefill"]["prefill_tps"] / mlx_["prefill"]["prefill_tps"]
     decode_x = numpy_["prefill"]["decode_tps"] / mlx_["prefill"]["decode_tps"]
     return [
-        "Numpy prefill attention (`worker/cpu_attention.py`) vs MLX's, same run, same engine: "
+        "Numpy prefill attention (`worker/cpu/attention.py`) vs MLX's, same run, same engine: "
         f"{tokens}-token TTFT {ttft_x:.2f}x faster, prefill tok/s {prefill_x:.2f}x, "
         f"decode tok/s {decode_x:.2f}x (decode stays on MLX: expect ~1).",
         "",
@@ -367,7 +367,7 @@ def main() -> int:
         config = next(c for c in CONFIGS if c.key == args.child)
         print(json.dumps(child(config, args)), flush=True)
         # Skip native teardown: MLX's stream threads still joinable then abort the process
-        # (the worker exits the same way, see worker.serve_main.exit_process).
+        # (the worker exits the same way, see worker.serve.main.exit_process).
         os._exit(0)
     if not Path(args.model).is_dir():
         raise SystemExit(

@@ -2,7 +2,7 @@
 
 A decode step's attention reads every cached key of every row; on the CPU backend MLX's softmax
 runs its ``exp`` on one thread (~18 ns an element) over rows x heads x keys scores, padding
-included, while ``worker.cpu_attention`` runs it vectorised and skips the keys a row cannot see
+included, while ``worker.cpu.attention`` runs it vectorised and skips the keys a row cannot see
 (a short row's left padding beside a long one). Taking a decode step into numpy cuts the step's
 lazy graph at every layer (~0.3 ms a layer here), so it pays only from some size on: this
 measures where, on the real model with real batch caches (mlx-lm's ``BatchKVCache``, what the
@@ -13,12 +13,12 @@ alternating, best of ``--repeats``:
 - mixed: one row of ``keys`` tokens and ``rows - 1`` rows of 64 (left-padded to it, as the
   engine's batch holds a short chat beside a long agent turn).
 
-The rule in ``worker.cpu_attention.wanted`` (``MIN_DECODE_ROWS``, ``MIN_DECODE_SCORES``) is read
+The rule in ``worker.cpu.attention.wanted`` (``MIN_DECODE_ROWS``, ``MIN_DECODE_SCORES``) is read
 off this table.
 
     python bench/decode_attention.py [--model DIR] [--repeats 7]
 
-Run it with the OpenBLAS preload like a worker (``worker.cpu.preload_env``); writes
+Run it with the OpenBLAS preload like a worker (``worker.cpu.fast_path.preload_env``); writes
 ``bench/results/decode-attention.md``.
 """
 
@@ -79,7 +79,7 @@ def step_ms(model: Any, cache: list[Any], rows: int, repeats: int) -> dict[str, 
     """Best decode step each way, alternating (a slow moment hits both)."""
     import mlx.core as mx
 
-    from worker import cpu_attention
+    from worker.cpu import attention as cpu_attention
 
     best = {"mlx": float("inf"), "numpy": float("inf")}
     saved = cpu_attention.MIN_DECODE_ROWS, cpu_attention.MIN_DECODE_SCORES
@@ -105,9 +105,9 @@ def main() -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    from worker import cpu_attention
-    from worker.engine_load import load_model
-    from worker.engine_types import EngineConfig
+    from worker.cpu import attention as cpu_attention
+    from worker.engine.load import load_model
+    from worker.engine.types import EngineConfig
 
     model, _, _, fast_path = load_model(args.model, None, EngineConfig())
     rows_out = []
@@ -124,7 +124,7 @@ def main() -> None:
         f"{platform.system()}, model `{Path(args.model).name}`, CPU backend, BLAS {blas}. One "
         "forward pass of one token a row on a `BatchKVCache`, best of the repeats, both ways "
         "alternating in one process. Mixed: one row of the keys, the others 64 tokens "
-        "left-padded to it. Taken: what `worker.cpu_attention.wanted` picks for that step.",
+        "left-padded to it. Taken: what `worker.cpu.attention.wanted` picks for that step.",
         "",
         "| cache | rows | keys | MLX ms | numpy ms | MLX / numpy | taken |",
         "|---|---|---|---|---|---|---|",

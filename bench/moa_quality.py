@@ -165,7 +165,7 @@ def request_for(question: str, max_tokens: int, **fields: Any) -> ChatRequest:
 @contextlib.contextmanager
 def worker(model_dir: Path, batch: int) -> Iterator[Any]:
     from gateway.worker_client import WorkerClient
-    from worker.engine_types import EngineConfig
+    from worker.engine.types import EngineConfig
     from worker.testing import run_worker_in_thread
 
     # One batch for all of an item's answers (the default 16 would run a second batch after).
@@ -568,7 +568,7 @@ def report(
         "Commands (each continues its item log where it stopped; `report` redraws this page "
         "from the logs):",
         "",
-        "    export LD_PRELOAD=\"$(.venv/bin/python -c 'from worker.cpu import preload_env; "
+        "    export LD_PRELOAD=\"$(.venv/bin/python -c 'from worker.cpu.fast_path import preload_env; "
         'print(preload_env().get("LD_PRELOAD", ""))\')"',
         "    nice .venv/bin/python bench/moa_quality.py screen --items 8 --samples 15 --hot 0.5 0.8",
         "    nice .venv/bin/python bench/moa_quality.py eval --tasks kept --items 50 --samples 3 "

@@ -44,7 +44,7 @@ from mesh.ports import free_port
 from mesh.tunnel.config import TunnelConfig
 
 # Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
-# every answer runs to max_tokens, no loop guard (worker/loop_guard.py).
+# every answer runs to max_tokens, no loop guard (worker/engine/loop_guard.py).
 os.environ.setdefault("MLX_MESH_LOOP_GUARD", "0")
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,9 +2,9 @@
 agent sessions under today's routing, round robin, the session hash and the new planner.
 
 Not the lab run of issue 25 (no processes, no TTFT): it drives the real planner
-(``mesh.routing.planner.RoutePlanner``), the real digests (``worker.cache_digest``) and peer
+(``mesh.routing.planner.RoutePlanner``), the real digests (``worker.prompt_cache.digest``) and peer
 table, with each node's prompt cache modelled as an LRU of token sequences (as
-``worker.prompt_cache``: the longest shared prefix is served, the finished turn is stored).
+``worker.prompt_cache.store``: the longest shared prefix is served, the finished turn is stored).
 12 sessions of 10 turns, one turn per session per round, in random order, each entering at a
 random node; digests reach peers one round late (gossip); node 2 stops after round 4 and comes
 back empty after round 6. Prints and writes bench/results/routing-sim.md.
@@ -28,8 +28,8 @@ from mesh.gossip import ModelAd, NodeState
 from mesh.peers import PeerTable
 from mesh.routing.planner import RoutePlanner, RoutingConfig
 from mesh.routing.score import affinity
-from worker.cache_digest import CacheDigest, block_hashes
-from worker.prompt_cache import common_prefix
+from worker.prompt_cache.digest import CacheDigest, block_hashes
+from worker.prompt_cache.store import common_prefix
 
 NODES = ["n0", "n1", "n2"]
 SESSIONS, TURNS, ENTRIES = 12, 10, 16  # ENTRIES: prompt-cache entries per node

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.testing import chat_stream_chunks  # noqa: E402
-from worker import cpu  # noqa: E402
+from worker.cpu import fast_path as cpu  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "shared-prefill.md"
 MODES = ("direct", "mesh", "n=3")
@@ -117,7 +117,7 @@ def node(model_dir: Path, name: str, shared: bool) -> Iterator[tuple[str, str]]:
     """A one-model node: (gateway URL, worker URL)."""
     from gateway.moa import MixtureOfAgents, MoaConfig
     from gateway.testing import gateway_over_worker
-    from worker.engine_types import EngineConfig
+    from worker.engine.types import EngineConfig
 
     with gateway_over_worker(
         model_dir,

@@ -15,7 +15,7 @@ tok/s = completion tokens after each stream's first token / the time from the fi
 first token to the last stream's end. Also: acceptance and tokens per verify step (the
 engine's counters), and the cost of a verify pass by batch rows and width (what the
 ``speculation_max_rows`` default rests on), the lookup ceiling (the tokens a pass the
-baseline's own answer allows prompt lookup: ``worker.speculative.lookup_ceiling``) and the
+baseline's own answer allows prompt lookup: ``worker.speculative.policy.lookup_ceiling``) and the
 start of each answer. The box is shared: only
 same-run ratios mean anything.
 
@@ -49,10 +49,10 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "speculative.md"
 DEFAULT_MODEL = Path.home() / ".mlx-mesh" / "models" / "smollm2-135m"
 EDIT_FILES = [
-    "worker/engine_commits.py",
+    "worker/engine/commits.py",
     "worker/sampling.py",
-    "worker/speculative.py",
-    "worker/engine_ends.py",
+    "worker/speculative/policy.py",
+    "worker/engine/ends.py",
 ]
 TARGETS = {"agent edit": 2.5, "Claude Code turn": 1.5, "open chat": 0.95}
 
@@ -75,8 +75,8 @@ def claude_code_prompt(engine: Any) -> list[int]:
     as the context allows (Claude Code sends 25 tools)."""
     from gateway.api.messages import parse
     from gateway.worker_client import worker_body
-    from worker.chat_job import fitted_prompt
-    from worker.schemas import ChatCompletionRequest
+    from worker.chat.job import fitted_prompt
+    from worker.chat.schemas import ChatCompletionRequest
 
     data = json.loads((ROOT / "tests" / "fixtures" / "claude_code_requests.json").read_text())
     chat, _ = parse(data["tool_result"]["body"])
@@ -96,7 +96,7 @@ OPEN_CHAT = [
 
 
 async def stream(engine: Any, request: Any) -> tuple[float | None, float, int, str]:
-    from worker.engine_types import Finished, TokenChunk
+    from worker.engine.types import Finished, TokenChunk
 
     job = engine.submit(request)
     first, tokens, text = None, 0, []
@@ -151,8 +151,8 @@ def verify_cost(model_dir: str) -> list[tuple[int, int, float]]:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    from worker.engine_load import load_model
-    from worker.engine_types import EngineConfig
+    from worker.engine.load import load_model
+    from worker.engine.types import EngineConfig
 
     model, _, _, _ = load_model(model_dir, None, EngineConfig())
     rows = []
@@ -191,9 +191,9 @@ async def run_row(
 ) -> tuple[list[dict[str, Any]], list[int], str]:
     """``args.trials`` runs of one row on every engine, who goes first alternating (a slow
     minute hits both sides); the baseline's answers give the lookup ceiling."""
-    from worker.engine_types import GenerationRequest
+    from worker.engine.types import GenerationRequest
     from worker.sampling import SamplingParams
-    from worker.speculative import lookup_ceiling
+    from worker.speculative.policy import lookup_ceiling
 
     tokenizer = engines["off"].tokenizer
     trials: list[dict[str, Any]] = []
@@ -259,8 +259,8 @@ async def main() -> None:
         "--trials", type=int, default=3, help="runs of each row, off and on alternating first"
     )
     args = parser.parse_args()
-    from worker.engine import Engine
-    from worker.engine_types import EngineConfig
+    from worker.engine.core import Engine
+    from worker.engine.types import EngineConfig
 
     configs = {"off": EngineConfig(speculation="off"), "auto": EngineConfig(speculation="auto")}
     if args.draft_model:

@@ -1,6 +1,6 @@
 """Split serving on one box: the same model whole vs split over 2 (and 3) rank processes.
 
-Baseline: the model unsplit in one process (``python -m worker.split.rank --single``, the same
+Baseline: the model unsplit in one process (``python -m worker.serve.split_rank --single``, the same
 lockstep loop with no group). Candidates: split over 2 ranks on the ring backend, directly on
 loopback and through the TLS bridge (mesh/split/bridge.py, both "nodes" on this box), and over
 3 ranks directly. Per configuration, the same prompts (random token ids) are answered greedily:
@@ -58,7 +58,7 @@ def run(
     hostfiles: dict[int, list] | None = None,
 ) -> list[dict[str, Any]]:
     command = [
-        sys.executable, "-m", "worker.split.rank", "--model", str(model),
+        sys.executable, "-m", "worker.serve.split_rank", "--model", str(model),
         "--prompts", str(prompts), "--max-tokens", str(args.max_tokens),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -194,7 +194,7 @@ def measure_prompt_cache(
         name = f"split {len(split)} ranks (rank 0 serves), ring on loopback"
         # A loaded shared box can take longer than the default step deadline for a cold
         # prefill chunk; a bench measures, it does not fail over.
-        command = [sys.executable, "-m", "worker.split.rank", "--serve", *serve,
+        command = [sys.executable, "-m", "worker.serve.split_rank", "--serve", *serve,
                    "--step-deadline-s", "300"]  # fmt: skip
         procs = spawn_ranks(command, split, work, env)
     try:
@@ -317,7 +317,7 @@ def write_report(
         f"`python bench/split.py --runs {args.runs} --rounds {args.rounds} --prompt-tokens "
         f"{args.prompt_tokens} --max-tokens {args.max_tokens}` on {platform.platform()} "
         f"({os.cpu_count()} CPUs, shared with other work: read the ratios, not the absolute "
-        "times). Every configuration runs the same lockstep loop (worker/split/rank.py), "
+        "times). Every configuration runs the same lockstep loop (worker/serve/split_rank.py), "
         "greedy; the baseline is the unsplit model in one process. Medians over every prompt "
         f"after each run's warm-up prompt, the configurations interleaved {args.rounds} times.",
         "",

@@ -118,7 +118,7 @@ class ModelResult:
 
 
 async def _one(engine: Any, prompt: list[int], tokens: int, schema: dict[str, Any] | None) -> Timed:
-    from worker.engine_types import Finished, GenerationRequest, TokenChunk
+    from worker.engine.types import Finished, GenerationRequest, TokenChunk
     from worker.sampling import SamplingParams
     from worker.structured.json_grammar import json_grammar
     from worker.structured.processor import make_grammar_processor
@@ -177,7 +177,7 @@ def _prompt(engine: Any, round_: int) -> list[int]:
 
 
 async def measure(path: Path, name: str, rounds: int, tokens: int) -> ModelResult:
-    from worker.engine import Engine
+    from worker.engine.core import Engine
     from worker.structured.json_grammar import json_grammar
     from worker.structured.processor import grammar_tokenizer, make_grammar_processor
 
@@ -292,7 +292,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
-    from worker.cpu import reexec_with_fast_blas
+    from worker.cpu.fast_path import reexec_with_fast_blas
 
     reexec_with_fast_blas()
     from worker.testing import make_tiny_model

@@ -1,6 +1,6 @@
 """Does a few-shot example in the generic tool prompt help the default model call tools?
 
-Runs the worker's own job path (``worker.chat_job.start_job``: tool listing, generic prompt,
+Runs the worker's own job path (``worker.chat.job.start_job``: tool listing, generic prompt,
 parser) in process on SmolLM2-135M (``mesh models pull smollm2-135m``), greedy, with the generic
 tool prompt as it is and with a short example call added, on
 
@@ -24,10 +24,10 @@ from typing import Any
 
 from gateway.api import chat, messages, responses_input
 from gateway.worker_client import worker_body
-from worker.chat_job import start_job
-from worker.engine import Engine
-from worker.engine_types import TokenChunk
-from worker.schemas import ChatCompletionRequest
+from worker.chat.job import start_job
+from worker.chat.schemas import ChatCompletionRequest
+from worker.engine.core import Engine
+from worker.engine.types import TokenChunk
 from worker.tools import prompt as tool_prompt
 
 FIXTURES = Path(__file__).parents[1] / "tests" / "fixtures"

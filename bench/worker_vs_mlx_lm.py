@@ -11,8 +11,8 @@ Model: ``--model`` if given, else the default model in the home (``models/smollm
 tiny random-weight model (said so in the output). Writes ``bench/results/worker.md``.
 
 The anchors: ``mlx_lm.server`` as a user starts it, and (on the CPU backend, where the worker
-preloads OpenBLAS: worker/cpu.py) ``mlx_lm.server`` given that same ``LD_PRELOAD``
-(``worker.cpu.preload_env()``), so the table shows what the engine adds given the same BLAS and
+preloads OpenBLAS: worker/cpu/fast_path.py) ``mlx_lm.server`` given that same ``LD_PRELOAD``
+(``worker.cpu.fast_path.preload_env()``), so the table shows what the engine adds given the same BLAS and
 the same float32 weights. ``--anchors`` picks them (``preload,plain``).
 
     python bench/worker_vs_mlx_lm.py [--model DIR] [--tokens 32] [--trials 3]
@@ -40,7 +40,7 @@ import httpx
 import orjson
 
 # Like for like with mlx-lm (and random-weight models that loop under greedy decoding):
-# every answer runs to max_tokens, no loop guard (worker/loop_guard.py).
+# every answer runs to max_tokens, no loop guard (worker/engine/loop_guard.py).
 os.environ.setdefault("MLX_MESH_LOOP_GUARD", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def float32_copy(model_dir: str, tmp: Path) -> str:
     """The model with its weights stored as float32 (quantized ones unpacked), on the CPU.
 
     On the CPU backend our worker runs half-precision weights as float32 and unpacks quantized
-    ones to float32 (worker/cpu.py: x86 emulates fp16/bf16, ~30x slower per layer; MLX's CPU
+    ones to float32 (worker/cpu/fast_path.py: x86 emulates fp16/bf16, ~30x slower per layer; MLX's CPU
     ``quantized_matmul`` runs at ~2 GFLOP/s). ``mlx_lm.server`` on the stored weights could not
     finish this benchmark, and would compare those casts rather than the servers: every server
     gets the same float32 copy instead (``mlx_lm.convert --dequantize --dtype float32``).
@@ -327,7 +327,7 @@ def report(
 def anchor_commands(wanted: list[str]) -> list[tuple[str, dict[str, str] | None]]:
     """(label, environment) of each anchor: the preloaded one only where the worker preloads."""
     sys.path.insert(0, str(ROOT))
-    from worker.cpu import preload_env
+    from worker.cpu.fast_path import preload_env
 
     preloaded = preload_env()
     anchors: list[tuple[str, dict[str, str] | None]] = []

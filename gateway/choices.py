@@ -2,7 +2,7 @@
 
 Each choice is a request of its own through the router (its own retry, its own route), so an
 upstream needs nothing new: the worker's engine sees ``n`` jobs with one prompt arrive together
-and prefills it once (worker/shared_prefill.py). Choice ``i`` with a ``seed`` samples with
+and prefills it once (worker/engine/shared_prefill.py). Choice ``i`` with a ``seed`` samples with
 ``seed + i``, so choice 0 is what a single request with that seed says and the others differ.
 
 :func:`fan_out` runs the calls and yields each one's events wrapped in ``ChoiceEvent(index, …)``

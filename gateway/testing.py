@@ -359,7 +359,7 @@ class ServerThread:
         import uvicorn
 
         # TCP_NODELAY-capable sockets and the same read deadlines as the real servers.
-        from worker.net import bind_socket, server_limits
+        from worker.serve.net import bind_socket, server_limits
 
         self._sock = bind_socket(host, 0)
         self.port = self._sock.getsockname()[1]
@@ -421,8 +421,8 @@ def gateway_over_worker(
     from gateway.config import GatewayConfig
     from gateway.upstream import ModelInfo, StaticDirectory
     from gateway.worker_client import WorkerClient
-    from worker.app import create_app as create_worker_app
-    from worker.engine import Engine
+    from worker.engine.core import Engine
+    from worker.serve.app import create_app as create_worker_app
 
     engine = Engine(str(model_dir), name=name, config=engine_config)
     engine.start(timeout=start_timeout_s)

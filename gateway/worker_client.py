@@ -336,7 +336,7 @@ class WorkerClient(Upstream):
 
     async def prompt_blocks(self, request: ChatRequest) -> dict[str, Any] | None:
         """The request's prompt as cache-digest block hashes (``block_size``, ``prompt_tokens``,
-        ``hashes``: worker/prompt_blocks.py), or None when the worker cannot tell."""
+        ``hashes``: worker/chat/prompt_blocks.py), or None when the worker cannot tell."""
         body = worker_body(request, self.model_name)
         try:
             response = await self._client.post(f"{self.base_url}/v1/prompt_blocks", json=body, timeout=10.0)  # fmt: skip

@@ -72,7 +72,7 @@ class NodeState(BaseModel):
     share_memory_used: int = 0
     bridge_port: int | None = None
     # Routing by prefix (optional, as above): model name → the digest of what its worker's
-    # prompt cache holds (worker/cache_digest.py, wire form). Refreshed with the load probe,
+    # prompt cache holds (worker/prompt_cache/digest.py, wire form). Refreshed with the load probe,
     # so at most once per gossip interval; bounded by the digest's own bound.
     cache: dict[str, str] = Field(default_factory=dict)
 

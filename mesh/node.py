@@ -45,7 +45,7 @@ from mesh.response_relay import MeshResponses, node_tag
 from mesh.service import MeshConfig, MeshService
 from mesh.split.ranks import SplitProcesses
 from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, WorkerSupervisor
-from worker.net import bind_socket, server_limits
+from worker.serve.net import bind_socket, server_limits
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from mesh.gossip import ModelAd, NodeState
 from mesh.identity import short_id
-from worker.cache_digest import CacheDigest
+from worker.prompt_cache.digest import CacheDigest
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from gateway.worker_client import WorkerClient
 from mesh.children import child_preexec, forward_output
 from mesh.errors import NodeError
-from worker.net import SECRET_ENV
+from worker.serve.net import SECRET_ENV
 
 log = logging.getLogger(__name__)
 

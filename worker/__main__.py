@@ -1,5 +1,5 @@
-"""``python -m worker --model X --port N``: see worker/serve_main.py."""
+"""``python -m worker --model X --port N``: see worker/serve/main.py."""
 
-from worker.serve_main import exit_process, main
+from worker.serve.main import exit_process, main
 
 exit_process(main())

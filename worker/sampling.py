@@ -119,7 +119,7 @@ class RequestSampler:
 @runtime_checkable
 class DraftAwareProcessor(Protocol):
     """A logits processor that speculative decoding may run on drafted positions
-    (worker/engine_verify.py): a verify pass calls it once a position, in order, each time with
+    (worker/speculative/batch.py): a verify pass calls it once a position, in order, each time with
     the context one token longer (as plain decoding would, had the drafts been sampled), then
     gives back the tokens the model did not accept."""
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from worker.engine_types import Finished, TokenChunk
+from worker.engine.types import Finished, TokenChunk
 
 if TYPE_CHECKING:
-    from worker.engine import Engine, Job
+    from worker.engine.core import Engine, Job
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -316,9 +316,9 @@ def run_worker_in_thread(
     """
     import uvicorn
 
-    from worker.app import create_app
-    from worker.engine import Engine
-    from worker.net import bind_socket, server_limits
+    from worker.engine.core import Engine
+    from worker.serve.app import create_app
+    from worker.serve.net import bind_socket, server_limits
 
     engine = Engine(str(model_dir), name=name, config=config)
     engine.start(timeout=120)

@@ -25,8 +25,8 @@ from gateway.events import (
     ToolCallDelta,
 )
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
-from worker.schemas import ResponseFormat, check_template_kwargs, openai_usage
-from worker.thinking import normalize_thinking
+from worker.chat.schemas import ResponseFormat, check_template_kwargs, openai_usage
+from worker.chat.thinking import normalize_thinking
 
 
 class _Function(BaseModel):

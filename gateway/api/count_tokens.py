@@ -15,7 +15,7 @@ from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest
 from gateway.router import RouteError
-from worker.thinking import normalize_thinking
+from worker.chat.thinking import normalize_thinking
 
 
 def parse(raw: Any) -> ChatRequest:

@@ -15,7 +15,7 @@ from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, validated
 from gateway.api.output_format import messages_effort, messages_output_format
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
-from worker.thinking import normalize_thinking
+from worker.chat.thinking import normalize_thinking
 
 
 class _TextBlock(BaseModel):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.errors import RequestInvalid, validated
 from gateway.request import OutputFormat
-from worker.schemas import ResponseFormat
+from worker.chat.schemas import ResponseFormat
 from worker.structured.json_grammar import SchemaError, json_grammar
 
 

@@ -22,7 +22,7 @@ from gateway.api.responses_tools import (
 )
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall
 from gateway.responses.compacted import decode_reasoning, summary_message
-from worker.thinking import normalize_thinking
+from worker.chat.thinking import normalize_thinking
 
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
 

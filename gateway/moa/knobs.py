@@ -1,6 +1,6 @@
 """Thinking is off for every worker call unless the caller opted in through a recognised knob.
 
-The API parsers normalise every knob once (``worker.thinking.normalize_thinking``) into
+The API parsers normalise every knob once (``worker.chat.thinking.normalize_thinking``) into
 ``ChatRequest.reasoning``; this module only reads that result. Mixture-of-agents runs several
 workers at once, so a thinking pass on each would multiply latency for no visible benefit: off
 unless asked.
@@ -9,7 +9,7 @@ unless asked.
 from __future__ import annotations
 
 from gateway.request import ChatRequest
-from worker.thinking import THINKING_BUDGETS, THINKING_SWITCHES
+from worker.chat.thinking import THINKING_BUDGETS, THINKING_SWITCHES
 
 OFF_EFFORTS = (None, "none")
 

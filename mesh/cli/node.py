@@ -160,7 +160,7 @@ def up_command(
     from mesh.node import NodeConfig, run_mesh_node
     from mesh.service import MeshConfig
     from mesh.workers import SplitOptions
-    from worker.net import configure_logging
+    from worker.serve.net import configure_logging
 
     configure_logging()
     home_dir = resolve_home(home)
@@ -239,7 +239,7 @@ def up_command(
 
 def _check_draft(models: tuple[str, ...], draft: str, name: str | None) -> None:
     """Refuse, in one sentence, a draft model whose vocabulary differs from a model's."""
-    from worker.draft_model import check_draft_dirs
+    from worker.speculative.drafts import check_draft_dirs
 
     for model in models:
         if reason := check_draft_dirs(model, draft):

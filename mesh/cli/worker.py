@@ -42,8 +42,8 @@ def worker_command(
     prompt_cache_gb: float = typer.Option(2.0, "--prompt-cache-gb", help=PROMPT_CACHE_OPTION_HELP),
 ) -> None:
     """Serve MODEL over HTTP (OpenAI chat completions, /v1/models, /health)."""
-    from worker.engine import EngineError
-    from worker.serve_main import exit_process, run
+    from worker.engine.core import EngineError
+    from worker.serve.main import exit_process, run
 
     check_worker_options(speculation, prompt_cache_gb)
     try:

@@ -37,7 +37,7 @@ from gateway.upstream import ModelDirectory, Route, Upstream
 from mesh.peers import PeerTable
 from mesh.routing.observed import Observed, TrackedUpstream
 from mesh.routing.score import Candidate, Choice, Policy, rank
-from worker.cache_digest import CacheDigest
+from worker.prompt_cache.digest import CacheDigest
 
 log = logging.getLogger(__name__)
 

@@ -198,7 +198,7 @@ class RemoteRank:
             stream = await conn.open_stream()
             await stream.send(RequestHead(id=order.group, path=SPLIT_RANK_PATH, deadline=None))
             # No BodyEnd: the request goes on for the group's life, its Body frames after the
-            # order wake the rank (a dozing rank waits on its stdin, worker/split/rank.py).
+            # order wake the rank (a dozing rank waits on its stdin, worker/serve/split_rank.py).
             await stream.send(Body(order.model_dump_json().encode()))
             async with asyncio.timeout(ORDER_TIMEOUT_S):
                 head = await stream.recv()

@@ -6,7 +6,7 @@ node runs the rank, the stage fits what is left of the offer), gets the model's 
 store's copy, or only the files the rank needs, copied from the head with peer copy), opens the
 ring's loopback ports through the bridge (its own rank registered with this node's
 :class:`~mesh.split.bridge.BridgeServer`, a :class:`~mesh.split.bridge.BridgeLink` for every
-rank on another node), and starts ``python -m worker.split.rank`` as a child that dies with the
+rank on another node), and starts ``python -m worker.serve.split_rank`` as a child that dies with the
 node. The stream is the lease: it ends → the rank is killed; the rank exits → the stream ends.
 """
 

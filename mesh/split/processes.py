@@ -22,10 +22,10 @@ async def spawn_rank(
     *,
     label: str,
 ) -> tuple[asyncio.subprocess.Process, asyncio.Task[None]]:
-    """Start one follower rank (``python -m worker.split.rank``) as a child that dies with
+    """Start one follower rank (``python -m worker.serve.split_rank``) as a child that dies with
     this node, and the task that logs its output."""
     command = [
-        python, "-m", "worker.split.rank",
+        python, "-m", "worker.serve.split_rank",
         "--model", str(model_dir), "--split", ",".join(map(str, split)),
     ]  # fmt: skip
     env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
@@ -43,7 +43,7 @@ async def spawn_rank(
 
 
 def wake(process: asyncio.subprocess.Process) -> None:
-    """Wake a dozing rank (worker/split/rank.py: it blocks on stdin between requests)."""
+    """Wake a dozing rank (worker/serve/split_rank.py: it blocks on stdin between requests)."""
     if process.stdin is not None and process.returncode is None:
         with contextlib.suppress(OSError, RuntimeError):
             process.stdin.write(b"w")

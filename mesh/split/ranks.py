@@ -1,7 +1,7 @@
 """A split model's group, led from this node (the head) and supervised as one worker.
 
 :class:`SplitWorkerProcess` is a :class:`~mesh.workers.WorkerProcess` whose child is rank 0 of
-a pipeline split (``python -m worker.split.rank --serve``: the normal worker HTTP API, so the
+a pipeline split (``python -m worker.serve.split_rank --serve``: the normal worker HTTP API, so the
 gateway sees one more worker). Each forming of the group:
 
 1. plans the split over this node's share and the members that offer memory (gossip, via
@@ -15,7 +15,7 @@ gateway sees one more worker). Each forming of the group:
 
 No ``mlx.launch``, no SSH: the mesh writes every rank's ``MLX_RANK`` and hostfile. The group
 lives and dies as one: rank 0 exits when a peer is gone or a step misses its deadline
-(worker/split/rank.py); a local rank that exits or a remote rank whose stream ends takes rank 0
+(worker/serve/split_rank.py); a local rank that exits or a remote rank whose stream ends takes rank 0
 down; the worker's restart loop then re-forms the group, re-planned over who offers now.
 """
 
@@ -98,7 +98,7 @@ class SplitWorkerProcess(WorkerProcess):
     def _command(self) -> list[str]:
         assert self.options.split is not None and self.plan is not None
         return [
-            self.options.python, "-m", "worker.split.rank", "--serve",
+            self.options.python, "-m", "worker.serve.split_rank", "--serve",
             "--model", self.path, "--name", self.name, "--split", _split_arg(self.plan),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--step-deadline-s", str(self.options.split.step_deadline_s),

@@ -58,7 +58,7 @@ def serve_split(
     """A split group on loopback whose rank 0 serves the worker API (warm-up on, as ``mesh
     up`` runs it): its ``/v1`` URL once it listens, and the rank processes, rank 0 first."""
     (port,) = free_ports(1)
-    command = [sys.executable, "-m", "worker.split.rank", "--model", str(model), "--serve"]
+    command = [sys.executable, "-m", "worker.serve.split_rank", "--model", str(model), "--serve"]
     procs = spawn_ranks([*command, "--port", str(port)], split, workdir, env)
     assert procs[0].stdout is not None
     for line in procs[0].stdout:

@@ -31,7 +31,7 @@ from mesh.identity import NodeIdentity
 from mesh.service import MeshConfig, MeshService
 from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.frames import ErrorCode
-from worker.net import bind_socket, server_limits
+from worker.serve.net import bind_socket, server_limits
 from worker.testing import run_worker_in_thread, wait_until
 
 TRIES = 100

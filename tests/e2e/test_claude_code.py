@@ -21,7 +21,7 @@ from agent_clients import require_client, run_client, scripted_gateway
 from gateway.events import Error, Event
 from gateway.request import ChatRequest
 from gateway.testing import ToolRoundTrip
-from worker.chat_job import context_overflow
+from worker.chat.job import context_overflow
 
 pytestmark = pytest.mark.e2e
 
@@ -110,7 +110,7 @@ def test_bash_round_trip_then_continue(tmp_path: Path):
 @dataclass
 class OutgrownOnce(ToolRoundTrip):
     """Refuses the first request that resumes the session the way a worker refuses a prompt
-    longer than its model's context (worker.chat_job.context_overflow)."""
+    longer than its model's context (worker.chat.job.context_overflow)."""
 
     refused: int = 0
 

@@ -16,7 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.testing import ServerThread
 from gateway.upstream import ModelInfo, StaticDirectory
 from gateway.worker_client import WorkerClient
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.testing import run_worker_in_thread
 
 HI = [{"role": "user", "content": "Hi"}]

@@ -18,7 +18,7 @@ from gateway.upstream import ModelInfo, StaticDirectory
 from mesh.identity import NodeIdentity
 from mesh.routing.planner import RoutingConfig
 from mesh.service import MeshService
-from worker.cache_digest import CacheDigest, block_hashes
+from worker.prompt_cache.digest import CacheDigest, block_hashes
 from worker.testing import wait_until
 
 pytestmark = pytest.mark.e2e

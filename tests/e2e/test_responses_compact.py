@@ -11,8 +11,8 @@ from gateway.config import GatewayConfig
 from gateway.testing import ServerThread
 from gateway.upstream import ModelInfo, StaticDirectory
 from gateway.worker_client import WorkerClient
-from worker.app import create_app as create_worker_app
-from worker.engine import Engine
+from worker.engine.core import Engine
+from worker.serve.app import create_app as create_worker_app
 
 pytestmark = pytest.mark.e2e
 

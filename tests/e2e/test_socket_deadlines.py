@@ -13,18 +13,18 @@ from websockets.exceptions import ConnectionClosedOK
 from websockets.sync.client import connect as ws_connect
 
 import gateway.responses.websocket
-import worker.net
+import worker.serve.net
 from gateway.app import create_app
 from gateway.testing import ScriptedUpstream, ServerThread, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
-from worker.net import RepeatedLogFilter
+from worker.serve.net import RepeatedLogFilter
 
 
 @pytest.fixture
 def fast_deadlines(monkeypatch):
-    monkeypatch.setattr(worker.net.DeadlineH11Protocol, "header_timeout_s", 0.5)
-    monkeypatch.setattr(worker.net.DeadlineH11Protocol, "body_timeout_s", 0.5)
-    monkeypatch.setattr(worker.net, "KEEP_ALIVE_S", 0.5)
+    monkeypatch.setattr(worker.serve.net.DeadlineH11Protocol, "header_timeout_s", 0.5)
+    monkeypatch.setattr(worker.serve.net.DeadlineH11Protocol, "body_timeout_s", 0.5)
+    monkeypatch.setattr(worker.serve.net, "KEEP_ALIVE_S", 0.5)
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_repeated_log_lines_are_held_back_and_counted() -> None:
 def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
     import resource
 
-    cap = worker.net.raise_open_files_limit()
+    cap = worker.serve.net.raise_open_files_limit()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert soft == hard or sys.platform == "darwin"  # macOS stops at OPEN_MAX
     assert 16 <= cap < soft

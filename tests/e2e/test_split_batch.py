@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from mesh.split.testing import serve_split
-from worker.cpu import REEXEC_MARKER
-from worker.split.rank import GROUP_BROKEN, leader_config
+from worker.cpu.fast_path import REEXEC_MARKER
+from worker.serve.split_rank import GROUP_BROKEN, leader_config
 from worker.testing import make_tiny_model, run_worker_in_thread
 
 mx = pytest.importorskip("mlx.core")

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from mesh.split import testing as split_testing
-from worker.cpu import REEXEC_MARKER
+from worker.cpu.fast_path import REEXEC_MARKER
 from worker.testing import make_tiny_model, run_worker_in_thread
 
 mx = pytest.importorskip("mlx.core")
@@ -43,7 +43,7 @@ def followers(worker_pid: int, under: Path) -> list[int]:
     """The node's rank processes other than rank 0 (children of the node, not the worker) whose
     model lies under ``under`` (this test's, not those of a test running beside it)."""
     out = subprocess.run(
-        ["pgrep", "-a", "-f", "worker.split.rank --model"], capture_output=True, text=True
+        ["pgrep", "-a", "-f", "worker.serve.split_rank --model"], capture_output=True, text=True
     ).stdout
     pids = [int(line.split()[0]) for line in out.splitlines() if f"--model {under}" in line]
     return [p for p in pids if p != worker_pid]

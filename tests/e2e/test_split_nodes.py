@@ -43,7 +43,7 @@ def rank_pids(under: Path) -> list[int]:
     """Follower rank processes whose model lies under ``under`` (this test's, not those of a test
     running beside it); rank 0 runs with --serve first, so it does not match."""
     out = subprocess.run(
-        ["pgrep", "-a", "-f", "worker.split.rank --model"], capture_output=True, text=True
+        ["pgrep", "-a", "-f", "worker.serve.split_rank --model"], capture_output=True, text=True
     ).stdout
     return [int(line.split()[0]) for line in out.splitlines() if f"--model {under}" in line]
 

@@ -14,8 +14,8 @@ import pytest
 
 from mesh.ports import free_ports
 from mesh.split.testing import bridged_hostfiles, spawn_ranks
-from worker.cpu import REEXEC_MARKER
-from worker.split.rank import GROUP_BROKEN
+from worker.cpu.fast_path import REEXEC_MARKER
+from worker.serve.split_rank import GROUP_BROKEN
 from worker.testing import make_tiny_gemma3_model, make_tiny_model, run_worker_in_thread
 
 mx = pytest.importorskip("mlx.core")
@@ -37,13 +37,13 @@ def rank_env() -> dict[str, str]:
 def run_ranks(
     model: Path, split: list[int], tmp: Path, hostfiles: dict[int, list] | None = None
 ) -> list[dict]:
-    """Run one ``worker.split.rank`` process per rank; every JSON line, rank 0's first.
+    """Run one ``worker.serve.split_rank`` process per rank; every JSON line, rank 0's first.
     ``hostfiles``: each rank's own hostfile (by default one shared, all on loopback)."""
     (tmp / "prompts.json").write_text(json.dumps(PROMPTS))
     common = [
         sys.executable,
         "-m",
-        "worker.split.rank",
+        "worker.serve.split_rank",
         "--model",
         str(model),
         "--prompts",
@@ -81,9 +81,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def unsplit(model: Path) -> tuple[list[list[int]], int]:
     """The reference, in this process: the same loop, the whole model, no group."""
+    from worker.serve.split_rank import eos_ids, generate, load_slice
     from worker.split.leader import LeaderModel
     from worker.split.lockstep import Lockstep
-    from worker.split.rank import eos_ids, generate, load_slice
 
     whole, _, _, weights = load_slice(model, None, None)
     leader = LeaderModel(whole, Lockstep(None))
@@ -155,7 +155,15 @@ def test_rank_0_serves_the_worker_api_like_an_unsplit_worker(
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
     env = {**rank_env(), "MLX_HOSTFILE": str(hostfile)}
-    command = [sys.executable, "-m", "worker.split.rank", "--model", str(model), "--split", "3,3"]
+    command = [
+        sys.executable,
+        "-m",
+        "worker.serve.split_rank",
+        "--model",
+        str(model),
+        "--split",
+        "3,3",
+    ]
     follower = subprocess.Popen(command, env={**env, "MLX_RANK": "1"}, stdout=subprocess.PIPE)
     leader = subprocess.Popen(
         [*command, "--serve", "--port", str(port), "--no-warm-up"],

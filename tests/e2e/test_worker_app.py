@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from worker.app import create_app
-from worker.engine import Engine
-from worker.engine_types import EngineConfig
+from worker.engine.core import Engine
+from worker.engine.types import EngineConfig
+from worker.serve.app import create_app
 from worker.testing import PrefillSpy, make_tiny_model, run_worker_in_thread
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.serve_main import locate_model
+from worker.serve.main import locate_model
 
 
 def test_python_m_worker_serves_and_announces_its_url(tiny_model_dir: Path) -> None:
@@ -111,7 +111,8 @@ def test_the_worker_warms_up_before_it_announces(
     """The announcement is what the node waits for: by then the warm-up has run."""
     import uvicorn
 
-    from worker import app, serve_main
+    from worker.serve import app
+    from worker.serve import main as serve_main
 
     seen: list[float | None] = []
     monkeypatch.setattr(app, "_announce", lambda engine, url: seen.append(engine.stats.warm_up_s))

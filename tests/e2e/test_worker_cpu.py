@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker import cpu
-from worker.net import SECRET_ENV
+from worker.cpu import fast_path as cpu
+from worker.serve.net import SECRET_ENV
 from worker.testing import make_tiny_model, quantize_tiny_model, run_worker_in_thread
 
 LIBRARY = cpu.find_openblas()

@@ -9,7 +9,7 @@ the node can use it without loading MLX).
 """
 
 WAKE_LINE = "split rank 0: wake the followers"
-# The lockstep wire (worker/split/rank.py: header size, inline payload, ops). Every rank of a
+# The lockstep wire (worker/serve/split_rank.py: header size, inline payload, ops). Every rank of a
 # group must speak the same one; a head's rank order says which it speaks.
 LOCKSTEP_VERSION = 3
 GROUP_BROKEN = 3

@@ -15,7 +15,7 @@ from gateway.api import chat, messages, responses
 from gateway.moa.candidates import worker_request
 from gateway.request import ChatRequest
 from gateway.worker_client import worker_body
-from worker.thinking import normalize_thinking
+from worker.chat.thinking import normalize_thinking
 
 # (knob fields, what they ask for: True on, False off, None the model's default)
 KNOBS: list[tuple[dict[str, Any], bool | None]] = [

@@ -193,7 +193,7 @@ def test_idle_peers_share_requests_without_a_session_key():
 
 
 def test_a_peer_keeps_its_latest_cache_digest():
-    from worker.cache_digest import CacheDigest, block_hashes
+    from worker.prompt_cache.digest import CacheDigest, block_hashes
 
     tokens = list(range(256))
     digest = CacheDigest.of_entries([tokens])

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from mesh.cli import app
 from mesh.node import NodeConfig
 from mesh.workers import WorkerProcess
-from worker.serve_main import build_parser
+from worker.serve.main import build_parser
 
 
 def test_the_node_passes_its_prompt_cache_size_to_its_workers(tmp_path: Path) -> None:

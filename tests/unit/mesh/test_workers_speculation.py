@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 from mesh.cli import app
 from mesh.node import NodeConfig
 from mesh.workers import WorkerProcess
-from worker.serve_main import build_parser
-from worker.split.rank import build_parser as rank_parser
-from worker.split.rank import leader_config
+from worker.serve.main import build_parser
+from worker.serve.split_rank import build_parser as rank_parser
+from worker.serve.split_rank import leader_config
 
 
 def test_the_node_passes_speculation_to_its_workers(tmp_path: Path) -> None:
@@ -53,8 +53,8 @@ def test_a_draft_model_of_another_vocabulary_is_refused_in_one_sentence(
     """Before any worker starts (mesh up) or the weights load (mesh worker)."""
     import pytest
 
-    from worker.engine import EngineError
-    from worker.serve_main import run
+    from worker.engine.core import EngineError
+    from worker.serve.main import run
 
     args = ["up", "--model", str(tiny_model_dir), "--draft-model", str(tiny_tool_model_dir)]
     result = CliRunner().invoke(app, [*args, "--home", str(tmp_path)])

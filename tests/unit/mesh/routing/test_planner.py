@@ -12,7 +12,7 @@ from mesh.gossip import ModelAd, NodeState
 from mesh.peers import PeerTable
 from mesh.routing.planner import RoutePlanner, RoutingConfig, conversation_key
 from mesh.routing.score import affinity
-from worker.cache_digest import CacheDigest, block_hashes
+from worker.prompt_cache.digest import CacheDigest, block_hashes
 
 PROMPT = list(range(1000))
 REQUEST = ChatRequest(model="m", messages=[Message(role="user", content="hi")])

@@ -1,0 +1,1 @@
+"""The Linux CPU fast path: OpenBLAS preloaded, weights in float32, attention in numpy."""

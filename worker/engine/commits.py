@@ -1,0 +1,120 @@
+"""Prompt-cache commits after the response: finished jobs' caches held until their commit, and
+the new jobs parked until a commit they would reuse lands (owner-thread state of the engine).
+
+A finished job's KV cache is held as a pending commit until the HTTP layer calls
+``Engine.commit`` (after writing the terminal frame). A new job whose prompt would reuse a
+pending commit waits for it (at most ``commit_wait_s``), so it never reads a half-committed
+cache and the client of the first job never waits for the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.engine.types import EngineConfig, EngineStats, Job
+from worker.prompt_cache.store import PromptCacheStore
+
+
+@dataclass
+class Parked:
+    job: Job
+    waits_for: set[str]
+    deadline: float
+
+
+@dataclass
+class Pending:
+    tokens: list[int]
+    cache: list[Any]
+    created: float = field(default_factory=time.monotonic)
+
+
+class Commits:
+    """The pending commits (by job id) and the parked jobs, in front of the prompt cache."""
+
+    def __init__(self, store: PromptCacheStore, config: EngineConfig, stats: EngineStats) -> None:
+        self.store = store
+        self.config = config
+        self.stats = stats
+        self.pending: dict[str, Pending] = {}
+        self.parked: list[Parked] = []
+
+    def park(self, job: Job) -> bool:
+        """Park ``job`` when its prompt would reuse more of a pending commit than the store
+        offers now; False: it can start at once."""
+        prompt = job.request.prompt
+        cached = self.store.best_prefix(prompt)
+        waits = {
+            job_id
+            for job_id, pending in self.pending.items()
+            if self.store.usable_prefix(pending.tokens, prompt, True) > cached
+        }
+        if not waits:
+            return False
+        self.stats.commit_waits += 1
+        self.stats.log("parked", job.id)
+        deadline = time.monotonic() + self.config.commit_wait_s
+        self.parked.append(Parked(job, waits, deadline))
+        return True
+
+    def due(self) -> list[Job]:
+        """The parked jobs to start now, in order (out of the parked list): those whose
+        commits landed (or expired), and those that waited their longest."""
+        if not self.parked:
+            return []
+        now = time.monotonic()
+        due, still = [], []
+        for parked in self.parked:
+            if not (parked.waits_for & self.pending.keys()):
+                due.append(parked.job)
+            elif now >= parked.deadline:
+                self.stats.commit_wait_timeouts += 1
+                due.append(parked.job)
+            else:
+                still.append(parked)
+        self.parked = still
+        return due
+
+    def next_deadline(self) -> float | None:
+        return min((p.deadline for p in self.parked), default=None)
+
+    def unpark(self, job: Job) -> None:
+        self.parked = [p for p in self.parked if p.job is not job]
+
+    def cancel(self, job_id: str) -> bool:
+        """Take a parked job out (its client left); whether it was parked."""
+        parked = [p for p in self.parked if p.job.id == job_id]
+        self.parked = [p for p in self.parked if p.job.id != job_id]
+        return bool(parked)
+
+    def hold(self, job_id: str, tokens: list[int], cache: list[Any]) -> None:
+        self.pending[job_id] = Pending(tokens, cache)
+
+    def land(self, job_id: str, before: Callable[[str], None] | None = None) -> None:
+        """Commit a pending cache to the store (``before``: a test hook, called first)."""
+        pending = self.pending.pop(job_id, None)
+        if pending is None:
+            return
+        if before is not None:
+            before(job_id)
+        self.store.insert(pending.tokens, pending.cache)
+        self.stats.commits += 1
+        self.stats.log("committed", job_id)
+
+    def expire(self) -> None:
+        """Drop the commits never requested within ``pending_commit_ttl_s``."""
+        if not self.pending:
+            return
+        now = time.monotonic()
+        for job_id, pending in list(self.pending.items()):
+            if now - pending.created > self.config.pending_commit_ttl_s:
+                del self.pending[job_id]
+                self.stats.log("commit_expired", job_id)
+
+    def clear(self) -> None:
+        """Forget the store's entries and the pending commits (parked jobs stay)."""
+        self.store.clear()
+        self.pending.clear()

@@ -1,0 +1,469 @@
+"""The MLX engine: one owner thread runs the model; asyncio callers submit jobs and await tokens.
+
+MLX streams are thread-local, so loading, prefill, decode and every KV-cache operation happen on
+the owner thread. Callers talk to it through a command queue (submit, cancel, commit); tokens come
+back through each job's asyncio queue via ``loop.call_soon_threadsafe``.
+
+Concurrent jobs share the model through mlx-lm's ``BatchGenerator`` (continuous batching) when the
+model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Both advance
+one step per call: a decoded token, or a prefill chunk of ``prefill_step_size`` prompt tokens.
+Commands are drained between steps, so a cancel stops its job within one step, also a long
+prompt's prefill within one chunk.
+
+Jobs that share a prompt, or a long prefix of one, prefill it once (worker/engine/followers.py).
+Prompt cache commit happens *after* the response (worker/engine/commits.py): a finished job's KV
+cache waits for the HTTP layer's ``commit``, and a job that would reuse it waits for that.
+Cancellation, failure and shutdown are worker/engine/ends.py's; loading is worker/engine/load.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from worker.chat.prompt import render_prompt, template_tool_calling
+from worker.cpu.fast_path import CpuFastPath
+from worker.engine.commits import Commits
+from worker.engine.ends import JobEnds
+from worker.engine.followers import Follower
+from worker.engine.jobs import Active, kept_through
+from worker.engine.load import Loader, can_batch, load_model, make_generator
+from worker.engine.loop_guard import LoopGuard
+from worker.engine.shared_prefill import SharePolicy
+from worker.engine.types import (
+    EngineConfig,
+    EngineError,
+    EngineStats,
+    Finished,
+    GenerationRequest,
+    Job,
+    LoadedModel,
+    TokenChunk,
+)
+from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
+from worker.prompt_cache.digest import CacheDigest
+from worker.prompt_cache.store import PromptCacheStore
+from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
+from worker.speculative.batch import SpeculationStats
+from worker.speculative.drafts import DraftModel, make_draft
+from worker.tools.listing import Listing
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Job"]
+
+
+class Engine(JobEnds):
+    """Loads a model and serves generation jobs from one owner thread.
+
+    ``generation_config_fallback``: the sampling to recommend when the model directory has no
+    ``generation_config.json`` that names any (the store passes its registry entry's)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        name: str | None = None,
+        config: EngineConfig | None = None,
+        generation_config_fallback: dict[str, Any] | None = None,
+        loader: Loader | None = None,
+    ) -> None:
+        self.model_path = model_path
+        # (model, tokenizer, config) from a path, on the owner thread; mlx_lm.load by default.
+        # A split rank 0 passes its own (worker/serve/split_rank.py: lazy, only its layers).
+        self._loader = loader
+        self.name = name or model_path.rstrip("/").split("/")[-1]
+        self.config = config or EngineConfig()
+        self.stats = EngineStats()
+        self.info = LoadedModel()
+        # What a request that omits temperature/top_p/top_k/min_p gets; resolved at load.
+        self.sampling_defaults = MLX_LM_DEFAULTS
+        self._generation_config_fallback = generation_config_fallback
+        self.tokenizer: Any = None
+        self.cpu_fast_path: CpuFastPath | None = None  # set by the load on the CPU backend
+        # Test hook: called on the owner thread right before a commit lands in the store.
+        self.before_commit: Callable[[str], None] | None = None
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._rate: deque[tuple[float, int]] = deque()
+        self._started = time.monotonic()
+        # Owner-thread state.
+        self._generator: Any = None
+        self._active: dict[int, Active] = {}
+        self._followers: list[Follower] = []
+        self._share_policy = SharePolicy(min_tokens=self.config.share_prefill_min_tokens)
+        self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
+        self._commits = Commits(self._store, self.config, self.stats)
+        self.speculation = SpeculationStats()
+        self._draft: DraftModel | None = None  # the draft model's source, when configured
+
+    # ---- lifecycle (caller side) -------------------------------------------------------------
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the owner thread and block until the model is loaded (raises EngineError)."""
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise EngineError(f"model {self.model_path} did not load in {timeout}s")
+        if self._load_error is not None:
+            raise EngineError(f"cannot load model {self.model_path}: {self._load_error}")
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout=30)
+
+    def discard_prompt_cache(self) -> None:
+        """Drop every cached and pending prompt and the throughput window, in order after the
+        commands before it. For the start-up warm-up (worker/serve/warm_up.py): its prompts must not
+        show up as a user's cached tokens, nor its tokens as load."""
+        self._inbox.put(("discard", None))
+
+    @property
+    def draft_source(self) -> str:
+        """Where speculation's drafts come from: the draft model's path, or prompt lookup."""
+        return self.config.draft_model if self._draft is not None else "prompt lookup"
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started
+
+    @property
+    def cache_digest(self) -> CacheDigest:
+        """What the prompt cache holds (block hashes, bounded), safe to read from any thread."""
+        return self._store.digest
+
+    # ---- calls from the event loop -----------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Job:
+        job = Job(request, asyncio.get_running_loop())
+        with self._lock:
+            self.stats.queue_depth += 1
+            self.stats.submitted += 1
+        self._inbox.put(("submit", job))
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (client gone). Safe to call at any time, also after it finished."""
+        if not job.done:
+            self._inbox.put(("cancel", job.id))
+
+    def commit(self, job: Job) -> None:
+        """Land a finished job's KV cache in the prompt cache. Returns at once."""
+        self.stats.log("commit_requested", job.id)
+        self._inbox.put(("commit", job.id))
+
+    def tokens_per_second(self, window_s: float = 10.0) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._rate and now - self._rate[0][0] > window_s:
+                self._rate.popleft()
+            if not self._rate:
+                return 0.0
+            tokens = sum(n for _, n in self._rate)
+            span = max(now - self._rate[0][0], 1e-3)
+        return tokens / span
+
+    @functools.cached_property
+    def tool_calling(self) -> str:
+        """ "native" when the chat template shows the model tools and past calls, else
+        "generic" (worker.tools.prompt writes them into the prompt as text)."""
+        return template_tool_calling(self.tokenizer)
+
+    def render_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+        listing: Listing = "full",
+    ) -> tuple[list[int], bool]:
+        """Prompt tokens and whether generation starts in a think block
+        (:func:`worker.chat.prompt.render_prompt`). Raises jinja errors for bad conversations."""
+        return render_prompt(
+            self.tokenizer, self.tool_calling, messages, tools, template_kwargs, listing
+        )
+
+    # ---- owner thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # reported to start(); the thread ends
+            log.exception("model load failed")
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        handlers = {
+            "submit": self._on_submit,
+            "cancel": self._on_cancel,
+            "commit": self._on_commit,
+            "discard": self._on_discard,
+        }
+        while True:
+            commands = self._drain(wait_s=self._idle_wait())
+            if any(kind == "stop" for kind, _ in commands):
+                break
+            for kind, arg in commands:
+                try:
+                    handlers[kind](arg)
+                except Exception as exc:
+                    # One bad job must not take the owner thread (and the server) down.
+                    log.exception("engine command %s failed", kind)
+                    if kind == "submit":
+                        self._reject(arg, f"cannot start generation: {exc}")
+            for job in self._commits.due():
+                self._admit(job)
+            self._commits.expire()
+            if self._active:
+                try:
+                    self._step()
+                    self._release_followers()
+                except Exception as exc:
+                    log.exception("generation step failed")
+                    self._fail_all(f"generation failed: {exc}")
+            elif not commands:
+                self._tell_idle()
+        self._shutdown()
+
+    def _tell_idle(self) -> None:
+        """A model that wants to know the engine is idle (a split's rank 0 lets its other
+        ranks doze off the ring: worker/split/leader.py) hears it here, on this thread."""
+        idle = getattr(self._model, "engine_idle", None)
+        if idle is None:
+            return
+        try:
+            idle()
+        except Exception:
+            log.exception("the model's idle hook failed")
+
+    def _load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import make_stop_sequences
+
+        model, tokenizer, config, self.cpu_fast_path = load_model(
+            self.model_path, self._loader, self.config
+        )
+        self.tokenizer = tokenizer
+        self.info = LoadedModel.from_config(config, model)
+        self.sampling_defaults = resolve_sampling_defaults(
+            self.model_path, self._generation_config_fallback
+        )
+        self.context_length = self.info.context_length
+        stream = mx.default_stream(mx.default_device())
+        self.batchable = can_batch(model, self.config)
+        if self.config.draft_model and self.batchable and self.config.speculation != "off":
+            path = self.config.draft_model
+            draft, draft_tokenizer, _, _ = load_model(path, None, self.config)
+            self._draft = make_draft(path, draft, draft_tokenizer, tokenizer)
+        elif self.config.draft_model:
+            log.warning(
+                "draft model %s not loaded: this model does not speculate", self.config.draft_model
+            )
+        self._generator = make_generator(
+            model,
+            tokenizer,
+            self.config,
+            batchable=self.batchable,
+            stream=stream,
+            speculation=self.speculation,
+            source=self._draft,
+        )
+        self._eos_stops = make_stop_sequences(tokenizer)
+        self._model = model
+
+    def _idle_wait(self) -> float:
+        """How long to block for commands: not at all while decoding, else until the next
+        parked job's deadline (or a short tick for pending-commit expiry)."""
+        if self._active:
+            return 0.0
+        nearest = self._commits.next_deadline()
+        if nearest is not None:
+            return max(0.0, min(0.25, nearest - time.monotonic()))
+        return 0.25
+
+    def _drain(self, *, wait_s: float) -> list[tuple[str, Any]]:
+        commands = []
+        try:
+            if wait_s > 0:
+                commands.append(self._inbox.get(timeout=wait_s))
+            while True:
+                commands.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        if not self._active and any(kind == "submit" for kind, _ in commands):
+            commands += self._gather()
+        return commands
+
+    def _gather(self) -> list[tuple[str, Any]]:
+        """The commands that follow an idle engine's first job within ``admit_gap_s`` of each
+        other (for at most ``admit_window_s``): concurrent requests (an agent's parallel calls,
+        a client's four streams) then prefill as one batch. Measured here: four requests sent
+        at once reached the engine within 1-3 ms, and those that missed the first's prefill
+        waited for it, ~0.1 s more to their first token."""
+        commands: list[tuple[str, Any]] = []
+        deadline = time.monotonic() + self.config.admit_window_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                commands.append(self._inbox.get(timeout=min(left, self.config.admit_gap_s)))
+            except queue.Empty:
+                break
+        return commands
+
+    def _on_submit(self, job: Job) -> None:
+        if not self._commits.park(job):
+            self._admit(job)
+
+    def _start_alone(self, job: Job) -> None:
+        cache, cached = self._store.fetch(job.request.prompt, merged_by_reader=self.batchable)
+        self._insert(job, cache, cached)
+
+    def _guarded(self, job: Job, start: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Start a waiting job; one that cannot start fails alone (as a bad submit does), not
+        the step that released it."""
+        try:
+            start(*args, **kwargs)
+        except Exception as exc:
+            log.exception("cannot start job %s", job.id)
+            self._reject(job, f"cannot start generation: {exc}")
+
+    def _insert(self, job: Job, cache: list[Any] | None, cached: int, shared: bool = False) -> None:
+        req = job.request
+        params = req.sampling
+        kwargs: dict[str, Any] = {}
+        if self.batchable:
+            kwargs["stop_sequences"] = [self._eos_stops]
+        (uid,) = self._generator.insert(
+            [req.prompt[cached:]],
+            max_tokens=[req.max_tokens],
+            caches=[cache],
+            all_tokens=[req.prompt[:cached]],
+            samplers=[make_request_sampler(params)],
+            logits_processors=[make_request_processors(params) + list(req.logits_processors)],
+            **kwargs,
+        )
+        # Not under a grammar: it ends the answer where the JSON is complete, and a cut would
+        # be a "stop" whose JSON does not parse.
+        span = 0 if req.logits_processors else self.config.loop_guard_tokens
+        self._active[uid] = Active(
+            job,
+            uid,
+            self.tokenizer.detokenizer,
+            StopMatcher(req.stop),
+            cached,
+            loop=LoopGuard(span) if span else None,
+            held=cached,
+        )
+        self._count_prefill(len(req.prompt) - cached, cached if shared else 0)
+        self.stats.log("shared_prefill" if shared else "admitted", job.id)
+        if shared:
+            self.stats.log("admitted", job.id)
+
+    def _count_prefill(self, computed: int, shared: int) -> None:
+        """A job runs ``computed`` prompt tokens; more than its last one is a prefill."""
+        with self._lock:
+            self.stats.prompt_tokens_computed += computed
+            if computed > 1:
+                self.stats.prefills += 1
+            if shared:
+                self.stats.shared_prefills += 1
+                self.stats.shared_prefill_tokens += shared
+
+    def _on_commit(self, job_id: str) -> None:
+        self._commits.land(job_id, self.before_commit)
+
+    def _on_discard(self, _: None) -> None:
+        self._commits.clear()
+        with self._lock:
+            self._rate.clear()
+        self.stats.log("discarded", "")
+
+    def _step(self) -> None:
+        progress, responses = self._generator.next()
+        for p in progress:  # prefill chunks done: what a follower waits for
+            if (active := self._active.get(p.uid)) is not None:
+                active.held = max(active.held, active.cached_tokens + p.progress[0])
+        decoded = 0
+        for r in responses:
+            active = self._active.get(r.uid)
+            if active is None:
+                continue
+            decoded += 1
+            self._on_token(active, r)
+        if decoded:
+            with self._lock:
+                self._rate.append((time.monotonic(), decoded))
+                self.stats.generated_tokens += decoded
+
+    def _on_token(self, active: Active, r: Any) -> None:
+        job = active.job
+        if not active.first_token:
+            active.first_token = True
+            active.held = len(job.request.prompt)
+            with self._lock:
+                self.stats.queue_depth -= 1
+                self.stats.in_flight += 1
+        out = active.decode(r, self.tokenizer)
+        if out.looped:
+            self._count_loop(active)
+        text, logprobs, finish, stopped = out.text, out.logprobs, out.finish, out.stopped
+        if (text or logprobs) and not self._send(
+            active, TokenChunk(text, logprobs, active.completion_tokens, active.cached_tokens)
+        ):
+            return
+        if finish is None:
+            return
+        if stopped and r.finish_reason is None:
+            caches = self._generator.remove([r.uid], return_prompt_caches=True)
+            cache, tokens = kept_through(active, *caches.get(r.uid, (None, None)))
+        else:
+            cache, tokens = r.prompt_cache, r.all_tokens
+        self._drop(r.uid)
+        self._hand_over(active, cache, tokens)
+        if cache is not None and tokens:
+            self._commits.hold(job.id, list(tokens), cache)
+        self.stats.log("finished", job.id)
+        self._send(
+            active,
+            Finished(
+                finish_reason=finish,
+                prompt_tokens=len(job.request.prompt),
+                completion_tokens=active.completion_tokens,
+                cached_tokens=active.cached_tokens,
+                stop_sequence=active.stop.matched if stopped else None,
+            ),
+        )
+        with self._lock:
+            self.stats.completed += 1
+
+    def _count_loop(self, active: Active) -> None:
+        assert active.loop is not None
+        log.info(
+            "job %s: stopped a loop of %d tokens after %d tokens",
+            active.job.id, active.loop.period, active.completion_tokens,
+        )  # fmt: skip
+        with self._lock:
+            self.stats.loops_stopped += 1
+
+    def _reset_generator(self) -> None:
+        if self.batchable:
+            self._generator.close()
+            self._generator = make_generator(
+                self._model,
+                self.tokenizer,
+                self.config,
+                batchable=True,
+                stream=self._generator.stream,
+                speculation=self.speculation,
+                source=self._draft,
+            )

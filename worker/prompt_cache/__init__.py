@@ -1,0 +1,1 @@
+"""The prefix store of KV caches and its digest (block hashes that mesh routing reads)."""
