@@ -31,7 +31,6 @@ import ctypes
 import glob
 import logging
 import os
-import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,8 @@ from itertools import pairwise
 from typing import Any
 
 import numpy as np
+
+from worker.mlx_lm_hooks import mlx_attention, patch_attention, unpatch_attention
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ ROW_BLOCK = 64
 MAX_THREADS = 8
 # Keys a part of a decode step reads at least (fewer: the threads' handoff outweighs the work).
 MIN_PART_KEYS = 256
-_NAME = "scaled_dot_product_attention"
 _F32_MIN = np.finfo(np.float32).min
 
 
@@ -310,12 +310,6 @@ def attention(
 # ---- the hook in mlx-lm's models ---------------------------------------------------------
 
 
-def _mlx_attention() -> Any:
-    from mlx_lm.models import base
-
-    return base.scaled_dot_product_attention
-
-
 def wanted(queries: Any, keys: Any, values: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether the numpy path takes this call (else MLX's own runs)."""
     import mlx.core as mx
@@ -361,7 +355,7 @@ def scaled_dot_product_attention(
     import mlx.core as mx
 
     if not wanted(queries, keys, values, cache, mask, sinks):
-        return _mlx_attention()(queries, keys, values, cache, scale, mask, sinks)
+        return mlx_attention()(queries, keys, values, cache, scale, mask, sinks)
     arrays = [queries, keys, values]
     arrays += [a for a in (mask, sinks) if isinstance(a, mx.array)]
     mx.eval(*arrays)
@@ -377,9 +371,6 @@ def scaled_dot_product_attention(
     return mx.array(out)
 
 
-_patched: dict[str, Any] = {}  # module name → the function it had
-
-
 def enabled(env: dict[str, str] | None = None) -> bool:
     value = (os.environ if env is None else env).get(ATTENTION_ENV, "").strip().lower()
     return value not in OFF_VALUES
@@ -389,26 +380,12 @@ def install(model: Any) -> list[str]:
     """Point the modules that define the model's layers at the numpy-backed attention, where
     they use mlx-lm's own (``from .base import scaled_dot_product_attention``; a model with
     its own attention keeps it). Returns the patched module names. Process-wide for those
-    modules, so only for the CPU backend. Call :func:`uninstall` to undo."""
-    original = _mlx_attention()
+    modules, so only for the CPU backend (worker/mlx_lm_hooks.py holds the patch). Call
+    :func:`uninstall` to undo."""
     names = {type(m).__module__ for m in model.modules()}
-    done = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        current = getattr(module, _NAME, None)
-        if current is scaled_dot_product_attention:
-            done.append(name)
-        elif current is original:
-            _patched[name] = current
-            setattr(module, _NAME, scaled_dot_product_attention)
-            done.append(name)
-    return done
+    return patch_attention(names, scaled_dot_product_attention)
 
 
 def uninstall() -> None:
     """Give every patched module back the attention it had."""
-    for name, function in _patched.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            setattr(module, _NAME, function)
-    _patched.clear()
+    unpatch_attention()

@@ -40,8 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch
 
+from worker.mlx_lm_hooks import (
+    generation_batch_class,
+    install_generation_batch,
+    prompt_tokens_counter,
+    write_index,
+)
 from worker.sampling import DraftAwareProcessor, RequestSampler, greedy
 from worker.speculative.cache_ops import can_trim, in_order, trim_rows
 from worker.speculative.drafts import DraftSource, PromptLookup, RowDrafter
@@ -121,7 +126,11 @@ class _Row:
     guessed: tuple[int, int] | None = None
 
 
-class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
+# mlx-lm's batch, whose private per-row state this one reads and writes (worker/mlx_lm_hooks.py).
+_GenerationBatch: Any = generation_batch_class()
+
+
+class SpeculativeBatch(_GenerationBatch):  # type: ignore[misc]
     """mlx-lm's generation batch, stepping by verified drafts where rows have them."""
 
     speculation: Speculation
@@ -160,8 +169,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]
         return batch
 
     def extend(self, batch: Any) -> None:
-        before = self.prompt_cache[0]._idx if self.prompt_cache else 0
-        other_before = batch.prompt_cache[0]._idx if batch.prompt_cache else 0
+        before = write_index(self.prompt_cache[0]) if self.prompt_cache else 0
+        other_before = write_index(batch.prompt_cache[0]) if batch.prompt_cache else 0
         super().extend(batch)
         if self.prompt_cache:
             self._holes.extend(
@@ -480,5 +489,5 @@ def install(
     batch = SpeculativeBatch.make(
         generator.model, generator.sampler, speculation, stats, source or PromptLookup()
     )
-    batch.prompt_tokens = lambda: generator._counters.prompt_tokens
-    generator._generation_batch = batch
+    batch.prompt_tokens = prompt_tokens_counter(generator)
+    install_generation_batch(generator, batch)

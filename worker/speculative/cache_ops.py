@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
+from worker.mlx_lm_hooks import put_window_in_order, set_window_lengths, write_index
 from worker.speculative.holes import Holes, can_punch
 
 
@@ -56,7 +57,7 @@ def in_order(caches: list[Any]) -> None:
     token. Plain decoding never feeds a rotated window several tokens; a verify pass does."""
     for cache in caches:
         if type(cache) is BatchRotatingKVCache and cache.keys is not None:
-            cache._temporal_order()
+            put_window_in_order(cache)
 
 
 def trim_window(cache: BatchRotatingKVCache, common: int, extra: list[int]) -> None:
@@ -69,10 +70,10 @@ def trim_window(cache: BatchRotatingKVCache, common: int, extra: list[int]) -> N
     its left padding, as mlx-lm does for a right-padded prefill (``finalize``)."""
     if common:
         cache.trim(common)
-        cache.keys = cache.keys[..., : cache._idx, :]
-        cache.values = cache.values[..., : cache._idx, :]
+        cache.keys = cache.keys[..., : write_index(cache), :]
+        cache.values = cache.values[..., : write_index(cache), :]
     if any(extra):
-        cache._lengths = cache.offset - mx.array(extra)
+        set_window_lengths(cache, cache.offset - mx.array(extra))
         cache.finalize()
 
 

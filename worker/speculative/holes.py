@@ -25,6 +25,8 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from worker.mlx_lm_hooks import write_index
+
 
 def can_punch(caches: list[Any]) -> bool:
     return bool(caches) and all(type(c) is BatchKVCache for c in caches)
@@ -47,7 +49,7 @@ class Holes:
                 cache.offset = cache.offset - shift
         elif self.valid is None:
             return
-        end = caches[0]._idx
+        end = write_index(caches[0])
         valid = self._sized(len(extra), end)
         for row, n in enumerate(extra):
             valid[row, end - n : end] = False
@@ -73,7 +75,7 @@ class Holes:
         theirs = other.valid if other is not None else None
         if self.valid is None and theirs is None:
             return
-        end = caches[0]._idx
+        end = write_index(caches[0])
         total = caches[0].offset.shape[0]
         rows = len(self.valid) if self.valid is not None else total - len(theirs)  # type: ignore[arg-type]
         valid = np.ones((total, end), bool)
@@ -87,7 +89,7 @@ class Holes:
         the row has no holes (``BatchKVCache.extract`` does)."""
         if self.valid is None or self.valid[row].all():
             return None
-        end = caches[0]._idx
+        end = write_index(caches[0])
         padding = int(caches[0].left_padding[row].item())
         real = _fit(self.valid[row : row + 1], end)[0]
         real[:padding] = False
@@ -136,5 +138,7 @@ def _masked(
     cache: BatchKVCache, holes: Holes, N: int, return_array: bool = False, **kwargs: Any
 ) -> mx.array:
     """``BatchKVCache.make_mask`` with the holes hidden."""
-    mask = create_causal_mask(N, offset=cache._idx, left_padding=cache.left_padding, **kwargs)
-    return mask & holes.visible(cache._idx + N)
+    mask = create_causal_mask(
+        N, offset=write_index(cache), left_padding=cache.left_padding, **kwargs
+    )
+    return mask & holes.visible(write_index(cache) + N)

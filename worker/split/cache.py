@@ -47,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from worker.mlx_lm_hooks import original_merge_caches, wrap_merge_caches, write_index
+
 NEW = -1  # Step.source: start from a fresh cache
 KEEP = -2  # Step.source: run on the cache as it is (trimmed to the offset)
 TAG = "_split_tag"  # the attribute of a cache's first layer that holds its CacheTag
@@ -272,7 +274,7 @@ class CacheLedger:
 
 def batch_columns(first: Any) -> int:
     """A batch cache's columns (its rows' common length, padding included)."""
-    return int(getattr(first, "_idx", 0))
+    return write_index(first)
 
 
 def batch_rows(first: Any) -> int:
@@ -342,37 +344,27 @@ def _recording(cls: type) -> type:
     return Recording
 
 
-_recorders: list[Any] = []  # mlx-lm's own _merge_caches, once wrapped
-
-
 def record_batches() -> None:
-    """Wrap mlx-lm's ``generate._merge_caches`` (once per process, on rank 0): a merge of a
-    ledger's caches is recorded by that ledger; any other merge is left alone."""
-    import importlib
+    """Wrap mlx-lm's ``generate._merge_caches`` (once per process, on rank 0; through
+    worker/mlx_lm_hooks.py): a merge of a ledger's caches is recorded by that ledger; any other
+    merge is left alone."""
 
-    generate = importlib.import_module("mlx_lm.generate")  # the package's name is a function
-    if _recorders:
-        return
-    merge = generate._merge_caches
-    _recorders.append(merge)
+    def recording(merge: Callable[[list[list[Any]]], list[Any]]) -> Callable[..., Any]:
+        def recorded(caches: list[list[Any]]) -> list[Any]:
+            ledger = _ledger_of(caches)
+            batch = merge(caches)
+            if ledger is not None and batch:
+                ledger.merged(caches, batch)
+            return batch
 
-    def recorded(caches: list[list[Any]]) -> list[Any]:
-        ledger = _ledger_of(caches)
-        batch = merge(caches)
-        if ledger is not None and batch:
-            ledger.merged(caches, batch)
-        return batch
+        return recorded
 
-    setattr(generate, "_merge_caches", recorded)  # noqa: B010 (a module mypy cannot see)
+    wrap_merge_caches(recording)
 
 
 def original_merge() -> Callable[[list[list[Any]]], list[Any]]:
     """mlx-lm's own ``_merge_caches`` (a follower in rank 0's process must not record)."""
-    import importlib
-
-    if _recorders:
-        return _recorders[0]  # type: ignore[no-any-return]
-    return importlib.import_module("mlx_lm.generate")._merge_caches  # type: ignore[no-any-return]
+    return original_merge_caches()
 
 
 def _ledger_of(caches: list[list[Any]]) -> CacheLedger | None:
