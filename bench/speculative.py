@@ -76,6 +76,7 @@ def claude_code_prompt(engine: Any) -> list[int]:
     from gateway.api.messages import parse
     from gateway.worker_client import worker_body
     from worker.chat.job import fitted_prompt
+    from worker.chat.prompt import ChatTemplate
     from worker.chat.schemas import ChatCompletionRequest
 
     data = json.loads((ROOT / "tests" / "fixtures" / "claude_code_requests.json").read_text())
@@ -83,7 +84,9 @@ def claude_code_prompt(engine: Any) -> list[int]:
     request = ChatCompletionRequest.model_validate(worker_body(chat, "model"))
     messages = [m.to_template() for m in request.messages]
     tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-    (prompt, _), _ = fitted_prompt(engine, messages, tools, {})
+    (prompt, _), _ = fitted_prompt(
+        ChatTemplate(engine.tokenizer), engine.info.context_length, messages, tools, {}
+    )
     return prompt
 
 
@@ -174,12 +177,15 @@ def verify_cost(model_dir: str) -> list[tuple[int, int, float]]:
 
 
 def workload_prompts(engine: Any, chosen: list[str]) -> dict[str, list[list[int]]]:
+    from worker.chat.prompt import ChatTemplate
+
+    template = ChatTemplate(engine.tokenizer)
     chat = {
         "agent edit": [edit_messages(p) for p in EDIT_FILES],
         "open chat": [[{"role": "user", "content": q}] for q in OPEN_CHAT],
     }
     prompts = {
-        name: [engine.render_prompt(m, None, {})[0] for m in items] for name, items in chat.items()
+        name: [template.render(m, None, {})[0] for m in items] for name, items in chat.items()
     }
     if "Claude Code turn" in chosen:
         prompts["Claude Code turn"] = [claude_code_prompt(engine)]

@@ -170,9 +170,11 @@ async def _case(engine: Any, prompt: list[int], tokens: int, case: str) -> dict[
 
 
 def _prompt(engine: Any, round_: int) -> list[int]:
+    from worker.chat.prompt import ChatTemplate
+
     # A different opening each round: every request prefills (no prompt-cache shortcut).
     messages = [{"role": "user", "content": f"({round_}) {QUESTION}"}]
-    prompt, _ = engine.render_prompt(messages, None, {})
+    prompt, _ = ChatTemplate(engine.tokenizer).render(messages, None, {})
     return prompt
 
 

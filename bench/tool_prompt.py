@@ -25,6 +25,7 @@ from typing import Any
 from gateway.api import chat, messages, responses_input
 from gateway.worker_client import worker_body
 from worker.chat.job import start_job
+from worker.chat.prompt import ChatTemplate
 from worker.chat.schemas import ChatCompletionRequest
 from worker.engine.core import Engine
 from worker.engine.types import TokenChunk
@@ -91,7 +92,9 @@ def _agent_requests() -> dict[str, dict[str, Any]]:
 async def _answer(engine: Engine, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     body = {**body, "stream": False, "temperature": 0.0, "max_tokens": max_tokens}
     body.pop("stream_options", None)
-    job, assembler, listing = await start_job(engine, ChatCompletionRequest(**body), body)
+    job, assembler, listing = await start_job(
+        engine, ChatTemplate(engine.tokenizer), ChatCompletionRequest(**body), body
+    )
     async for event in job.events():
         if isinstance(event, TokenChunk):
             assembler.feed(event.text)

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine
 from worker.engine.types import EngineConfig
 from worker.serve.app import create_app
@@ -563,7 +564,7 @@ def test_penalties_change_greedy_output(plain: tuple[str, Engine]) -> None:
 
 def test_mid_stream_failure_ends_with_an_error_frame(tiny_model_dir: Path) -> None:
     with run_worker_in_thread(tiny_model_dir, name="fragile") as (url, engine):
-        real_next = engine._generator.next
+        real_next = engine._rows.generator.next
         calls = {"n": 0}
 
         def failing_next() -> Any:
@@ -572,7 +573,7 @@ def test_mid_stream_failure_ends_with_an_error_frame(tiny_model_dir: Path) -> No
                 raise RuntimeError("simulated accelerator fault")
             return real_next()
 
-        engine._generator.next = failing_next
+        engine._rows.generator.next = failing_next
         body = {"messages": HI, "max_tokens": 50, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as response:
             lines = [line for line in response.iter_lines() if line]
@@ -656,7 +657,7 @@ def test_a_template_without_tools_gets_the_generic_tool_prompt(toolless, plain) 
         },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
-    tokens, _ = engine.render_prompt(messages, [tool], {})
+    tokens, _ = ChatTemplate(engine.tokenizer).render(messages, [tool], {})
     text = engine.tokenizer.decode(tokens)
     assert "# Tools" in text and '"name": "get_weather"' in text
     assert "<tool_call>" in text and "<tool_response>\nsunny\n</tool_response>" in text
@@ -696,7 +697,7 @@ def test_tools_that_cannot_fit_the_context_are_listed_shorter(fixture, request) 
     url, engine = request.getfixturevalue(fixture)
     tools = _verbose_tools(12)
     messages = [{"role": "user", "content": "List the files."}]
-    full, _ = engine.render_prompt(messages, tools, {})
+    full, _ = ChatTemplate(engine.tokenizer).render(messages, tools, {})
     assert len(full) > engine.info.context_length  # it could not be served as sent
     body = {"messages": messages, "tools": tools, "max_tokens": 2, "temperature": 0}
     for stream in (False, True):
@@ -707,7 +708,7 @@ def test_tools_that_cannot_fit_the_context_are_listed_shorter(fixture, request) 
         assert response.status_code == 200, response.text
         assert response.headers["x-tools-listing"] in ("brief", "names")
     listing = response.headers["x-tools-listing"]
-    shown, _ = engine.render_prompt(messages, tools, {}, listing)
+    shown, _ = ChatTemplate(engine.tokenizer).render(messages, tools, {}, listing)
     assert len(shown) <= engine.info.context_length * 3 // 4
     text = engine.tokenizer.decode(shown)
     assert all(f"tool_{i}" in text for i in range(12)) and "read the whole manual" not in text

@@ -23,7 +23,7 @@ needs_openblas = pytest.mark.skipif(
 )
 
 PROBE = (
-    "import json, os; from worker import cpu; p = cpu.probe_blas(); "
+    "import json, os; from worker.cpu import fast_path as cpu; p = cpu.probe_blas(); "
     "print(json.dumps({'fast': p.fast, 'blas': p.blas, 'gflops': p.gflops, "
     "'library': p.library, 'reason': p.reason, 'line': p.line(), "
     "'preload': os.environ.get('LD_PRELOAD'), 'pid': os.getpid()}))"
@@ -67,7 +67,7 @@ def test_child_without_it_says_why_not() -> None:
 def test_worker_process_restarts_itself_once_with_the_preload() -> None:
     code = (
         "import json, os; print(json.dumps({'before': os.getpid()}), flush=True); "
-        "from worker import cpu; cpu.reexec_with_fast_blas(); " + PROBE
+        "from worker.cpu import fast_path as cpu; cpu.reexec_with_fast_blas(); " + PROBE
     )
     before_1, before_2, probe = _run(code, _clean_env())
     # The code ran twice in the same process (exec, not a child); the second time it stopped.
@@ -114,7 +114,7 @@ def test_python_m_worker_runs_on_openblas_unless_told_not_to(tiny_model_dir: Pat
 
 
 def test_no_restart_when_turned_off_or_already_tried() -> None:
-    code = "from worker import cpu; cpu.reexec_with_fast_blas(); " + PROBE
+    code = "from worker.cpu import fast_path as cpu; cpu.reexec_with_fast_blas(); " + PROBE
     for extra in ({cpu.BLAS_ENV: "off"}, {cpu.REEXEC_MARKER: "1"}):
         (probe,) = _run(code, {**_clean_env(), **extra})
         assert probe["preload"] is None and probe["fast"] is False

@@ -14,6 +14,7 @@ from typing import Any
 import jinja2
 
 from worker.chat.output import DeltaAssembler
+from worker.chat.prompt import ChatTemplate
 from worker.chat.response_format import (
     OutputFormatError,
     agrammar_processor,
@@ -56,8 +57,10 @@ def context_overflow(prompt_tokens: int, context: int) -> BadRequest:
 
 
 async def start_job(
-    engine: Engine, chat: ChatCompletionRequest, body: dict[str, Any]
+    engine: Engine, template: ChatTemplate, chat: ChatCompletionRequest, body: dict[str, Any]
 ) -> tuple[Job, DeltaAssembler, Listing]:
+    """Render ``chat`` through ``template`` (its model's, which ``engine`` serves), submit the
+    job, and return it with the assembler that splits its answer. Raises :class:`BadRequest`."""
     template_kwargs = dict(chat.chat_template_kwargs or {})
     thinking = normalize_thinking(body)
     if thinking is not None:
@@ -80,7 +83,7 @@ async def start_job(
     context = engine.info.context_length
     try:
         (prompt, in_reasoning), listing = await asyncio.to_thread(
-            fitted_prompt, engine, messages, tools, template_kwargs
+            fitted_prompt, template, context, messages, tools, template_kwargs
         )
     except jinja2.TemplateError as exc:
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
@@ -144,22 +147,22 @@ def listing_header(listing: Listing) -> dict[str, str]:
 
 
 def fitted_prompt(
-    engine: Engine,
+    template: ChatTemplate,
+    context: int,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
 ) -> tuple[tuple[list[int], bool], Listing]:
     """The prompt with the tools listed as fully as the context allows (worker.tools.listing)."""
     if not tools:
-        return engine.render_prompt(messages, None, template_kwargs), "full"
+        return template.render(messages, None, template_kwargs), "full"
     sizes: dict[str, int] = {}
 
     def render(listing: Listing) -> tuple[list[int], bool]:
-        rendered = engine.render_prompt(messages, tools, template_kwargs, listing)
+        rendered = template.render(messages, tools, template_kwargs, listing)
         sizes[listing] = len(rendered[0])
         return rendered
 
-    context = engine.info.context_length
     rendered, listing = tool_listing.fit(render, lambda prompt: len(prompt[0]), context)
     if listing != "full":
         log.info(

@@ -1,7 +1,11 @@
-"""A conversation as prompt tokens: the chat template, with tools shown natively or as text."""
+"""A conversation as prompt tokens: the chat template, with tools shown natively or as text.
+
+The engine takes token ids; this is where a chat request's messages become them
+(:class:`ChatTemplate`, one per loaded model)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from worker.tools.listing import Listing, listed
@@ -20,6 +24,33 @@ def template_tool_calling(tok: Any) -> str:
         )
 
     return "native" if renders_tools(render) else "generic"
+
+
+class ChatTemplate:
+    """A loaded model's chat template: renders a conversation to prompt tokens. Whether it
+    shows tools natively is found once, when a conversation first has tools or tool turns."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @functools.cached_property
+    def tool_calling(self) -> str:
+        """ "native" or "generic" (:func:`template_tool_calling`)."""
+        return template_tool_calling(self.tokenizer)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+        listing: Listing = "full",
+    ) -> tuple[list[int], bool]:
+        """Prompt tokens and whether generation starts in a think block
+        (:func:`render_prompt`). Raises jinja errors for bad conversations."""
+        tool_calling = self.tool_calling if tools or _has_tool_turns(messages) else "native"
+        return render_prompt(
+            self.tokenizer, tool_calling, messages, tools, template_kwargs, listing
+        )
 
 
 def render_prompt(

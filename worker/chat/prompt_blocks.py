@@ -49,6 +49,7 @@ def render_inputs(chat: ChatCompletionRequest, body: dict[str, Any]) -> tuple[li
 async def prompt_blocks(request: Request) -> Response:
     """``{"block_size", "prompt_tokens", "hashes"}`` for the chat body posted."""
     engine = request.app.state.engine
+    template = request.app.state.template
     try:
         body = orjson.loads(await request.body())
         chat = ChatCompletionRequest.model_validate(body)
@@ -56,7 +57,7 @@ async def prompt_blocks(request: Request) -> Response:
         return _bad(f"not a chat request: {exc}")
     messages, tools, kwargs = render_inputs(chat, body)
     try:
-        tokens, _ = await asyncio.to_thread(engine.render_prompt, messages, tools, kwargs)
+        tokens, _ = await asyncio.to_thread(template.render, messages, tools, kwargs)
     except jinja2.TemplateError as exc:
         return _bad(f"the chat template rejected the messages: {exc}")
     size = engine.cache_digest.block_size

@@ -2,7 +2,8 @@
 
 MLX streams are thread-local, so loading, prefill, decode and every KV-cache operation happen on
 the owner thread. Callers talk to it through a command queue (submit, cancel, commit); tokens come
-back through each job's asyncio queue via ``loop.call_soon_threadsafe``.
+back through each job's asyncio queue via ``loop.call_soon_threadsafe``. The engine takes token
+ids: rendering a conversation is the chat room's (worker/chat/prompt.py).
 
 Concurrent jobs share the model through mlx-lm's ``BatchGenerator`` (continuous batching) when the
 model's cache can be merged, else through ``SequentialGenerator`` (arrival order). Both advance
@@ -10,57 +11,54 @@ one step per call: a decoded token, or a prefill chunk of ``prefill_step_size`` 
 Commands are drained between steps, so a cancel stops its job within one step, also a long
 prompt's prefill within one chunk.
 
-Jobs that share a prompt, or a long prefix of one, prefill it once (worker/engine/followers.py).
-Prompt cache commit happens *after* the response (worker/engine/commits.py): a finished job's KV
-cache waits for the HTTP layer's ``commit``, and a job that would reuse it waits for that.
-Cancellation, failure and shutdown are worker/engine/ends.py's; loading is worker/engine/load.py's.
+The engine keeps the thread, the inbox and the ends of jobs (finished, cancelled, rejected,
+failed, shut down), each across the collaborators that own the state: the running rows on the
+generator (worker/engine/rows.py), the jobs following a running row's prefill
+(worker/engine/followers.py), and the prompt-cache commits that land *after* the response, with
+the jobs parked until one they would reuse lands (worker/engine/commits.py). Loading is
+worker/engine/load.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from worker.chat.prompt import render_prompt, template_tool_calling
 from worker.cpu.fast_path import CpuFastPath
 from worker.engine.commits import Commits
-from worker.engine.ends import JobEnds
-from worker.engine.followers import Follower
-from worker.engine.jobs import Active, kept_through
+from worker.engine.followers import Followers
 from worker.engine.load import Loader, can_batch, load_model, make_generator
-from worker.engine.loop_guard import LoopGuard
-from worker.engine.shared_prefill import SharePolicy
+from worker.engine.meter import Meter
+from worker.engine.rows import Active, Rows
 from worker.engine.types import (
     EngineConfig,
     EngineError,
     EngineStats,
+    Failed,
     Finished,
     GenerationRequest,
     Job,
+    JobEvent,
     LoadedModel,
     TokenChunk,
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.prompt_cache.digest import CacheDigest
 from worker.prompt_cache.store import PromptCacheStore
-from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
 from worker.speculative.batch import SpeculationStats
 from worker.speculative.drafts import DraftModel, make_draft
-from worker.tools.listing import Listing
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "GenerationRequest", "Job"]
 
 
-class Engine(JobEnds):
+class Engine:
     """Loads a model and serves generation jobs from one owner thread.
 
     ``generation_config_fallback``: the sampling to recommend when the model directory has no
@@ -82,6 +80,7 @@ class Engine(JobEnds):
         self.name = name or model_path.rstrip("/").split("/")[-1]
         self.config = config or EngineConfig()
         self.stats = EngineStats()
+        self._meter = Meter(self.stats)
         self.info = LoadedModel()
         # What a request that omits temperature/top_p/top_k/min_p gets; resolved at load.
         self.sampling_defaults = MLX_LM_DEFAULTS
@@ -94,18 +93,15 @@ class Engine(JobEnds):
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._rate: deque[tuple[float, int]] = deque()
         self._started = time.monotonic()
-        # Owner-thread state.
-        self._generator: Any = None
-        self._active: dict[int, Active] = {}
-        self._followers: list[Follower] = []
-        self._share_policy = SharePolicy(min_tokens=self.config.share_prefill_min_tokens)
         self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
         self._commits = Commits(self._store, self.config, self.stats)
         self.speculation = SpeculationStats()
         self._draft: DraftModel | None = None  # the draft model's source, when configured
+        # Owner-thread collaborators, made by the load (they need the model).
+        self._rows: Rows
+        self._followers: Followers
+        self._model: Any = None
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -125,8 +121,8 @@ class Engine(JobEnds):
 
     def discard_prompt_cache(self) -> None:
         """Drop every cached and pending prompt and the throughput window, in order after the
-        commands before it. For the start-up warm-up (worker/serve/warm_up.py): its prompts must not
-        show up as a user's cached tokens, nor its tokens as load."""
+        commands before it. For the start-up warm-up (worker/serve/warm_up.py): its prompts
+        must not show up as a user's cached tokens, nor its tokens as load."""
         self._inbox.put(("discard", None))
 
     @property
@@ -147,9 +143,7 @@ class Engine(JobEnds):
 
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request, asyncio.get_running_loop())
-        with self._lock:
-            self.stats.queue_depth += 1
-            self.stats.submitted += 1
+        self._meter.submitted()
         self._inbox.put(("submit", job))
         return job
 
@@ -164,34 +158,7 @@ class Engine(JobEnds):
         self._inbox.put(("commit", job.id))
 
     def tokens_per_second(self, window_s: float = 10.0) -> float:
-        now = time.monotonic()
-        with self._lock:
-            while self._rate and now - self._rate[0][0] > window_s:
-                self._rate.popleft()
-            if not self._rate:
-                return 0.0
-            tokens = sum(n for _, n in self._rate)
-            span = max(now - self._rate[0][0], 1e-3)
-        return tokens / span
-
-    @functools.cached_property
-    def tool_calling(self) -> str:
-        """ "native" when the chat template shows the model tools and past calls, else
-        "generic" (worker.tools.prompt writes them into the prompt as text)."""
-        return template_tool_calling(self.tokenizer)
-
-    def render_prompt(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        template_kwargs: dict[str, Any],
-        listing: Listing = "full",
-    ) -> tuple[list[int], bool]:
-        """Prompt tokens and whether generation starts in a think block
-        (:func:`worker.chat.prompt.render_prompt`). Raises jinja errors for bad conversations."""
-        return render_prompt(
-            self.tokenizer, self.tool_calling, messages, tools, template_kwargs, listing
-        )
+        return self._meter.tokens_per_second(window_s)
 
     # ---- owner thread ------------------------------------------------------------------------
 
@@ -223,12 +190,12 @@ class Engine(JobEnds):
                     if kind == "submit":
                         self._reject(arg, f"cannot start generation: {exc}")
             for job in self._commits.due():
-                self._admit(job)
+                self._start(job)
             self._commits.expire()
-            if self._active:
+            if self._rows:
                 try:
                     self._step()
-                    self._release_followers()
+                    self._followers.release()
                 except Exception as exc:
                     log.exception("generation step failed")
                     self._fail_all(f"generation failed: {exc}")
@@ -270,22 +237,35 @@ class Engine(JobEnds):
             log.warning(
                 "draft model %s not loaded: this model does not speculate", self.config.draft_model
             )
-        self._generator = make_generator(
-            model,
-            tokenizer,
-            self.config,
-            batchable=self.batchable,
-            stream=stream,
-            speculation=self.speculation,
-            source=self._draft,
-        )
-        self._eos_stops = make_stop_sequences(tokenizer)
+
+        def fresh_generator() -> Any:
+            return make_generator(
+                model,
+                tokenizer,
+                self.config,
+                batchable=self.batchable,
+                stream=stream,
+                speculation=self.speculation,
+                source=self._draft,
+            )
+
         self._model = model
+        self._rows = Rows(
+            fresh_generator,
+            tokenizer=tokenizer,
+            eos_stops=make_stop_sequences(tokenizer),
+            batchable=self.batchable,
+            config=self.config,
+            store=self._store,
+            meter=self._meter,
+            stats=self.stats,
+        )
+        self._followers = Followers(self._rows, self._store, self.config, self.stats, self._reject)
 
     def _idle_wait(self) -> float:
         """How long to block for commands: not at all while decoding, else until the next
         parked job's deadline (or a short tick for pending-commit expiry)."""
-        if self._active:
+        if self._rows:
             return 0.0
         nearest = self._commits.next_deadline()
         if nearest is not None:
@@ -301,7 +281,7 @@ class Engine(JobEnds):
                 commands.append(self._inbox.get_nowait())
         except queue.Empty:
             pass
-        if not self._active and any(kind == "submit" for kind, _ in commands):
+        if not self._rows and any(kind == "submit" for kind, _ in commands):
             commands += self._gather()
         return commands
 
@@ -320,99 +300,52 @@ class Engine(JobEnds):
                 break
         return commands
 
+    # ---- commands ----------------------------------------------------------------------------
+
     def _on_submit(self, job: Job) -> None:
         if not self._commits.park(job):
-            self._admit(job)
+            self._followers.admit(job)
 
-    def _start_alone(self, job: Job) -> None:
-        cache, cached = self._store.fetch(job.request.prompt, merged_by_reader=self.batchable)
-        self._insert(job, cache, cached)
-
-    def _guarded(self, job: Job, start: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """Start a waiting job; one that cannot start fails alone (as a bad submit does), not
-        the step that released it."""
+    def _start(self, job: Job) -> None:
+        """Start a job that waited for a commit; one that cannot start fails alone."""
         try:
-            start(*args, **kwargs)
+            self._followers.admit(job)
         except Exception as exc:
             log.exception("cannot start job %s", job.id)
             self._reject(job, f"cannot start generation: {exc}")
-
-    def _insert(self, job: Job, cache: list[Any] | None, cached: int, shared: bool = False) -> None:
-        req = job.request
-        params = req.sampling
-        kwargs: dict[str, Any] = {}
-        if self.batchable:
-            kwargs["stop_sequences"] = [self._eos_stops]
-        (uid,) = self._generator.insert(
-            [req.prompt[cached:]],
-            max_tokens=[req.max_tokens],
-            caches=[cache],
-            all_tokens=[req.prompt[:cached]],
-            samplers=[make_request_sampler(params)],
-            logits_processors=[make_request_processors(params) + list(req.logits_processors)],
-            **kwargs,
-        )
-        # Not under a grammar: it ends the answer where the JSON is complete, and a cut would
-        # be a "stop" whose JSON does not parse.
-        span = 0 if req.logits_processors else self.config.loop_guard_tokens
-        self._active[uid] = Active(
-            job,
-            uid,
-            self.tokenizer.detokenizer,
-            StopMatcher(req.stop),
-            cached,
-            loop=LoopGuard(span) if span else None,
-            held=cached,
-        )
-        self._count_prefill(len(req.prompt) - cached, cached if shared else 0)
-        self.stats.log("shared_prefill" if shared else "admitted", job.id)
-        if shared:
-            self.stats.log("admitted", job.id)
-
-    def _count_prefill(self, computed: int, shared: int) -> None:
-        """A job runs ``computed`` prompt tokens; more than its last one is a prefill."""
-        with self._lock:
-            self.stats.prompt_tokens_computed += computed
-            if computed > 1:
-                self.stats.prefills += 1
-            if shared:
-                self.stats.shared_prefills += 1
-                self.stats.shared_prefill_tokens += shared
 
     def _on_commit(self, job_id: str) -> None:
         self._commits.land(job_id, self.before_commit)
 
     def _on_discard(self, _: None) -> None:
         self._commits.clear()
-        with self._lock:
-            self._rate.clear()
+        self._meter.forget_rate()
         self.stats.log("discarded", "")
 
+    def _on_cancel(self, job_id: str) -> None:
+        if job_id in self._commits.pending:
+            # Finished, but the client left before the commit: nobody waits on the response.
+            self._on_commit(job_id)
+            return
+        parked = self._commits.cancel(job_id)
+        waiting = self._followers.cancel(job_id)
+        if parked or waiting:
+            self._meter.left(first_token=False, cancelled=True)
+            self.stats.log("cancelled", job_id)
+        for active in self._rows:
+            if active.job.id == job_id:
+                self._stop(active)
+                self._meter.cancelled()
+                self.stats.log("cancelled", job_id)
+
+    # ---- a step and its tokens ---------------------------------------------------------------
+
     def _step(self) -> None:
-        progress, responses = self._generator.next()
-        for p in progress:  # prefill chunks done: what a follower waits for
-            if (active := self._active.get(p.uid)) is not None:
-                active.held = max(active.held, active.cached_tokens + p.progress[0])
-        decoded = 0
-        for r in responses:
-            active = self._active.get(r.uid)
-            if active is None:
-                continue
-            decoded += 1
+        for active, r in self._rows.step():
             self._on_token(active, r)
-        if decoded:
-            with self._lock:
-                self._rate.append((time.monotonic(), decoded))
-                self.stats.generated_tokens += decoded
 
     def _on_token(self, active: Active, r: Any) -> None:
         job = active.job
-        if not active.first_token:
-            active.first_token = True
-            active.held = len(job.request.prompt)
-            with self._lock:
-                self.stats.queue_depth -= 1
-                self.stats.in_flight += 1
         out = active.decode(r, self.tokenizer)
         if out.looped:
             self._count_loop(active)
@@ -423,13 +356,8 @@ class Engine(JobEnds):
             return
         if finish is None:
             return
-        if stopped and r.finish_reason is None:
-            caches = self._generator.remove([r.uid], return_prompt_caches=True)
-            cache, tokens = kept_through(active, *caches.get(r.uid, (None, None)))
-        else:
-            cache, tokens = r.prompt_cache, r.all_tokens
-        self._drop(r.uid)
-        self._hand_over(active, cache, tokens)
+        cache, tokens = self._rows.finish(active, r, stopped)
+        self._followers.hand_over(active, cache, tokens)
         if cache is not None and tokens:
             self._commits.hold(job.id, list(tokens), cache)
         self.stats.log("finished", job.id)
@@ -443,8 +371,7 @@ class Engine(JobEnds):
                 stop_sequence=active.stop.matched if stopped else None,
             ),
         )
-        with self._lock:
-            self.stats.completed += 1
+        self._meter.completed()
 
     def _count_loop(self, active: Active) -> None:
         assert active.loop is not None
@@ -452,18 +379,46 @@ class Engine(JobEnds):
             "job %s: stopped a loop of %d tokens after %d tokens",
             active.job.id, active.loop.period, active.completion_tokens,
         )  # fmt: skip
-        with self._lock:
-            self.stats.loops_stopped += 1
+        self._meter.loop_stopped()
 
-    def _reset_generator(self) -> None:
-        if self.batchable:
-            self._generator.close()
-            self._generator = make_generator(
-                self._model,
-                self.tokenizer,
-                self.config,
-                batchable=True,
-                stream=self._generator.stream,
-                speculation=self.speculation,
-                source=self._draft,
-            )
+    def _send(self, active: Active, event: JobEvent) -> bool:
+        if active.job._deliver(event):
+            return True
+        self._stop(active)
+        return False
+
+    # ---- ends --------------------------------------------------------------------------------
+
+    def _stop(self, active: Active) -> None:
+        """Stop a job before its end (its client left): its KV goes to the prompt cache
+        (``Rows.stop``) and to the followers it covers."""
+        cache, tokens = self._rows.stop(active)
+        self._followers.hand_over(active, cache, tokens)
+
+    def _reject(self, job: Job, message: str) -> None:
+        """Fail one job that cannot run, wherever it waits or runs."""
+        self._commits.unpark(job)
+        self._followers.remove(job)
+        if not self._rows.remove(job):
+            self._meter.left(first_token=False)
+        job._deliver(Failed(message))
+
+    def _fail_all(self, message: str) -> None:
+        """A step failed: every running job fails, the generator starts afresh, and the
+        followers (which ran nothing yet) start on their own (the next loop's steps)."""
+        for active in self._rows.drop_all():
+            active.job._deliver(Failed(message))
+        self._rows.reset()
+        self._followers.restart(self._followers.take_all())
+
+    def _shutdown(self) -> None:
+        for active in self._rows.drop_all():
+            active.job._deliver(Failed("worker shutting down"))
+        waiting = [p.job for p in self._commits.parked]
+        waiting += [f.job for f in self._followers.take_all()]
+        for job in waiting:
+            job._deliver(Failed("worker shutting down"))
+            self._meter.left(first_token=False)
+        self._commits.parked = []
+        self._rows.close()
+        self._commits.clear()

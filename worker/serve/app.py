@@ -29,6 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.chat.job import BadRequest, listing_header, start_job
+from worker.chat.prompt import ChatTemplate
 from worker.chat.prompt_blocks import prompt_blocks
 from worker.chat.schemas import ChatCompletionRequest, describe_validation_error
 from worker.chat.wire import (
@@ -59,130 +60,140 @@ def error_response(
     return json_response({"error": error}, status)
 
 
+async def chat_completions(request: Request) -> Response:
+    engine: Engine = request.app.state.engine
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        return error_response(
+            400, f"request body is not valid JSON: {exc}", type_="invalid_request_error"
+        )
+    if not isinstance(body, dict):
+        return error_response(
+            400, "request body must be a JSON object", type_="invalid_request_error"
+        )
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        param, message = describe_validation_error(exc)
+        return error_response(400, message, type_="invalid_request_error", param=param)
+    if chat.model and chat.model not in (engine.name, engine.model_path):
+        return error_response(
+            404,
+            f"model '{chat.model}' is not served here (this worker serves '{engine.name}')",
+            type_="invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+    try:
+        job, assembler, listing = await start_job(engine, request.app.state.template, chat, body)
+    except BadRequest as exc:
+        return error_response(
+            400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
+        )
+    meta = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        "created": int(time.time()),
+        "model": engine.name,
+    }
+    if chat.stream:
+        options = chat.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(include_usage and options and options.continuous_usage_stats)
+        frames = sse_frames(engine, job, assembler, meta, include_usage, continuous)
+        return StreamingResponse(
+            frames,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+            | listing_header(listing),
+        )
+    collected = await collect_unless_disconnected(request, engine, job, assembler)
+    if collected is None:
+        return Response(status_code=499)
+    result, logprobs = collected
+    if isinstance(result, Failed):
+        return error_response(500, result.message, type_="server_error")
+    body = completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
+    body["sampling"] = sampling_used(job)
+    # The commit runs as a background task: after the body went out.
+    response = json_response(body, background=BackgroundTask(engine.commit, job))
+    response.headers.update(listing_header(listing))
+    return response
+
+
+async def models(request: Request) -> Response:
+    engine: Engine = request.app.state.engine
+    template: ChatTemplate = request.app.state.template
+    info = engine.info
+    entry = {
+        "id": engine.name,
+        "object": "model",
+        "created": int(info.loaded_at),
+        "owned_by": "mlx-mesh",
+        "architecture": info.architecture,
+        "parameters": info.parameters,
+        "context_length": info.context_length,
+        "quantization": info.quantization,
+        "sampling_defaults": engine.sampling_defaults.as_dict(),
+        "capabilities": {
+            "tools": template.tool_calling,  # native, or the generic tool prompt
+            "thinking": bool(engine.tokenizer.has_thinking),
+            "context_length": info.context_length,
+        },
+    }
+    return json_response({"object": "list", "data": [entry | _how_it_runs(engine)]})
+
+
+async def health(request: Request) -> Response:
+    engine: Engine = request.app.state.engine
+    stats = engine.stats
+    return json_response(
+        {
+            "status": "ok",
+            "model": engine.name,
+            "queue_depth": stats.queue_depth,
+            "in_flight": stats.in_flight,
+            "tokens_per_second": round(engine.tokens_per_second(), 3),
+            "uptime_s": round(engine.uptime_s, 3),
+            "warm_up_s": _rounded(stats.warm_up_s),
+            "cache_digest": engine.cache_digest.to_wire(),  # routing by prefix (mesh)
+            "loops_stopped": stats.loops_stopped,
+            # Speculative decoding (worker/speculative/batch.py): drafted and accepted tokens,
+            # and tokens a verify pass gives each row (1 would be plain decoding).
+            # "draft": where drafts come from ("prompt lookup" or the draft model's path).
+            "speculation": {"mode": engine.config.speculation, "draft": engine.draft_source}
+            | engine.speculation.as_dict(),
+            # Prefill work since start (the warm-up's included): samples of one prompt
+            # show up as one prefill and shared ones (worker/engine/shared_prefill.py).
+            "prefill": {
+                "prefills": stats.prefills,
+                "prompt_tokens_computed": stats.prompt_tokens_computed,
+                "shared": stats.shared_prefills,
+                "shared_tokens": stats.shared_prefill_tokens,
+            },
+        }
+        | _how_it_runs(engine)
+    )
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/v1/prompt_blocks", prompt_blocks, methods=["POST"]),  # routing by prefix (mesh)
+]
+
+
 def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
-    """The worker app over a started engine (the caller starts and closes the engine).
+    """The worker app over a started engine (the caller starts and closes the engine); its
+    routes read the engine and its model's chat template from ``app.state``.
 
     With a ``secret`` every route wants ``Authorization: Bearer <secret>``: the node gives each
     worker it starts a random one, so no other local process can use the worker's port to get
     past the gateway's API key."""
-
-    async def chat_completions(request: Request) -> Response:
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            return error_response(
-                400, f"request body is not valid JSON: {exc}", type_="invalid_request_error"
-            )
-        if not isinstance(body, dict):
-            return error_response(
-                400, "request body must be a JSON object", type_="invalid_request_error"
-            )
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            param, message = describe_validation_error(exc)
-            return error_response(400, message, type_="invalid_request_error", param=param)
-        if chat.model and chat.model not in (engine.name, engine.model_path):
-            return error_response(
-                404,
-                f"model '{chat.model}' is not served here (this worker serves '{engine.name}')",
-                type_="invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
-        try:
-            job, assembler, listing = await start_job(engine, chat, body)
-        except BadRequest as exc:
-            return error_response(
-                400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
-            )
-        meta = {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            "created": int(time.time()),
-            "model": engine.name,
-        }
-        if chat.stream:
-            options = chat.stream_options
-            include_usage = bool(options and options.include_usage)
-            continuous = bool(include_usage and options and options.continuous_usage_stats)
-            frames = sse_frames(engine, job, assembler, meta, include_usage, continuous)
-            return StreamingResponse(
-                frames,
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
-                | listing_header(listing),
-            )
-        collected = await collect_unless_disconnected(request, engine, job, assembler)
-        if collected is None:
-            return Response(status_code=499)
-        result, logprobs = collected
-        if isinstance(result, Failed):
-            return error_response(500, result.message, type_="server_error")
-        body = completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
-        body["sampling"] = sampling_used(job)
-        # The commit runs as a background task: after the body went out.
-        response = json_response(body, background=BackgroundTask(engine.commit, job))
-        response.headers.update(listing_header(listing))
-        return response
-
-    async def models(_: Request) -> Response:
-        info = engine.info
-        entry = {
-            "id": engine.name,
-            "object": "model",
-            "created": int(info.loaded_at),
-            "owned_by": "mlx-mesh",
-            "architecture": info.architecture,
-            "parameters": info.parameters,
-            "context_length": info.context_length,
-            "quantization": info.quantization,
-            "sampling_defaults": engine.sampling_defaults.as_dict(),
-            "capabilities": {
-                "tools": engine.tool_calling,  # native, or the generic tool prompt
-                "thinking": bool(engine.tokenizer.has_thinking),
-                "context_length": info.context_length,
-            },
-        }
-        return json_response({"object": "list", "data": [entry | _how_it_runs(engine)]})
-
-    async def health(_: Request) -> Response:
-        stats = engine.stats
-        return json_response(
-            {
-                "status": "ok",
-                "model": engine.name,
-                "queue_depth": stats.queue_depth,
-                "in_flight": stats.in_flight,
-                "tokens_per_second": round(engine.tokens_per_second(), 3),
-                "uptime_s": round(engine.uptime_s, 3),
-                "warm_up_s": _rounded(stats.warm_up_s),
-                "cache_digest": engine.cache_digest.to_wire(),  # routing by prefix (mesh)
-                "loops_stopped": stats.loops_stopped,
-                # Speculative decoding (worker/speculative/batch.py): drafted and accepted tokens,
-                # and tokens a verify pass gives each row (1 would be plain decoding).
-                # "draft": where drafts come from ("prompt lookup" or the draft model's path).
-                "speculation": {"mode": engine.config.speculation, "draft": engine.draft_source}
-                | engine.speculation.as_dict(),
-                # Prefill work since start (the warm-up's included): samples of one prompt
-                # show up as one prefill and shared ones (worker/engine/shared_prefill.py).
-                "prefill": {
-                    "prefills": stats.prefills,
-                    "prompt_tokens_computed": stats.prompt_tokens_computed,
-                    "shared": stats.shared_prefills,
-                    "shared_tokens": stats.shared_prefill_tokens,
-                },
-            }
-            | _how_it_runs(engine)
-        )
-
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/prompt_blocks", prompt_blocks, methods=["POST"]),  # routing by prefix (mesh)
-    ]
-    app = Starlette(routes=routes, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
+    app = Starlette(routes=ROUTES, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
     app.state.engine = engine
+    app.state.template = ChatTemplate(engine.tokenizer)
     return app
 
 

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.models import base
 from mlx_lm.models.base import create_causal_mask
 
+from worker.chat.prompt import ChatTemplate
 from worker.cpu import attention as cpu_attention
 from worker.cpu import fast_path as cpu
 from worker.engine.core import Engine
@@ -245,7 +246,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def _prompts(engine: Engine, lengths: tuple[int, ...]) -> list[list[int]]:
     text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(80))
-    prompt, _ = engine.render_prompt([{"role": "user", "content": text}], None, {})
+    prompt, _ = ChatTemplate(engine.tokenizer).render([{"role": "user", "content": text}], None, {})
     assert len(prompt) >= max(lengths)
     return [prompt[i : i + n] for i, n in enumerate(lengths)]  # no shared prefix
 

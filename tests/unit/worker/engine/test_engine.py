@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine, Job
 from worker.engine.types import EngineConfig, Finished, GenerationRequest, TokenChunk
 from worker.generation_config import MLX_LM_DEFAULTS
@@ -40,7 +41,9 @@ def think_engine(tiny_think_model_dir: Path) -> Iterator[Engine]:
 
 
 def prompt_of(engine: Engine, text: str, **kwargs: object) -> list[int]:
-    tokens, _ = engine.render_prompt([{"role": "user", "content": text}], None, dict(kwargs))
+    tokens, _ = ChatTemplate(engine.tokenizer).render(
+        [{"role": "user", "content": text}], None, dict(kwargs)
+    )
     return tokens
 
 
@@ -177,10 +180,10 @@ async def test_a_cancelled_job_leaves_its_prompt_cached(engine: Engine) -> None:
 async def test_second_turn_reuses_committed_prefix(think_engine: Engine) -> None:
     messages = [{"role": "user", "content": "What is 2+2?"}]
     kwargs = {"enable_thinking": False}
-    first_prompt, _ = think_engine.render_prompt(messages, None, kwargs)
+    first_prompt, _ = ChatTemplate(think_engine.tokenizer).render(messages, None, kwargs)
     _, text, _ = await run(think_engine, GenerationRequest(first_prompt, 50, GREEDY))
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And 3+3?"}]
-    second_prompt, _ = think_engine.render_prompt(messages, None, kwargs)
+    second_prompt, _ = ChatTemplate(think_engine.tokenizer).render(messages, None, kwargs)
     _, _, second = await run(think_engine, GenerationRequest(second_prompt, 50, GREEDY))
     # The template drops the empty think block from history: reuse runs up to where they differ.
     shared = common_prefix(first_prompt, second_prompt)
@@ -195,10 +198,10 @@ async def test_whole_first_turn_reused_when_history_renders_the_same(
     engine.start(timeout=60)
     try:
         messages = [{"role": "user", "content": "Weather?"}]
-        first_prompt, _ = engine.render_prompt(messages, None, {})
+        first_prompt, _ = ChatTemplate(engine.tokenizer).render(messages, None, {})
         _, text, done = await run(engine, GenerationRequest(first_prompt, 50, GREEDY))
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks"}]
-        second_prompt, _ = engine.render_prompt(messages, None, {})
+        second_prompt, _ = ChatTemplate(engine.tokenizer).render(messages, None, {})
         _, _, second = await run(engine, GenerationRequest(second_prompt, 50, GREEDY))
         # Prompt and every generated token (the last one, <|im_end|>, included) were cached.
         assert second.cached_tokens == len(first_prompt) + done.completion_tokens
@@ -311,13 +314,13 @@ async def test_sequential_mode_serves_in_arrival_order(tiny_think_model_dir: Pat
 
 
 async def test_a_job_that_cannot_start_fails_alone(engine: Engine) -> None:
-    real_insert = engine._generator.insert
+    real_insert = engine._rows.generator.insert
 
     def broken_insert(*args: object, **kwargs: object) -> object:
-        engine._generator.insert = real_insert
+        engine._rows.generator.insert = real_insert
         raise ValueError("simulated bad input")
 
-    engine._generator.insert = broken_insert
+    engine._rows.generator.insert = broken_insert
     job = engine.submit(GenerationRequest(prompt_of(engine, "x"), 3, GREEDY))
     events = [e async for e in job.events()]
     assert len(events) == 1 and "simulated bad input" in events[0].message  # type: ignore[union-attr]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine, Job
 from worker.engine.types import EngineConfig, Finished, GenerationRequest
 from worker.sampling import SamplingParams
@@ -32,7 +33,7 @@ def started(model_dir: Path, batching: bool) -> Engine:
 
 def long_prompt(engine: Engine, tokens: int = PROMPT_TOKENS, text: str = "Line") -> list[int]:
     text = " ".join(f"{text} {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
-    prompt, _ = engine.render_prompt([{"role": "user", "content": text}], None, {})
+    prompt, _ = ChatTemplate(engine.tokenizer).render([{"role": "user", "content": text}], None, {})
     assert len(prompt) >= tokens
     return prompt[:tokens]
 

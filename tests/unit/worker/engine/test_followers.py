@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine, Job
 from worker.engine.types import EngineConfig, GenerationRequest
 from worker.sampling import SamplingParams
@@ -30,7 +31,7 @@ def started(model_dir: Path, *, batching: bool = True, share: bool = True) -> En
 
 def prompt_of(engine: Engine, text: str = "Tell me about rivers") -> list[int]:
     text = " ".join(f"{text}, part {i}: the quick brown fox jumps over the dog." for i in range(6))
-    tokens, _ = engine.render_prompt([{"role": "user", "content": text}], None, {})
+    tokens, _ = ChatTemplate(engine.tokenizer).render([{"role": "user", "content": text}], None, {})
     assert len(tokens) > 3 * STEP
     return tokens
 

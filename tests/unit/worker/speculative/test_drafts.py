@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine, EngineError
 from worker.engine.types import EngineConfig, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
@@ -48,7 +49,9 @@ async def answers(engine: Engine, sampling: SamplingParams = GREEDY) -> list[Any
     """The batch of TEXTS at once: (text, finish, logprob tokens, logprob values) each."""
 
     async def one(i: int, text: str) -> Any:
-        prompt, _ = engine.render_prompt([{"role": "user", "content": text}], None, {})
+        prompt, _ = ChatTemplate(engine.tokenizer).render(
+            [{"role": "user", "content": text}], None, {}
+        )
         job = engine.submit(GenerationRequest(prompt, 30 + 13 * i, sampling, logprobs=True))
         pieces, logprobs = [], []
         async for event in job.events():

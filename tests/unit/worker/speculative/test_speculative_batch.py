@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine, Job
 from worker.engine.types import EngineConfig, Finished, GenerationRequest, TokenChunk
 from worker.sampling import RequestSampler, SamplingParams
@@ -65,7 +66,9 @@ def pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
 
 
 def prompt_of(engine: Engine, text: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
-    tokens, _ = engine.render_prompt([{"role": "user", "content": text}], tools, {})
+    tokens, _ = ChatTemplate(engine.tokenizer).render(
+        [{"role": "user", "content": text}], tools, {}
+    )
     return tokens
 
 
@@ -375,7 +378,7 @@ async def test_a_sliding_window_model_speculates_and_gives_the_same_tokens(
                 {"role": "assistant", "content": answer},
                 {"role": "user", "content": "And again?"},
             ]
-            tokens, _ = engine.render_prompt(turn, None, {})
+            tokens, _ = ChatTemplate(engine.tokenizer).render(turn, None, {})
             return [GenerationRequest(tokens, 40, GREEDY, logprobs=True)]
 
         plain, speculated = await both(sliding, second_turn)
