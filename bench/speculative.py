@@ -14,7 +14,7 @@ off and on alternating first (medians; the ratio is the median of the paired one
 tok/s = completion tokens after each stream's first token / the time from the first stream's
 first token to the last stream's end. Also: acceptance and tokens per verify step (the
 engine's counters), and the cost of a verify pass by batch rows and width (what the
-``speculation_max_rows`` default rests on), the lookup ceiling (the tokens a pass the
+``Speculation.max_rows`` default rests on), the lookup ceiling (the tokens a pass the
 baseline's own answer allows prompt lookup: ``worker.speculative.policy.lookup_ceiling``) and the
 start of each answer. The box is shared: only
 same-run ratios mean anything.
@@ -25,7 +25,7 @@ same-run ratios mean anything.
 
 ``--draft-model`` adds a third engine that drafts with that model (same tokenizer) and a
 table of its own; ``--without-guesses`` one whose resting rows make no free guesses
-(``speculation_wake_hits=0``: the rest rule before them), same run. Writes ``bench/results/speculative.md`` for the default model,
+(``Speculation(wake_hits=0)``: the rest rule before them), same run. Writes ``bench/results/speculative.md`` for the default model,
 ``speculative-NAME.md`` for another. Targets: edit >= 2.5x, Claude Code turn >= 1.5x, open
 chat >= 0.95x.
 """
@@ -267,12 +267,13 @@ async def main() -> None:
     args = parser.parse_args()
     from worker.engine.core import Engine
     from worker.engine.types import EngineConfig
+    from worker.speculative.policy import Speculation
 
-    configs = {"off": EngineConfig(speculation="off"), "auto": EngineConfig(speculation="auto")}
+    configs = {"off": EngineConfig(speculation=Speculation(mode="off")), "auto": EngineConfig()}
     if args.draft_model:
-        configs["draft"] = EngineConfig(speculation="auto", draft_model=args.draft_model)
+        configs["draft"] = EngineConfig(draft_model=args.draft_model)
     if args.without_guesses:
-        configs["no guesses"] = EngineConfig(speculation="auto", speculation_wake_hits=0)
+        configs["no guesses"] = EngineConfig(speculation=Speculation(wake_hits=0))
     engines = {}
     for mode, config in configs.items():
         engine = Engine(args.model, name=mode, config=config)

@@ -229,7 +229,7 @@ class Engine:
         self.context_length = self.info.context_length
         stream = mx.default_stream(mx.default_device())
         self.batchable = can_batch(model, self.config)
-        if self.config.draft_model and self.batchable and self.config.speculation != "off":
+        if self.config.draft_model and self.batchable and self.config.speculation.on:
             path = self.config.draft_model
             draft, draft_tokenizer, _, _ = load_model(path, None, self.config)
             self._draft = make_draft(path, draft, draft_tokenizer, tokenizer)

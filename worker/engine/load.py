@@ -7,7 +7,7 @@ from typing import Any
 
 from worker.cpu.fast_path import CpuFastPath, prepare_cpu_model
 from worker.engine.types import EngineConfig
-from worker.speculative.batch import Speculation, SpeculationStats, install
+from worker.speculative.batch import SpeculationStats, install
 from worker.speculative.drafts import DraftSource
 
 Loader = Callable[[str], tuple[Any, Any, dict[str, Any]]]
@@ -66,14 +66,8 @@ def make_generator(
             prefill_step_size=config.prefill_step_size,
             stream=stream,
         )
-        if config.speculation != "off":
-            rule = Speculation(
-                config.speculation_tokens,
-                config.speculation_max_rows,
-                config.speculation_slope,
-                config.speculation_wake_hits,
-            )
-            install(generator, rule, speculation or SpeculationStats(), source)
+        if config.speculation.on:
+            install(generator, config.speculation, speculation or SpeculationStats(), source)
         return generator
     return SequentialGenerator(
         model,

@@ -13,6 +13,7 @@ from typing import Any
 
 from worker.engine.loop_guard import configured_span
 from worker.sampling import SamplingParams
+from worker.speculative.policy import Speculation
 
 DEFAULT_CONTEXT_LENGTH = 4096
 SPECULATION_MODES = ("auto", "off")
@@ -62,19 +63,11 @@ class EngineConfig:
     # End an answer whose last this-many tokens are one block repeated (worker.engine.loop_guard);
     # 0 turns it off.
     loop_guard_tokens: int = field(default_factory=configured_span)
-    # Speculative decoding in the batch (worker/speculative/batch.py): "auto" drafts from each
+    # Speculative decoding in the batch (worker/speculative/): "auto" drafts from each
     # request's prompt and answer (prompt lookup) and verifies the drafts in one forward pass,
-    # row by row while acceptance holds and while the batch has at most
-    # ``speculation_max_rows`` rows; "off" decodes one token a step.
-    speculation: str = "auto"
-    speculation_tokens: int = 8  # drafted tokens at most, a row and step
-    speculation_max_rows: int = 4
-    # What a drafted position adds to a verify pass, as a share of a plain step: None measures
-    # it as the batch runs (worker/speculative/policy.py: StepCosts); a number fixes it (tests).
-    speculation_slope: float | None = None
-    # Free guesses in a row that stand to end a resting row's rest (worker/speculative/policy.py:
-    # RowPolicy); 0: resting rows make none and sit their rest out (the benchmark's A/B).
-    speculation_wake_hits: int = 2
+    # row by row while acceptance holds and while the batch is small; "off" decodes one token
+    # a step. The width, the rows, the cost model and the rests are its fields.
+    speculation: Speculation = field(default_factory=Speculation)
     # A small model of the same tokenizer that drafts instead of prompt lookup (an MLX
     # directory or hub id: worker/speculative/drafts.py); None: prompt lookup.
     draft_model: str | None = None

@@ -161,7 +161,7 @@ async def health(request: Request) -> Response:
             # Speculative decoding (worker/speculative/batch.py): drafted and accepted tokens,
             # and tokens a verify pass gives each row (1 would be plain decoding).
             # "draft": where drafts come from ("prompt lookup" or the draft model's path).
-            "speculation": {"mode": engine.config.speculation, "draft": engine.draft_source}
+            "speculation": {"mode": engine.config.speculation.mode, "draft": engine.draft_source}
             | engine.speculation.as_dict(),
             # Prefill work since start (the warm-up's included): samples of one prompt
             # show up as one prefill and shared ones (worker/engine/shared_prefill.py).

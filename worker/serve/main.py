@@ -25,6 +25,7 @@ from worker.engine.loop_guard import configured_span
 from worker.engine.types import DRAFT_MODEL_HELP, SPECULATION_HELP, SPECULATION_MODES, EngineConfig
 from worker.serve.net import SECRET_ENV, configure_logging
 from worker.speculative.drafts import check_draft_dirs
+from worker.speculative.policy import Speculation
 
 
 def store_root(home: Path | None) -> Path:
@@ -127,7 +128,7 @@ def run(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
         cpu_dequantize_share=cpu_dequantize_share,
         loop_guard_tokens=configured_span() if loop_guard is None else loop_guard,
-        speculation=speculation,
+        speculation=Speculation(mode=speculation),
         draft_model=draft_path,
     )
     engine = Engine(

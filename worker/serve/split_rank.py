@@ -210,9 +210,10 @@ def leader_config(split: Sequence[int], prompt_cache_bytes: int, speculation: st
     Batching as on an unsplit worker: what mlx-lm's ``BatchGenerator`` does to its batches'
     caches is recorded on rank 0 and replayed by the followers (worker/split/cache.py)."""
     from worker.engine.types import EngineConfig
+    from worker.speculative.policy import Speculation
 
     scaled = prompt_cache_bytes * split[0] // max(split)
-    return EngineConfig(prompt_cache_bytes=scaled, speculation=speculation)
+    return EngineConfig(prompt_cache_bytes=scaled, speculation=Speculation(mode=speculation))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,7 +51,7 @@ from worker.sampling import DraftAwareProcessor, RequestSampler, greedy
 from worker.speculative.cache_ops import can_trim, in_order, trim_rows
 from worker.speculative.drafts import DraftSource, PromptLookup, RowDrafter
 from worker.speculative.holes import Holes
-from worker.speculative.policy import RowPolicy, StepCosts, best_width
+from worker.speculative.policy import RowPolicy, Speculation, StepCosts, best_width
 
 
 @dataclass
@@ -103,19 +103,6 @@ class SpeculationStats:
 # pipelining ~0.25 (the forward graph's Python is a quarter of the engine thread: worker.md).
 EMPTY_DRAFT_COST = 2
 EXPLORE_AFTER = 32  # declined steps before one decision goes on the prior slope again
-
-
-@dataclass(frozen=True, slots=True)
-class Speculation:
-    """How the batch speculates: ``draft_tokens`` at most a row and step, ``max_rows`` the
-    largest batch that still drafts (beyond it decode is no longer bandwidth-bound),
-    ``wake_hits`` free guesses in a row that stand to end a row's rest (``RowPolicy``; 0:
-    resting rows guess nothing and sit their rest out)."""
-
-    draft_tokens: int = 8
-    max_rows: int = 4
-    slope: float | None = None  # a drafted position's share of a step; None: measured
-    wake_hits: int = RowPolicy.wake_hits
 
 
 @dataclass

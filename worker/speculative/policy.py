@@ -302,3 +302,24 @@ class StepCosts:
 def _median_of(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """How the batch speculates: ``mode`` "auto" (rows draft while their drafts pay) or "off"
+    (a token a step), ``draft_tokens`` at most a row and step, ``max_rows`` the
+    largest batch that still drafts (beyond it decode is no longer bandwidth-bound),
+    ``wake_hits`` free guesses in a row that stand to end a row's rest (``RowPolicy``; 0:
+    resting rows guess nothing and sit their rest out)."""
+
+    mode: str = "auto"
+    draft_tokens: int = 8
+    max_rows: int = 4
+    # What a drafted position adds to a verify pass, as a share of a plain step: None measures
+    # it as the batch runs (StepCosts); a number fixes it (tests).
+    slope: float | None = None
+    wake_hits: int = RowPolicy.wake_hits
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"

@@ -22,6 +22,7 @@ from worker.engine.core import Engine
 from worker.engine.types import EngineConfig, Failed, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
 from worker.serve.split_rank import leader_config
+from worker.speculative.policy import Speculation
 from worker.split.cache import (
     COPY,
     EXTEND,
@@ -228,7 +229,7 @@ async def test_followers_replay_speculative_verify_passes(tiny_model_dir: Path) 
     follower's caches equal rank 0's, and the answers equal an unsplit engine's without
     speculation."""
     engine, lockstep = mirrored_engine(tiny_model_dir)
-    plain = Engine(str(tiny_model_dir), config=EngineConfig(speculation="off"))
+    plain = Engine(str(tiny_model_dir), config=EngineConfig(speculation=Speculation(mode="off")))
     plain.start(timeout=60)
     try:
         greedy = SamplingParams(temperature=0.0)

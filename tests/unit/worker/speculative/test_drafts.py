@@ -17,17 +17,22 @@ from worker.engine.core import Engine, EngineError
 from worker.engine.types import EngineConfig, Finished, GenerationRequest, TokenChunk
 from worker.sampling import SamplingParams
 from worker.speculative.drafts import check_draft_dirs
+from worker.speculative.policy import Speculation
 from worker.testing import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 TEXTS = ["Hello world! How are you today?", "The quick brown fox", "0123456789"]
 
 
-def start(model_dir: Path, **config: Any) -> Engine:
+def start(
+    model_dir: Path, speculation: str = "auto", draft_tokens: int = 8, **config: Any
+) -> Engine:
     # A fixed, low cost of a drafted position: on the tiny model a step is so cheap that the
     # measured one would (rightly) decline most drafts, and these tests are about drafting.
-    config.setdefault("speculation_slope", 0.05)
-    engine = Engine(str(model_dir), config=EngineConfig(loop_guard_tokens=0, **config))
+    rule = Speculation(mode=speculation, draft_tokens=draft_tokens, slope=0.05)
+    engine = Engine(
+        str(model_dir), config=EngineConfig(loop_guard_tokens=0, speculation=rule, **config)
+    )
     engine.start(timeout=60)
     return engine
 
@@ -95,7 +100,7 @@ async def test_a_different_small_draft_model_changes_no_token(
 ) -> None:
     """Its guesses are mostly wrong (other random weights): the rows trim what it proposed and
     its own caches roll back to the accepted tokens; the answers stay decoding's."""
-    engine = start(tiny_model_dir, draft_model=str(small_draft_dir), speculation_tokens=4)
+    engine = start(tiny_model_dir, draft_model=str(small_draft_dir), draft_tokens=4)
     try:
         assert_same(await answers(plain), await answers(engine))
         assert engine.speculation.drafted > 0

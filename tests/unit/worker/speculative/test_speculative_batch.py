@@ -25,6 +25,7 @@ from worker.speculative.batch import _accept_sampled
 from worker.speculative.policy import (
     NgramIndex,
     RowPolicy,
+    Speculation,
     StepCosts,
     best_width,
     expected_tokens,
@@ -38,12 +39,12 @@ GREEDY = SamplingParams(temperature=0.0)
 Outcome = tuple[str, Finished, list[tuple[str, float]], Job]
 
 
-def start(model_dir: Path, speculation: str, **config: Any) -> Engine:
+def start(model_dir: Path, speculation: str, max_rows: int = 4, **config: Any) -> Engine:
     config.setdefault("loop_guard_tokens", 0)
     # A fixed, low cost of a drafted position: on the tiny model a step is so cheap that the
     # measured one would (rightly) decline most drafts, and these tests are about drafting.
-    config.setdefault("speculation_slope", 0.05)
-    engine = Engine(str(model_dir), config=EngineConfig(speculation=speculation, **config))
+    rule = Speculation(mode=speculation, max_rows=max_rows, slope=0.05)
+    engine = Engine(str(model_dir), config=EngineConfig(speculation=rule, **config))
     engine.start(timeout=60)
     return engine
 
@@ -237,7 +238,7 @@ def test_a_grammar_row_gives_back_refused_drafts_greedy_and_seeded(
     from mlx_lm.generate import BatchGenerator
 
     from worker.sampling import make_request_sampler
-    from worker.speculative.batch import Speculation, SpeculationStats, install
+    from worker.speculative.batch import SpeculationStats, install
 
     model, tokenizer = load(str(tiny_model_dir))
     grammar = json_grammar({"type": "object", "properties": {"a": {"type": "string"}}})
@@ -339,7 +340,7 @@ async def test_a_cancelled_job_keeps_the_kv_of_the_tokens_it_was_given(
 
 
 async def test_a_batch_wider_than_max_rows_decodes_without_drafting(tiny_model_dir: Path) -> None:
-    engine = start(tiny_model_dir, "auto", speculation_max_rows=1)
+    engine = start(tiny_model_dir, "auto", max_rows=1)
     try:
         prompts = [prompt_of(engine, t) for t in ("Hello", "Paris", "fox")]
         requests = [GenerationRequest(p, 80, GREEDY) for p in prompts]
@@ -598,7 +599,7 @@ def test_a_resting_row_whose_guesses_stand_drafts_again_before_its_rest_is_over(
     from mlx_lm.generate import BatchGenerator
 
     from worker.sampling import greedy
-    from worker.speculative.batch import Speculation, SpeculationStats, install
+    from worker.speculative.batch import SpeculationStats, install
 
     model, _ = load(str(tiny_model_dir))
     prompt = list(range(3, 12))
@@ -654,7 +655,7 @@ def test_a_row_whose_drafts_come_out_empty_rests_like_one_whose_drafts_fail(
     from mlx_lm.generate import BatchGenerator
 
     from worker.sampling import greedy
-    from worker.speculative.batch import Speculation, SpeculationStats, install
+    from worker.speculative.batch import SpeculationStats, install
 
     model, _ = load(str(tiny_model_dir))
     generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
@@ -700,7 +701,7 @@ def test_a_joining_rows_first_token_is_not_held_behind_a_verify_pass(
     from mlx_lm.generate import BatchGenerator
 
     from worker.sampling import greedy
-    from worker.speculative.batch import Speculation, SpeculationStats, install
+    from worker.speculative.batch import SpeculationStats, install
 
     model, _ = load(str(tiny_model_dir))
     generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
