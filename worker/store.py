@@ -129,13 +129,6 @@ def resolve_model(home: Path, name_or_path: str) -> str:
     return name_or_path
 
 
-def ensure_model(home: Path, name_or_path: str, progress: Progress | None = None) -> str:
-    """Like :func:`resolve_model`, but pulls a registry model that is not in the store yet."""
-    if name_or_path in REGISTRY and not (models_dir(home) / name_or_path).is_dir():
-        pull_model(home, name_or_path, progress)
-    return resolve_model(home, name_or_path)
-
-
 def registry_generation_config(home: Path, model: str) -> dict[str, Any] | None:
     """The registry's recommended sampling for ``model`` when it is a registry model in this
     store (by name or by its directory there); None otherwise."""

