@@ -1,4 +1,6 @@
-"""What the fault lab does at each step of a scenario's timeline (a mixin of :class:`NetLab`).
+"""What the fault lab does at each step of a scenario's timeline: :class:`Timeline`, which
+:class:`lab.netlab.NetLab` composes (it owns the duty cycles it starts; the lab gives it its
+links, nodes and the node controls through :class:`Lab`).
 
 Link steps change the chaos proxies; node steps signal a node's whole process tree (the node and
 its worker, which runs in its own session); ``slow`` duty-cycles SIGSTOP/SIGCONT on the worker.
@@ -12,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from lab.links import LinkFabric
 from lab.nodes import LabError, LabNode
@@ -27,26 +30,30 @@ from lab.scenario import (
 )
 
 
-class StepActions:
-    """The timeline half of :class:`lab.netlab.NetLab`, which provides these attributes."""
+class Lab(Protocol):
+    """What the timeline needs of the lab that runs it."""
 
     scenario: Scenario
     fabric: LinkFabric | None
     nodes: list[LabNode]
     registry: ProcessRegistry
-    _slow_tasks: dict[int, asyncio.Task]
 
-    def event(self, what: str, **details: object) -> None:
-        raise NotImplementedError
+    def event(self, what: str, **details: object) -> None: ...
 
-    async def start_node(self, node: LabNode, join_token: str | None) -> None:
-        raise NotImplementedError
+    async def start_node(self, node: LabNode, join_token: str | None) -> None: ...
 
-    async def join(self, node: LabNode, *, wait: bool) -> None:
-        raise NotImplementedError
+    async def join(self, node: LabNode, *, wait: bool) -> None: ...
+
+
+class Timeline:
+    """Plays a scenario's steps on a lab at their times; owns the ``slow`` duty cycles."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self._slow_tasks: dict[int, asyncio.Task] = {}
 
     async def apply(self, step: object) -> None:
-        assert self.fabric is not None
+        assert self.lab.fabric is not None
         handlers: dict[type, Callable] = {
             FaultStep: self._fault,
             ClearStep: self._clear,
@@ -58,41 +65,41 @@ class StepActions:
         await handlers[type(step)](step)
 
     async def _fault(self, step: FaultStep) -> None:
-        self.fabric.set_link(step.link, step.settings)  # type: ignore[union-attr]
-        self.event("fault", link=step.link, **step.settings.model_dump(exclude_defaults=True))
+        self.lab.fabric.set_link(step.link, step.settings)  # type: ignore[union-attr]
+        self.lab.event("fault", link=step.link, **step.settings.model_dump(exclude_defaults=True))
 
     async def _clear(self, step: ClearStep) -> None:
-        self.fabric.clear(step.link)  # type: ignore[union-attr]
-        self.event("clear", link=step.link or "all")
+        self.lab.fabric.clear(step.link)  # type: ignore[union-attr]
+        self.lab.event("clear", link=step.link or "all")
 
     async def _partition(self, step: PartitionStep) -> None:
-        self.fabric.partition(step.groups)  # type: ignore[union-attr]
-        self.event("partition", groups=step.groups)
+        self.lab.fabric.partition(step.groups)  # type: ignore[union-attr]
+        self.lab.event("partition", groups=step.groups)
 
     async def _heal(self, step: HealStep) -> None:
-        self.fabric.clear()  # type: ignore[union-attr]
-        self.event("heal")
+        self.lab.fabric.clear()  # type: ignore[union-attr]
+        self.lab.event("heal")
 
     async def _node_step(self, step: NodeStep) -> None:
-        node = self.nodes[step.node]
+        node = self.lab.nodes[step.node]
         if step.action == "join":
-            await self.join(node, wait=False)
+            await self.lab.join(node, wait=False)
             return
         if step.action == "restart":
             if node.running():
                 raise LabError(
                     f"restart of node {node.index}, which is still running: kill it first"
                 )
-            await self.start_node(node, join_token=None)  # it is a member: its home remembers
+            await self.lab.start_node(node, join_token=None)  # it is a member: its home remembers
             return
         if node.process is None:
             raise LabError(f"{step.action} of node {node.index}, which never started")
-        self.registry.note_descendants()
+        self.lab.registry.note_descendants()
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[step.action]
         node.process.signal_tree(sig)
         if step.action == "kill":
             await asyncio.to_thread(node.process.popen.wait, 10)
-        self.event(step.action, node=node.index)
+        self.lab.event(step.action, node=node.index)
 
     async def _slow(self, step: SlowStep) -> None:
         old = self._slow_tasks.pop(step.node, None)
@@ -102,11 +109,11 @@ class StepActions:
                 await old
         if step.duty < 1:
             self._slow_tasks[step.node] = asyncio.create_task(self._duty_cycle(step))
-        self.event("slow", node=step.node, duty=step.duty)
+        self.lab.event("slow", node=step.node, duty=step.duty)
 
     async def _duty_cycle(self, step: SlowStep) -> None:
         """SIGSTOP/SIGCONT the node's worker processes (its whole tree if none is found)."""
-        node = self.nodes[step.node]
+        node = self.lab.nodes[step.node]
         assert node.process is not None
         period = step.period_ms / 1000
         try:
@@ -122,12 +129,12 @@ class StepActions:
             _signal_all(node.process.tree(), signal.SIGCONT)  # never leave it frozen
 
     async def play(self, started_at: float) -> None:
-        for step in self.scenario.steps:
+        for step in self.lab.scenario.steps:
             delay = started_at + step.at - time.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             await self.apply(step)
-        remaining = started_at + self.scenario.duration_s - time.time()
+        remaining = started_at + self.lab.scenario.duration_s - time.time()
         if remaining > 0:
             await asyncio.sleep(remaining)
 

@@ -27,7 +27,7 @@ import httpx
 import orjson
 from rich.console import Console
 
-from lab.actions import StepActions
+from lab.actions import Timeline
 from lab.links import LinkFabric, namespace_support
 from lab.nodes import (
     NO_DIRECT_ADDRESS,
@@ -77,7 +77,7 @@ class LabRun:
     leftovers: list[int] = field(default_factory=list)
 
 
-class NetLab(StepActions):
+class NetLab:
     """One scenario run: nodes, proxies, the probe and the timeline. Use ``async with``."""
 
     def __init__(self, scenario: Scenario, options: LabOptions, console: Console | None = None):
@@ -90,7 +90,7 @@ class NetLab(StepActions):
         self.events: list[dict] = []
         self.flags: set[str] = set()
         self._client = httpx.AsyncClient(trust_env=False)
-        self._slow_tasks: dict[int, asyncio.Task] = {}
+        self.timeline = Timeline(self)
         self._t0 = time.time()
 
     async def __aenter__(self) -> NetLab:
@@ -293,7 +293,7 @@ class NetLab(StepActions):
         self.event("probe-start", target=target.url)
         probe_task = asyncio.create_task(prober.run(stop))
         try:
-            await self.play(started_at)
+            await self.timeline.play(started_at)
         finally:
             stop.set()
             # In-flight requests finish within their own hard deadline.
@@ -321,7 +321,7 @@ class NetLab(StepActions):
         return LabRun(verdict=verdict, rows=prober.rows, events=self.events)
 
     async def close(self) -> None:
-        await self.stop_slowing()
+        await self.timeline.stop_slowing()
         await asyncio.to_thread(self.registry.close)
         if self.fabric is not None:
             (self.options.out_dir / "links.json").write_bytes(

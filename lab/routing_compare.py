@@ -133,9 +133,9 @@ class Driver:
             return
         await self.until_done(self.spec.stop_at * total)
         self.up.discard(node)
-        await self.lab.apply(NodeStep(at=0, action="kill", node=node))
+        await self.lab.timeline.apply(NodeStep(at=0, action="kill", node=node))
         await self.until_done(self.spec.restart_at * total)
-        await self.lab.apply(NodeStep(at=0, action="restart", node=node))
+        await self.lab.timeline.apply(NodeStep(at=0, action="restart", node=node))
         async with httpx.AsyncClient(trust_env=False) as client:
             back = self.lab.nodes[node]
             await wait_until(f"node {node} back", lambda: healthy(client, back), 240, back)
@@ -158,7 +158,7 @@ async def one_run(scenario: Scenario, out: Path, run: Run, *, console: Console) 
         if not kill:
             driver.spec = driver.spec.model_copy(update={"stop_node": None})
         if slow:
-            await lab.apply(
+            await lab.timeline.apply(
                 SlowStep(
                     at=0, action="slow", node=spec.slow_node, duty=spec.slow_duty, period_ms=200
                 )
