@@ -5,3 +5,8 @@ seam at the ground.
 
 Imports nothing from ``gateway`` or ``mesh``.
 """
+
+from worker.mlx_lm_hooks import import_within_open_files_limit
+
+# Before any of our modules imports mlx-lm: its import fails under a low open-files limit.
+import_within_open_files_limit()

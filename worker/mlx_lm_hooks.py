@@ -241,3 +241,36 @@ def unpatch_attention() -> None:
         if module is not None:
             setattr(module, _ATTENTION, function)
     _attention_patched.clear()
+
+
+# ---- import: mlx-lm's open-files limit --------------------------------------------------------
+
+_MLX_LM_WANTS_HARD_NOFILE = 4096  # mlx_lm/utils.py: setrlimit(RLIMIT_NOFILE, (2048, 4096))
+
+
+def import_within_open_files_limit() -> None:
+    """Import ``mlx_lm.utils`` with its import-time ``setrlimit(RLIMIT_NOFILE, (2048, 4096))``
+    held to the hard limit this process has. Unchanged, that call raises ``ValueError`` where
+    the hard limit is below 4096 (``ulimit -n 1024``, a container without CAP_SYS_RESOURCE),
+    and every import of mlx-lm – the worker's, a pull's – died with a traceback. Only then is
+    mlx-lm imported here, so an ordinary start pays nothing."""
+    import resource
+
+    if "mlx_lm.utils" in sys.modules:
+        return
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard >= _MLX_LM_WANTS_HARD_NOFILE:
+        return
+    real = resource.setrlimit
+
+    def held(which: int, limits: tuple[int, int]) -> None:
+        if which == resource.RLIMIT_NOFILE:
+            current_soft, current_hard = resource.getrlimit(which)
+            limits = (min(max(limits[0], current_soft), current_hard), current_hard)
+        real(which, limits)
+
+    resource.setrlimit = held
+    try:
+        importlib.import_module("mlx_lm.utils")
+    finally:
+        resource.setrlimit = real

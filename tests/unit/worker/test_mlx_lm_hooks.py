@@ -4,6 +4,9 @@ with the shape we expect. A version bump that moves one fails here, naming it.""
 from __future__ import annotations
 
 import importlib
+import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +63,30 @@ def test_a_changed_signature_is_reported(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "scaled_dot_product_attention (CPU attention): parameters" in problem
     with pytest.raises(MlxLmSeamError, match="CPU attention"):
         require(CPU_ATTENTION)
+
+
+def _under_low_open_files_limit(code: str) -> subprocess.CompletedProcess[str]:
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=low_limit,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_mlx_lm_imports_under_a_low_open_files_limit() -> None:
+    """mlx-lm's import asks for a hard limit of 4096 and raised under ``ulimit -n 256``: every
+    worker and ``mesh up`` died with a traceback. Importing ``worker`` first holds it."""
+    done = _under_low_open_files_limit(
+        "import worker; from mlx_lm import load; import resource;"
+        " print(resource.getrlimit(resource.RLIMIT_NOFILE))"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(256, 256)"
+    # The case it fixes: mlx-lm alone still fails there.
+    alone = _under_low_open_files_limit("import mlx_lm.utils")
+    assert alone.returncode != 0 and "not allowed to raise maximum limit" in alone.stderr
