@@ -22,17 +22,21 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from decimal import Decimal
 from fractions import Fraction
 
 from gateway.moa.scoring import normalize_answer
 
 SHORT_WORDS = 6  # a reply this short is its own answer
 SHORT_CHARS = 60
+MAX_EXPONENT = 30  # e-notation written out in full up to this exponent
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _MARKER = re.compile(r"\b(?:final\s+)?answer\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
-_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?(?![\w])")
+_NUMBER = re.compile(
+    r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+|/\d+)?(?![\w])"
+)
 # A choice letter alone: "B", "(B)", "B.", "B)", "[B]", "Option B", optionally followed by its text
 # after ")", "." or ":" ("B) Paris").
 _LETTER = re.compile(
@@ -41,8 +45,14 @@ _LETTER = re.compile(
 
 
 def canonical_number(text: str) -> str:
-    """ "1,000.50" → "1000.5", "4.0" → "4", "-0" → "0"; fractions stay as written."""
+    """ "1,000.50" → "1000.5", "4.0" → "4", "-0" → "0", "4.37271e+02" → "437.271"; fractions
+    stay as written."""
     text = text.replace(",", "")
+    mantissa, e, exponent = text.lower().partition("e")
+    if e:
+        if abs(int(exponent)) > MAX_EXPONENT:  # "1e999999" would write a million digits
+            return f"{canonical_number(mantissa)}e{int(exponent)}"
+        text = format(Decimal(text), "f")
     if "." in text and "/" not in text:
         text = text.rstrip("0").rstrip(".")
     if text in ("-0", ""):

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 _MARKDOWN = re.compile(r"[*_`#>]+")
 _SPACE = re.compile(r"\s+")
-# Leading punctuation goes, except the minus of a negative number.
-_EDGE_PUNCT = re.compile(r"^(?:[^\w-]|-(?!\d))+|[\s.!,;:]+$")
+# Leading punctuation goes, except the minus of a negative number; trailing, sentence punctuation
+# and quotes ('The answer is "True".' votes with "True"); a closing bracket only when unbalanced.
+_LEADING_PUNCT = re.compile(r"^(?:[^\w-]|-(?!\d))+")
+_TRAILING_PUNCT = re.compile(r"[\s.!?,;:\"'`\u2018\u2019\u201c\u201d\u00ab\u00bb]+$")
 _DECIMAL = re.compile(r"^-?\d+\.\d+$")
 
 
@@ -20,11 +22,21 @@ def normalize_answer(text: str) -> str:
     "**42**." and "42" compare equal."""
     text = unicodedata.normalize("NFKC", text)
     text = _MARKDOWN.sub("", text).lower()
-    text = _SPACE.sub(" ", text).strip()
-    text = _EDGE_PUNCT.sub("", text)
+    text = _strip_edges(_SPACE.sub(" ", text).strip())
     if _DECIMAL.match(text):  # "3.50" == "3.5", "4.0" == "4"
         text = text.rstrip("0").rstrip(".")
     return text
+
+
+def _strip_edges(text: str) -> str:
+    while True:
+        before = text
+        text = _TRAILING_PUNCT.sub("", _LEADING_PUNCT.sub("", text))
+        for opener, closer in ("()", "[]", "{}"):
+            if text.endswith(closer) and text.count(closer) > text.count(opener):
+                text = text[:-1]
+        if text == before:
+            return text
 
 
 def common_prefix_length(a: str, b: str) -> int:
