@@ -132,9 +132,3 @@ class GossipPublisher:
         return state.model_copy(
             update={"seq": self.seq, "node_id": self.node_id, "epoch": self.epoch}
         )
-
-    def next_due(self, now: float) -> float:
-        """Seconds until the next heartbeat is due (a timer hint for the adapter)."""
-        if self._last_sent_at is None:
-            return 0.0
-        return max(0.0, self._last_sent_at + self.interval_s - now)

@@ -19,9 +19,5 @@ class CopyProgress:
     dropped: dict[str, str] = field(default_factory=dict)  # node id → why it was dropped
     started_at: float = field(default_factory=time.monotonic)
 
-    @property
-    def active_sources(self) -> list[str]:
-        return [s for s in self.by_source if s not in self.dropped]
-
 
 ProgressSink = Callable[[CopyProgress], None]

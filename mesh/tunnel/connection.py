@@ -142,13 +142,6 @@ class PeerConnection:
         return self._handshake_done
 
     @property
-    def is_ready(self) -> bool:
-        """Established: handshake done, pins checked, registered as THE connection to the peer."""
-        return (
-            self._ready.done() and not self._ready.cancelled() and self._ready.exception() is None
-        )
-
-    @property
     def silent_for(self) -> float:
         """Seconds since the last datagram from the peer."""
         return self._loop.time() - self._protocol.last_heard

@@ -66,7 +66,7 @@ def test_publisher_heartbeat_when_unchanged():
     pub = GossipPublisher(node_id="me", interval_s=2.0)
     pub.poll(_state(), now=0.0)
     assert pub.poll(_state(), now=1.0) is None
-    assert pub.next_due(1.0) == pytest.approx(1.0)
+    assert pub.poll(_state(), now=1.99) is None  # the heartbeat is due at 2.0, not before
     beat = pub.poll(_state(), now=2.0)
     assert beat is not None and beat.seq == 2
 
