@@ -71,7 +71,7 @@ class PeerConnection:
 
     def __init__(
         self,
-        registry: ConnectionRegistry,
+        registry: ConnectionRegistry[PeerConnection],
         protocol: QuicLink,
         is_client: bool,
         pin: Pin | None,
@@ -91,7 +91,7 @@ class PeerConnection:
         self._registry = registry
         self._config: TunnelConfig = registry.config
         self._protocol = protocol
-        self._quic: QuicConnection = protocol._quic
+        self._quic: QuicConnection = protocol.quic
         self._pin = pin
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[None] = self._loop.create_future()
@@ -140,6 +140,11 @@ class PeerConnection:
     def handshake_done(self) -> bool:
         """TLS finished and the peer's certificate passed the pins."""
         return self._handshake_done
+
+    @property
+    def link(self) -> QuicLink:
+        """The aioquic side under it (the endpoint waits for it to close at shutdown)."""
+        return self._protocol
 
     @property
     def silent_for(self) -> float:
@@ -195,7 +200,7 @@ class PeerConnection:
     def probe_alive(self, within_s: float) -> asyncio.Future[bool]:
         """Ping now; True once anything is heard from the peer after this call, False when
         ``within_s`` passes first (or the connection dies)."""
-        probe = probe_alive(self._pings, self._quic, self._protocol, self._closed, within_s)
+        probe = probe_alive(self._pings, self._protocol, self._closed, within_s)
         task = self._loop.create_task(probe)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -247,10 +252,6 @@ class PeerConnection:
         self._outbox.before_flush(stream_id, callback)
         self._protocol.transmit_soon(0, defer=True)  # a flush is due, even if nothing is held
 
-    def _flush_deferred(self) -> bool:
-        """Hand the held writes to aioquic (the protocol's ``flush``); False if none were."""
-        return self._outbox.flush()
-
     def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         if send:
             self._outbox.drop(stream_id)
@@ -258,7 +259,7 @@ class PeerConnection:
         if receive:
             with contextlib.suppress(ValueError):  # never sent nor received: nothing to stop
                 self._quic.stop_stream(stream_id, int(code))
-        self._protocol._transmit_soon()
+        self._protocol.transmit_soon(0, defer=False)  # the reset goes out this loop turn
 
     def _stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
@@ -266,6 +267,12 @@ class PeerConnection:
 
     def _lost_error(self) -> ConnectionLost | None:
         return self._lost
+
+    # ---- called by TunnelProtocol ----
+
+    def flush_deferred(self) -> bool:
+        """Hand the held writes to aioquic (the protocol's ``flush``); False if none were."""
+        return self._outbox.flush()
 
     # ---- aioquic events ----
 
@@ -449,7 +456,7 @@ class PeerConnection:
 
     async def _ping_forever(self) -> None:
         """Ping on the keep-alive's timer; close once the peer was silent for too long."""
-        silent = await ping_until_silent(self._pings, self._quic, self._protocol, self._closed)
+        silent = await ping_until_silent(self._pings, self._protocol, self._closed)
         if silent is not None:
             log.warning("%r: peer silent for %.1fs, closing", self, silent)
             self.close(ErrorCode.PING_TIMEOUT, f"peer silent for {silent:.1f}s")

@@ -88,7 +88,7 @@ class TunnelEndpoint:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # let them unwind: no leaked tasks
-        pending = [c._protocol.wait_closed() for c in conns]
+        pending = [c.link.wait_closed() for c in conns]
         if pending:
             _, not_done = await asyncio.wait(
                 [asyncio.ensure_future(p) for p in pending], timeout=self.config.close_grace
@@ -96,7 +96,7 @@ class TunnelEndpoint:
             for fut in not_done:
                 fut.cancel()
         for conn in conns:
-            conn._protocol.terminated()
+            conn.link.terminated()
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -12,8 +12,6 @@ import asyncio
 import itertools
 from collections.abc import Callable
 
-from aioquic.quic.connection import QuicConnection
-
 from mesh.tunnel.ports import QuicLink
 
 # Past the silence deadline by this much when the ping loop wakes for it (timer granularity).
@@ -72,7 +70,7 @@ class KeepAlive:
 
 
 async def ping_until_silent(
-    keepalive: KeepAlive, quic: QuicConnection, link: QuicLink, closed: Callable[[], bool]
+    keepalive: KeepAlive, link: QuicLink, closed: Callable[[], bool]
 ) -> float | None:
     """Ping on ``keepalive``'s timer until the peer was silent too long (how long: the caller
     closes the connection) or the connection closed (None)."""
@@ -80,7 +78,7 @@ async def ping_until_silent(
     while not closed():
         now = loop.time()
         if keepalive.ping_due(now):
-            quic.send_ping(keepalive.ping(now))
+            link.quic.send_ping(keepalive.ping(now))
             link.transmit()
         await asyncio.sleep(max(0.0, keepalive.wake_at(link.last_heard) - loop.time()))
         silent = loop.time() - link.last_heard
@@ -91,7 +89,6 @@ async def ping_until_silent(
 
 async def probe_alive(
     keepalive: KeepAlive,
-    quic: QuicConnection,
     link: QuicLink,
     closed: Callable[[], bool],
     within_s: float,
@@ -100,7 +97,7 @@ async def probe_alive(
     first (or the connection closes)."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    quic.send_ping(keepalive.next_uid())  # its ack (or anything else) proves life
+    link.quic.send_ping(keepalive.next_uid())  # its ack (or anything else) proves life
     link.transmit()
     while not closed() and loop.time() - start < within_s:
         if link.last_heard > start:

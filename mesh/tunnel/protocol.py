@@ -56,11 +56,12 @@ class TunnelProtocol(QuicConnectionProtocol):
         quic: QuicConnection,
         stream_handler: object = None,
         *,
-        registry: ConnectionRegistry,
+        registry: ConnectionRegistry[PeerConnection],
         is_client: bool,
         pin: Pin | None = None,
     ) -> None:
         super().__init__(quic)
+        self._registry = registry
         self._flush_delay = registry.config.flush_delay
         self._held = 0  # bytes the connection holds for the next flush
         self._last_flush = 0.0
@@ -72,6 +73,11 @@ class TunnelProtocol(QuicConnectionProtocol):
         self.conn = PeerConnection(registry, self, is_client, pin)
         self._is_client = is_client
         self.last_heard = self._loop.time()  # any datagram from the peer proves it is alive
+
+    @property
+    def quic(self) -> QuicConnection:
+        """The aioquic connection this protocol drives."""
+        return self._quic
 
     def transmit(self) -> None:
         if self._reply_timer is not None:  # this transmit is the one it waited for
@@ -107,7 +113,7 @@ class TunnelProtocol(QuicConnectionProtocol):
         # flush takes them along (no timer, no early flush for them).
         self._flushing = True
         try:
-            flushed = self.conn._flush_deferred()
+            flushed = self.conn.flush_deferred()
         finally:
             self._flushing = False
         if self._flush_timer is not None:
@@ -153,4 +159,4 @@ class TunnelProtocol(QuicConnectionProtocol):
             self._reply_timer = None
         if self._is_client and self._transport is not None:
             self._transport.close()
-        self.conn._registry.forget(self.conn)
+        self._registry.forget(self.conn)
