@@ -242,17 +242,17 @@ class PeerConnection:
 
     # ---- StreamHost (called by TunnelStream) ----
 
-    def _stream_write(
+    def stream_write(
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         held = self._outbox.write(stream_id, data, end_stream, defer)
         self._protocol.transmit_soon(len(data), defer=held)
 
-    def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
+    def stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
         self._outbox.before_flush(stream_id, callback)
         self._protocol.transmit_soon(0, defer=True)  # a flush is due, even if nothing is held
 
-    def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
+    def stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         if send:
             self._outbox.drop(stream_id)
             self._quic.reset_stream(stream_id, int(code))
@@ -261,11 +261,11 @@ class PeerConnection:
                 self._quic.stop_stream(stream_id, int(code))
         self._protocol.transmit_soon(0, defer=False)  # the reset goes out this loop turn
 
-    def _stream_done(self, stream_id: int) -> None:
+    def stream_done(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
         self._outbox.stream_done(stream_id)
 
-    def _lost_error(self) -> ConnectionLost | None:
+    def lost_error(self) -> ConnectionLost | None:
         return self._lost
 
     # ---- called by TunnelProtocol ----
@@ -308,7 +308,7 @@ class PeerConnection:
                 self, stream_id, StreamRole.CONTROL, self._config.stream_window
             )
             self._streams[stream_id] = self.control
-            self._stream_write(stream_id, encode(Window(0)), False)  # opens it at the peer
+            self.stream_write(stream_id, encode(Window(0)), False)  # opens it at the peer
         elif self.control is not None:
             self._become_ready()
 
@@ -336,7 +336,7 @@ class PeerConnection:
                 self._registry.count_refusal("preauth_bytes")
                 self.close(ErrorCode.AUTH_FAILED, "too much data before authenticating")
                 return
-        stream._on_data(event.data, event.end_stream)
+        stream.data_received(event.data, event.end_stream)
         if stream is self.control:
             if self.is_client and not self._ready.done():
                 self._become_ready()  # the server's first control bytes = it accepted us
@@ -367,7 +367,7 @@ class PeerConnection:
     def _on_reset(self, event: events.StreamReset) -> None:
         stream = self._streams.get(event.stream_id)
         if stream is not None:
-            stream._on_reset(event.error_code)
+            stream.reset_received(event.error_code)
             if stream is self.control:
                 self._check_control()
 
@@ -375,15 +375,15 @@ class PeerConnection:
         self._outbox.drop(event.stream_id)  # aioquic reset our side: they cannot go
         stream = self._streams.get(event.stream_id)
         if stream is not None:
-            stream._on_stop_sending(event.error_code)
+            stream.stop_sending_received(event.error_code)
             if stream is self.control:
                 self._check_control()
 
     def _check_control(self) -> None:
         """The control stream lives as long as the connection: its end is a protocol error."""
         control = self.control
-        if control is not None and (control.done or control._error is not None):
-            self.close(ErrorCode.PROTOCOL, f"control stream failed: {control._error or 'ended'}")
+        if control is not None and (control.done or control.error is not None):
+            self.close(ErrorCode.PROTOCOL, f"control stream failed: {control.error or 'ended'}")
 
     def _on_ping_ack(self, event: events.PingAcknowledged) -> None:
         self._pings.acked(event.uid, self._loop.time())
@@ -428,7 +428,7 @@ class PeerConnection:
             )
             return
         if not self.is_client and self.control is not None:
-            self._stream_write(self.control.stream_id, encode(Window(0)), False)  # accepted
+            self.stream_write(self.control.stream_id, encode(Window(0)), False)  # accepted
         self._set_state(ConnectionState.READY)
         self._ready.set_result(None)
         self._keepalive = self._loop.create_task(self._ping_forever())
@@ -474,7 +474,7 @@ class PeerConnection:
         streams, self._streams, self._held = list(self._streams.values()), {}, []
         self._outbox.clear()
         for stream in streams:
-            stream._on_connection_lost(error)
+            stream.connection_lost(error)
         self._pings.stop()
         current = asyncio.current_task()
         for task in [*self._tasks, self._keepalive]:

@@ -54,19 +54,26 @@ _MAX_FRAME = HEADER_SIZE + MAX_PAYLOAD
 
 
 class StreamHost(Protocol):
-    """What a stream needs from its connection (``PeerConnection`` implements it)."""
+    """What a stream needs from its connection (``PeerConnection`` implements it, and
+    ``testing.PipeHost``). The stream's own members the connection calls are under "called
+    by the connection" in :class:`TunnelStream`."""
 
-    def _stream_write(
+    def stream_write(
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         """Queue ``data``; ``defer``: it may wait a moment to share a datagram (a token)."""
 
-    def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
+    def stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` right before the next flush of deferred writes."""
 
-    def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None: ...
-    def _stream_done(self, stream_id: int) -> None: ...
-    def _lost_error(self) -> ConnectionLost | None: ...
+    def stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
+        """Reset our sending side (``send``) and/or stop the peer's (``receive``)."""
+
+    def stream_done(self, stream_id: int) -> None:
+        """Both directions are over: forget the stream."""
+
+    def lost_error(self) -> ConnectionLost | None:
+        """What the connection died of; None while it lives."""
 
 
 class TunnelStream:
@@ -107,6 +114,11 @@ class TunnelStream:
         """Bytes we sent that the peer's reader has not consumed yet (bounded by the window)."""
         return max(0, self._sent - (self._send_limit - self._window))
 
+    @property
+    def error(self) -> TunnelError | FrameError | None:
+        """Why the stream broke (what ``wait_broken`` returns); None while it has not."""
+        return self._error
+
     async def send(self, frame: Frame, *, defer: bool = False) -> None:
         """Send one frame; waits while the peer's reader is a window behind (backpressure).
 
@@ -125,7 +137,7 @@ class TunnelStream:
             await self.wait_credit()
         end = type(frame) is End
         self._sent += len(data)
-        self._host._stream_write(self.stream_id, data, end, defer)
+        self._host.stream_write(self.stream_id, data, end, defer)
         if end:
             self._finish_local()
 
@@ -147,7 +159,7 @@ class TunnelStream:
         data = encode(frame)
         self._raise_if_unsendable()
         self._sent += len(data)
-        self._host._stream_write(self.stream_id, data, False, True)
+        self._host.stream_write(self.stream_id, data, False, True)
 
     def before_flush(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once, right before the connection next hands its held writes to
@@ -155,7 +167,7 @@ class TunnelStream:
         pieces into one frame – a response's tokens into one event – sends it, with
         ``send_held``. One callback per stream: registering again replaces it. Dropped when
         the stream is reset or the connection lost."""
-        self._host._stream_before_flush(self.stream_id, callback)
+        self._host.stream_before_flush(self.stream_id, callback)
 
     async def recv(self) -> Frame | None:
         """Next frame, or ``None`` once the terminal frame (End / BodyEnd) was handed out.
@@ -207,25 +219,25 @@ class TunnelStream:
         """Send the QUIC FIN: we will send nothing more. Idempotent."""
         if self._local_finished:
             return
-        if self._host._lost_error() is None:
+        if self._host.lost_error() is None:
             # Nobody waits for a bare FIN (it only lets both ends forget the stream): it may
             # ride with the next datagram.
-            self._host._stream_write(self.stream_id, b"", True, True)
+            self._host.stream_write(self.stream_id, b"", True, True)
         self._finish_local()
 
     def reset(self, code: int = ErrorCode.CANCELLED) -> None:
         """Abort both directions with ``code`` (the peer's reader gets ``StreamReset``)."""
         if self.done:
             return
-        if self._host._lost_error() is None:
-            self._host._stream_abort(
+        if self._host.lost_error() is None:
+            self._host.stream_abort(
                 self.stream_id, code, not self._local_finished, not self._remote_finished
             )
         if self._error is None:
             self._error = ClosedError(f"stream {self.stream_id} was reset locally")
         self._local_finished = self._remote_finished = True
         self._wake()
-        self._host._stream_done(self.stream_id)
+        self._host.stream_done(self.stream_id)
 
     async def aclose(self) -> None:
         """End of ``async with``: a completed exchange just finishes, anything else is reset
@@ -276,7 +288,7 @@ class TunnelStream:
 
     # ---- called by the connection ----
 
-    def _on_data(self, data: bytes, end_stream: bool) -> None:
+    def data_received(self, data: bytes, end_stream: bool) -> None:
         if self._remote_finished:
             return
         try:
@@ -305,7 +317,7 @@ class TunnelStream:
             self._check_done()
         self._wake()
 
-    def _on_reset(self, code: int) -> None:
+    def reset_received(self, code: int) -> None:
         """The peer reset its sending side."""
         if self._remote_finished:
             return
@@ -317,7 +329,7 @@ class TunnelStream:
         self._wake()
         self._check_done()
 
-    def _on_stop_sending(self, code: int) -> None:
+    def stop_sending_received(self, code: int) -> None:
         """The peer no longer reads: aioquic already reset our sending side."""
         if self._local_finished:
             return
@@ -329,7 +341,7 @@ class TunnelStream:
         self._wake()
         self._check_done()
 
-    def _on_connection_lost(self, error: ConnectionLost) -> None:
+    def connection_lost(self, error: ConnectionLost) -> None:
         if self.done:
             return
         if self._error is None or isinstance(self._error, ClosedError):
@@ -340,7 +352,7 @@ class TunnelStream:
     # ---- internals ----
 
     def _raise_if_unsendable(self) -> None:
-        lost = self._host._lost_error()
+        lost = self._host.lost_error()
         if lost is not None:
             raise lost
         if self._local_finished:
@@ -369,7 +381,7 @@ class TunnelStream:
             and self._consumed - self._advertised >= self._window // 2
         ):
             self._advertised = self._consumed
-            self._host._stream_write(self.stream_id, encode(Window(self._consumed)), False)
+            self._host.stream_write(self.stream_id, encode(Window(self._consumed)), False)
 
     def _finish_local(self) -> None:
         self._local_finished = True
@@ -377,7 +389,7 @@ class TunnelStream:
 
     def _check_done(self) -> None:
         if self.done:
-            self._host._stream_done(self.stream_id)
+            self._host.stream_done(self.stream_id)
 
     def _wake(self) -> None:
         self._readable.set()

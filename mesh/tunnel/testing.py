@@ -32,32 +32,32 @@ class PipeHost:
         self.done = False
         self.written = 0  # bytes written, Window frames included
 
-    def _stream_write(
+    def stream_write(
         self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
     ) -> None:
         self.written += len(data)
         peer = self.peer
         if peer is not None:
-            asyncio.get_running_loop().call_soon(peer._on_data, data, end_stream)
+            asyncio.get_running_loop().call_soon(peer.data_received, data, end_stream)
 
-    def _stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
+    def stream_before_flush(self, stream_id: int, callback: Callable[[], None]) -> None:
         # No datagrams to fill here: the "flush" is the next loop iteration.
         asyncio.get_running_loop().call_soon(callback)
 
-    def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
+    def stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
         peer = self.peer
         if peer is None:
             return
         loop = asyncio.get_running_loop()
         if send:
-            loop.call_soon(peer._on_reset, code)
+            loop.call_soon(peer.reset_received, code)
         if receive:
-            loop.call_soon(peer._on_stop_sending, code)
+            loop.call_soon(peer.stop_sending_received, code)
 
-    def _stream_done(self, stream_id: int) -> None:
+    def stream_done(self, stream_id: int) -> None:
         self.done = True
 
-    def _lost_error(self) -> ConnectionLost | None:
+    def lost_error(self) -> ConnectionLost | None:
         return self.lost
 
 
@@ -78,4 +78,4 @@ class StreamPipe:
             (self.responder_host, self.responder),
         ):
             host.lost = ConnectionLost(message)
-            stream._on_connection_lost(host.lost)
+            stream.connection_lost(host.lost)

@@ -900,7 +900,7 @@ async def test_a_sender_that_ignores_the_window_is_cut_off(pair) -> None:
     stream = await conn.open_stream()
     await stream.send(RequestHead(id="1", path="/"))
     await stream.send(BodyEnd())
-    await eventually(lambda: stream._error is not None)
+    await eventually(lambda: stream.error is not None)
     with pytest.raises(ProtocolViolation, match="flow-control"):
         async for _ in stream:
             pass

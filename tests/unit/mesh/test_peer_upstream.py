@@ -14,42 +14,13 @@ from gateway.events import Done, Error, Meta, ReasoningDelta, TextDelta, ToolCal
 from gateway.request import ChatRequest, Message
 from gateway.testing import Raise, ScriptedUpstream, Sleep, Stall, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
-from mesh.errors import ConnectError, ConnectionLost
+from mesh.errors import ConnectError
 from mesh.peer_upstream import PeerUpstream
-from mesh.tunnel.frames import StreamRole
 from mesh.tunnel.stream import TunnelStream
+from mesh.tunnel.testing import StreamPipe
 from mesh.tunnel_server import TunnelServer
 
 WINDOW = 1 << 16
-
-
-class _PipeHost:
-    """One side of an in-memory stream pair (the StreamHost a PeerConnection would be)."""
-
-    def __init__(self) -> None:
-        self.peer: TunnelStream | None = None
-        self.lost: ConnectionLost | None = None
-
-    def _stream_write(
-        self, stream_id: int, data: bytes, end_stream: bool, defer: bool = False
-    ) -> None:
-        asyncio.get_running_loop().call_soon(self.peer._on_data, data, end_stream)
-
-    def _stream_before_flush(self, stream_id: int, callback) -> None:
-        asyncio.get_running_loop().call_soon(callback)
-
-    def _stream_abort(self, stream_id: int, code: int, send: bool, receive: bool) -> None:
-        loop = asyncio.get_running_loop()
-        if send:
-            loop.call_soon(self.peer._on_reset, code)
-        if receive:
-            loop.call_soon(self.peer._on_stop_sending, code)
-
-    def _stream_done(self, stream_id: int) -> None:
-        pass
-
-    def _lost_error(self) -> ConnectionLost | None:
-        return self.lost
 
 
 class PipeConnection:
@@ -58,25 +29,18 @@ class PipeConnection:
     def __init__(self, server: TunnelServer) -> None:
         self.server = server
         self.tasks: list[asyncio.Task] = []
-        self.responders: list[TunnelStream] = []
-        self.requesters: list[TunnelStream] = []
+        self.pipes: list[StreamPipe] = []
 
     async def open_stream(self) -> TunnelStream:
-        a, b = _PipeHost(), _PipeHost()
-        requester = TunnelStream(a, 0, StreamRole.RESPONSE, WINDOW)
-        responder = TunnelStream(b, 0, StreamRole.REQUEST, WINDOW)
-        a.peer, b.peer = responder, requester
-        self.requesters.append(requester)
-        self.responders.append(responder)
-        self.tasks.append(asyncio.create_task(self.server.handle(responder, "peer")))
-        return requester
+        pipe = StreamPipe(window=WINDOW, stream_id=0)
+        self.pipes.append(pipe)
+        self.tasks.append(asyncio.create_task(self.server.handle(pipe.responder, "peer")))
+        return pipe.requester
 
     def lose(self) -> None:
         """The whole connection dies (a killed peer)."""
-        for stream in self.requesters:
-            stream._on_connection_lost(ConnectionLost("connection lost"))
-        for stream in self.responders:
-            stream._on_connection_lost(ConnectionLost("connection lost"))
+        for pipe in self.pipes:
+            pipe.lose()
 
     async def join(self) -> None:
         await asyncio.wait_for(asyncio.gather(*self.tasks), 5)
@@ -265,8 +229,8 @@ async def test_cancelling_the_consumer_cancels_the_peers_worker():
             break
     await events.aclose()  # the client went away
     # The reset goes out before aclose returns (not when the garbage collector gets to it).
-    (requester,) = connection.requesters
-    assert requester.done
+    (pipe,) = connection.pipes
+    assert pipe.requester.done
     await connection.join()
     assert worker.cancelled == 1 and server.active == 0
 

@@ -210,9 +210,9 @@ def test_arbitrary_peer_bytes_surface_only_mesh_errors(chunks: list[bytes], fin:
     async def scenario() -> None:
         pipe = StreamPipe()
         for i, chunk in enumerate(chunks):
-            pipe.responder._on_data(chunk, fin and i == len(chunks) - 1)
+            pipe.responder.data_received(chunk, fin and i == len(chunks) - 1)
         if fin and not chunks:
-            pipe.responder._on_data(b"", True)
+            pipe.responder.data_received(b"", True)
         try:
             while True:
                 frame = await asyncio.wait_for(pipe.responder.recv(), 0.05)
