@@ -40,7 +40,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
 from mesh.identity import NodeIdentity
-from mesh.ports import free_port
+from mesh.loopback_ports import free_port
 from mesh.tunnel.config import TunnelConfig
 
 # Like for like with mlx-lm (and random-weight models that loop under greedy decoding):

@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mesh.ports import free_ports  # noqa: E402
+from mesh.loopback_ports import free_ports  # noqa: E402
 from mesh.split.testing import bridged_hostfiles, spawn_ranks  # noqa: E402
 from worker.split.layout import read_layout  # noqa: E402
 

@@ -375,7 +375,7 @@ def start_servers(model_dir: str, anchors: str, variants: list[str], tmp: Path) 
     """Our worker (and its variants), then each anchor's ``mlx_lm.server``, all on
     ``model_dir``."""
     sys.path.insert(0, str(ROOT))
-    from mesh.ports import free_port
+    from mesh.loopback_ports import free_port
 
     python = sys.executable
     servers = []

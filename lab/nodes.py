@@ -21,9 +21,9 @@ import httpx
 
 from lab.procs import ManagedProcess
 from lab.scenario import NodeSpec
+from mesh.loopback_ports import free_port
 from mesh.membership.invite import decode_invite
 from mesh.node_file import NodeFileError, read_node_file
-from mesh.ports import free_port
 
 # `python -c` rather than the console script: works from a checkout without an installed `mesh`.
 # Node logs (node-N.log) carry the mesh's INFO lines with times: links, dials, refusals.

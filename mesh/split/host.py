@@ -28,7 +28,7 @@ import orjson
 from mesh.copy.client import CopySource
 from mesh.errors import CopyError, MeshError, SplitError
 from mesh.identity import NodeIdentity, short_id
-from mesh.ports import free_ports
+from mesh.loopback_ports import free_ports
 from mesh.split.bridge import BridgeLink, BridgeServer
 from mesh.split.orders import RankOrder, RankReport, order_from_json
 from mesh.split.processes import spawn_rank, stop_process, wake

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from mesh.errors import NodeError, PlanError, SplitError
-from mesh.ports import free_ports
+from mesh.loopback_ports import free_ports
 from mesh.split.bridge import BridgeLink
 from mesh.split.coordinator import RankReport, RemoteRank, SplitMesh, new_group_id
 from mesh.split.host import open_link

@@ -19,7 +19,7 @@ from typing import Any
 
 from mesh.copy.tls import cert_der
 from mesh.identity import NodeIdentity
-from mesh.ports import free_ports
+from mesh.loopback_ports import free_ports
 from mesh.split.bridge import BridgeLink, BridgeServer
 
 __all__ = ["bridged_hostfiles", "serve_split", "spawn_ranks", "stream_until_signal"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.ports import free_ports
+from mesh.loopback_ports import free_ports
 from mesh.split.testing import bridged_hostfiles, spawn_ranks
 from worker.cpu.fast_path import REEXEC_MARKER
 from worker.serve.split_rank import GROUP_BROKEN

@@ -11,7 +11,7 @@ from mesh_services import echo_rank
 
 from mesh.copy.tls import cert_der, make_context
 from mesh.identity import NodeIdentity
-from mesh.ports import free_ports
+from mesh.loopback_ports import free_ports
 from mesh.split import bridge
 from mesh.split.bridge import BridgeLink, BridgeServer
 

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from mesh.ports import ephemeral_range, free_port, free_ports
+from mesh.loopback_ports import ephemeral_range, free_port, free_ports
 
 
 @pytest.mark.parametrize("kind", [socket.SOCK_STREAM, socket.SOCK_DGRAM])
@@ -41,7 +41,7 @@ def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> No
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", busy))
         draws = iter([busy, busy, spare])
-        monkeypatch.setattr("mesh.ports._DRAW.randrange", lambda a, b: next(draws))
+        monkeypatch.setattr("mesh.loopback_ports._DRAW.randrange", lambda a, b: next(draws))
         assert free_ports(1) == [spare]
 
 
