@@ -2,9 +2,11 @@
 
 The asyncio/aioquic adapter around the sans-IO frame codec (``frames.py``). Modules:
 ``config.py`` (``TunnelConfig``, ALPN, default port), ``endpoint.py`` (``TunnelEndpoint``),
-``connection.py`` (``PeerConnection``), ``protocol.py`` (its aioquic protocol), ``stream.py``
-(``TunnelStream``), ``pins.py``
-(certificate pinning, node-id checks), ``testing.py`` (in-memory stream pairs for tests).
+``connection.py`` (``PeerConnection``), ``protocol.py`` (its aioquic protocol),
+``neighbours.py`` (what a connection needs of the endpoint and of its aioquic protocol),
+``stream.py`` (``TunnelStream``), ``pins.py`` (certificate pinning, node-id checks),
+``registry.py`` (pure dial tie-break), ``keepalive.py`` (sans-IO pings and liveness),
+``coalesce.py`` (the flush outbox), ``testing.py`` (in-memory stream pairs for tests).
 Redialing lost peers is ``mesh/dialer.py``'s job.
 
 API for the integrator::

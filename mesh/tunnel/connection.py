@@ -6,9 +6,9 @@ holding peer streams until the connection is authenticated, keep-alive pings wit
 resets surfaced to readers, and ``ConnectionLost`` for every stream when the connection dies.
 
 A connection talks to whoever keeps the table of connections (the endpoint) only through the
-small :class:`~mesh.tunnel.ports.ConnectionRegistry` protocol; the tie-break rules themselves are
-pure (``registry.py``). What it holds back for the next flush is ``coalesce.py``'s, when to ping
-and when silence means death ``keepalive.py``'s.
+small :class:`~mesh.tunnel.neighbours.ConnectionRegistry` protocol; the tie-break rules
+themselves are pure (``registry.py``). What it holds back for the next flush is
+``coalesce.py``'s, when to ping and when silence means death ``keepalive.py``'s.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from mesh.tunnel.coalesce import Outbox
 from mesh.tunnel.config import TunnelConfig
 from mesh.tunnel.frames import ErrorCode, StreamRole, Window, encode, error_name
 from mesh.tunnel.keepalive import KeepAlive, ping_until_silent, probe_alive
+from mesh.tunnel.neighbours import ConnectionRegistry, QuicLink, StreamHandler
 from mesh.tunnel.pins import Pin, peer_certificate, verify_peer
-from mesh.tunnel.ports import ConnectionRegistry, QuicLink, StreamHandler
 from mesh.tunnel.stream import TunnelStream
 
 log = logging.getLogger(__name__)

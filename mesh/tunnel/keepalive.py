@@ -12,7 +12,7 @@ import asyncio
 import itertools
 from collections.abc import Callable
 
-from mesh.tunnel.ports import QuicLink
+from mesh.tunnel.neighbours import QuicLink
 
 # Past the silence deadline by this much when the ping loop wakes for it (timer granularity).
 WAKE_SLACK_S = 0.01

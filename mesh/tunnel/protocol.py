@@ -36,8 +36,8 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
 from mesh.tunnel.connection import PeerConnection
+from mesh.tunnel.neighbours import ConnectionRegistry
 from mesh.tunnel.pins import Pin, request_client_certificate
-from mesh.tunnel.ports import ConnectionRegistry
 
 # Held writes are flushed early once this much is held. Not one datagram's worth: the streams
 # of a busy connection each add a STREAM frame per datagram (aioquic and our reader pay per
