@@ -1,4 +1,6 @@
-"""The root of mesh's exceptions. Every error mesh raises on purpose is a ``MeshError``::
+"""The root of mesh's exceptions. Every error mesh raises on purpose is a ``MeshError``, and every
+one is drawn here (``tests/unit/mesh/test_errors.py`` checks); those defined beside the one
+format they guard name their module::
 
     MeshError
     ├── NodeError                the node cannot start: bad configuration, a worker never came up
@@ -15,9 +17,14 @@
     │   ├── ChunkMismatch        bytes that do not hash to the manifest's chunk (the peer is dropped)
     │   ├── CopyRefused          the peer said no: unknown model, not a member, too busy
     │   ├── PeerLost             no peer holding the model is left (gone mid-copy, or none at all)
-    │   └── DiskFull             not enough space in the store for the copy
+    │   ├── DiskFull             not enough space in the store for the copy
+    │   └── ProtocolError        bytes on the copy channel that are not a copy message
+    │                            (``copy/protocol.py``)
     ├── SplitError               serving one model across several nodes (``mesh.split``)
-    │   └── PlanError            no set of members can hold the model (one sentence)
+    │   ├── PlanError            no set of members can hold the model (one sentence)
+    │   ├── BadOrder             a rank order or report that does not parse (``split/orders.py``)
+    │   └── OfferExhausted       the order is fine, but this node's offer has no room for it
+    │                            now (``split/host.py``; HTTP 409, not 400)
     └── TunnelError              anything on the QUIC tunnel
         ├── ConnectError         a dial failed: unreachable, handshake failed, timed out
         │   ├── AuthFailed       the peer's certificate does not match the pin (or the peer
