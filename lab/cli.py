@@ -1,8 +1,14 @@
-"""``mesh lab``: the probe and the fault lab (see ``lab/``) from the mesh command line.
+"""``mesh lab``: the probe and the fault lab from the mesh command line.
 
 ``mesh lab probe`` measures a running gateway (this node's by default) through every client API;
-``mesh lab run SCENARIO`` runs a fault scenario on a throw-away local mesh. Both import ``lab``
-inside the command, so ``mesh --help`` stays instant.
+``mesh lab run SCENARIO`` runs a fault scenario on a throw-away local mesh. The mesh command line
+finds :data:`lab_app` through the ``mlx_mesh.commands`` entry point (``mesh/cli/plugins.py``),
+so mesh/ never imports lab/.
+
+The commands import the rest of the lab, and mesh's CLI helpers, inside their bodies: loading
+this module (every ``mesh`` run does) costs only typer. And it must not import ``mesh.cli`` as it
+loads: ``mesh.cli`` loads this module while itself loading, so an ``import lab.cli`` that came
+first would meet itself half-loaded there.
 """
 
 from __future__ import annotations
@@ -11,14 +17,15 @@ from pathlib import Path
 
 import typer
 
-from mesh.cli.app import HomeOption, app, fail, resolve_home
-
 lab_app = typer.Typer(
     name="lab",
     help="Probe a live gateway; run fault scenarios on a local test mesh.",
     no_args_is_help=True,
 )
-app.add_typer(lab_app, name="lab")
+# mesh.cli.app's HomeOption, which this module cannot import at load time (see above).
+HomeOption = typer.Option(
+    None, "--home", help="Home directory (default: $MLX_MESH_HOME, else ~/.mlx-mesh)."
+)
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -54,6 +61,7 @@ def probe_command(
     """
     from lab.probe import ProbeConfig, run_probe_cli
     from lab.rows import API_NAMES
+    from mesh.cli.app import fail, resolve_home
 
     if duration is not None and count is not None:
         raise fail("give --duration or --count, not both")
