@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gateway.api import chat, messages, responses_input
+from gateway.api import chat, messages
+from gateway.responses import request as responses_request
 from gateway.worker_client import worker_body
 from worker.chat.job import start_job
 from worker.chat.prompt import ChatTemplate
@@ -84,7 +85,7 @@ def _agent_requests() -> dict[str, dict[str, Any]]:
     codex = json.loads((FIXTURES / "codex_requests.json").read_text())
     for turn, body in codex.items():
         if isinstance(body, dict):
-            request, _ = responses_input.parse(body)
+            request, _ = responses_request.parse(body)
             out[f"codex/{turn}"] = worker_body(request, "m")
     return out
 

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from gateway import info_api
-from gateway.api import chat, count_tokens, messages, messages_sse, responses
+from gateway.api import chat, count_tokens, messages, messages_sse
 from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
@@ -22,7 +22,7 @@ from gateway.events import Error, ErrorKind
 from gateway.exchange import ApiEndpoint, ApiSpec, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayGuard, HostGuard, ServerErrorGuard
-from gateway.responses import background, compact, stored, websocket
+from gateway.responses import background, compact, stored, websocket, wire
 from gateway.responses.state import LocalResponses, ResponseStates
 from gateway.responses.store import ResponseStore
 from gateway.router import Router
@@ -57,10 +57,10 @@ CHAT = ApiSpec(
 )
 RESPONSES = ApiSpec(
     "responses",
-    responses.parse,
-    responses.ResponsesStreamEncoder,
-    responses.response_body,
-    responses.error_body,
+    wire.parse,
+    wire.ResponsesStreamEncoder,
+    wire.response_body,
+    wire.error_body,
     shows_progress=True,
     parse_with_state=stored.parse,
     finish=stored.finish,

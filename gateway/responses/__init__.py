@@ -1,4 +1,4 @@
-"""Responses API state, on top of the stateless encoders in :mod:`gateway.api.responses`:
+"""Responses API state, on top of the stateless encoders in :mod:`gateway.responses.wire`:
 
 - ``store``/``state``: stored responses (SQLite in the node's home) and where they live (this
   node or, through ``mesh``, the node that stored them);

@@ -27,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway import sse
-from gateway.api import responses
 from gateway.api.errors import RequestInvalid, openai_error_body
 from gateway.events import Done, Error, ErrorKind, Meta
 from gateway.exchange import error_response, json_response
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
+from gateway.responses import wire
 from gateway.responses.state import stored_turn
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class BackgroundRun:
         self,
         state: Any,
         request: ChatRequest,
-        body: responses.ResponsesBody,
+        body: wire.ResponsesBody,
         routes: list,
         record: RequestRecord,
     ) -> None:
@@ -57,7 +57,7 @@ class BackgroundRun:
         self.body = body
         self.routes = routes
         self.record = record
-        self.encoder = responses.ResponsesStreamEncoder(request, body, body._response_id)
+        self.encoder = wire.ResponsesStreamEncoder(request, body, body._response_id)
         self.id = self.encoder.shell.id
         self.status = "queued"
         self.events: list[dict[str, Any]] = []  # events[n]["sequence_number"] == n

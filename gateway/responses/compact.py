@@ -20,12 +20,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.answer import Accumulator, new_id
-from gateway.api import responses
 from gateway.api.count_tokens import estimate_tokens
 from gateway.api.errors import RequestInvalid, validated
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest, Message
+from gateway.responses import wire
 from gateway.responses.compacted import encode_summary
 from gateway.responses.state import ResponseStateError, not_found
 from gateway.responses.store import StoredResponse
@@ -83,7 +83,7 @@ async def _history(state: Any, body: CompactBody) -> list[dict[str, Any]]:
 
 async def _prompt_tokens(state: Any, model: str, items: list[dict[str, Any]], instructions) -> int:
     """What ``items`` cost as a prompt: the serving upstream's exact count, else an estimate."""
-    chat, _ = responses.parse({"model": model, "input": items, "instructions": instructions})
+    chat, _ = wire.parse({"model": model, "input": items, "instructions": instructions})
     # resolve, not aresolve: a count runs no prompt, and a cache-aware ranking would note this
     # one as sent to its first node (and tokenize it once more).
     for route in state.router.resolve(chat):
@@ -105,7 +105,7 @@ async def _compacted(state: Any, body: CompactBody, history: list[dict[str, Any]
     budget = min(SUMMARY_MAX_TOKENS, full - floor - 1)
     if budget < MIN_SUMMARY_TOKENS:
         return history, None  # nothing worth replacing: no generation at all
-    chat, _ = responses.parse({"model": model, "input": history, "instructions": instructions})
+    chat, _ = wire.parse({"model": model, "input": history, "instructions": instructions})
     ask = chat.model_copy(
         update={
             "messages": [*chat.messages, Message(role="user", content=_ASK)],
@@ -158,7 +158,7 @@ async def compact(request: Request) -> Response:
         "object": "response.compaction",
         "created_at": int(time.time()),
         "output": output,
-        "usage": responses.usage_of(acc or Accumulator()),
+        "usage": wire.usage_of(acc or Accumulator()),
     }
     state.responses.put(  # continuable by previous_response_id, like any response
         StoredResponse(id=compacted["id"], response=compacted, input_items=history, context=output)
@@ -167,4 +167,4 @@ async def compact(request: Request) -> Response:
 
 
 def _error(error: Error) -> Response:
-    return error_response(responses.error_body, error)  # param: input, not Chat's messages
+    return error_response(wire.error_body, error)  # param: input, not Chat's messages

@@ -17,7 +17,7 @@ from gateway.events import Error
 from gateway.responses.store import ResponseStore, StoredResponse
 
 if TYPE_CHECKING:
-    from gateway.api.responses_input import ResponsesBody
+    from gateway.responses.request import ResponsesBody
 
 _PREFIX = "resp_"
 

@@ -16,13 +16,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.answer import new_id
-from gateway.api import responses
 from gateway.api.errors import RequestInvalid, openai_error_body
-from gateway.api.responses_input import check_call_outputs
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.request import ChatRequest
-from gateway.responses import background
+from gateway.responses import background, wire
+from gateway.responses.request import check_call_outputs
 from gateway.responses.state import ResponseStateError, ResponseStates, not_found, stored_turn
 from gateway.responses.store import StoredResponse
 
@@ -73,8 +72,8 @@ def _complete_item(item: dict[str, Any]) -> None:
         item["content"] = [part]
 
 
-async def parse(state: Any, raw: dict[str, Any]) -> tuple[ChatRequest, responses.ResponsesBody]:
-    """``responses.parse`` with the stored context of ``previous_response_id`` put first."""
+async def parse(state: Any, raw: dict[str, Any]) -> tuple[ChatRequest, wire.ResponsesBody]:
+    """``wire.parse`` with the stored context of ``previous_response_id`` put first."""
     states: ResponseStates = state.responses
     previous = raw.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
@@ -90,13 +89,13 @@ async def parse(state: Any, raw: dict[str, Any]) -> tuple[ChatRequest, responses
 
 def parse_with_prior(
     state: Any, raw: dict[str, Any], prior: list[dict[str, Any]]
-) -> tuple[ChatRequest, responses.ResponsesBody]:
+) -> tuple[ChatRequest, wire.ResponsesBody]:
     """The request with ``prior`` (a previous response's context) before its own input."""
-    request, body = responses.parse(raw)  # the body as sent must be valid on its own
+    request, body = wire.parse(raw)  # the body as sent must be valid on its own
     this_turn = input_items(raw["input"])
     check_call_outputs(prior, this_turn)
     if prior:
-        request, body = responses.parse({**raw, "input": prior + this_turn})
+        request, body = wire.parse({**raw, "input": prior + this_turn})
     body._response_id = state.responses.new_id()
     body._turn_input = this_turn
     body._prior_context = prior
@@ -104,7 +103,7 @@ def parse_with_prior(
 
 
 def finish(
-    state: Any, request: ChatRequest, body: responses.ResponsesBody, response: dict[str, Any]
+    state: Any, request: ChatRequest, body: wire.ResponsesBody, response: dict[str, Any]
 ) -> None:
     """Store a finished (or failed) response unless the request said ``store: false``."""
     if body.store is False:

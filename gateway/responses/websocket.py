@@ -32,12 +32,11 @@ import orjson
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.api import responses
 from gateway.api.errors import RequestInvalid
 from gateway.events import Done, Error, Meta, TextDelta
 from gateway.metrics import RequestRecord
 from gateway.request import ChatRequest
-from gateway.responses import stored
+from gateway.responses import stored, wire
 from gateway.responses.state import ResponseStateError, stored_turn
 from gateway.responses.store import StoredResponse
 from gateway.router import RouteError
@@ -63,7 +62,7 @@ def error_message(error: Error) -> dict[str, Any]:
     and OpenAI's WebSocket examples (over HTTP it stays the spec's ``not_found`` 404)."""
     if error.code == "previous_response_not_found":
         error = dataclasses.replace(error, kind="invalid_request")
-    return {"type": "error", "status": error.status, **responses.error_body(error)}
+    return {"type": "error", "status": error.status, **wire.error_body(error)}
 
 
 class _Socket:
@@ -176,7 +175,7 @@ class _Socket:
             self.last = None
         await self.send(error_message(error))
 
-    async def _parse(self, text: str) -> tuple[ChatRequest, responses.ResponsesBody, bool]:
+    async def _parse(self, text: str) -> tuple[ChatRequest, wire.ResponsesBody, bool]:
         """The turn's request and body, and whether to generate (``generate: false`` only
         warms up: see :meth:`_warm`)."""
         try:
@@ -198,24 +197,24 @@ class _Socket:
             return (*stored.parse_with_prior(self.state, raw, last.context), generate)
         return (*await stored.parse(self.state, raw), generate)
 
-    async def _warm(self, request: ChatRequest, body: responses.ResponsesBody) -> None:
+    async def _warm(self, request: ChatRequest, body: wire.ResponsesBody) -> None:
         """``generate: false``: no model output, a completed response with none, whose state
         (the context so far) the socket keeps, so the next turn can chain from its id."""
-        encoder = responses.ResponsesStreamEncoder(request, body, body._response_id)
+        encoder = wire.ResponsesStreamEncoder(request, body, body._response_id)
         for payload in [*encoder.start_events(), *encoder.events(Done())]:
             await self.send(payload)
         if encoder.final is not None:
             self._keep(request, body, encoder.final)
 
-    def _keep(self, request: ChatRequest, body: responses.ResponsesBody, final: dict) -> None:
+    def _keep(self, request: ChatRequest, body: wire.ResponsesBody, final: dict) -> None:
         """The finished response: stored (unless ``store: false``) and kept on the socket."""
         stored.finish(self.state, request, body, final)
         self.last = stored_turn(body, final)
 
-    async def _run(self, request: ChatRequest, body: responses.ResponsesBody, routes) -> None:
+    async def _run(self, request: ChatRequest, body: wire.ResponsesBody, routes) -> None:
         state = self.state
         record = RequestRecord(api="responses.ws", model=request.model, stream=True)
-        encoder = responses.ResponsesStreamEncoder(request, body, body._response_id)
+        encoder = wire.ResponsesStreamEncoder(request, body, body._response_id)
         producer = ProducerStream(state.router.stream(request, routes))
         t0 = time.perf_counter()
         state.in_flight += 1

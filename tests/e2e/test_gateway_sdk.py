@@ -254,7 +254,7 @@ def test_responses_tool_round_trip_input(oai, server):
         },
         {"type": "function_call_output", "call_id": "c1", "output": "rainy"},
     ]
-    from gateway.api.responses import parse
+    from gateway.responses.wire import parse
 
     request, _ = parse({"model": "m", "input": items})
     roles = [m.role for m in request.messages]

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from gateway.api import chat, messages, responses
+from gateway.api import chat, messages
 from gateway.moa.candidates import worker_request
 from gateway.request import ChatRequest
+from gateway.responses import wire
 from gateway.worker_client import worker_body
 from worker.chat.thinking import normalize_thinking
 
@@ -61,7 +62,7 @@ def _parse_chat(fields: dict[str, Any]):
 
 
 def _parse_responses(fields: dict[str, Any]):
-    return responses.parse({"model": "m", "input": "hi", **fields})[0]
+    return wire.parse({"model": "m", "input": "hi", **fields})[0]
 
 
 def _parse_messages(fields: dict[str, Any]):

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 from openresponses import check_event
 
-from gateway.api import chat, messages, messages_sse, responses
+from gateway.api import chat, messages, messages_sse
 from gateway.events import (
     Done,
     Error,
@@ -25,6 +25,7 @@ from gateway.events import (
     ToolCallDelta,
     Usage,
 )
+from gateway.responses import wire
 
 piece = st.text(min_size=1, max_size=4)
 content = st.lists(
@@ -137,9 +138,7 @@ def test_chat_chunks_validate_and_add_up(deltas, calls, ending):
 @given(content, tools, endings)
 def test_responses_events_validate_and_add_up(deltas, calls, ending):
     events = _events(deltas, calls, ending)
-    frames = _encode(
-        responses, responses.ResponsesStreamEncoder, {"model": "m", "input": "x"}, events
-    )
+    frames = _encode(wire, wire.ResponsesStreamEncoder, {"model": "m", "input": "x"}, events)
     payloads = [orjson.loads(d) for _, d in frames]
     for payload in payloads:
         check_event(payload)  # the Open Responses spec, which the stream follows

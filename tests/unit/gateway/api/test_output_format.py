@@ -10,10 +10,11 @@ import pytest
 from openresponses import check_response
 
 from gateway.answer import Accumulator
-from gateway.api import chat, messages, responses
+from gateway.api import chat, messages
 from gateway.api.errors import RequestInvalid
 from gateway.events import Done, TextDelta
 from gateway.request import OutputFormat
+from gateway.responses import wire
 from gateway.worker_client import worker_body
 
 SCHEMA = {
@@ -33,7 +34,7 @@ def _chat(response_format: dict[str, Any]) -> OutputFormat | None:
 
 
 def _responses(text_format: dict[str, Any]) -> OutputFormat | None:
-    return responses.parse({**RESPONSES, "text": {"format": text_format}})[0].output_format
+    return wire.parse({**RESPONSES, "text": {"format": text_format}})[0].output_format
 
 
 def test_chat_response_format() -> None:
@@ -84,7 +85,7 @@ def test_messages_effort_is_the_reasoning_effort_templates_read(effort, reasonin
         (chat.parse, {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
         (chat.parse, {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
         (
-            responses.parse,
+            wire.parse,
             {
                 **RESPONSES,
                 "text": {"format": {"type": "json_schema", "name": "n", "schema": UNIQUE}},
@@ -92,7 +93,7 @@ def test_messages_effort_is_the_reasoning_effort_templates_read(effort, reasonin
             "text.format.schema.properties.ids.uniqueItems",
         ),
         (
-            responses.parse,
+            wire.parse,
             {**RESPONSES, "text": {"format": {"type": "json_schema", "name": "n"}}},
             "text.format.schema",
         ),
@@ -123,7 +124,7 @@ def test_what_cannot_be_held_is_400_naming_the_field(
 
 
 def test_the_worker_gets_a_chat_response_format() -> None:
-    request, _ = responses.parse(
+    request, _ = wire.parse(
         {**RESPONSES, "text": {"format": {"type": "json_schema", "name": "t", "schema": SCHEMA}}}
     )
     assert worker_body(request, "w")["response_format"] == {
@@ -140,11 +141,11 @@ def test_the_worker_gets_a_chat_response_format() -> None:
 
 
 def _response_object(text_format: dict[str, Any]) -> dict[str, Any]:
-    request, parsed = responses.parse({**RESPONSES, "text": {"format": text_format}})
+    request, parsed = wire.parse({**RESPONSES, "text": {"format": text_format}})
     acc = Accumulator()
     for event in (TextDelta('{"title": "x"}'), Done()):
         acc.add(event)
-    return responses.response_body(request, parsed, acc)
+    return wire.response_body(request, parsed, acc)
 
 
 def test_responses_echo_the_format_they_were_asked_for() -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.api import chat, messages, responses
+from gateway.api import chat, messages
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid
 from gateway.request import Message
+from gateway.responses import wire
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -29,10 +30,10 @@ def test_chat_thinking_knobs(extra, expected):
 
 def test_responses_and_messages_thinking_knobs():
     assert (
-        responses.parse({"model": "m", "input": "x", "reasoning": {"effort": "low"}})[0].reasoning
+        wire.parse({"model": "m", "input": "x", "reasoning": {"effort": "low"}})[0].reasoning
         is True
     )
-    assert responses.parse({"model": "m", "input": "x"})[0].reasoning is None
+    assert wire.parse({"model": "m", "input": "x"})[0].reasoning is None
     body = {"model": "m", "max_tokens": 5, "messages": USER}
     assert (
         messages.parse({**body, "thinking": {"type": "enabled", "budget_tokens": 2000}})[
@@ -48,17 +49,15 @@ def test_max_tokens_always_reach_the_model():
     assert (
         chat.parse({"model": "m", "messages": USER, "max_completion_tokens": 9})[0].max_tokens == 9
     )
-    assert (
-        responses.parse({"model": "m", "input": "x", "max_output_tokens": 11})[0].max_tokens == 11
-    )
+    assert wire.parse({"model": "m", "input": "x", "max_output_tokens": 11})[0].max_tokens == 11
     assert messages.parse({"model": "m", "messages": USER, "max_tokens": 13})[0].max_tokens == 13
 
 
 def test_responses_penalties_reach_the_model():
     body = {"model": "m", "input": "x", "presence_penalty": 0.5, "frequency_penalty": -1}
-    request, _ = responses.parse(body)
+    request, _ = wire.parse(body)
     assert (request.presence_penalty, request.frequency_penalty) == (0.5, -1.0)
-    request, _ = responses.parse({"model": "m", "input": "x"})
+    request, _ = wire.parse({"model": "m", "input": "x"})
     assert (request.presence_penalty, request.frequency_penalty) == (None, None)
 
 
@@ -82,7 +81,7 @@ def test_responses_accepts_the_specs_response_shaping_fields():
         "reasoning": {"effort": "low", "summary": "auto"},
         "metadata": {f"k{i}": "v" * 512 for i in range(16)},
     }
-    request, parsed = responses.parse(body)
+    request, parsed = wire.parse(body)
     assert parsed.store is False and parsed.max_tool_calls == 2
     assert request.session_key == "s1" and len(request.metadata) == 16
 
@@ -116,7 +115,7 @@ def test_responses_accepts_the_specs_response_shaping_fields():
 )
 def test_responses_bad_fields_are_400_naming_them(extra, param):
     with pytest.raises(RequestInvalid) as info:
-        responses.parse({"model": "m", "input": "x", **extra})
+        wire.parse({"model": "m", "input": "x", **extra})
     assert info.value.param == param and info.value.message.startswith(param + ": ")
 
 
@@ -206,11 +205,11 @@ def test_anthropic_blocks_become_turns_in_order():
             "image_url",
         ),
         (
-            responses,
+            wire,
             {"model": "m", "input": "x", "previous_response_id": 7},
             "previous_response_id",
         ),
-        (responses, {"model": "m", "input": "x", "tools": [{"type": "teleport"}]}, "tools.0.type"),
+        (wire, {"model": "m", "input": "x", "tools": [{"type": "teleport"}]}, "tools.0.type"),
         (messages, {"model": "m", "max_tokens": 0, "messages": USER}, "max_tokens"),
         (
             messages,

@@ -1,6 +1,6 @@
 """OpenAI Responses requests, as the Open Responses specification's ``CreateResponseBody`` has
 them: the body validated (a 400 naming the field where it is wrong) and its ``input`` items turned
-into a ChatRequest. The response side is :mod:`gateway.api.responses`.
+into a ChatRequest. The response side is :mod:`gateway.responses.wire`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from gateway.answer import new_id
 from gateway.api.common import place_system_messages
 from gateway.api.errors import RequestInvalid, validated
 from gateway.api.output_format import responses_output_format
-from gateway.api.responses_tools import (
+from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall
+from gateway.responses.compacted import decode_reasoning, summary_message
+from gateway.responses.tools import (
     Tools,
     custom_arguments,
     flat_name,
     ignored_header,
     parse_tools,
 )
-from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall
-from gateway.responses.compacted import decode_reasoning, summary_message
 from worker.chat.thinking import normalize_thinking
 
 _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
@@ -159,7 +159,7 @@ class ResponsesBody(BaseModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[Any] | None = None  # each validated by its type (gateway.api.responses_tools)
+    tools: list[Any] | None = None  # each validated by its type (gateway.responses.tools)
     # Hosted-tool and ``allowed_tools`` choices are refused: no such tools are served here.
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None

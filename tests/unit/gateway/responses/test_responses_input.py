@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gateway.answer import Accumulator
-from gateway.api import responses
 from gateway.api.errors import RequestInvalid
 from gateway.events import Done, ReasoningDelta, TextDelta
+from gateway.responses import wire
 from gateway.responses.compacted import decode_reasoning, encode_reasoning
 
 CODEX = json.loads((Path(__file__).parents[3] / "fixtures" / "codex_requests.json").read_text())
@@ -19,25 +19,25 @@ USER = {"role": "user", "content": "hi"}
 
 
 def _messages(*items):
-    return responses.parse({"model": "m", "input": [USER, *items]})[0].messages
+    return wire.parse({"model": "m", "input": [USER, *items]})[0].messages
 
 
 def test_include_takes_the_specs_values_only():
     both = ["reasoning.encrypted_content", "message.output_text.logprobs"]
-    assert responses.parse({"model": "m", "input": "x", "include": both})[1].encrypted_reasoning
-    assert not responses.parse({"model": "m", "input": "x"})[1].encrypted_reasoning
+    assert wire.parse({"model": "m", "input": "x", "include": both})[1].encrypted_reasoning
+    assert not wire.parse({"model": "m", "input": "x"})[1].encrypted_reasoning
     with pytest.raises(RequestInvalid) as info:
-        responses.parse({"model": "m", "input": "x", "include": [both[0], "file_search_call"]})
+        wire.parse({"model": "m", "input": "x", "include": [both[0], "file_search_call"]})
     assert info.value.param == "include.1" and info.value.message.startswith("include.1: ")
 
 
 def test_reasoning_round_trips_through_encrypted_content():
     body = {"model": "m", "input": "x", "include": ["reasoning.encrypted_content"]}
-    request, parsed = responses.parse(body)
+    request, parsed = wire.parse(body)
     acc = Accumulator()
     for event in (ReasoningDelta("first "), ReasoningDelta("think"), TextDelta("4"), Done()):
         acc.add(event)
-    reasoning = responses.response_body(request, parsed, acc)["output"][0]
+    reasoning = wire.response_body(request, parsed, acc)["output"][0]
     assert reasoning["encrypted_content"].startswith("mlxmesh-reasoning-v1.")
     assert decode_reasoning(reasoning["encrypted_content"]) == "first think"
     # Handed back as Codex does: no readable content, only the encoded text.
@@ -51,11 +51,11 @@ def test_reasoning_round_trips_through_encrypted_content():
 
 
 def test_without_include_reasoning_is_not_encoded():
-    request, parsed = responses.parse({"model": "m", "input": "x"})
+    request, parsed = wire.parse({"model": "m", "input": "x"})
     acc = Accumulator()
     for event in (ReasoningDelta("hm"), TextDelta("4"), Done()):
         acc.add(event)
-    assert "encrypted_content" not in responses.response_body(request, parsed, acc)["output"][0]
+    assert "encrypted_content" not in wire.response_body(request, parsed, acc)["output"][0]
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_namespaced_and_custom_calls_come_back_under_the_models_names():
 
 
 def test_codex_second_turn_reads_as_one_tool_round():
-    request, _ = responses.parse(CODEX["tool_output"])
+    request, _ = wire.parse(CODEX["tool_output"])
     *_, user, assistant, tool = request.messages
     assert user.role == "user" and "echo hi" in user.content
     assert assistant.reasoning == "I should run it."

@@ -1,5 +1,5 @@
 """OpenAI Responses, as the Open Responses specification has it: internal events → stream events
-and the response object (requests are parsed in :mod:`gateway.api.responses_input`).
+and the response object (requests are parsed in :mod:`gateway.responses.request`).
 
 Output is a list of items opened and closed in order (reasoning, message, function_call); every
 event carries a ``sequence_number``; one response id throughout. A ``Progress`` note becomes a
@@ -11,7 +11,7 @@ streams as ``response.reasoning.delta``/``.done``, and the ``error`` event nests
 encoder makes event dicts first and frames them second, so SSE and a WebSocket (one JSON message
 per event) share it.
 
-Tool calls go back under the client's names for its tools (gateway.api.responses_tools): a
+Tool calls go back under the client's names for its tools (gateway.responses.tools): a
 namespaced tool's call carries OpenAI's ``namespace`` field, a custom tool's is OpenAI's
 ``custom_tool_call`` item – both beyond the spec, and only for clients that declared such tools.
 With ``include: ["reasoning.encrypted_content"]`` reasoning items carry ``encrypted_content``
@@ -26,8 +26,10 @@ from typing import Any
 from gateway import sse
 from gateway.answer import Accumulator, ToolCallState, new_id
 from gateway.api.errors import openai_error_body
-from gateway.api.responses_input import ResponsesBody, parse
-from gateway.api.responses_object import (
+from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
+from gateway.request import ChatRequest
+from gateway.responses.request import ResponsesBody, parse
+from gateway.responses.response import (
     CALL_KINDS,
     ResponseShell,
     call_item,
@@ -39,8 +41,6 @@ from gateway.api.responses_object import (
     text_part,
     usage_of,
 )
-from gateway.events import Done, Error, Event, Progress, ReasoningDelta, TextDelta, ToolCallDelta
-from gateway.request import ChatRequest
 
 __all__ = [
     "ResponsesBody",

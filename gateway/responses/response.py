@@ -1,6 +1,6 @@
 """The Responses object and its output items, as the Open Responses specification has them: the
 fields a response carries whatever happens (:class:`ResponseShell`), usage, and the items the
-stream encoder (:mod:`gateway.api.responses`) opens and finishes."""
+stream encoder (:mod:`gateway.responses.wire`) opens and finishes."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 from gateway.answer import Accumulator, ToolCallState, new_id
 from gateway.api.output_format import responses_format_echo
-from gateway.api.responses_input import FunctionChoice, ResponsesBody
-from gateway.api.responses_tools import ServedTool, custom_input
 from gateway.events import Error
 from gateway.request import ChatRequest
 from gateway.responses.compacted import encode_reasoning
+from gateway.responses.request import FunctionChoice, ResponsesBody
+from gateway.responses.tools import ServedTool, custom_input
 
 # -- the response object and its items ---------------------------------------------------------------------------
 
@@ -83,7 +83,7 @@ class ResponseShell:
             "instructions": body.instructions,
             "output": [],
             "error": None,
-            "tools": body._tools.echo,  # as the model saw them (gateway.api.responses_tools)
+            "tools": body._tools.echo,  # as the model saw them (gateway.responses.tools)
             "tool_choice": _tool_choice(body),
             "truncation": body.truncation or "disabled",
             "parallel_tool_calls": _or(body.parallel_tool_calls, True),

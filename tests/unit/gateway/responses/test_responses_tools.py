@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.api import responses
 from gateway.api.errors import RequestInvalid
-from gateway.api.responses_tools import (
+from gateway.responses import wire
+from gateway.responses.tools import (
     HOSTED_TYPES,
     ServedTool,
     custom_arguments,
@@ -102,7 +102,7 @@ def test_no_header_when_nothing_is_left_out():
 )
 def test_malformed_tools_are_400s_naming_them(tool, param):
     with pytest.raises(RequestInvalid) as info:
-        responses.parse({"model": "m", "input": "x", "tools": [tool]})
+        wire.parse({"model": "m", "input": "x", "tools": [tool]})
     assert info.value.param == param and info.value.message.startswith(param + ": ")
 
 
@@ -126,7 +126,7 @@ def test_custom_input_from_what_the_model_wrote(arguments, text):
 
 @pytest.mark.parametrize("turn", ["first", "tool_output", "gpt-5.5"])
 def test_codex_requests_parse(turn):
-    request, body = responses.parse(CODEX[turn])
+    request, body = wire.parse(CODEX[turn])
     names = {spec.name for spec in request.tools}
     assert "exec_command" in names
     assert body.store is False and body.encrypted_reasoning

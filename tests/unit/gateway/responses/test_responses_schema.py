@@ -28,7 +28,6 @@ from openresponses import (
 )
 
 from gateway.answer import Accumulator
-from gateway.api import responses
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.events import (
@@ -43,6 +42,7 @@ from gateway.events import (
     ToolCallDelta,
     Usage,
 )
+from gateway.responses import wire
 from gateway.testing import ScriptedUpstream, asgi_request, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
 
@@ -128,9 +128,9 @@ SCENARIOS: dict[str, list[Event]] = {
 
 def _stream(
     body: dict[str, Any], events: list[Event], response_id: str | None = None
-) -> tuple[list[dict[str, Any]], responses.ResponsesStreamEncoder]:
-    request, parsed = responses.parse(body)
-    encoder = responses.ResponsesStreamEncoder(request, parsed, response_id=response_id)
+) -> tuple[list[dict[str, Any]], wire.ResponsesStreamEncoder]:
+    request, parsed = wire.parse(body)
+    encoder = wire.ResponsesStreamEncoder(request, parsed, response_id=response_id)
     out = encoder.start_events()
     for event in events:
         out += encoder.events(event)
@@ -138,11 +138,11 @@ def _stream(
 
 
 def _body(body: dict[str, Any], events: list[Event], **kwargs: Any) -> dict[str, Any]:
-    request, parsed = responses.parse(body)
+    request, parsed = wire.parse(body)
     acc = Accumulator()
     for event in events:
         acc.add(event)
-    return responses.response_body(request, parsed, acc, **kwargs)
+    return wire.response_body(request, parsed, acc, **kwargs)
 
 
 def _check_stream(events: list[dict[str, Any]]) -> None:
@@ -315,8 +315,8 @@ def test_response_id_hook_names_the_response_everywhere():
 
 
 def test_final_is_set_by_the_terminal_event_only():
-    request, parsed = responses.parse(MINIMAL)
-    encoder = responses.ResponsesStreamEncoder(request, parsed)
+    request, parsed = wire.parse(MINIMAL)
+    encoder = wire.ResponsesStreamEncoder(request, parsed)
     encoder.start_events()
     encoder.events(TextDelta("a"))
     assert encoder.final is None
@@ -338,8 +338,8 @@ def _ids_out(value: Any) -> Any:
 
 
 def test_sse_frames_are_the_event_dicts():
-    request, parsed = responses.parse(MINIMAL)
-    sse = responses.ResponsesStreamEncoder(request, parsed)
+    request, parsed = wire.parse(MINIMAL)
+    sse = wire.ResponsesStreamEncoder(request, parsed)
     raw = sse.start() + b"".join(sse.encode(e) for e in SCENARIOS["everything"])
     dicts, _ = _stream(MINIMAL, SCENARIOS["everything"])
     assert _ids_out(sse_events(raw)) == _ids_out(dicts)
@@ -398,12 +398,12 @@ def test_a_custom_tool_call_is_openais_custom_tool_call_item():
     assert (item.type, item.name, item.call_id) == ("custom_tool_call", "apply_patch", "call_0")
     assert not any("function_call_arguments" in e["type"] for e in events)
     assert encoder.final is not None and encoder.final["output"] == [done["item"]]
-    request, parsed = responses.parse(CODEX["gpt-5.5"])
+    request, parsed = wire.parse(CODEX["gpt-5.5"])
     acc = Accumulator()
     for event in _call(0, "apply_patch", arguments):
         acc.add(event)
     acc.add(Done())
-    assert responses.response_body(request, parsed, acc)["output"][0]["input"] == _PATCH
+    assert wire.response_body(request, parsed, acc)["output"][0]["input"] == _PATCH
 
 
 def test_hosted_tools_are_named_in_a_header():
