@@ -1,5 +1,6 @@
-"""OpenAI Responses, as the Open Responses specification has it: internal events → stream events
-and the response object (requests are parsed in :mod:`gateway.responses.request`).
+"""The Responses API on the wire, as the Open Responses specification has it: internal events →
+stream events, the whole response body, and the error body. With ``parse`` (from
+:mod:`gateway.responses.request`, re-exported) it is all the shared request lifetime plugs in.
 
 Output is a list of items opened and closed in order (reasoning, message, function_call); every
 event carries a ``sequence_number``; one response id throughout. A ``Progress`` note becomes a
