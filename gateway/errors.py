@@ -3,7 +3,7 @@
 
     GatewayError
     ├── RequestInvalid     the client's body is not a valid request for its API (400)
-    │                      – gateway/api/errors.py, with the field path it names
+    │                      – gateway/refusals.py, with the field path it names
     ├── RouteError         no route for the model: unknown (404) or nobody up (503)
     │                      – gateway/router.py, carrying the ``Error`` to answer with
     └── EventDecodeError   a serialised event that is not one of ours (a peer's bad JSON)

@@ -26,7 +26,6 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import router, sse
 from gateway.answer import Accumulator
-from gateway.api.errors import RequestInvalid
 from gateway.events import (
     RETRYABLE_KINDS,
     ChoiceEvent,
@@ -40,8 +39,8 @@ from gateway.events import (
     ToolCallDelta,
 )
 from gateway.metrics import RequestRecord
+from gateway.refusals import RequestInvalid, ResponseStateError
 from gateway.request import ChatRequest
-from gateway.responses.state import ResponseStateError
 from gateway.router import RouteError
 from gateway.stream import ProducerStream
 

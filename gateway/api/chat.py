@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway import sse
 from gateway.answer import Accumulator, ToolCallState, new_id
 from gateway.api.common import place_system_messages
-from gateway.api.errors import RequestInvalid, openai_error_body, validated
+from gateway.api.errors import openai_error_body
 from gateway.api.output_format import chat_output_format
 from gateway.choices import MAX_CHOICES, fan_out
 from gateway.events import (
@@ -24,6 +24,7 @@ from gateway.events import (
     TextDelta,
     ToolCallDelta,
 )
+from gateway.refusals import RequestInvalid, validated
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.chat.schemas import ResponseFormat, check_template_kwargs, openai_usage
 from worker.chat.thinking import normalize_thinking

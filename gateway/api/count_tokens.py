@@ -8,11 +8,11 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.errors import RequestInvalid, validated
 from gateway.api.messages import ConversationBody, messages_of, tool_choice_of, tools_of
 from gateway.api.messages_sse import error_body
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
+from gateway.refusals import RequestInvalid, validated
 from gateway.request import ChatRequest
 from gateway.router import RouteError
 from worker.chat.thinking import normalize_thinking

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.answer import new_id
 from gateway.api.common import place_system_messages
-from gateway.api.errors import RequestInvalid, validated
 from gateway.api.output_format import messages_effort, messages_output_format
+from gateway.refusals import RequestInvalid, validated
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from worker.chat.thinking import normalize_thinking
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.errors import RequestInvalid, validated
+from gateway.refusals import RequestInvalid, validated
 from gateway.request import OutputFormat
 from worker.chat.schemas import ResponseFormat
 from worker.structured.json_grammar import SchemaError, json_grammar

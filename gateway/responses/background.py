@@ -27,10 +27,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway import sse
-from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.errors import openai_error_body
 from gateway.events import Done, Error, ErrorKind, Meta
 from gateway.exchange import error_response, json_response
 from gateway.metrics import RequestRecord
+from gateway.refusals import RequestInvalid
 from gateway.request import ChatRequest
 from gateway.responses import wire
 from gateway.responses.state import stored_turn

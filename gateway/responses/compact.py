@@ -21,13 +21,13 @@ from starlette.responses import Response
 
 from gateway.answer import Accumulator, new_id
 from gateway.api.count_tokens import estimate_tokens
-from gateway.api.errors import RequestInvalid, validated
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
+from gateway.refusals import RequestInvalid, ResponseStateError, validated
 from gateway.request import ChatRequest, Message
 from gateway.responses import wire
 from gateway.responses.compacted import encode_summary
-from gateway.responses.state import ResponseStateError, not_found
+from gateway.responses.state import not_found
 from gateway.responses.store import StoredResponse
 from gateway.responses.stored import input_items
 from gateway.router import RouteError

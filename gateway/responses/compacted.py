@@ -15,7 +15,7 @@ import base64
 import contextlib
 import zlib
 
-from gateway.api.errors import RequestInvalid
+from gateway.refusals import RequestInvalid
 from gateway.request import Message
 
 PREFIX = "mlxmesh-compaction-v1."

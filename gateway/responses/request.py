@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 
 from gateway.answer import new_id
 from gateway.api.common import place_system_messages
-from gateway.api.errors import RequestInvalid, validated
 from gateway.api.output_format import responses_output_format
+from gateway.refusals import RequestInvalid, validated
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall
 from gateway.responses.compacted import decode_reasoning, summary_message
 from gateway.responses.tools import (

@@ -3,7 +3,9 @@
 A response id names the node that stored it (``resp_<node tag>_<random>``), so any node of a mesh
 can tell whose a response is. The gateway only knows :class:`ResponseStates`; ``mesh`` injects
 one that fetches a peer's responses over the tunnel, and a standalone gateway uses
-:class:`LocalResponses` over its own :class:`~gateway.response_store.ResponseStore`.
+:class:`LocalResponses` over its own :class:`~gateway.responses.store.ResponseStore`. A stored
+response that cannot be used (not found, its node unreachable) is refused with a
+:class:`~gateway.refusals.ResponseStateError` made here.
 """
 
 from __future__ import annotations
@@ -12,22 +14,14 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.errors import GatewayError
 from gateway.events import Error
+from gateway.refusals import ResponseStateError
 from gateway.responses.store import ResponseStore, StoredResponse
 
 if TYPE_CHECKING:
     from gateway.responses.request import ResponsesBody
 
 _PREFIX = "resp_"
-
-
-class ResponseStateError(GatewayError):
-    """A stored response cannot be used: carries the ``Error`` to answer with."""
-
-    def __init__(self, error: Error) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 def not_found(response_id: str, param: str | None = None) -> ResponseStateError:

@@ -16,13 +16,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.answer import new_id
-from gateway.api.errors import RequestInvalid, openai_error_body
+from gateway.api.errors import openai_error_body
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
+from gateway.refusals import RequestInvalid, ResponseStateError
 from gateway.request import ChatRequest
 from gateway.responses import background, wire
 from gateway.responses.request import check_call_outputs
-from gateway.responses.state import ResponseStateError, ResponseStates, not_found, stored_turn
+from gateway.responses.state import ResponseStates, not_found, stored_turn
 from gateway.responses.store import StoredResponse
 
 DEFAULT_PAGE = 20

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
-from gateway.api.errors import RequestInvalid, validated
+from gateway.refusals import RequestInvalid, validated
 from gateway.request import ToolSpec
 
 log = logging.getLogger(__name__)

@@ -32,12 +32,12 @@ import orjson
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.api.errors import RequestInvalid
 from gateway.events import Done, Error, Meta, TextDelta
 from gateway.metrics import RequestRecord
+from gateway.refusals import RequestInvalid, ResponseStateError
 from gateway.request import ChatRequest
 from gateway.responses import stored, wire
-from gateway.responses.state import ResponseStateError, stored_turn
+from gateway.responses.state import stored_turn
 from gateway.responses.store import StoredResponse
 from gateway.router import RouteError
 from gateway.stream import ProducerStream

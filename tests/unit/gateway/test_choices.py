@@ -143,7 +143,7 @@ def test_the_chat_stream_tags_each_chunk_with_its_choice() -> None:
 
 @pytest.mark.parametrize("n", [0, 17])
 def test_n_out_of_range_is_a_400(n: int) -> None:
-    from gateway.api.errors import RequestInvalid
+    from gateway.refusals import RequestInvalid
 
     with pytest.raises(RequestInvalid):
         parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": n})

@@ -11,8 +11,8 @@ from openresponses import check_response
 
 from gateway.answer import Accumulator
 from gateway.api import chat, messages
-from gateway.api.errors import RequestInvalid
 from gateway.events import Done, TextDelta
+from gateway.refusals import RequestInvalid
 from gateway.request import OutputFormat
 from gateway.responses import wire
 from gateway.worker_client import worker_body

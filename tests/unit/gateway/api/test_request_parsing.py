@@ -6,7 +6,7 @@ import pytest
 
 from gateway.api import chat, messages
 from gateway.api.common import place_system_messages
-from gateway.api.errors import RequestInvalid
+from gateway.refusals import RequestInvalid
 from gateway.request import Message
 from gateway.responses import wire
 

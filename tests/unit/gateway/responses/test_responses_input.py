@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gateway.answer import Accumulator
-from gateway.api.errors import RequestInvalid
 from gateway.events import Done, ReasoningDelta, TextDelta
+from gateway.refusals import RequestInvalid
 from gateway.responses import wire
 from gateway.responses.compacted import decode_reasoning, encode_reasoning
 

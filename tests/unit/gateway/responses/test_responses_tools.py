@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.api.errors import RequestInvalid
+from gateway.refusals import RequestInvalid
 from gateway.responses import wire
 from gateway.responses.tools import (
     HOSTED_TYPES,
