@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -19,9 +20,9 @@ from gateway.api.errors import anthropic_error_body, openai_error_body
 from gateway.config import GatewayConfig
 from gateway.console import RecentRequests, console_routes
 from gateway.events import Error, ErrorKind
-from gateway.exchange import ApiEndpoint, ApiSpec, json_response
+from gateway.exchange import ApiEndpoint, ApiSpec, ExchangeState, json_response
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import GatewayGuard, HostGuard, ServerErrorGuard
+from gateway.middleware import GatewayGuard, GuardedState, HostGuard, ServerErrorGuard
 from gateway.responses import background, compact, stored, websocket, wire
 from gateway.responses.state import LocalResponses, ResponseStates
 from gateway.responses.store import ResponseStore
@@ -47,7 +48,27 @@ class GatewayState:
     started_unix: int = field(default_factory=lambda: int(time.time()))
 
 
-CHAT = ApiSpec(
+if TYPE_CHECKING:
+    # Each consumer declares the slice of this state it reads (a Protocol beside it); endpoints
+    # read the state untyped from ``app.state.gateway``, so mypy checks here, in a function never
+    # run, that the state gives every consumer its slice.
+    def _every_slice(
+        state: GatewayState,
+    ) -> tuple[
+        ExchangeState,
+        GuardedState,
+        info_api.InfoState,
+        count_tokens.CountState,
+        stored.StoredState,
+        stored.DeletingState,
+        background.BackgroundState,
+        compact.CompactState,
+        websocket.SocketState,
+    ]:
+        return (state, state, state, state, state, state, state, state, state)
+
+
+CHAT: ApiSpec[GatewayState] = ApiSpec(
     "chat",
     chat.parse,
     chat.ChatStreamEncoder,
@@ -55,7 +76,7 @@ CHAT = ApiSpec(
     chat.error_body,
     open_stream=chat.open_stream,
 )
-RESPONSES = ApiSpec(
+RESPONSES: ApiSpec[GatewayState] = ApiSpec(
     "responses",
     wire.parse,
     wire.ResponsesStreamEncoder,
@@ -66,7 +87,7 @@ RESPONSES = ApiSpec(
     finish=stored.finish,
     detach=background.start,
 )
-MESSAGES = ApiSpec(
+MESSAGES: ApiSpec[GatewayState] = ApiSpec(
     "messages",
     messages.parse,
     messages_sse.MessagesStreamEncoder,

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import router, sse
 from gateway.answer import Accumulator
+from gateway.config import GatewayConfig
 from gateway.events import (
     RETRYABLE_KINDS,
     ChoiceEvent,
@@ -38,10 +39,10 @@ from gateway.events import (
     TextDelta,
     ToolCallDelta,
 )
-from gateway.metrics import RequestRecord
+from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.refusals import RequestInvalid, ResponseStateError
 from gateway.request import ChatRequest
-from gateway.router import RouteError
+from gateway.router import RouteError, Router
 from gateway.stream import ProducerStream
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,23 @@ class Encoder(Protocol):
     def keepalive(self) -> bytes: ...
 
 
+class ExchangeState(Protocol):
+    """The slice of the gateway's state a request's lifetime reads, and the counts it keeps."""
+
+    config: GatewayConfig  # header_wait_s, keepalive_s
+    router: Router
+    metrics: GatewayMetrics
+    in_flight: int
+    waiting: int
+
+
+# The state an API's hooks get: the gateway's, whose type the app names (an API's hooks may read
+# more of it than the lifetime does, e.g. Responses its stored responses).
+StateT = TypeVar("StateT", bound=ExchangeState)
+
+
 @dataclass(frozen=True)
-class ApiSpec:
+class ApiSpec(Generic[StateT]):
     """How one client API plugs into the shared request lifetime."""
 
     name: str
@@ -73,17 +89,17 @@ class ApiSpec:
     shows_progress: bool = False
     # Parsing that needs the gateway's state (Responses: the stored ``previous_response_id``);
     # replaces ``parse`` when set. It may raise ``ResponseStateError`` (404, 503).
-    parse_with_state: Callable[[Any, dict[str, Any]], Awaitable[tuple[ChatRequest, Any]]] | None = (
-        None
-    )
+    parse_with_state: (
+        Callable[[StateT, dict[str, Any]], Awaitable[tuple[ChatRequest, Any]]] | None
+    ) = None
     # The request's events from the router (Chat: one call per choice when ``n > 1``); None
     # for the one routed call.
-    open_stream: Callable[[Any, ChatRequest, Any, list], AsyncIterator[Event]] | None = None
+    open_stream: Callable[[Router, ChatRequest, Any, list], AsyncIterator[Event]] | None = None
     # Called with the final response object once there is one (Responses: store it).
-    finish: Callable[[Any, ChatRequest, Any, dict[str, Any]], None] | None = None
+    finish: Callable[[StateT, ChatRequest, Any, dict[str, Any]], None] | None = None
     # Takes a routed request over when it runs detached from its HTTP request (Responses'
     # ``background: true``): returns the response to send at once, or None for a normal one.
-    detach: Callable[[Any, ChatRequest, Any, list, RequestRecord], Response | None] | None = None
+    detach: Callable[[StateT, ChatRequest, Any, list, RequestRecord], Response | None] | None = None
 
 
 def json_response(
@@ -105,11 +121,11 @@ def error_response(
     return json_response(spec_error_body(error), status=error.status, headers=extra)
 
 
-class ApiEndpoint:
+class ApiEndpoint(Generic[StateT]):
     """The ASGI endpoint of one generating API (a plain ASGI app, not a request/response
     function, so Starlette adds no per-chunk ``send`` wrapper to the hot path)."""
 
-    def __init__(self, spec: ApiSpec) -> None:
+    def __init__(self, spec: ApiSpec[StateT]) -> None:
         self.spec = spec
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,9 +133,9 @@ class ApiEndpoint:
         await response(scope, receive, send)
 
 
-async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
+async def handle(request: Request, spec: ApiSpec[StateT]) -> Response | EventResponse[StateT]:
     """The endpoint body for every generating API."""
-    state = request.app.state.gateway
+    state: StateT = request.app.state.gateway
     raw: Any = None
     try:
         raw = orjson.loads(await request.body())
@@ -161,13 +177,13 @@ async def handle(request: Request, spec: ApiSpec) -> Response | EventResponse:
     return EventResponse(state, spec, chat_request, body, routes, record)
 
 
-class EventResponse:
+class EventResponse(Generic[StateT]):
     """A pure ASGI response that runs the upstream and writes its events in the API's format."""
 
     def __init__(
         self,
-        state: Any,
-        spec: ApiSpec,
+        state: StateT,
+        spec: ApiSpec[StateT],
         request: ChatRequest,
         body: Any,
         routes: list,

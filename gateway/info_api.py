@@ -4,19 +4,36 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.config import GatewayConfig
 from gateway.exchange import json_response
-from gateway.status import health_facts, read_status
+from gateway.metrics import GatewayMetrics
+from gateway.router import Router
+from gateway.status import StatusSource, health_facts, read_status
 from gateway.upstream import MESH_MODEL
 
 log = logging.getLogger(__name__)
 
 
+class InfoState(Protocol):
+    """The slice of the gateway's state these endpoints report."""
+
+    config: GatewayConfig  # version
+    router: Router
+    metrics: GatewayMetrics
+    status: StatusSource | None
+    started: float
+    started_unix: int
+    in_flight: int
+    waiting: int
+
+
 async def list_models(request: Request) -> Response:
-    state = request.app.state.gateway
+    state: InfoState = request.app.state.gateway
     data = []
     for info in state.router.directory.models():
         entry = {
@@ -41,7 +58,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    state = request.app.state.gateway
+    state: InfoState = request.app.state.gateway
     body = {
         "status": "ok",
         "version": state.config.version,
@@ -61,12 +78,12 @@ async def health(request: Request) -> Response:
 
 async def status(request: Request) -> Response:
     """``GET /api/status``: this node and every peer it knows (the console's picture)."""
-    state = request.app.state.gateway
+    state: InfoState = request.app.state.gateway
     return json_response(await read_status(state.status, state.router.directory))
 
 
 async def metrics(request: Request) -> Response:
-    state = request.app.state.gateway
+    state: InfoState = request.app.state.gateway
     if state.status is not None:  # a node's picture carries its workers' speculation counters
         try:
             picture = await read_status(state.status, None)

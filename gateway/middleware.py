@@ -8,14 +8,14 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Collection
-from typing import Any
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.errors import anthropic_error_body, openai_error_body
-from gateway.config import is_ip_literal
+from gateway.config import GatewayConfig, is_ip_literal
 from gateway.events import Error
 
 log = logging.getLogger(__name__)
@@ -164,10 +164,17 @@ def _is_loopback(name: str) -> bool:
         return False
 
 
+class GuardedState(Protocol):
+    """The slice of the gateway's state the guard reads (the key and limits) and counts in."""
+
+    config: GatewayConfig
+    in_flight_guarded: int
+
+
 class GatewayGuard:
     """Checks the key, buffers the body up to the limit, and counts requests in flight."""
 
-    def __init__(self, app: ASGIApp, *, state: Any) -> None:
+    def __init__(self, app: ASGIApp, *, state: GuardedState) -> None:
         self.app = app
         self.state = state
 

@@ -26,6 +26,7 @@ from gateway.events import (
 )
 from gateway.refusals import RequestInvalid, validated
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
+from gateway.router import Router
 from worker.chat.schemas import ResponseFormat, check_template_kwargs, openai_usage
 from worker.chat.thinking import normalize_thinking
 
@@ -210,7 +211,7 @@ def error_body(error: Error) -> dict[str, Any]:
 
 
 def open_stream(
-    router: Any, request: ChatRequest, body: ChatCompletionBody, routes: list
+    router: Router, request: ChatRequest, body: ChatCompletionBody, routes: list
 ) -> AsyncIterator[Event]:
     """The request's events: one routed call, or with ``n > 1`` one per choice, merged."""
     n = body.n or 1

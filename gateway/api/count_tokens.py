@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
@@ -14,7 +14,7 @@ from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.refusals import RequestInvalid, validated
 from gateway.request import ChatRequest
-from gateway.router import RouteError
+from gateway.router import RouteError, Router
 from worker.chat.thinking import normalize_thinking
 
 
@@ -35,12 +35,18 @@ def parse(raw: Any) -> ChatRequest:
     )
 
 
+class CountState(Protocol):
+    """The slice of the gateway's state a count reads: where the request would go."""
+
+    router: Router
+
+
 async def count_tokens(request: Request) -> Response:
     """Exact count from the serving upstream's tokenizer when it offers one, else an estimate.
 
     The ``x-token-count`` header says which: ``exact`` or ``estimate``.
     """
-    state = request.app.state.gateway
+    state: CountState = request.app.state.gateway
     try:
         chat_request = parse(orjson.loads(await request.body()))
     except orjson.JSONDecodeError as exc:

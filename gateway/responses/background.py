@@ -21,20 +21,22 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway import sse
 from gateway.api.errors import openai_error_body
+from gateway.config import GatewayConfig
 from gateway.events import Done, Error, ErrorKind, Meta
 from gateway.exchange import error_response, json_response
-from gateway.metrics import RequestRecord
+from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.refusals import RequestInvalid
 from gateway.request import ChatRequest
 from gateway.responses import wire
-from gateway.responses.state import stored_turn
+from gateway.responses.state import ResponseStates, stored_turn
+from gateway.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,23 @@ KEEP_FINISHED = 64
 TERMINAL_STATUSES = frozenset({"completed", "failed", "incomplete", "cancelled"})
 
 
+class BackgroundState(Protocol):
+    """The slice of the gateway's state background runs read: where they run, are stored and
+    counted, and the runs themselves."""
+
+    config: GatewayConfig  # keepalive_s
+    router: Router
+    metrics: GatewayMetrics
+    responses: ResponseStates
+    background: BackgroundRuns
+
+
 class BackgroundRun:
     """One background response: its task, every stream event so far, and its stored row."""
 
     def __init__(
         self,
-        state: Any,
+        state: BackgroundState,
         request: ChatRequest,
         body: wire.ResponsesBody,
         routes: list,
@@ -201,9 +214,9 @@ class BackgroundRuns:
 
 
 def start(
-    state: Any, request: ChatRequest, body: Any, routes: list, record: RequestRecord
+    state: BackgroundState, request: ChatRequest, body: Any, routes: list, record: RequestRecord
 ) -> Response | None:
-    """Take over a ``background: true`` request (ApiSpec.background); None for a normal one."""
+    """Take over a ``background: true`` request (ApiSpec.detach); None for a normal one."""
     if not getattr(body, "background", False):
         return None
     if body.store is False:
@@ -220,7 +233,7 @@ def start(
     return json_response(run.snapshot())
 
 
-def _follow_response(state: Any, run: BackgroundRun, after: int) -> Response:
+def _follow_response(state: BackgroundState, run: BackgroundRun, after: int) -> Response:
     return StreamingResponse(
         run.follow(after, state.config.keepalive_s), headers=dict(sse.SSE_HEADERS)
     )
@@ -228,7 +241,7 @@ def _follow_response(state: Any, run: BackgroundRun, after: int) -> Response:
 
 def retrieve(request: Request) -> Response | None:
     """``GET /v1/responses/{id}`` of a run this node holds (None: read the store)."""
-    state = request.app.state.gateway
+    state: BackgroundState = request.app.state.gateway
     run = state.background.get(request.path_params["response_id"])
     stream = request.query_params.get("stream", "false").lower() == "true"
     if run is None:
@@ -258,7 +271,7 @@ def retrieve(request: Request) -> Response | None:
 
 async def cancel(request: Request) -> Response:
     """``POST /v1/responses/{id}/cancel``: stop a background response; its object after."""
-    state = request.app.state.gateway
+    state: BackgroundState = request.app.state.gateway
     response_id = request.path_params["response_id"]
     run = state.background.get(response_id)
     if run is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from pydantic import BaseModel, ConfigDict
@@ -27,10 +27,10 @@ from gateway.refusals import RequestInvalid, ResponseStateError, validated
 from gateway.request import ChatRequest, Message
 from gateway.responses import wire
 from gateway.responses.compacted import encode_summary
-from gateway.responses.state import not_found
+from gateway.responses.state import ResponseStates, not_found
 from gateway.responses.store import StoredResponse
 from gateway.responses.stored import input_items
-from gateway.router import RouteError
+from gateway.router import RouteError, Router
 
 SUMMARY_MAX_TOKENS = 512
 MIN_SUMMARY_TOKENS = 16  # a summary allowed fewer tokens than this is not worth a generation
@@ -40,6 +40,14 @@ _ASK = (
     " questions and the next steps. Be concise and concrete; keep names, numbers, file paths"
     " and identifiers exactly. Reply with the summary only."
 )
+
+
+class CompactState(Protocol):
+    """The slice of the gateway's state a compaction reads: where the summary is generated, and
+    the stored responses it continues from and is stored in."""
+
+    router: Router
+    responses: ResponseStates
 
 
 class CompactBody(BaseModel):
@@ -62,7 +70,7 @@ def _kept(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-async def _summarise(state: Any, request: ChatRequest) -> Accumulator:
+async def _summarise(state: CompactState, request: ChatRequest) -> Accumulator:
     acc = Accumulator()
     routes = await state.router.aresolve(request)  # the history is the prefix: where it is cached
     async with contextlib.aclosing(state.router.stream(request, routes)) as events:
@@ -71,7 +79,7 @@ async def _summarise(state: Any, request: ChatRequest) -> Accumulator:
     return acc
 
 
-async def _history(state: Any, body: CompactBody) -> list[dict[str, Any]]:
+async def _history(state: CompactState, body: CompactBody) -> list[dict[str, Any]]:
     prior: list[dict[str, Any]] = []
     if body.previous_response_id:
         stored = await state.responses.get(body.previous_response_id)
@@ -81,7 +89,9 @@ async def _history(state: Any, body: CompactBody) -> list[dict[str, Any]]:
     return [*prior, *input_items(body.input if body.input is not None else [])]
 
 
-async def _prompt_tokens(state: Any, model: str, items: list[dict[str, Any]], instructions) -> int:
+async def _prompt_tokens(
+    state: CompactState, model: str, items: list[dict[str, Any]], instructions
+) -> int:
     """What ``items`` cost as a prompt: the serving upstream's exact count, else an estimate."""
     chat, _ = wire.parse({"model": model, "input": items, "instructions": instructions})
     # resolve, not aresolve: a count runs no prompt, and a cache-aware ranking would note this
@@ -93,7 +103,9 @@ async def _prompt_tokens(state: Any, model: str, items: list[dict[str, Any]], in
     return estimate_tokens(chat)
 
 
-async def _compacted(state: Any, body: CompactBody, history: list[dict[str, Any]]) -> tuple:
+async def _compacted(
+    state: CompactState, body: CompactBody, history: list[dict[str, Any]]
+) -> tuple:
     """The output items and the summary's answer (None when none was generated). A compaction
     must shorten the prompt: the summary may use at most the tokens it replaces, and when even
     that cannot make the prompt shorter the history comes back unchanged (the spec's output is
@@ -135,7 +147,7 @@ def _item(summary: str) -> dict[str, Any]:
 
 
 async def compact(request: Request) -> Response:
-    state = request.app.state.gateway
+    state: CompactState = request.app.state.gateway
     try:
         raw = orjson.loads(await request.body())
         if not isinstance(raw, dict):

@@ -10,7 +10,7 @@ for token, and the worker's prompt cache hits exactly as it does for a client th
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,6 +28,18 @@ from gateway.responses.store import StoredResponse
 
 DEFAULT_PAGE = 20
 MAX_PAGE = 100
+
+
+class StoredState(Protocol):
+    """The slice of the gateway's state stored responses are read from and written to."""
+
+    responses: ResponseStates
+
+
+class DeletingState(StoredState, Protocol):
+    """What a deletion reads besides: the background run it stops first."""
+
+    background: background.BackgroundRuns
 
 
 def input_items(raw_input: Any) -> list[dict[str, Any]]:
@@ -73,9 +85,9 @@ def _complete_item(item: dict[str, Any]) -> None:
         item["content"] = [part]
 
 
-async def parse(state: Any, raw: dict[str, Any]) -> tuple[ChatRequest, wire.ResponsesBody]:
+async def parse(state: StoredState, raw: dict[str, Any]) -> tuple[ChatRequest, wire.ResponsesBody]:
     """``wire.parse`` with the stored context of ``previous_response_id`` put first."""
-    states: ResponseStates = state.responses
+    states = state.responses
     previous = raw.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise RequestInvalid("previous_response_id: must be a string", "previous_response_id")
@@ -89,7 +101,7 @@ async def parse(state: Any, raw: dict[str, Any]) -> tuple[ChatRequest, wire.Resp
 
 
 def parse_with_prior(
-    state: Any, raw: dict[str, Any], prior: list[dict[str, Any]]
+    state: StoredState, raw: dict[str, Any], prior: list[dict[str, Any]]
 ) -> tuple[ChatRequest, wire.ResponsesBody]:
     """The request with ``prior`` (a previous response's context) before its own input."""
     request, body = wire.parse(raw)  # the body as sent must be valid on its own
@@ -104,7 +116,7 @@ def parse_with_prior(
 
 
 def finish(
-    state: Any, request: ChatRequest, body: wire.ResponsesBody, response: dict[str, Any]
+    state: StoredState, request: ChatRequest, body: wire.ResponsesBody, response: dict[str, Any]
 ) -> None:
     """Store a finished (or failed) response unless the request said ``store: false``."""
     if body.store is False:
@@ -118,8 +130,9 @@ def _error(error: Error) -> Response:
 
 async def _stored(request: Request) -> StoredResponse | Response:
     response_id = request.path_params["response_id"]
+    state: StoredState = request.app.state.gateway
     try:
-        stored = await request.app.state.gateway.responses.get(response_id)
+        stored = await state.responses.get(response_id)
     except ResponseStateError as exc:
         return _error(exc.error)
     if stored is None:
@@ -142,7 +155,7 @@ async def retrieve(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     """``DELETE /v1/responses/{id}``: gone for good; a continuation of it is then a 404."""
     response_id = request.path_params["response_id"]
-    state = request.app.state.gateway
+    state: DeletingState = request.app.state.gateway
     if (run := state.background.get(response_id)) is not None:
         run.cancel()  # a deleted response stops generating (and stores its end first)
         await asyncio.wait([run.task])

@@ -26,20 +26,21 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway.config import GatewayConfig
 from gateway.events import Done, Error, Meta, TextDelta
-from gateway.metrics import RequestRecord
+from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.refusals import RequestInvalid, ResponseStateError
 from gateway.request import ChatRequest
 from gateway.responses import stored, wire
-from gateway.responses.state import stored_turn
+from gateway.responses.state import ResponseStates, stored_turn
 from gateway.responses.store import StoredResponse
-from gateway.router import RouteError
+from gateway.router import RouteError, Router
 from gateway.stream import ProducerStream
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,24 @@ def error_message(error: Error) -> dict[str, Any]:
     return {"type": "error", "status": error.status, **wire.error_body(error)}
 
 
+class SocketState(Protocol):
+    """The slice of the gateway's state WebSocket mode reads (where turns run and are stored,
+    the in-flight limit) and counts in: its turns are counted as the HTTP requests are."""
+
+    config: GatewayConfig  # max_in_flight
+    router: Router
+    metrics: GatewayMetrics
+    responses: ResponseStates
+    in_flight: int
+    in_flight_guarded: int
+
+
 class _Socket:
     """One WebSocket connection's state: its last response, kept for a cheap continuation."""
 
     def __init__(self, websocket: WebSocket) -> None:
         self.ws = websocket
-        self.state = websocket.app.state.gateway
+        self.state: SocketState = websocket.app.state.gateway
         self.opened = time.monotonic()
         self.last: StoredResponse | None = None
         self.inbox: asyncio.Queue[Message] = asyncio.Queue()
