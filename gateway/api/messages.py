@@ -178,12 +178,6 @@ def _tool_result_text(
     return "\n".join(parts)
 
 
-def _blocks_text(content: str | list[dict[str, Any]], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(block.text for block in _blocks(content, _TEXT_ONLY, where))
-
-
 def _convert_message(m: MessageIn, where: str, notes: dict[str, int]) -> list[Message]:  # noqa: C901 - to be split (complexity gate, issue 10)
     """One Anthropic message → our turns (a user turn with tool_result blocks → tool turns)."""
     if isinstance(m.content, str):

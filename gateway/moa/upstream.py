@@ -172,11 +172,6 @@ class MixtureOfAgents(Upstream):
     def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         return self._stream(request)
 
-    def policy_for(self, request: ChatRequest) -> Policy | None:
-        """The request's policy (``metadata["moa_policy"]``, else the configured one; ``auto``
-        resolved from the request), or None when the request names an unknown policy."""
-        return self._resolve(request)[0]
-
     def _resolve(self, request: ChatRequest) -> tuple[Policy | None, str | None]:
         """The policy and, when ``auto`` chose it, the rule that did."""
         asked = request.metadata.get("moa_policy", self.config.policy)
