@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,17 +49,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "speculative.md"
 DEFAULT_MODEL = Path.home() / ".mlx-mesh" / "models" / "smollm2-135m"
+# The agent edit's files, as they were at EDIT_REVISION: the workload stays the same prompt when
+# the tree moves on (the worker's rooms moved and the engine's files changed after it).
+EDIT_REVISION = "1127247"
 EDIT_FILES = [
-    "worker/engine/commits.py",
+    "worker/engine_commits.py",
     "worker/sampling.py",
-    "worker/speculative/policy.py",
-    "worker/engine/ends.py",
+    "worker/speculative.py",
+    "worker/engine_ends.py",
 ]
 TARGETS = {"agent edit": 2.5, "Claude Code turn": 1.5, "open chat": 0.95}
 
 
 def edit_messages(path: str) -> list[dict[str, Any]]:
-    text = (ROOT / path).read_text()
+    text = subprocess.run(
+        ["git", "show", f"{EDIT_REVISION}:{path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     lines = text.splitlines()[:110]
     body = "\n".join(lines)
     ask = (
