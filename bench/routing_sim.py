@@ -28,8 +28,7 @@ from mesh.gossip import ModelAd, NodeState
 from mesh.peers import PeerTable
 from mesh.routing.planner import RoutePlanner, RoutingConfig
 from mesh.routing.score import affinity
-from worker.prompt_cache.digest import CacheDigest, block_hashes
-from worker.prompt_cache.store import common_prefix
+from worker.prompt_cache.digest import CacheDigest, block_hashes, common_prefix
 
 NODES = ["n0", "n1", "n2"]
 SESSIONS, TURNS, ENTRIES = 12, 10, 16  # ENTRIES: prompt-cache entries per node

@@ -114,7 +114,13 @@ class Commits:
                 del self.pending[job_id]
                 self.stats.log("commit_expired", job_id)
 
-    def clear(self) -> None:
-        """Forget the store's entries and the pending commits (parked jobs stay)."""
-        self.store.clear()
+    def land_all(self) -> None:
+        """Commit every pending cache (at shutdown: they go to disk with the rest)."""
+        for job_id in list(self.pending):
+            self.land(job_id)
+
+    def clear(self, *, forget_written: bool = False) -> None:
+        """Forget the store's entries and the pending commits (parked jobs stay);
+        ``forget_written``: also what this process wrote to the disk tier (the warm-up's)."""
+        self.store.clear(forget_written=forget_written)
         self.pending.clear()

@@ -49,6 +49,7 @@ from worker.engine.types import (
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.prompt_cache.digest import CacheDigest
+from worker.prompt_cache.disk import DiskTier
 from worker.prompt_cache.store import PromptCacheStore
 from worker.speculative.batch import SpeculationStats
 from worker.speculative.drafts import DraftModel, make_draft
@@ -94,7 +95,11 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._started = time.monotonic()
-        self._store = PromptCacheStore(max_bytes=self.config.prompt_cache_bytes)
+        disk = self.config.prompt_cache_disk
+        self._store = PromptCacheStore(
+            max_bytes=self.config.prompt_cache_bytes,
+            disk=DiskTier(disk) if disk is not None else None,
+        )
         self._commits = Commits(self._store, self.config, self.stats)
         self.speculation = SpeculationStats()
         self._draft: DraftModel | None = None  # the draft model's source, when configured
@@ -133,6 +138,13 @@ class Engine:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self._started
+
+    @property
+    def prompt_cache_disk(self) -> dict[str, Any] | None:
+        """The disk tier's counters and bound (None: memory only). Read from any thread: a
+        snapshot of plain numbers."""
+        disk = self._store.disk
+        return None if disk is None else disk.as_dict()
 
     @property
     def cache_digest(self) -> CacheDigest:
@@ -318,7 +330,7 @@ class Engine:
         self._commits.land(job_id, self.before_commit)
 
     def _on_discard(self, _: None) -> None:
-        self._commits.clear()
+        self._commits.clear(forget_written=True)
         self._meter.forget_rate()
         self.stats.log("discarded", "")
 
@@ -421,4 +433,7 @@ class Engine:
             self._meter.left(first_token=False)
         self._commits.parked = []
         self._rows.close()
+        self._commits.land_all()
+        if (written := self._store.flush_to_disk()) > 0:
+            log.info("wrote %d prompt caches to disk", written)
         self._commits.clear()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.prompt_cache.store import common_prefix
+from worker.prompt_cache.digest import common_prefix
 
 
 @dataclass(frozen=True, slots=True)

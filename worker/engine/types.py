@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.loop_guard import configured_span
+from worker.prompt_cache.disk import DiskTierConfig
 from worker.sampling import SamplingParams
 from worker.speculative.policy import Speculation
 
@@ -35,6 +36,8 @@ class EngineError(Exception):
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
+    # The prompt cache's disk tier (worker/prompt_cache/disk.py); None: memory only.
+    prompt_cache_disk: DiskTierConfig | None = None
     commit_wait_s: float = 2.0  # a job waiting for a pending commit proceeds without it after this
     pending_commit_ttl_s: float = 30.0  # a commit never requested is dropped after this
     # An idle engine that gets a job waits this long for the next before it prefills (each

@@ -27,6 +27,21 @@ DEFAULT_MAX_HASHES = 2048  # 16 KiB packed: the digest's bound, whatever the cac
 _SEED = b"mlx-mesh-prefix-v1"
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the shared prefix: binary search on slice equality (compared in C)."""
+    a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def block_hashes(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
     """The chained hash of every whole block of ``tokens`` (a partial last block has none)."""
     whole = len(tokens) // block_size

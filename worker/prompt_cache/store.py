@@ -4,6 +4,10 @@ Entries are (tokens, per-layer KV cache) pairs kept in LRU order and bounded by 
 returns a *copy* of the best entry trimmed to the shared prefix, so the stored entry is never
 mutated by generation. Only the engine's owner thread touches a store (MLX arrays are not shared
 across threads here).
+
+With a disk tier (worker/prompt_cache/disk.py) the store is its memory tier: what it evicts goes
+to disk, a long entry it stores goes there too at a bounded rate, and a lookup that finds a
+longer prefix on disk than in memory (by ``DISK_GAIN_TOKENS``) loads it back.
 """
 
 from __future__ import annotations
@@ -18,22 +22,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from worker.prompt_cache.digest import DEFAULT_BLOCK_SIZE, CacheDigest, block_hashes
+from worker.prompt_cache.digest import DEFAULT_BLOCK_SIZE, CacheDigest, block_hashes, common_prefix
+from worker.prompt_cache.disk import DiskTier
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the shared prefix: binary search on slice equality (compared in C)."""
-    a, b = list(a), list(b)
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+# A disk entry is loaded when it serves this many more prompt tokens than memory does: below
+# it the prefill of the difference costs less than reading the file (SmolLM2 on the Linux CPU:
+# ~0.5 s of prefill against ~0.1-0.3 s to read and check a cache of a few thousand tokens).
+DISK_GAIN_TOKENS = 64
 
 
 def copy_cache(cache: list[Any], *, merged_by_reader: bool) -> list[Any]:
@@ -93,6 +88,11 @@ class PromptCacheStore:
     # owner thread after every change and swapped in whole, so other threads read it safely.
     digest: CacheDigest = field(default_factory=CacheDigest)
     digest_block_size: int = DEFAULT_BLOCK_SIZE
+    disk: DiskTier | None = None  # the disk tier, when the worker has a home for it
+
+    def __post_init__(self) -> None:
+        if self.disk is not None:
+            self._refresh_digest()  # what the disk holds is servable from the start
 
     @property
     def nbytes(self) -> int:
@@ -114,16 +114,37 @@ class PromptCacheStore:
 
     def best_prefix(self, prompt: Sequence[int]) -> int:
         """How many prompt tokens a lookup would serve from the cache (no copy, no LRU touch)."""
-        return max(
+        in_memory = max(
             (self.usable_prefix(e.tokens, prompt, e.trimmable) for e in self._entries.values()),
             default=0,
         )
+        if self.disk is None:
+            return in_memory
+        return max(in_memory, self.disk.best(prompt)[1])
+
+    def _restore(self, prompt: Sequence[int]) -> None:
+        """Load the disk entry that serves ``prompt`` better than memory does, into memory."""
+        assert self.disk is not None
+        entry, on_disk = self.disk.best(prompt)
+        if entry is None:
+            return
+        in_memory = max(
+            (self.usable_prefix(e.tokens, prompt, e.trimmable) for e in self._entries.values()),
+            default=0,
+        )
+        if on_disk < in_memory + DISK_GAIN_TOKENS:
+            return
+        cache = self.disk.load(entry)
+        if cache is not None:
+            self.insert(entry.tokens, cache, from_disk=True)
 
     def fetch(
         self, prompt: Sequence[int], *, merged_by_reader: bool = False
     ) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for ``prompt`` and how many tokens it covers
         (``merged_by_reader``: see :func:`copy_cache`)."""
+        if self.disk is not None:
+            self._restore(prompt)
         best_key, best_len = None, 0
         for key, entry in self._entries.items():
             n = self.usable_prefix(entry.tokens, prompt, entry.trimmable)
@@ -142,8 +163,10 @@ class PromptCacheStore:
         self.stats.cached_tokens += best_len
         return cache, best_len
 
-    def insert(self, tokens: Sequence[int], cache: list[Any]) -> None:
-        """Store a cache holding exactly ``tokens``; entries it extends are dropped."""
+    def insert(self, tokens: Sequence[int], cache: list[Any], *, from_disk: bool = False) -> None:
+        """Store a cache holding exactly ``tokens``; entries it extends are dropped. A long one
+        goes to the disk tier too, at most one every ``hot_interval_s`` (a node killed later
+        still finds it); what memory evicts goes there in any case."""
         if not tokens or not cache:
             return
         materialize(cache)
@@ -158,13 +181,25 @@ class PromptCacheStore:
         self._entries[self._next_key] = entry
         self._next_key += 1
         self.stats.inserts += 1
+        disk = self.disk
+        if disk is not None and not from_disk and disk.worth_keeping(key_tokens, cache):
+            if disk.hot_write_due():
+                disk.save(key_tokens, cache, hot=True)
         self._evict()
         self._refresh_digest()
+
+    def flush_to_disk(self) -> int:
+        """Write every entry worth keeping that the disk tier lacks (at shutdown); how many."""
+        if self.disk is None:
+            return 0
+        return sum(self.disk.save(e.tokens, e.cache) for e in self._entries.values())
 
     def _refresh_digest(self) -> None:
         # Most recently inserted first: they get the first share of the digest's bound. A
         # prefix of an untrimmable entry is not servable, so it advertises its whole length only.
         chains = [e.chain if e.trimmable else e.chain[-1:] for e in reversed(self._entries.values())]  # fmt: skip
+        if self.disk is not None:  # after memory's: restoring costs a read, not a prefill
+            chains += self.disk.chains()
         self.digest = CacheDigest.of_chains(chains, block_size=self.digest_block_size)
 
     def _evict(self) -> None:
@@ -173,7 +208,13 @@ class PromptCacheStore:
             _, dropped = self._entries.popitem(last=False)
             total -= dropped.nbytes
             self.stats.evictions += 1
+            if self.disk is not None:
+                self.disk.save(dropped.tokens, dropped.cache)
 
-    def clear(self) -> None:
+    def clear(self, *, forget_written: bool = False) -> None:
+        """Forget every entry in memory; ``forget_written``: also what this process wrote to
+        disk (the start-up warm-up's prompts are no user's)."""
         self._entries.clear()
+        if self.disk is not None and forget_written:
+            self.disk.forget_written()
         self._refresh_digest()

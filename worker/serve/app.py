@@ -157,6 +157,8 @@ async def health(request: Request) -> Response:
             "uptime_s": round(engine.uptime_s, 3),
             "warm_up_s": _rounded(stats.warm_up_s),
             "cache_digest": engine.cache_digest.to_wire(),  # routing by prefix (mesh)
+            # The prompt cache's disk tier (entries, bytes, bound, writes, loads; null: none).
+            "prompt_cache_disk": engine.prompt_cache_disk,
             "loops_stopped": stats.loops_stopped,
             # Speculative decoding (worker/speculative/batch.py): drafted and accepted tokens,
             # and tokens a verify pass gives each row (1 would be plain decoding).

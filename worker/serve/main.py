@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -23,9 +24,12 @@ from worker.cpu.fast_path import DEFAULT_DEQUANTIZE_SHARE, reexec_with_fast_blas
 from worker.engine.core import Engine, EngineError
 from worker.engine.loop_guard import configured_span
 from worker.engine.types import DRAFT_MODEL_HELP, SPECULATION_HELP, SPECULATION_MODES, EngineConfig
+from worker.prompt_cache.disk import DiskTierConfig, model_fingerprint
 from worker.serve.net import SECRET_ENV, configure_logging
 from worker.speculative.drafts import check_draft_dirs
 from worker.speculative.policy import Speculation
+
+DEFAULT_DISK_MAX_BYTES = 16 << 30
 
 
 def store_root(home: Path | None) -> Path:
@@ -48,6 +52,23 @@ def locate_model(model: str, home: Path | None) -> str:
     return resolved
 
 
+def disk_tier_config(
+    home: Path, served_name: str, model_path: str, gb: float | None
+) -> DiskTierConfig | None:
+    """Where and how much of the prompt cache's disk tier: ``<home>/cache/<model>/``, ``gb``
+    (None: a tenth of the free disk, 16 GB at most; 0: no disk tier)."""
+    directory = home / "cache" / served_name.replace("/", "--")
+    if gb is None:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(directory.parent).free
+        max_bytes = min(free // 10, DEFAULT_DISK_MAX_BYTES)
+    else:
+        max_bytes = int(gb * (1 << 30))
+    if max_bytes <= 0:
+        return None
+    return DiskTierConfig(str(directory), max_bytes, model_fingerprint(model_path))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
     parser.add_argument("--model", required=True, help="store name, MLX directory or hub id")
@@ -56,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--home", type=Path, default=None, help="mlx-mesh home (model store)")
     parser.add_argument("--name", default=None, help="model name to serve as (default: --model)")
     parser.add_argument("--prompt-cache-gb", type=float, default=2.0)
+    parser.add_argument(
+        "--prompt-cache-disk-gb",
+        type=float,
+        default=None,
+        help="prompt caches kept on disk across restarts, in <home>/cache/<model>/ (0: none;"
+        " default a tenth of the free disk, 16 at most)",
+    )
     parser.add_argument(
         "--no-fast-blas",
         dest="fast_blas",
@@ -100,6 +128,7 @@ def run(
     home: Path | None = None,
     name: str | None = None,
     prompt_cache_gb: float = 2.0,
+    prompt_cache_disk_gb: float | None = None,
     secret: str | None = None,
     fast_blas: bool = True,
     cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
@@ -126,6 +155,9 @@ def run(
     served_name = name or (Path(model).name if Path(model).expanduser().is_dir() else model)
     config = EngineConfig(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
+        prompt_cache_disk=disk_tier_config(
+            store_root(home), served_name, path, prompt_cache_disk_gb
+        ),
         cpu_dequantize_share=cpu_dequantize_share,
         loop_guard_tokens=configured_span() if loop_guard is None else loop_guard,
         speculation=Speculation(mode=speculation),
@@ -168,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             home=args.home,
             name=args.name,
             prompt_cache_gb=args.prompt_cache_gb,
+            prompt_cache_disk_gb=args.prompt_cache_disk_gb,
             secret=os.environ.pop(SECRET_ENV, None) or None,
             fast_blas=False,  # done above
             cpu_dequantize_share=args.cpu_dequantize_share,

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from worker.engine.shared_prefill import Share, SharePolicy, Source, plan_share, shared_tokens
-from worker.prompt_cache.store import common_prefix
+from worker.prompt_cache.digest import common_prefix
 
 PROMPT = list(range(100, 200))  # 100 tokens
 
