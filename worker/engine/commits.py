@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.types import EngineConfig, EngineStats, Job
-from worker.prompt_cache.store import PromptCacheStore
+from worker.prompt_cache.store import PromptCacheStore, cache_nbytes
 
 
 @dataclass
@@ -113,6 +113,11 @@ class Commits:
             if now - pending.created > self.config.pending_commit_ttl_s:
                 del self.pending[job_id]
                 self.stats.log("commit_expired", job_id)
+
+    @property
+    def pending_bytes(self) -> int:
+        """What the finished jobs' caches waiting for their commit hold."""
+        return sum(cache_nbytes(p.cache) for p in self.pending.values())
 
     def land_all(self) -> None:
         """Commit every pending cache (at shutdown: they go to disk with the rest)."""

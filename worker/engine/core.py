@@ -33,6 +33,7 @@ from worker.cpu.fast_path import CpuFastPath
 from worker.engine.commits import Commits
 from worker.engine.followers import Followers
 from worker.engine.load import Loader, can_batch, load_model, make_generator
+from worker.engine.memory_gate import MemoryGate, memory_gate
 from worker.engine.meter import Meter
 from worker.engine.rows import Active, Rows
 from worker.engine.types import (
@@ -107,6 +108,7 @@ class Engine:
         self._rows: Rows
         self._followers: Followers
         self._model: Any = None
+        self._gate: MemoryGate | None = None  # the memory budget's, made by the load
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -154,6 +156,12 @@ class Engine:
     # ---- calls from the event loop -----------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Job:
+        """Queue a job; raises :class:`BudgetRefusal` when the memory budget cannot take it (a
+        413 for one larger than the budget, a 429 while the budget is taken and the queue full)."""
+        if self._gate is not None:
+            budget = self._gate.budget
+            need = budget.need(len(request.prompt), request.max_tokens)
+            budget.check_submit(need, self.stats.queue_depth)
         job = Job(request, asyncio.get_running_loop())
         self._meter.submitted()
         self._inbox.put(("submit", job))
@@ -204,6 +212,8 @@ class Engine:
             for job in self._commits.due():
                 self._start(job)
             self._commits.expire()
+            if self._gate is not None:
+                self._open_gate(self._gate)
             if self._rows:
                 try:
                     self._step()
@@ -271,8 +281,22 @@ class Engine:
             store=self._store,
             meter=self._meter,
             stats=self.stats,
+            on_leave=self._left,
         )
         self._followers = Followers(self._rows, self._store, self.config, self.stats, self._reject)
+        # A loader's model (a split's rank 0) is not probed: a forward pass would run the ring.
+        if self._loader is None:
+            pending = self._commits
+            self._gate = memory_gate(self.config, model, self._store, lambda: pending.pending_bytes)
+
+    def _left(self, job: Job) -> None:
+        if self._gate is not None:
+            self._gate.leave(job)
+
+    @property
+    def memory_budget(self) -> dict[str, int] | None:
+        """The budget's limit and use (None: no budget). Plain numbers, read from any thread."""
+        return None if self._gate is None else self._gate.budget.as_dict()
 
     def _idle_wait(self) -> float:
         """How long to block for commands: not at all while decoding, else until the next
@@ -316,10 +340,26 @@ class Engine:
 
     def _on_submit(self, job: Job) -> None:
         if not self._commits.park(job):
-            self._followers.admit(job)
+            self._start(job)
 
     def _start(self, job: Job) -> None:
-        """Start a job that waited for a commit; one that cannot start fails alone."""
+        """Start a job once its projected KV fits the memory budget (else it waits for room)."""
+        if self._gate is not None and not self._gate.enter(job):
+            self.stats.log("waits_for_memory", job.id)
+            return
+        self._admit(job)
+
+    def _open_gate(self, gate: MemoryGate) -> None:
+        """Start the jobs the memory budget has room for now; fail one that nothing running
+        could ever make room for. (Each loop: /health reads the use it keeps.)"""
+        gate.refresh()
+        for job in gate.due():
+            self._admit(job)
+        if not self._rows and not self._followers and (stuck := gate.stuck()) is not None:
+            self._reject(stuck, "not enough memory for this request on this worker")
+
+    def _admit(self, job: Job) -> None:
+        """Start a job; one that cannot start fails alone."""
         try:
             self._followers.admit(job)
         except Exception as exc:
@@ -341,6 +381,10 @@ class Engine:
             return
         parked = self._commits.cancel(job_id)
         waiting = self._followers.cancel(job_id)
+        if self._gate is not None:
+            waiting = waiting or self._gate.cancel(job_id)
+            if waiting is not None:
+                self._gate.leave(waiting)
         if parked or waiting:
             self._meter.left(first_token=False, cancelled=True)
             self.stats.log("cancelled", job_id)
@@ -411,6 +455,8 @@ class Engine:
         """Fail one job that cannot run, wherever it waits or runs."""
         self._commits.unpark(job)
         self._followers.remove(job)
+        if self._gate is not None:
+            self._gate.leave(job)
         if not self._rows.remove(job):
             self._meter.left(first_token=False)
         job._deliver(Failed(message))
@@ -428,6 +474,7 @@ class Engine:
             active.job._deliver(Failed("worker shutting down"))
         waiting = [p.job for p in self._commits.parked]
         waiting += [f.job for f in self._followers.take_all()]
+        waiting += self._gate.take_all() if self._gate is not None else []
         for job in waiting:
             job._deliver(Failed("worker shutting down"))
             self._meter.left(first_token=False)

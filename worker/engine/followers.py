@@ -115,11 +115,11 @@ class Followers:
         for follower in followers:
             self._guarded(follower.job, self.admit, follower.job)
 
-    def cancel(self, job_id: str) -> bool:
-        """Take a waiting job out (its client left); whether it was waiting."""
+    def cancel(self, job_id: str) -> Job | None:
+        """Take a waiting job out (its client left); the job, when it was waiting."""
         waiting = [f for f in self.waiting if f.job.id == job_id]
         self.waiting = [f for f in self.waiting if f.job.id != job_id]
-        return bool(waiting)
+        return waiting[0].job if waiting else None
 
     def remove(self, job: Job) -> None:
         self.waiting = [f for f in self.waiting if f.job is not job]

@@ -75,3 +75,30 @@ def make_generator(
         stream=stream,
         prefill_step_size=config.prefill_step_size,
     )
+
+
+def weight_bytes(model: Any) -> int:
+    """What the model's parameters take in memory, as loaded."""
+    from mlx.utils import tree_flatten
+
+    return sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+
+
+def kv_bytes_per_token(model: Any) -> int | None:
+    """The KV bytes one more token of context costs, measured: one token through a fresh cache,
+    whose layers allocate a step of positions at once (None: a model that cannot say)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[0]]), cache=cache))
+        total = 0.0
+        for layer in cache:
+            keys = getattr(layer, "keys", None)
+            if keys is None or not getattr(layer, "nbytes", 0):
+                return None
+            total += layer.nbytes / keys.shape[2]
+        return max(1, round(total))
+    except Exception:  # a model whose cache is not plain (split ranks pass a budget of 0)
+        return None

@@ -115,8 +115,10 @@ class Rows:
         store: PromptCacheStore,
         meter: Meter,
         stats: EngineStats,
+        on_leave: Callable[[Job], None] = lambda job: None,
     ) -> None:
         self._make_generator = make_generator
+        self._on_leave = on_leave  # a row left: the memory budget takes its reservation back
         self.generator = make_generator()
         self.tokenizer = tokenizer
         self.batchable = batchable
@@ -254,6 +256,7 @@ class Rows:
         active = self._active.pop(uid, None)
         if active is not None:
             self._meter.left(first_token=active.first_token)
+            self._on_leave(active.job)
 
     def drop_all(self) -> list[Active]:
         """Forget every row (the generator is reset or closed next); returns them."""

@@ -36,6 +36,9 @@ class EngineError(Exception):
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
+    # One memory budget for running KV, pending commits and the prompt cache's memory tier
+    # (worker/engine/budget.py): None 80 % of physical memory less the weights; 0 none.
+    memory_budget_bytes: int | None = None
     # The prompt cache's disk tier (worker/prompt_cache/disk.py); None: memory only.
     prompt_cache_disk: DiskTierConfig | None = None
     commit_wait_s: float = 2.0  # a job waiting for a pending commit proceeds without it after this

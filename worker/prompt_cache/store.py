@@ -202,6 +202,20 @@ class PromptCacheStore:
             chains += self.disk.chains()
         self.digest = CacheDigest.of_chains(chains, block_size=self.digest_block_size)
 
+    def spill(self, nbytes: int) -> int:
+        """Give up at least ``nbytes`` of memory, least recently used first: to the disk tier
+        when there is one, else dropped (the memory budget makes room so); bytes freed."""
+        freed = 0
+        while self._entries and freed < nbytes:
+            _, dropped = self._entries.popitem(last=False)
+            freed += dropped.nbytes
+            self.stats.evictions += 1
+            if self.disk is not None:
+                self.disk.save(dropped.tokens, dropped.cache)
+        if freed:
+            self._refresh_digest()
+        return freed
+
     def _evict(self) -> None:
         total = self.nbytes
         while self._entries and (total > self.max_bytes or len(self._entries) > self.max_entries):

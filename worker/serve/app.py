@@ -38,6 +38,7 @@ from worker.chat.wire import (
     sampling_used,
     sse_frames,
 )
+from worker.engine.budget import BudgetRefusal
 from worker.engine.core import Engine
 from worker.engine.types import Failed
 from worker.serve.net import bind_socket, server_limits
@@ -91,6 +92,16 @@ async def chat_completions(request: Request) -> Response:
         return error_response(
             400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
         )
+    except BudgetRefusal as exc:  # the memory budget: 429 for now, 413 for ever
+        response = error_response(
+            exc.status,
+            str(exc),
+            type_="rate_limit_error" if exc.status == 429 else "invalid_request_error",
+            code="memory_budget",
+        )
+        if exc.retry_after_s is not None:
+            response.headers["retry-after"] = str(exc.retry_after_s)
+        return response
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "created": int(time.time()),
@@ -159,6 +170,8 @@ async def health(request: Request) -> Response:
             "cache_digest": engine.cache_digest.to_wire(),  # routing by prefix (mesh)
             # The prompt cache's disk tier (entries, bytes, bound, writes, loads; null: none).
             "prompt_cache_disk": engine.prompt_cache_disk,
+            # The memory budget: its limit and what running KV and the cache use (null: none).
+            "memory": engine.memory_budget,
             "loops_stopped": stats.loops_stopped,
             # Speculative decoding (worker/speculative/batch.py): drafted and accepted tokens,
             # and tokens a verify pass gives each row (1 would be plain decoding).

@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default=None, help="model name to serve as (default: --model)")
     parser.add_argument("--prompt-cache-gb", type=float, default=2.0)
     parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="one memory budget for running KV, pending commits and the prompt cache's memory"
+        " tier (0: none; default 80%% of physical memory less the weights)",
+    )
+    parser.add_argument(
         "--prompt-cache-disk-gb",
         type=float,
         default=None,
@@ -129,6 +136,7 @@ def run(
     name: str | None = None,
     prompt_cache_gb: float = 2.0,
     prompt_cache_disk_gb: float | None = None,
+    memory_gb: float | None = None,
     secret: str | None = None,
     fast_blas: bool = True,
     cpu_dequantize_share: float = DEFAULT_DEQUANTIZE_SHARE,
@@ -155,6 +163,7 @@ def run(
     served_name = name or (Path(model).name if Path(model).expanduser().is_dir() else model)
     config = EngineConfig(
         prompt_cache_bytes=int(prompt_cache_gb * (1 << 30)),
+        memory_budget_bytes=None if memory_gb is None else int(memory_gb * (1 << 30)),
         prompt_cache_disk=disk_tier_config(
             store_root(home), served_name, path, prompt_cache_disk_gb
         ),
@@ -201,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name,
             prompt_cache_gb=args.prompt_cache_gb,
             prompt_cache_disk_gb=args.prompt_cache_disk_gb,
+            memory_gb=args.memory_gb,
             secret=os.environ.pop(SECRET_ENV, None) or None,
             fast_blas=False,  # done above
             cpu_dequantize_share=args.cpu_dequantize_share,

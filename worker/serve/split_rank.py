@@ -213,7 +213,10 @@ def leader_config(split: Sequence[int], prompt_cache_bytes: int, speculation: st
     from worker.speculative.policy import Speculation
 
     scaled = prompt_cache_bytes * split[0] // max(split)
-    return EngineConfig(prompt_cache_bytes=scaled, speculation=Speculation(mode=speculation))
+    # No memory budget: measuring the KV per token would run a forward pass over the ring.
+    return EngineConfig(
+        prompt_cache_bytes=scaled, speculation=Speculation(mode=speculation), memory_budget_bytes=0
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
