@@ -8,28 +8,27 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.messages import ConversationBody, messages_of, tool_choice_of, tools_of
+from gateway.api.messages import ConversationBody, request_of
 from gateway.api.messages_sse import error_body
 from gateway.events import Error
 from gateway.exchange import error_response, json_response
 from gateway.refusals import RequestInvalid, validated
 from gateway.request import ChatRequest
 from gateway.router import RouteError, Router
-from worker.chat.thinking import normalize_thinking
 
 
 def parse(raw: Any) -> ChatRequest:
-    """The body, validated like a Messages body (less what only generating takes), as the
-    1-token request whose prompt is counted; thinking and tool choice shape that prompt too."""
+    """The body, validated as a Messages body is (``max_tokens`` optional), as the 1-token
+    request whose prompt is counted; thinking and tool choice shape that prompt too."""
     if not isinstance(raw, dict):
         raise RequestInvalid("the request body must be a JSON object")
-    body = validated(ConversationBody, raw)
+    asked = request_of(validated(ConversationBody, raw), raw)
     return ChatRequest(
-        model=body.model,
-        messages=messages_of(body),
-        tools=tools_of(body),
-        tool_choice=tool_choice_of(body),
-        reasoning=normalize_thinking(raw),
+        model=asked.model,
+        messages=asked.messages,
+        tools=asked.tools,
+        tool_choice=asked.tool_choice,
+        reasoning=asked.reasoning,
         max_tokens=1,
         stream=False,
     )

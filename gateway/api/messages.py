@@ -115,26 +115,29 @@ class _Thinking(BaseModel):
 
 
 class ConversationBody(BaseModel):
-    """What Messages and count_tokens both take: the conversation, its tools and thinking."""
+    """A Messages body as count_tokens takes it: every field checked as Messages checks it (as
+    Anthropic's does), ``max_tokens`` optional (nothing is generated). Strict, as Anthropic's
+    API is: ``"stream": "yes"`` or ``"max_tokens": "5"`` is a 400, not a guess."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
-    messages: list[MessageIn]
+    messages: list[MessageIn] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[ToolIn] | None = None
     tool_choice: _ToolChoice | None = None
     thinking: _Thinking | None = None
-
-
-class MessagesBody(ConversationBody):
-    max_tokens: int = Field(ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(default=None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+
+
+class MessagesBody(ConversationBody):
+    max_tokens: int = Field(ge=1, le=INT64_MAX)
 
 
 def _blocks(content: list[dict[str, Any]], allowed: tuple[str, ...], where: str) -> list[Any]:
@@ -265,6 +268,12 @@ def tool_choice_of(body: ConversationBody) -> str | dict[str, Any] | None:
 
 def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
     body = validated(MessagesBody, raw)
+    return request_of(body, raw), body
+
+
+def request_of(body: ConversationBody, raw: dict[str, Any]) -> ChatRequest:
+    """The request a validated body asks for (``raw``: its knobs read at the edge – thinking,
+    effort, output format – which are checked here too)."""
     metadata = dict(body.metadata or {})
     replaced: dict[str, int] = {}
     request = ChatRequest(
@@ -287,4 +296,4 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, MessagesBody]:
     if replaced:
         images = replaced["tool_result_image"]
         request.notes["x-content-replaced"] = f"{images} tool_result image(s): text-only model"
-    return request, body
+    return request

@@ -227,6 +227,37 @@ def test_count_tokens_validates_its_fields_like_messages(
         assert_still_serving(http, bad)
 
 
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"messages": []}, "messages"),
+        ({"stream": "yes"}, "stream"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stop_sequences": "x"}, "stop_sequences"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),  # strict, as Anthropic's API: a string is no number
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": "x"}, "top_k"),
+        ({"top_p": "high"}, "top_p"),
+        ({"metadata": "x"}, "metadata"),
+    ],
+)
+def test_count_tokens_checks_what_only_generating_uses_as_messages_does(
+    http: httpx.Client, extra: dict[str, Any], where: str
+) -> None:
+    """Issue #44: count_tokens answered 200 to these; it takes a Messages body (max_tokens
+    optional) and refuses what /v1/messages refuses, in Anthropic's error shape."""
+    for path, base in (("/v1/messages", MESSAGES), ("/v1/messages/count_tokens", COUNT)):
+        bad = _post(http, path, {**base, **extra})
+        error = assert_anthropic_error(bad)
+        assert error["type"] == "invalid_request_error"
+        assert error["message"].startswith(where), (path, error)
+        assert_still_serving(http, bad)
+    knobs = {"stream": True, "temperature": 0.5, "stop_sequences": ["x"], "top_k": 3, "top_p": 1}
+    full = {**COUNT, **knobs, "max_tokens": 5, "metadata": {"user_id": "u"}}
+    assert _post(http, "/v1/messages/count_tokens", full).status_code == 200
+
+
 # -- Chat Completions: template kwargs, seed, logit_bias -----------------------------------------
 
 
