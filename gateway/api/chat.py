@@ -168,6 +168,7 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
                 name=m.name,
             )
         )
+    _check_tool_results(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     metadata = dict(body.metadata or {})
     if body.logprobs:
@@ -204,6 +205,24 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
         metadata=metadata,
     )
     return request, body
+
+
+def _check_tool_results(body: ChatCompletionBody) -> None:
+    """A tool message answers a tool call an earlier assistant message made, as OpenAI and
+    the Responses API here require (a result the model never asked for reads as a turn of
+    its own). Legacy ``function`` messages answer by name, and carry no id to check."""
+    called: set[str] = set()
+    for i, m in enumerate(body.messages):
+        if m.role == "assistant":
+            called.update(tc.id for tc in m.tool_calls or () if tc.id)
+        elif m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in called:
+            where = f"messages.{i}.tool_call_id"
+            raise RequestInvalid(
+                f"{where}: no tool call found for tool message with tool_call_id"
+                f" {m.tool_call_id!r} (it must answer a tool_calls entry of an earlier"
+                " assistant message)",
+                where,
+            )
 
 
 def error_body(error: Error) -> dict[str, Any]:

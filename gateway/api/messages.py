@@ -247,7 +247,28 @@ def messages_of(body: ConversationBody, notes: dict[str, int] | None = None) -> 
         messages.append(Message(role="system", content=system))
     for i, m in enumerate(body.messages):
         messages += _convert_message(m, f"messages.{i}", notes)
+    _check_tool_results(body.messages)
     return place_system_messages(messages)
+
+
+def _check_tool_results(messages: list[MessageIn]) -> None:
+    """A tool_result answers a tool_use block of an earlier assistant message, as Anthropic's
+    API and the Responses API here require (a result the model never asked for reads as a
+    turn of its own). Runs after the blocks were checked: their types are right."""
+    used: set[str] = set()
+    for i, m in enumerate(messages):
+        for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
+            kind = block.get("type")
+            if kind == "tool_use" and m.role == "assistant" and block.get("id"):
+                used.add(block["id"])
+            elif kind == "tool_result" and block.get("tool_use_id") not in used:
+                where = f"messages.{i}.content.{j}.tool_use_id"
+                raise RequestInvalid(
+                    f"{where}: unexpected tool_use_id {block.get('tool_use_id')!r} in a"
+                    " tool_result block: each tool_result must answer a tool_use block of an"
+                    " earlier assistant message",
+                    where,
+                )
 
 
 def tools_of(body: ConversationBody) -> list[ToolSpec]:

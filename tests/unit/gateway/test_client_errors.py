@@ -146,6 +146,13 @@ def _tool_result(content: Any) -> dict[str, Any]:
     return {"role": "user", "content": [block]}
 
 
+# The call a tool result answers (without it the result is an orphan, a 400 of its own).
+TOOL_USE = {
+    "role": "assistant",
+    "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}],
+}
+
+
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
 @pytest.mark.parametrize(
     "message",
@@ -176,7 +183,8 @@ def test_messages_wrong_block_types_are_400(
 
 
 def test_tool_result_with_text_blocks_is_accepted(http: httpx.Client) -> None:
-    body = {**MESSAGES, "messages": [_tool_result([{"type": "text", "text": "sunny"}])]}
+    answer = _tool_result([{"type": "text", "text": "sunny"}])
+    body = {**MESSAGES, "messages": [USER[0], TOOL_USE, answer]}
     assert _post(http, "/v1/messages", body).status_code == 200
 
 
@@ -190,7 +198,7 @@ def test_an_image_in_a_tool_result_becomes_a_placeholder_not_a_400(
         "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"},
     }
     content = [{"type": "text", "text": "the file:"}, image]
-    body = {**MESSAGES, "messages": [_tool_result(content)], "stream": stream}
+    body = {**MESSAGES, "messages": [USER[0], TOOL_USE, _tool_result(content)], "stream": stream}
     ok = _post(http, "/v1/messages", body)
     assert ok.status_code == 200, ok.text
     assert ok.headers["x-content-replaced"] == "1 tool_result image(s): text-only model"
@@ -256,6 +264,50 @@ def test_count_tokens_checks_what_only_generating_uses_as_messages_does(
     knobs = {"stream": True, "temperature": 0.5, "stop_sequences": ["x"], "top_k": 3, "top_p": 1}
     full = {**COUNT, **knobs, "max_tokens": 5, "metadata": {"user_id": "u"}}
     assert _post(http, "/v1/messages/count_tokens", full).status_code == 200
+
+
+# -- Tool results that answer no call ------------------------------------------------------------
+
+
+def _chat_tool_turns(answered_id: str) -> list[dict[str, Any]]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    return [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": answered_id, "content": "42"},
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_tool_message_that_answers_no_call_is_400(http: httpx.Client, stream: bool) -> None:
+    """Issue #44: answered 200 before, as if the model had asked; Responses refused it."""
+    bad = _post(http, "/v1/chat/completions", {**CHAT, "messages": _chat_tool_turns("call_9"), "stream": stream})  # fmt: skip
+    error = assert_openai_error(bad)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "messages.2.tool_call_id" and "'call_9'" in error["message"]
+    assert_still_serving(http, bad)
+    alone = [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    assert assert_openai_error(_post(http, "/v1/chat/completions", {**CHAT, "messages": alone}))
+    good = _post(http, "/v1/chat/completions", {**CHAT, "messages": _chat_tool_turns("call_1")})
+    assert good.status_code == 200, good.text
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_tool_result_that_answers_no_tool_use_is_400(http: httpx.Client, path: str) -> None:
+    base = MESSAGES if path == "/v1/messages" else COUNT
+    orphan = {"type": "tool_result", "tool_use_id": "toolu_9", "content": "42"}
+    turns = [USER[0], TOOL_USE, {"role": "user", "content": [orphan]}]
+    bad = _post(http, path, {**base, "messages": turns})
+    error = assert_anthropic_error(bad)
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("messages.2.content.0.tool_use_id"), error
+    assert "'toolu_9'" in error["message"]
+    assert_still_serving(http, bad)
+    # A result before its call answers nothing either.
+    early = [{"role": "user", "content": [orphan | {"tool_use_id": "toolu_1"}]}, TOOL_USE]
+    assert_anthropic_error(_post(http, path, {**base, "messages": early}))
+    answered = [USER[0], TOOL_USE, _tool_result("42")]
+    assert _post(http, path, {**base, "messages": answered}).status_code == 200
 
 
 # -- Chat Completions: template kwargs, seed, logit_bias -----------------------------------------
