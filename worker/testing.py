@@ -411,7 +411,7 @@ async def collect_logprobs(engine: Engine, job: Job) -> tuple[list[tuple[str, fl
     tokens: list[tuple[str, float]] = []
     async for event in job.events():
         if isinstance(event, TokenChunk):
-            tokens.extend(event.logprobs or [])
+            tokens.extend((e.token, e.logprob) for e in event.logprobs or [])
         else:
             assert isinstance(event, Finished), event
             engine.commit(job)

@@ -255,6 +255,7 @@ def test_logprobs_in_stream(think: tuple[str, Engine]) -> None:
             temperature=0,
             stream=True,
             logprobs=True,
+            top_logprobs=2,
             reasoning_effort="none",
         )
     )
@@ -266,6 +267,13 @@ def test_logprobs_in_stream(think: tuple[str, Engine]) -> None:
     ]
     assert "".join(e.token for e in entries) == "The answer is 4."
     assert all(e.logprob <= 0 for e in entries)
+    # OpenAI's shape: each token's bytes, and its position's likeliest tokens (greedy: its own
+    # first).
+    assert all(e.bytes == list(e.token.encode()) for e in entries)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
+    with pytest.raises(openai.BadRequestError) as info:
+        client(think).chat.completions.create(model="tiny-think", messages=HI, top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
 
 
 async def test_eight_concurrent_streams(plain: tuple[str, Engine]) -> None:

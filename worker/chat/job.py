@@ -123,6 +123,7 @@ async def start_job(
             sampling=sampling,
             stop=chat.stop_strings(),
             logprobs=bool(chat.logprobs),
+            top_logprobs=(chat.top_logprobs or 0) if chat.logprobs else 0,
             logits_processors=processors,
         )
     )

@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # The chat template call's own parameters (transformers' ``apply_chat_template``, mlx-lm's
 # wrapper) and the names the template is rendered with. Sent as ``chat_template_kwargs`` they
@@ -214,6 +222,13 @@ class ChatCompletionRequest(BaseModel):
     def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > 16:
             raise ValueError("at most 16 stop strings")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from worker.chat.output import DeltaAssembler
 from worker.chat.schemas import openai_usage
 from worker.engine.core import Engine, Job
-from worker.engine.types import Failed, Finished, TokenChunk
+from worker.engine.types import Failed, Finished, TokenChunk, TokenLogprob
 
 
 def sampling_used(job: Job) -> dict[str, Any]:
@@ -34,8 +34,18 @@ def _usage(done: Finished) -> dict[str, Any]:
     return openai_usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
 
 
-def _logprob_entries(logprobs: list[tuple[str, float]]) -> list[dict[str, Any]]:
-    return [{"token": t, "logprob": lp, "top_logprobs": []} for t, lp in logprobs]
+def _alternative(token: str, logprob: float) -> dict[str, Any]:
+    # ``bytes``: the token text's UTF-8 (a token that is part of a character is U+FFFD here).
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def logprobs_body(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's choice ``logprobs``: each token with its ``top_logprobs``."""
+    content = [
+        _alternative(e.token, e.logprob) | {"top_logprobs": [_alternative(*t) for t in e.top]}
+        for e in logprobs
+    ]
+    return {"content": content, "refusal": None}
 
 
 # Like vLLM, the final choice also carries ``stop_reason``: the stop string that ended the
@@ -58,7 +68,7 @@ async def sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
 ) -> AsyncIterator[bytes]:
     base = {**meta, "object": "chat.completion.chunk"}
     first = True
-    pending_logprobs: list[tuple[str, float]] = []
+    pending_logprobs: list[TokenLogprob] = []
     prompt_tokens = len(job.request.prompt)
     completion_tokens = 0
     cached_tokens = 0
@@ -73,7 +83,7 @@ async def sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
             choice["finish_reason"] = _finish_reason(assembler, done)
             choice["stop_reason"] = done.stop_sequence
         if pending_logprobs:
-            choice["logprobs"] = {"content": _logprob_entries(pending_logprobs)}
+            choice["logprobs"] = logprobs_body(pending_logprobs)
             pending_logprobs.clear()
         chunk = {**base, "choices": [choice]}
         if done is not None:
@@ -123,7 +133,7 @@ async def sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
 
 
 async def _collect(job: Job, assembler: DeltaAssembler) -> tuple[Finished | Failed, list[Any]]:
-    logprobs: list[tuple[str, float]] = []
+    logprobs: list[TokenLogprob] = []
     async for event in job.events():
         if isinstance(event, TokenChunk):
             if event.logprobs:
@@ -166,14 +176,14 @@ def completion_body(
     meta: dict[str, Any],
     assembler: DeltaAssembler,
     done: Finished,
-    logprobs: list[tuple[str, float]] | None,
+    logprobs: list[TokenLogprob] | None,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
         "message": assembler.message(),
         "finish_reason": _finish_reason(assembler, done),
         "stop_reason": done.stop_sequence,
-        "logprobs": {"content": _logprob_entries(logprobs)} if logprobs is not None else None,
+        "logprobs": logprobs_body(logprobs) if logprobs is not None else None,
     }
     return {
         **meta,

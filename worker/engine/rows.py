@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from worker.engine.logprobs import token_logprob
 from worker.engine.loop_guard import LoopGuard
 from worker.engine.meter import Meter
 from worker.engine.shared_prefill import Source
-from worker.engine.types import EngineConfig, EngineStats, Job
+from worker.engine.types import EngineConfig, EngineStats, Job, TokenLogprob
 from worker.prompt_cache.store import PromptCacheStore
 from worker.sampling import StopMatcher, make_request_processors, make_request_sampler
 
@@ -29,7 +30,7 @@ class Decoded:
     """What one generator response gives the client."""
 
     text: str
-    logprobs: list[tuple[str, float]] | None
+    logprobs: list[TokenLogprob] | None
     finish: str | None  # None: the job goes on
     stopped: bool  # a stop string (or the loop guard) ended it, not the generator
     looped: bool  # the loop guard ended it
@@ -67,9 +68,9 @@ class Active:
         elif finish is not None:
             text += self.stop.flush()
         logprobs = None
-        if self.job.request.logprobs and not is_eos:
-            logprob = r.logprobs[r.token].item()
-            logprobs = [(tokenizer.decode([r.token]), logprob)]
+        request = self.job.request
+        if request.logprobs and not is_eos:
+            logprobs = [token_logprob(r.token, r.logprobs, request.top_logprobs, tokenizer)]
         return Decoded(text, logprobs, finish, stopped, looped)
 
     def _looping(self, token: int) -> bool:

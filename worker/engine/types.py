@@ -86,9 +86,21 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    # With ``logprobs``: how many of the most likely tokens each position also reports (0-20).
+    top_logprobs: int = 0
     request_id: str | None = None
     # Run after the sampling ones, each request its own (a grammar's, worker/structured/processor.py).
     logits_processors: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's text and log-probability, and the ``top_logprobs`` most likely
+    tokens at its position (text, log-probability), most likely first."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +108,7 @@ class TokenChunk:
     """Text decoded since the previous chunk (stop strings already removed)."""
 
     text: str
-    logprobs: list[tuple[str, float]] | None = None
+    logprobs: list[TokenLogprob] | None = None
     completion_tokens: int = 0  # generated so far, this chunk's tokens included
     cached_tokens: int = 0  # of the prompt, read from the prompt cache (known from the start)
 

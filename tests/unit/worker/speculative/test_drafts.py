@@ -65,8 +65,9 @@ async def answers(engine: Engine, sampling: SamplingParams = GREEDY) -> list[Any
                 logprobs.extend(event.logprobs or [])
             else:
                 assert isinstance(event, Finished), event
-                tokens = [t for t, _ in logprobs]
-                return "".join(pieces), event.completion_tokens, tokens, [p for _, p in logprobs]
+                tokens = [e.token for e in logprobs]
+                values = [e.logprob for e in logprobs]
+                return "".join(pieces), event.completion_tokens, tokens, values
         raise AssertionError("no terminal event")
 
     return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(TEXTS))))

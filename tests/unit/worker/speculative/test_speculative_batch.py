@@ -19,7 +19,13 @@ import pytest
 
 from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine, Job
-from worker.engine.types import EngineConfig, Finished, GenerationRequest, TokenChunk
+from worker.engine.types import (
+    EngineConfig,
+    Finished,
+    GenerationRequest,
+    TokenChunk,
+    TokenLogprob,
+)
 from worker.sampling import RequestSampler, SamplingParams
 from worker.speculative.batch import _accept_sampled
 from worker.speculative.policy import (
@@ -31,7 +37,7 @@ from worker.structured.processor import make_grammar_processor
 from worker.testing import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
-Outcome = tuple[str, Finished, list[tuple[str, float]], Job]
+Outcome = tuple[str, Finished, list[TokenLogprob], Job]
 
 
 def start(model_dir: Path, speculation: str, max_rows: int = 4, **config: Any) -> Engine:
@@ -104,8 +110,14 @@ def assert_same(plain: list[Outcome], speculated: list[Outcome]) -> None:
         # cached_tokens says which rows shared a prefill, which depends on when each request
         # reached the scheduler (shared prefill), not on speculation: compared apart from it.
         assert replace(done2, cached_tokens=0) == replace(done, cached_tokens=0)
-        assert [t for t, _ in logprobs2] == [t for t, _ in logprobs]
-        assert np.allclose([p for _, p in logprobs2], [p for _, p in logprobs], atol=1e-3)
+        assert [e.token for e in logprobs2] == [e.token for e in logprobs]
+        assert np.allclose([e.logprob for e in logprobs2], [e.logprob for e in logprobs], atol=1e-3)
+        # The most likely tokens at each position too: the same tokens, the same numbers.
+        assert [[t for t, _ in e.top] for e in logprobs2] == [
+            [t for t, _ in e.top] for e in logprobs
+        ]
+        for e, e2 in zip(logprobs, logprobs2, strict=True):
+            assert np.allclose([p for _, p in e2.top], [p for _, p in e.top], atol=1e-3)
 
 
 async def test_greedy_batch_gives_the_same_tokens_and_logprobs(
@@ -118,13 +130,15 @@ async def test_greedy_batch_gives_the_same_tokens_and_logprobs(
     def requests(engine: Engine) -> list[GenerationRequest]:
         return [
             GenerationRequest(prompt_of(engine, t), max_tokens=40 + 17 * i, sampling=GREEDY,
-                              logprobs=i % 2 == 0)
+                              logprobs=i % 2 == 0, top_logprobs=5 if i == 0 else 0)
             for i, t in enumerate(texts)
         ]  # fmt: skip
 
     before = pair[1].speculation.as_dict()
     plain, speculated = await both(pair, requests)
     assert_same(plain, speculated)
+    # Greedy: each token is the likeliest at its position, the first of its top five.
+    assert all(len(e.top) == 5 and e.top[0][0] == e.token for e in plain[0][2])
     after = pair[1].speculation.as_dict()
     assert after["accepted"] > before["accepted"]  # it did speculate
     assert after["tokens_per_step"] > 1
@@ -168,8 +182,8 @@ async def test_rows_under_a_grammar_or_penalties_draft_and_answer_as_decoding_do
         return [
             *grammar_only(engine),
             GenerationRequest(prompt_of(engine, text), 60, penalised, logits_processors=(
-                make_grammar_processor(engine.tokenizer, grammar),), logprobs=True),
-            GenerationRequest(prompt_of(engine, text), 50, biased, logprobs=True),
+                make_grammar_processor(engine.tokenizer, grammar),), logprobs=True, top_logprobs=3),
+            GenerationRequest(prompt_of(engine, text), 50, biased, logprobs=True, top_logprobs=3),
             GenerationRequest(prompt_of(engine, "The quick brown fox"), 60, GREEDY),
         ]  # fmt: skip
 
