@@ -19,6 +19,7 @@ from gateway.events import (
     ReasoningDelta,
     Sampling,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
 )
@@ -50,6 +51,7 @@ class Accumulator:
 
     # Parts, joined on demand: += on a long answer would copy it once per token (quadratic).
     text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the text's tokens, if asked for
     reasoning_parts: list[str] = field(default_factory=list)
     reasoning_deltas: int = 0
     # Progress notes ("asking 3 models…"): kept apart from reasoning, they are not the model's.
@@ -72,6 +74,8 @@ class Accumulator:
             return self.choices.setdefault(event.index, Accumulator()).add(event.event)
         if isinstance(event, TextDelta):
             self.text_parts.append(event.text)
+            if event.logprobs:
+                self.logprobs.extend(event.logprobs)
         elif isinstance(event, ReasoningDelta):
             self.reasoning_parts.append(event.text)
             self.reasoning_deltas += 1

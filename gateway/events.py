@@ -10,8 +10,9 @@ left out); like ``Usage`` it is a fact about the answer, not content.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.errors import GatewayError
 
@@ -24,10 +25,36 @@ class ReasoningDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One answer token's log-probability (Chat ``logprobs``) and, when the request asked for
+    ``top_logprobs``, the most likely tokens at its position, most likely first (their own
+    ``top_logprobs`` empty)."""
+
+    token: str
+    logprob: float
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> TokenLogprob:
+        """The entry from its JSON form (a tunnel frame: orjson writes the fields as keys)."""
+        top = tuple(cls.from_wire(t) for t in data.get("top_logprobs") or ())
+        return cls(str(data["token"]), float(data["logprob"]), top)
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
     # Mean log-probability of the tokens in this delta, when the upstream knows it (MoA scoring).
+    # Set whenever ``logprobs`` is: a delta without it counts as a plain one that the tunnel
+    # may shorten and merge (mesh/tunnel_server.py, mesh/delta_merge.py).
     logprob: float | None = None
+    # The delta's tokens, one entry each, when the request asked for logprobs.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs and self.logprob is None:
+            mean = sum(e.logprob for e in self.logprobs) / len(self.logprobs)
+            object.__setattr__(self, "logprob", mean)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +230,24 @@ def event_to_dict(event: Event) -> dict:
     return out
 
 
+def _token_logprobs(entries: Any) -> tuple[TokenLogprob, ...] | None:
+    return None if entries is None else tuple(TokenLogprob.from_wire(e) for e in entries)
+
+
+# Fields whose JSON form is not the value itself (nested dataclasses), by event type.
+_FIELD_DECODERS: dict[tuple[type, str], Callable[[Any], Any]] = {
+    (TextDelta, "logprobs"): _token_logprobs,
+}
+
+
 def event_from_dict(data: dict) -> Event:
     try:
         cls = _EVENT_TYPES[data["t"]]
-        return cls(**{k: v for k, v in data.items() if k != "t"})
-    except (KeyError, TypeError) as exc:
+        fields = {k: _FIELD_DECODERS.get((cls, k), _same)(v) for k, v in data.items() if k != "t"}
+        return cls(**fields)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EventDecodeError(f"not an event: {data!r:.200}") from exc
+
+
+def _same(value: Any) -> Any:
+    return value

@@ -79,6 +79,10 @@ class ChatRequest(BaseModel):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     output_format: OutputFormat | None = None
+    # Chat ``logprobs``: each answer token's log-probability, and with ``top_logprobs`` (0-20)
+    # that many of the likeliest tokens at its position (events: ``TextDelta.logprobs``).
+    logprobs: bool = False
+    top_logprobs: int | None = None
     stream: bool = True
     session_key: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)

@@ -27,6 +27,7 @@ from gateway.events import (
     ReasoningDelta,
     Sampling,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
     kind_for_status,
@@ -100,8 +101,11 @@ def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
         kwargs.setdefault("enable_thinking", request.reasoning)
     if kwargs:
         body["chat_template_kwargs"] = kwargs
-    if request.metadata.get("logprobs"):
+    # MoA's candidates ask through metadata: each delta's mean log-probability scores them.
+    if request.logprobs or request.metadata.get("logprobs"):
         body["logprobs"] = True
+        if request.top_logprobs:
+            body["top_logprobs"] = request.top_logprobs
     if request.temperature is None and request.min_temperature is not None:
         body["min_temperature"] = request.min_temperature  # model=mesh's vote samples
     if request.output_format is not None:
@@ -166,7 +170,7 @@ class ChunkDecoder:
             if reasoning := delta.get("reasoning_content"):
                 events.append(ReasoningDelta(reasoning))
             if content := delta.get("content"):
-                events.append(TextDelta(content, logprob=_mean_logprob(choice.get("logprobs"))))
+                events.append(TextDelta(content, logprobs=_token_logprobs(choice.get("logprobs"))))
             for call in delta.get("tool_calls") or ():
                 function = call.get("function") or {}
                 events.append(
@@ -198,12 +202,17 @@ def _sampling(used: dict[str, Any]) -> Sampling | None:
         return None  # not what our worker sends: say nothing rather than something wrong
 
 
-def _mean_logprob(logprobs: Any) -> float | None:
-    content = (logprobs or {}).get("content") if isinstance(logprobs, dict) else None
-    if not content:
+def _token_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    """A chunk's ``logprobs.content`` as entries (None when it has none); an entry that is not
+    what our worker writes is left out rather than guessed at."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
         return None
-    values = [float(t["logprob"]) for t in content if "logprob" in t]
-    return sum(values) / len(values) if values else None
+    entries = []
+    for entry in content:
+        with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+            entries.append(TokenLogprob.from_wire(entry))
+    return tuple(entries) or None
 
 
 class _Call:

@@ -22,11 +22,13 @@ from gateway.events import (
     Event,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
 )
 from gateway.refusals import RequestInvalid, validated
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall, ToolSpec
 from gateway.router import Router
+from gateway.upstream import MESH_MODEL
 from worker.chat.schemas import ResponseFormat, check_template_kwargs, openai_usage
 from worker.chat.thinking import normalize_thinking
 
@@ -102,6 +104,7 @@ class ChatCompletionBody(BaseModel):
     stream: bool = False
     stream_options: _StreamOptions | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     user: str | None = None
     metadata: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices (gateway/choices.py)
@@ -169,10 +172,8 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
             )
         )
     _check_tool_results(body)
+    _check_logprobs(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    metadata = dict(body.metadata or {})
-    if body.logprobs:
-        metadata["logprobs"] = True
     request = ChatRequest(
         model=body.model,
         messages=place_system_messages(messages),
@@ -201,8 +202,10 @@ def parse(raw: dict[str, Any]) -> tuple[ChatRequest, ChatCompletionBody]:
         chat_template_kwargs=body.chat_template_kwargs or {},
         output_format=chat_output_format(body.response_format),
         stream=body.stream,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs if body.logprobs else None,
         session_key=body.user,
-        metadata=metadata,
+        metadata=dict(body.metadata or {}),
     )
     return request, body
 
@@ -223,6 +226,30 @@ def _check_tool_results(body: ChatCompletionBody) -> None:
                 " assistant message)",
                 where,
             )
+
+
+def _check_logprobs(body: ChatCompletionBody) -> None:
+    if body.top_logprobs and not body.logprobs:
+        raise RequestInvalid("top_logprobs: needs logprobs: true", "top_logprobs")
+    if body.logprobs and body.model == MESH_MODEL:
+        # Its answer is chosen among several models' (or written by a judge): no one
+        # distribution's log-probabilities describe it.
+        raise RequestInvalid(
+            f"logprobs: not available with model {MESH_MODEL!r} (its answer is chosen among"
+            " several models'); ask a model by name",
+            "logprobs",
+        )
+
+
+def logprobs_body(entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """OpenAI's choice ``logprobs`` for these tokens. ``bytes`` is the token text's UTF-8 (a
+    token that is part of a character has U+FFFD there: the worker sends text, not bytes)."""
+
+    def entry(e: TokenLogprob) -> dict[str, Any]:
+        return {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode())}
+
+    content = [entry(e) | {"top_logprobs": [entry(t) for t in e.top_logprobs]} for e in entries]
+    return {"content": content, "refusal": None}
 
 
 def error_body(error: Error) -> dict[str, Any]:
@@ -251,6 +278,7 @@ class ChatStreamEncoder:
         self.created = int(time.time())
         self.model = request.model
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.logprobs = request.logprobs
         self.acc = Accumulator()
         self._role_sent: set[int] = set()  # the choices whose first chunk went out
 
@@ -261,12 +289,21 @@ class ChatStreamEncoder:
         return sse.KEEPALIVE
 
     def _chunk(
-        self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0
+        self,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         if index not in self._role_sent:
             delta = {"role": "assistant", **delta}
             self._role_sent.add(index)
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         return sse.data_frame(
             {
                 "id": self.id,
@@ -279,7 +316,8 @@ class ChatStreamEncoder:
 
     def _delta(self, event: Event, opened: ToolCallState | None, index: int) -> bytes:
         if isinstance(event, TextDelta):
-            return self._chunk({"content": event.text}, index=index)
+            logprobs = logprobs_body(event.logprobs or ()) if self.logprobs else None
+            return self._chunk({"content": event.text}, index=index, logprobs=logprobs)
         if isinstance(event, ReasoningDelta):
             return self._chunk({"reasoning_content": event.text}, index=index)
         if isinstance(event, ToolCallDelta):
@@ -330,12 +368,12 @@ def completion_body(request: ChatRequest, acc: Accumulator) -> dict[str, Any]:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model,
-        "choices": [_choice_body(index, choice) for index, choice in choices],
+        "choices": [_choice_body(index, c, request.logprobs) for index, c in choices],
         "usage": _usage_dict(acc),
     }
 
 
-def _choice_body(index: int, acc: Accumulator) -> dict[str, Any]:
+def _choice_body(index: int, acc: Accumulator, logprobs: bool) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": acc.text if acc.text or not acc.tool_calls else None,
@@ -350,6 +388,6 @@ def _choice_body(index: int, acc: Accumulator) -> dict[str, Any]:
     return {
         "index": index,
         "message": message,
-        "logprobs": None,
+        "logprobs": logprobs_body(acc.logprobs) if logprobs else None,
         "finish_reason": acc.finish_reason or "stop",
     }

@@ -99,6 +99,36 @@ def test_chat_thinking_on_and_off(oai):
     assert not off.choices[0].message.model_extra.get("reasoning_content")
 
 
+def test_chat_logprobs_streamed_and_not(oai):
+    """Issue #44: the worker computed them and the gateway answered ``"logprobs": null``."""
+    ask = {"model": "think", "messages": USER, "max_tokens": 20, "temperature": 0}
+    ask |= {"reasoning_effort": "none", "logprobs": True, "top_logprobs": 3}
+    whole = oai.chat.completions.create(**ask)
+    entries = whole.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == whole.choices[0].message.content
+    for e in entries:
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True
+        )
+    chunks = list(oai.chat.completions.create(**ask, stream=True))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-3)
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in entries
+    ]
+    plain = oai.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
 def test_chat_tool_call(oai):
     with oai.chat.completions.stream(
         model="tool", messages=USER, tools=[WEATHER_TOOL], max_tokens=30

@@ -6,7 +6,16 @@ from __future__ import annotations
 import httpx
 import orjson
 
-from gateway.events import Done, Error, Meta, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import (
+    Done,
+    Error,
+    Meta,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
 from gateway.worker_client import WorkerClient, worker_body
 
@@ -35,6 +44,12 @@ def test_worker_body_carries_everything_the_worker_understands():
     assert body["model"] == "served-name" and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert body["max_tokens"] == 9 and body["top_k"] == 5 and body["logprobs"] is True
+    asked = REQUEST.model_copy(update={"metadata": {}, "logprobs": True, "top_logprobs": 3})
+    assert (worker_body(asked, "m")["logprobs"], worker_body(asked, "m")["top_logprobs"]) == (
+        True,
+        3,
+    )
+    assert "logprobs" not in worker_body(REQUEST.model_copy(update={"metadata": {}}), "m")
     assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert body["messages"][1]["reasoning_content"] == "r"
     assert body["messages"][1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
@@ -100,7 +115,7 @@ async def test_chunks_become_events():
     events = await _events(_upstream(lambda request: httpx.Response(200, content=body)))
     assert events == [
         ReasoningDelta("hm"),
-        TextDelta("ok", logprob=-0.5),
+        TextDelta("ok", logprobs=(TokenLogprob("ok", -0.5),)),
         ToolCallDelta(0, id="c1", name="f", arguments=""),
         ToolCallDelta(0, arguments="{}"),
         Usage(10, 4, 6),
@@ -143,6 +158,30 @@ async def test_continuous_usage_gives_one_early_usage_before_the_first_delta():
         Usage(10, 2, 4),
         Done("stop"),
     ]
+
+
+async def test_logprobs_become_token_entries_of_the_text_delta():
+    entry = {
+        "token": "ok",
+        "logprob": -0.5,
+        "bytes": [111, 107],
+        "top_logprobs": [
+            {"token": "ok", "logprob": -0.5, "bytes": [111, 107]},
+            {"token": "no", "logprob": -1.5, "bytes": [110, 111]},
+        ],
+    }
+    second = {"token": "!", "logprob": -1.5, "top_logprobs": []}
+    body = _sse(
+        _chunk({"content": "ok!"}, logprobs={"content": [entry, second], "refusal": None}),
+        _chunk({}, "stop"),
+        b"[DONE]",
+    )
+    events = await _events(_upstream(lambda request: httpx.Response(200, content=body)))
+    top = (TokenLogprob("ok", -0.5), TokenLogprob("no", -1.5))
+    expected = (TokenLogprob("ok", -0.5, top), TokenLogprob("!", -1.5))
+    assert events[0] == TextDelta("ok!", logprob=-1.0, logprobs=expected)
+    # The mean is set with the entries (MoA scores by it; the tunnel keeps such a delta whole).
+    assert TextDelta("ok!", logprobs=expected).logprob == -1.0
 
 
 async def test_matched_stop_string_reaches_done():

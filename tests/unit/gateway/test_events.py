@@ -15,6 +15,7 @@ from gateway.events import (
     ReasoningDelta,
     Sampling,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
     event_from_dict,
@@ -24,6 +25,7 @@ from gateway.events import (
 EVENTS = [
     ReasoningDelta("hm"),
     TextDelta("hi", logprob=-0.25),
+    TextDelta("hi!", logprobs=(TokenLogprob("hi", -0.5, (TokenLogprob("hi", -0.5),)),)),
     ToolCallDelta(0, id="c", name="f", arguments="{}"),
     Progress("asking 3 models…"),
     Usage(3, 2, 1),
@@ -62,3 +64,22 @@ def test_progress_has_its_own_tag_not_reasoning() -> None:
 def test_unknown_fields_are_a_decode_error() -> None:
     with pytest.raises(EventDecodeError):
         event_from_dict({"t": "done", "finish_reason": "stop", "bogus": 1})
+
+
+def test_a_text_deltas_token_logprobs_cross_as_json_and_come_back_whole() -> None:
+    """Chat logprobs served by a peer: the entries, their top alternatives and the mean."""
+    top = (TokenLogprob("a", -0.1), TokenLogprob("b", -2.5))
+    delta = TextDelta("ab", logprobs=(TokenLogprob("a", -0.1, top), TokenLogprob("b", -0.3)))
+    wire = orjson.loads(orjson.dumps(event_to_dict(delta)))
+    assert wire["logprobs"][0] == {
+        "token": "a",
+        "logprob": -0.1,
+        "top_logprobs": [
+            {"token": "a", "logprob": -0.1, "top_logprobs": []},
+            {"token": "b", "logprob": -2.5, "top_logprobs": []},
+        ],
+    }
+    back = event_from_dict(wire)
+    assert back == delta and back.logprob == pytest.approx(-0.2)
+    with pytest.raises(EventDecodeError):
+        event_from_dict({"t": "text", "text": "x", "logprobs": [{"token": "x"}]})

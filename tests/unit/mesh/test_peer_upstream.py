@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.events import Done, Error, Meta, ReasoningDelta, TextDelta, ToolCallDelta, Usage
+from gateway.events import (
+    Done,
+    Error,
+    Meta,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
 from gateway.request import ChatRequest, Message
 from gateway.testing import Raise, ScriptedUpstream, Sleep, Stall, text_script
 from gateway.upstream import ModelInfo, StaticDirectory
@@ -86,6 +95,24 @@ async def test_events_cross_the_tunnel_unchanged():
     assert "x-route" not in meta[0].headers
     assert worker.requests[0] == _request()
     assert server.served == 1 and server.active == 0
+
+
+async def test_chat_logprobs_cross_the_tunnel_both_ways():
+    """The request's logprobs knobs reach the serving node, and its token entries come back
+    whole: back to back (merge-prone), each delta keeps its own tokens (issue #44)."""
+    script = [
+        TextDelta("He", logprobs=(TokenLogprob("He", -0.5, (TokenLogprob("He", -0.5),)),)),
+        TextDelta("llo", logprobs=(TokenLogprob("l", -1.0), TokenLogprob("lo", -2.0))),
+        TextDelta(" there", logprobs=(TokenLogprob(" there", -0.25),)),
+        Usage(prompt_tokens=3, completion_tokens=4),
+        Done(),
+    ]
+    worker, _, connection, upstream = _setup(*script)
+    asked = _request().model_copy(update={"logprobs": True, "top_logprobs": 1})
+    events = await _collect(upstream, asked)
+    await connection.join()
+    assert [e for e in events if not isinstance(e, Meta)] == script
+    assert (worker.requests[0].logprobs, worker.requests[0].top_logprobs) == (True, 1)
 
 
 async def test_back_to_back_deltas_merge_but_never_the_first_nor_across_other_events():
@@ -333,6 +360,8 @@ async def test_link_lost_while_cancelling_does_not_cut_the_upstreams_close_short
     [
         TextDelta("tok"),
         TextDelta("tok", logprob=-0.25),
+        # Chat logprobs: the mean is set with the entries, so the short form never drops them.
+        TextDelta("tok", logprobs=(TokenLogprob("tok", -0.25, (TokenLogprob("tok", -0.25),)),)),
         Usage(prompt_tokens=3, completion_tokens=2),
         Done("length"),
         Error(kind="upstream", message="m", code="x"),
