@@ -3,9 +3,11 @@
 An upstream stream is any number of deltas, ``Progress`` notes and ``Usage`` events, closed by
 exactly one terminal event: ``Done`` or ``Error``. Encoders rely on that terminal event to end
 their stream. The last ``Usage`` counts; an earlier one, right before the first delta, tells the
-prompt's size early (Anthropic's ``message_start``). A worker also says, once, before its
-``Done``, the ``Sampling`` values it generated with (the model's defaults for what the request
-left out); like ``Usage`` it is a fact about the answer, not content.
+prompt's size early (Anthropic's ``message_start``), and a streamed answer's later ones the
+tokens so far (what the request log counts when the client leaves before the end). A worker
+also says, once, before its ``Done``, the ``Sampling`` values it generated with (the model's
+defaults for what the request left out); like ``Usage`` it is a fact about the answer, not
+content.
 """
 
 from __future__ import annotations

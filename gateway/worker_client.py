@@ -125,18 +125,24 @@ def _response_format(output: OutputFormat) -> dict[str, Any]:
 class ChunkDecoder:
     """Worker ``chat.completion.chunk`` payloads → internal events (pure: no I/O).
 
-    Usage goes out once at the end; when the worker also counts in its chunks
+    Usage goes out at the end; when the worker also counts in its chunks
     (``continuous_usage_stats``), an early ``Usage`` precedes the first delta too, so encoders
-    can tell the prompt's size before the answer (the final one supersedes it). The worker's
-    ``sampling`` extension (the values it used) becomes a ``Sampling`` right before ``Done``.
+    can tell the prompt's size before the answer; with ``running_count`` each later count
+    follows its chunk's deltas too: a stream that is cut off (the client left) has told the
+    gateway how many tokens its text took, and the request log counts those, not the first
+    one. (An answer the client waits for whole has no use for them: its cut-off text is
+    never sent.) The worker's ``sampling`` extension (the values it used) becomes a
+    ``Sampling`` right before ``Done``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, running_count: bool = True) -> None:
         self.finish_reason = "stop"
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self.sampling: Sampling | None = None
         self._started = False  # a delta or the early usage went out
+        self._running_count = running_count
+        self._told: Usage | None = None  # the last count that went out
 
     def decode(self, payload: dict[str, Any]) -> list[Event]:
         if "error" in payload:
@@ -155,16 +161,10 @@ class ChunkDecoder:
         events: list[Event] = []
         if isinstance(used := payload.get("sampling"), dict):
             self.sampling = _sampling(used)
-        usage = payload.get("usage")
-        if usage:
-            details = usage.get("prompt_tokens_details") or {}
-            self.usage = Usage(
-                prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                completion_tokens=int(usage.get("completion_tokens", 0)),
-                cached_tokens=int(details.get("cached_tokens") or 0),
-            )
-            if not self._started and payload.get("choices"):
-                events.append(self.usage)
+        counted = self._count(payload.get("usage"), answering=bool(payload.get("choices")))
+        if counted is not None and not self._started:
+            events.append(counted)  # the early one: before the first delta
+            counted = None
         for choice in payload.get("choices") or ():
             delta = choice.get("delta") or {}
             if reasoning := delta.get("reasoning_content"):
@@ -187,7 +187,25 @@ class ChunkDecoder:
                 # vLLM-style extension: the stop string that matched (a token id is not one).
                 stop = choice.get("stop_reason")
                 self.stop_sequence = stop if isinstance(stop, str) and finish == "stop" else None
+        if counted is not None and self._running_count:
+            events.append(counted)
         return events
+
+    def _count(self, usage: Any, answering: bool) -> Usage | None:
+        """Note a chunk's ``usage``; returns it when a chunk of the answer (``answering``)
+        brought a new count. The last chunk's, usage only, is ``finish``'s to report."""
+        if not usage:
+            return None
+        details = usage.get("prompt_tokens_details") or {}
+        self.usage = Usage(
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+        )
+        if not answering or self.usage == self._told:
+            return None
+        self._told = self.usage
+        return self.usage
 
     def finish(self) -> list[Event]:
         tail: list[Event] = [e for e in (self.usage, self.sampling) if e is not None]
@@ -287,7 +305,7 @@ class WorkerClient(Upstream):
     async def _events(self, request: ChatRequest, call: _Call) -> AsyncGenerator[Event, None]:
         body = orjson.dumps(worker_body(request, self.model_name))
         url = f"{self.base_url}/v1/chat/completions"
-        decoder = ChunkDecoder()
+        decoder = ChunkDecoder(running_count=request.stream)
         produced = False  # nothing reached the client yet: a broken connection is retryable
         try:
             async with self._client.stream(

@@ -44,7 +44,9 @@ def gateway(tiny_model_dir, tiny_think_model_dir, tiny_tool_model_dir):
             servers.append(server)
             directory.add(ModelInfo(id=name), WorkerClient(server.url, name))
         directory.add(ModelInfo(id="down"), WorkerClient("http://127.0.0.1:9", "down"))
-        with ServerThread(create_app(directory, GatewayConfig(retry_backoff_ms=1))) as front:
+        app = create_app(directory, GatewayConfig(retry_backoff_ms=1))
+        with ServerThread(app) as front:
+            front.app = app
             front.worker_urls = {e.name: srv.url for e, srv in zip(engines, servers, strict=True)}
             yield front
     finally:
@@ -127,6 +129,35 @@ def test_chat_logprobs_streamed_and_not(oai):
     ]
     plain = oai.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+
+
+def test_a_cancelled_stream_logs_the_tokens_it_was_sent(gateway, oai):
+    """Issue #44: the request log said ``completion_tokens: 1`` for a stream the client left
+    after a hundred tokens (the early usage was all the gateway had been told)."""
+    import time
+
+    records: list = []
+    gateway.app.state.gateway.metrics.listeners.append(records.append)
+    try:
+        stream = oai.chat.completions.create(
+            model="plain", messages=USER, max_tokens=5000, temperature=0, stream=True
+        )
+        received = 0
+        for chunk in stream:
+            received += bool(chunk.choices and chunk.choices[0].delta.content)
+            if received == 100:
+                break
+        stream.close()
+        deadline = time.monotonic() + 10
+        while not records:
+            assert time.monotonic() < deadline, "no request log row"
+            time.sleep(0.02)
+    finally:
+        gateway.app.state.gateway.metrics.listeners.remove(records.append)
+    (record,) = records
+    assert record.outcome == "cancelled"
+    # At least what the client read; less than the 5000 asked for: it stopped there.
+    assert 100 <= record.completion_tokens < 5000, record
 
 
 def test_chat_tool_call(oai):

@@ -17,7 +17,7 @@ from gateway.events import (
     Usage,
 )
 from gateway.request import ChatRequest, Message, ToolCall, ToolSpec
-from gateway.worker_client import WorkerClient, worker_body
+from gateway.worker_client import ChunkDecoder, WorkerClient, worker_body
 
 REQUEST = ChatRequest(
     model="m",
@@ -132,7 +132,7 @@ async def test_a_shortened_tool_listing_becomes_a_route_header():
     assert not any(isinstance(e, Meta) for e in plain)
 
 
-async def test_continuous_usage_gives_one_early_usage_before_the_first_delta():
+async def test_continuous_usage_gives_an_early_usage_then_each_new_count_after_its_deltas():
     def counted(chunk: dict, completion: int) -> dict:
         return {**chunk, "usage": {"prompt_tokens": 10, "completion_tokens": completion}}
 
@@ -155,9 +155,31 @@ async def test_continuous_usage_gives_one_early_usage_before_the_first_delta():
         Usage(10, 1),
         TextDelta("a"),
         TextDelta("b"),
+        Usage(10, 2),  # what a stream cut off here has cost: the request log counts it
         Usage(10, 2, 4),
         Done("stop"),
     ]
+
+
+def test_a_stream_cut_off_mid_answer_has_told_its_token_count():
+    """The request log of a stream the client left after 100 tokens counts 100, not the 1 of
+    the early usage (issue #44): each chunk's count follows its text."""
+    decoder = ChunkDecoder()
+    seen: list = []
+    for n in range(1, 101):
+        chunk = _chunk({"content": f"t{n} "})
+        chunk["usage"] = {"prompt_tokens": 7, "completion_tokens": n}
+        seen += decoder.decode(chunk)
+    usages = [e for e in seen if isinstance(e, Usage)]
+    assert usages[0] == Usage(7, 1) and seen.index(usages[0]) == 0  # the early one, first
+    assert usages[-1] == Usage(7, 100) and seen[-1] == usages[-1]  # after the last text
+    # An answer the client waits for whole is never sent cut off: the early count is enough.
+    whole = ChunkDecoder(running_count=False)
+    chunks = [_chunk({"content": "a"}), _chunk({"content": "b"})]
+    for n, chunk in enumerate(chunks, start=1):
+        chunk["usage"] = {"prompt_tokens": 7, "completion_tokens": n}
+    events = [e for chunk in chunks for e in whole.decode(chunk)] + whole.finish()
+    assert events == [Usage(7, 1), TextDelta("a"), TextDelta("b"), Usage(7, 2), Done("stop")]
 
 
 async def test_logprobs_become_token_entries_of_the_text_delta():
