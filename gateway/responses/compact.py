@@ -1,5 +1,7 @@
 """``POST /v1/responses/compact``: a long history becomes the user's own messages plus one
-``compaction`` item whose content the model itself wrote (a real generation, thinking off).
+``compaction`` item whose content the model itself wrote (a real generation, thinking off); a
+history that a summary would not shorten becomes one ``compaction`` item that carries it as it
+was (the endpoint always answers with one, as the Open Responses specification has it).
 
 The compacted output is what a client sends as the next turn's input (or continues with
 ``previous_response_id``: the compaction is stored like a response). Read back, the item is one
@@ -26,7 +28,7 @@ from gateway.exchange import error_response, json_response
 from gateway.refusals import RequestInvalid, ResponseStateError, validated
 from gateway.request import ChatRequest, Message
 from gateway.responses import wire
-from gateway.responses.compacted import encode_summary
+from gateway.responses.compacted import decode_history, encode_history, encode_summary
 from gateway.responses.state import ResponseStates, not_found
 from gateway.responses.store import StoredResponse
 from gateway.responses.stored import input_items
@@ -108,15 +110,16 @@ async def _compacted(
 ) -> tuple:
     """The output items and the summary's answer (None when none was generated). A compaction
     must shorten the prompt: the summary may use at most the tokens it replaces, and when even
-    that cannot make the prompt shorter the history comes back unchanged (the spec's output is
-    any list of items; a compaction item is not required)."""
+    that cannot make the prompt shorter the output is one compaction item carrying the history
+    unchanged (read back, the very same prompt)."""
     model, instructions = body.model, body.instructions
+    history = _unpacked(history)
     kept = _kept(history)
     full = await _prompt_tokens(state, model, history, instructions)
     floor = await _prompt_tokens(state, model, [*kept, _item("")], instructions)
     budget = min(SUMMARY_MAX_TOKENS, full - floor - 1)
     if budget < MIN_SUMMARY_TOKENS:
-        return history, None  # nothing worth replacing: no generation at all
+        return [_unchanged(history)], None  # nothing worth replacing: no generation at all
     chat, _ = wire.parse({"model": model, "input": history, "instructions": instructions})
     ask = chat.model_copy(
         update={
@@ -134,7 +137,7 @@ async def _compacted(
         return [], acc
     output = [*kept, _item(acc.text)]
     if await _prompt_tokens(state, model, output, instructions) >= full:
-        return history, acc
+        return [_unchanged(history)], acc
     return output, acc
 
 
@@ -144,6 +147,27 @@ def _item(summary: str) -> dict[str, Any]:
         "type": "compaction",
         "encrypted_content": encode_summary(summary),
     }
+
+
+def _unchanged(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The compaction item of a history left as it was."""
+    return {
+        "id": new_id("cmp_"),
+        "type": "compaction",
+        "encrypted_content": encode_history(history),
+    }
+
+
+def _unpacked(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``history`` with the items of an earlier unchanged compaction in its place: its user
+    messages are kept like any others, and compacting again does not wrap it twice."""
+    items: list[dict[str, Any]] = []
+    for item in history:
+        carried = None
+        if item.get("type") == "compaction" and isinstance(item.get("encrypted_content"), str):
+            carried = decode_history(item["encrypted_content"])
+        items += [item] if carried is None else carried
+    return items
 
 
 async def compact(request: Request) -> Response:

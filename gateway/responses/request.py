@@ -14,7 +14,7 @@ from gateway.api.common import place_system_messages
 from gateway.api.output_format import responses_output_format
 from gateway.refusals import RequestInvalid, validated
 from gateway.request import INT64_MAX, ChatRequest, Message, ToolCall
-from gateway.responses.compacted import decode_reasoning, summary_message
+from gateway.responses.compacted import decode_history, decode_reasoning, summary_message
 from gateway.responses.tools import (
     Tools,
     custom_arguments,
@@ -234,6 +234,16 @@ class _History:
             _CompactionItem: self._compaction,
         }
 
+    def add_raw(self, raw: dict[str, Any], where: str) -> None:
+        """An input item as the client sent it: validated by the model its type names."""
+        kind = raw.get("type", "message" if "role" in raw else None)
+        model = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise RequestInvalid(
+                f"{where}.type: item type {kind!r} is not supported", f"{where}.type"
+            )
+        self.add(validated(model, raw, where), where)
+
     def add(self, item: BaseModel, where: str) -> None:
         self._handlers[type(item)](item, where)
 
@@ -266,7 +276,12 @@ class _History:
         self.messages.append(Message(role="tool", content=text, tool_call_id=item.call_id))
 
     def _compaction(self, item: _CompactionItem, where: str) -> None:
-        self.messages.append(summary_message(item.encrypted_content, where))
+        history = decode_history(item.encrypted_content)
+        if history is None:
+            self.messages.append(summary_message(item.encrypted_content, where))
+            return
+        for k, raw in enumerate(history):  # a compaction that left the history as it was
+            self.add_raw(raw, f"{where}.encrypted_content.{k}")
 
     def _reasoning(self, item: _ReasoningItem, where: str) -> None:
         """Readable content first, else our encoded reasoning, else the summary. Encrypted
@@ -284,14 +299,7 @@ class _History:
 def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
     history = _History()
     for i, raw in enumerate(items):
-        where = f"input.{i}"
-        kind = raw.get("type", "message" if "role" in raw else None)
-        model = _ITEMS.get(kind) if isinstance(kind, str) else None
-        if model is None:
-            raise RequestInvalid(
-                f"{where}.type: item type {kind!r} is not supported", f"{where}.type"
-            )
-        history.add(validated(model, raw, where), where)
+        history.add_raw(raw, f"input.{i}")
     return history.messages
 
 

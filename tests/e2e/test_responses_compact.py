@@ -8,6 +8,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.responses.compacted import decode_history
 from gateway.testing import ServerThread
 from gateway.upstream import ModelInfo, StaticDirectory
 from gateway.worker_client import WorkerClient
@@ -54,10 +55,14 @@ def test_compaction_shortens_the_next_turn_or_changes_nothing(gateway):
         compacted = client.responses.with_raw_response.compact(model="tiny", input=HISTORY)
         output = compacted.http_response.json()["output"]
         after = _input_tokens(client, [*output, NEXT])
-    if any(item["type"] == "compaction" for item in output):
+    compactions = [item for item in output if item["type"] == "compaction"]
+    assert len(compactions) == 1  # always one, as the spec's endpoint answers
+    carried = decode_history(compactions[0]["encrypted_content"])
+    if carried is None:  # a summary
         assert after < before, (after, before, output)
-    else:  # not worth compacting: the conversation comes back as it was
-        assert [(i["role"], i["content"][0]["text"]) for i in output] == [
+    else:  # not worth compacting: the item carries the conversation as it was
+        assert output == compactions
+        assert [(i["role"], i["content"][0]["text"]) for i in carried] == [
             (m["role"], m["content"]) for m in HISTORY
         ]
         assert after == before

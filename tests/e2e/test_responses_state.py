@@ -225,20 +225,36 @@ def test_compaction_summarises_with_the_model_and_round_trips(oai, loose_oai, up
     assert plain.requests[-1].messages == after
 
 
-def test_a_compaction_that_would_not_shorten_returns_the_history(oai, loose_oai, upstreams):
+def test_a_compaction_that_would_not_shorten_carries_the_history_unchanged(
+    oai, loose_oai, upstreams
+):
     """Two short turns: a summary (header and all) cannot be shorter than what it replaces, so
-    the history comes back unchanged and nothing is generated."""
-    verbose = upstreams["verbose"]
+    nothing is generated, and the output is one compaction item carrying the history as it
+    was – the spec's endpoint always answers with one (issue #44: the Open Responses suite's
+    ``compact-response`` failed on the bare history). Handed back, it is that very history."""
+    verbose, plain = upstreams["verbose"], upstreams["plain"]
     first = oai.responses.create(model="plain", input="Capital of France?")
     calls = verbose.calls
     compacted = loose_oai.responses.with_raw_response.compact(
         model="verbose", previous_response_id=first.id
     ).http_response.json()
-    assert [(i["type"], i["role"]) for i in compacted["output"]] == [
-        ("message", "user"),
-        ("message", "assistant"),
-    ]
+    assert not list(validator("/components/schemas/CompactResource").iter_errors(compacted))
+    output = compacted["output"]
+    assert [item["type"] for item in output] == ["compaction"]
+    assert output[0]["encrypted_content"].startswith("mlxmesh-history-v1.")
     assert verbose.calls == calls and compacted["usage"]["output_tokens"] == 0
+
+    oai.responses.create(model="plain", input="And Spain?", previous_response_id=first.id)
+    expected = plain.requests[-1].messages
+    oai.responses.create(model="plain", input=[*output, {"role": "user", "content": "And Spain?"}])
+    assert plain.requests[-1].messages == expected
+    oai.responses.create(model="plain", input="And Spain?", previous_response_id=compacted["id"])
+    assert plain.requests[-1].messages == expected
+    # Compacted again, the carried history is unpacked, not wrapped a second time.
+    again = loose_oai.responses.with_raw_response.compact(
+        model="verbose", input=output
+    ).http_response.json()["output"]
+    assert again[0]["encrypted_content"] == output[0]["encrypted_content"]
 
 
 def test_compaction_refuses_what_it_cannot_do(oai, server):

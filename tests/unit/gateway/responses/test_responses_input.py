@@ -12,7 +12,7 @@ from gateway.answer import Accumulator
 from gateway.events import Done, ReasoningDelta, TextDelta
 from gateway.refusals import RequestInvalid
 from gateway.responses import wire
-from gateway.responses.compacted import decode_reasoning, encode_reasoning
+from gateway.responses.compacted import decode_reasoning, encode_history, encode_reasoning
 
 CODEX = json.loads((Path(__file__).parents[3] / "fixtures" / "codex_requests.json").read_text())
 USER = {"role": "user", "content": "hi"}
@@ -116,3 +116,25 @@ def test_codex_second_turn_reads_as_one_tool_round():
         ("exec_command", {"cmd": "echo hi"})
     ]
     assert tool.role == "tool" and tool.content.endswith("Output:\nhi\n")
+
+
+def test_a_compaction_that_carries_the_history_reads_as_that_history():
+    """A compact that replaced nothing answers with one item carrying the history (issue #44):
+    handed back, alone or among other items, the model reads the very same turns."""
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    history = [
+        USER,
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        call,
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is 42."}]},
+    ]
+    item = {"type": "compaction", "encrypted_content": encode_history(history)}
+    after = {"role": "user", "content": "thanks"}
+    expected = wire.parse({"model": "m", "input": [*history, after]})[0].messages
+    assert wire.parse({"model": "m", "input": [item, after]})[0].messages == expected
+    # An item inside it that is not one (edited by hand) is a 400 naming where it sits.
+    broken = {"type": "compaction", "encrypted_content": encode_history([{"type": "nope"}])}
+    with pytest.raises(RequestInvalid) as info:
+        wire.parse({"model": "m", "input": [broken]})
+    assert info.value.param == "input.0.encrypted_content.0.type"
