@@ -34,9 +34,7 @@ MAX_EXPONENT = 30  # e-notation written out in full up to this exponent
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _MARKER = re.compile(r"\b(?:final\s+)?answer\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
-_NUMBER = re.compile(
-    r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+|/\d+)?(?![\w])"
-)
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+|/\d+)?(?![\w])")
 # A choice letter alone: "B", "(B)", "B.", "B)", "[B]", "Option B", optionally followed by its text
 # after ")", "." or ":" ("B) Paris").
 _LETTER = re.compile(
