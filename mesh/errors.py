@@ -9,6 +9,7 @@ format they guard name their module::
     ├── MembershipError          this node cannot be (or become) a member: join refused, ...
     ├── HandshakeInputError      the peer sent something that is not a membership message
     ├── GossipDecodeError        gossip bytes that are not a gossip message
+    │   └── UnknownGossipType    a gossip type this version does not know (a newer peer's)
     ├── IdentityError            unreadable/mismatched key or certificate in the home dir
     ├── FrameError               the frame codec got bytes it cannot decode (or a frame too large)
     │   └── ProtocolViolation    well-formed frames in an order the protocol forbids
@@ -71,6 +72,10 @@ class HandshakeInputError(MeshError):
 
 class GossipDecodeError(MeshError):
     """Gossip bytes or a gossip dict that is not a valid gossip message."""
+
+
+class UnknownGossipType(GossipDecodeError):
+    """A gossip message of a type this version does not know: ignored, never a broken link."""
 
 
 class IdentityError(MeshError):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mesh.errors import GossipDecodeError
+from mesh.errors import GossipDecodeError, UnknownGossipType
 from mesh.membership.codec import MessageCodec
 from mesh.membership.members import Member
 
@@ -93,12 +93,23 @@ class Members(BaseModel):
 
 
 GossipMessage = NodeState | Leave | Members
+GOSSIP_TYPES = frozenset({"state", "leave", "members"})
 
 
+# Discriminated by ``type``: a bad message is reported against its own schema only.
 _CODEC: MessageCodec[GossipMessage] = MessageCodec(
-    GossipMessage, GossipDecodeError, "gossip message"
+    Annotated[GossipMessage, Field(discriminator="type")], GossipDecodeError, "gossip message"
 )
-gossip_from_dict = _CODEC.from_dict
+
+
+def gossip_from_dict(data: dict) -> GossipMessage:
+    """Parse one gossip message. ``UnknownGossipType`` for a type this version does not know (a
+    newer peer's: ignore it), ``GossipDecodeError`` for a known type that does not validate."""
+    if isinstance(data, dict) and not (
+        isinstance(kind := data.get("type"), str) and kind in GOSSIP_TYPES
+    ):
+        raise UnknownGossipType(f"unknown gossip type {str(kind)[:32]!r}")
+    return _CODEC.from_dict(data)
 
 
 @dataclass

@@ -31,27 +31,18 @@ from gateway.responses.state import LocalResponses
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
 from mesh.admission import Admission
+from mesh.control_inbox import ControlInbox
 from mesh.copy.server import CopyConfig
 from mesh.copy.service import PeerCopy, stored_model_names
 from mesh.dialer import Dialer
 from mesh.directory import MeshDirectory
 from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
 from mesh.errors import AddressError, ConnectError, MembershipError, MeshError
-from mesh.gossip import (
-    GossipMessage,
-    Leave,
-    Members,
-    ModelAd,
-    NodeState,
-    gossip_from_dict,
-)
+from mesh.gossip import GossipMessage, Leave, Members, ModelAd, NodeState, gossip_from_dict
 from mesh.gossiper import Gossiper, LoadProbe, gossip_frame, log_peer_events
 from mesh.identity import NodeIdentity, short_id
 from mesh.membership.invite import InviteToken
-from mesh.membership.members import (
-    MeshCredentials,
-    load_credentials,
-)
+from mesh.membership.members import MeshCredentials, load_credentials
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerTable
 from mesh.roster import Roster, decode_join_token
@@ -171,6 +162,9 @@ class MeshService:
             offered_bytes=self.config.share_memory_bytes,
         )
         self.tunnel_server.handlers[SPLIT_RANK_PATH] = self.split.serve
+        self.inbox = ControlInbox(
+            {"gossip": lambda peer_id, body: self._on_gossip(peer_id, gossip_from_dict(body))}
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: LanDiscovery | None = None
         self._stopping = False
@@ -369,8 +363,8 @@ class MeshService:
             if self.gossip.last_state is not None:
                 await control.send(gossip_frame(self.gossip.last_state))
             while (frame := await control.recv()) is not None:
-                if isinstance(frame, Control) and frame.kind == "gossip":
-                    self._on_gossip(peer_id, gossip_from_dict(frame.body))
+                if isinstance(frame, Control):
+                    self.inbox.receive(peer_id, frame.kind, frame.body, time.monotonic())
         except MeshError as exc:
             log.info("link with %s ended: %s", short_id(peer_id), exc)
         finally:
@@ -489,6 +483,7 @@ class MeshService:
         me = self.local_state().model_dump(exclude={"type", "seq", "epoch"})
         me |= {"mesh_id": self.mesh_id, "members": len(self.members.members)}
         me["refused"] = dict(self.endpoint.refusals)  # strangers turned away, by reason
+        me["ignored"] = dict(self.inbox.ignored.counts)  # peer messages dropped, by reason
         me["split"] = self.split.status()
         me["routing"] = self.directory.planner.status()  # mode, hedges, TTFT by node
         peers = self.peers.snapshot(now)

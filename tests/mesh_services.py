@@ -4,10 +4,13 @@ find each other fast, a stand-in ring rank, and a routed stream's merged route f
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from gateway.events import Meta
-from mesh.service import MeshConfig
+from gateway.upstream import ModelInfo, StaticDirectory
+from mesh.identity import NodeIdentity
+from mesh.service import MeshConfig, MeshService
 from mesh.tunnel.config import TunnelConfig
 
 # Dead peers are noticed in ~2 s; a shorter ping timeout flakes on a loaded 2-core machine.
@@ -47,3 +50,33 @@ def route_meta(events) -> dict[str, str]:
         if isinstance(e, Meta):
             out |= e.headers
     return out
+
+
+class MeshNodes:
+    """In-process nodes under one tmp dir, started by name and all stopped at the end::
+
+    nodes = MeshNodes(tmp_path); a = await nodes.start("a", {"tiny": upstream}); ...
+    await nodes.stop_all()
+    """
+
+    def __init__(self, root: Path, **config: Any) -> None:
+        self.root = root
+        self.config = config
+        self.started: list[MeshService] = []
+
+    async def start(
+        self, name: str, models: dict[str, Any] | None = None, **overrides: Any
+    ) -> MeshService:
+        local = StaticDirectory()
+        for model, upstream in (models or {}).items():
+            local.add(ModelInfo(id=model, context_length=256), upstream)
+        home = self.root / name
+        config = quick_mesh_config(**(self.config | overrides))
+        node = MeshService(home, NodeIdentity.load_or_create(home), local, config)
+        await node.start()
+        self.started.append(node)
+        return node
+
+    async def stop_all(self) -> None:
+        for node in reversed(self.started):
+            await node.stop()

@@ -72,7 +72,9 @@ def mesh_mac(mesh_secret: str, data: bytes) -> str:
 
 
 class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A newer peer may add fields: ignored, as in gossip (what is signed is the transcript,
+    # never the message, so an ignored field cannot change what a signature covers).
+    model_config = ConfigDict(extra="ignore")
 
 
 class Hello(_Msg):

@@ -88,7 +88,11 @@ class MemberStore(BaseModel):
                 self.remove(node_id, when)
                 changed = True
         for member in members:
-            if node_id_of(bytes.fromhex(member.public_key)) != member.node_id:
+            try:
+                key = bytes.fromhex(member.public_key)
+            except ValueError:
+                continue  # not a key at all: garbage, like the one below
+            if node_id_of(key) != member.node_id:
                 continue  # a member entry whose id is not its key's hash is garbage
             changed |= self.add_member(member)
         return changed

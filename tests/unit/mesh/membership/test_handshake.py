@@ -522,3 +522,18 @@ def test_a_tombstone_travels_and_holds_against_later_entries():
     assert not here.add_member(rejoined) and key.node_id in here.removed
     assert not there.merge([rejoined], {key.node_id: 200.0})
     assert key.node_id not in there.members
+
+
+def test_a_newer_peers_extra_fields_are_ignored():
+    hello = message_from_dict(
+        {
+            "type": "hello",
+            "mode": "member",
+            "mesh_id": "m",
+            "node_id": "n",
+            "public_key": "00",
+            "nonce": "x",
+            "capabilities": ["v2"],
+        }
+    )
+    assert isinstance(hello, Hello) and hello.node_id == "n"
