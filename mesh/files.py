@@ -2,6 +2,8 @@
 
 Every file is written atomically (a temporary file, then a rename), so a reader – or a node
 killed halfway – never sees half a file; modes are set explicitly, whatever the umask says.
+Both the file and its directory are fsynced before the write returns: the member list is
+saved before a newcomer is welcomed, and a power cut must not undo what the mesh was told.
 """
 
 from __future__ import annotations
@@ -37,5 +39,16 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())  # the bytes on disk before the name points at them
     os.chmod(tmp, mode)  # os.open's mode is filtered by the umask; chmod is not
     os.replace(tmp, path)
+    _fsync_directory(path.parent)  # and the rename itself
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
