@@ -10,6 +10,7 @@ by the tunnel until the connection is admitted, so a refused peer never gets a r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,11 +50,15 @@ class Admission:
             peer_fingerprint=conn.peer_cert_fingerprint,
             peer_node_id=conn.peer_node_id,
         )
-        await _exchange(conn, handshake, [])
+        # Saved (and fsynced) before the Welcome leaves: a newcomer told it is a member must
+        # not be forgotten by a crash a moment later, nor its invite become usable again.
+        await _exchange(conn, handshake, [], on_accepted=lambda: self.save())
         if handshake.state is not HandshakeState.ACCEPTED:
             return handshake.failure.value if handshake.failure else "refused"
-        save_members(self.home, self.members)  # a new member, or a consumed invite
         return ""
+
+    def save(self) -> None:
+        save_members(self.home, self.members)
 
     async def present(self, conn: PeerConnection) -> str:
         """Dialing side: prove membership (or present the invite to its inviter)."""
@@ -84,8 +89,14 @@ class Admission:
         return ""
 
 
-async def _exchange(conn: PeerConnection, handshake, outbox: list) -> None:
-    """Send ``outbox``, then feed the peer's auth messages to ``handshake`` until it is done.
+async def _exchange(
+    conn: PeerConnection,
+    handshake,
+    outbox: list,
+    on_accepted: Callable[[], None] | None = None,
+) -> None:
+    """Send ``outbox``, then feed the peer's auth messages to ``handshake`` until it is done;
+    ``on_accepted`` runs once the handshake accepts, before its last reply is sent.
     Raises HandshakeInputError for anything but an auth message (the caller refuses the peer)."""
     control = conn.control
     assert control is not None
@@ -98,3 +109,6 @@ async def _exchange(conn: PeerConnection, handshake, outbox: list) -> None:
         if not isinstance(frame, Control) or frame.kind != "auth":
             raise HandshakeInputError(f"expected an auth message, got {type(frame).__name__}")
         outbox = handshake.receive(message_from_dict(frame.body))
+        if on_accepted is not None and handshake.state is HandshakeState.ACCEPTED:
+            on_accepted()
+            on_accepted = None
