@@ -332,9 +332,13 @@ class MeshService:
                 refusal = await (
                     admission.present(conn) if conn.is_client else admission.admit(conn)
                 )
+            counted = refusal  # an AuthFailure's value: removed, not_a_member, bad_invite, ...
         except (MeshError, TimeoutError) as exc:
             refusal = f"handshake failed: {type(exc).__name__}: {exc}"
+            counted = "handshake_failed"
         if refusal:
+            if not conn.is_client:  # a node we turned away (our own dial's refusal is theirs)
+                self.endpoint.count_refusal(counted)
             log.warning(
                 "membership with %s at %s refused: %s",
                 short_id(peer_id),
