@@ -25,9 +25,11 @@ import socket
 import ssl
 from collections.abc import Callable, Iterable
 
+from cryptography.x509 import load_der_x509_certificate
+
 from mesh.copy.tls import make_context, peer_node_id
 from mesh.errors import AuthFailed
-from mesh.identity import NodeIdentity
+from mesh.identity import NodeIdentity, node_id_of_cert
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +146,29 @@ class BridgeServer(_Listener):
         except (ssl.SSLError, AuthFailed, TimeoutError, ConnectionError, OSError) as exc:
             log.info("bridge: refused a connection (%s)", type(exc).__name__)
             return
+        task = asyncio.current_task()
+        assert task is not None
+        # Counted as the member's from here: a removal while it waits for its rank ends it too.
+        self._by_member.setdefault(peer, set()).add(task)
+        try:
+            await self._serve_member(peer, header, reader, writer)
+        finally:
+            self._by_member.get(peer, set()).discard(task)
+
+    async def _serve_member(
+        self,
+        peer: str,
+        header: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
         match = _HEADER.match(header)
         port = await self._route(match[1].decode(), int(match[2])) if match else None
         if port is None:
             log.warning("bridge: member %s asked for an unknown rank %r", peer[:8], header[:80])
+            return
+        if not self._is_member(peer):  # the wait may be long: still a member after it?
+            log.warning("bridge: %s is no longer a member; not connected to its rank", peer[:12])
             return
         try:
             local_reader, local_writer = await _dial_rank(port)
@@ -155,13 +176,12 @@ class BridgeServer(_Listener):
             log.warning("bridge: rank port %d did not answer (%s)", port, exc)
             return
         _nodelay(local_writer)
-        task = asyncio.current_task()
-        assert task is not None
-        self._by_member.setdefault(peer, set()).add(task)
-        try:
-            await _pipe(reader, writer, local_reader, local_writer)
-        finally:
-            self._by_member.get(peer, set()).discard(task)
+        await _pipe(reader, writer, local_reader, local_writer)
+
+    def _is_member(self, node_id: str) -> bool:
+        return any(
+            node_id_of_cert(load_der_x509_certificate(der)) == node_id for der in self._trusted()
+        )
 
 
 class BridgeLink(_Listener):

@@ -137,3 +137,31 @@ async def test_closing_a_link_mid_pipe_logs_one_line_not_a_traceback(nodes, capl
     tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
     assert tracebacks == []
     assert not [r for r in caplog.records if r.levelno >= 40]
+
+
+@pytest.mark.parametrize("how", ["removed-then-registered", "dropped-while-waiting"])
+async def test_a_member_removed_while_it_waits_for_its_rank_gets_nothing(how: str) -> None:
+    """A link may wait (up to ROUTE_WAIT_S) for its rank to be registered. A member removed
+    meanwhile must not be connected once the rank appears, and ``drop_member`` ends its
+    waiting connection at once, as it does a piping one."""
+    a, b = NodeIdentity.generate(), NodeIdentity.generate()
+    members = [cert_der(a)]
+    server = BridgeServer(b, trusted=lambda: list(members))
+    port = await server.start("127.0.0.1")
+    rank, rank_port = await echo_rank()
+    link = BridgeLink(a, ("127.0.0.1", port), cert_der(b), b.node_id, "g3", 1)
+    local = await link.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"bytes for the ring")
+        await asyncio.sleep(0.5)  # through TLS, now waiting for ("g3", 1)
+        members.clear()  # removed from the mesh
+        if how == "dropped-while-waiting":
+            assert server.drop_member(a.node_id) == 1
+        else:
+            server.register("g3", 1, rank_port)
+        assert await closed_without_data(reader)
+    finally:
+        await link.close()
+        await server.close()
+        rank.close()
