@@ -20,6 +20,7 @@ from mesh.membership.handshake import (
     ClientHandshake,
     HandshakeState,
     ServerHandshake,
+    Welcome,
     message_from_dict,
 )
 from mesh.membership.invite import InviteToken
@@ -79,12 +80,32 @@ class Admission:
         if handshake.state is not HandshakeState.ACCEPTED or welcome is None:
             self.refusal = handshake.denied_reason or str(handshake.failure)
             return f"refused by the peer: {self.refusal}"
-        if join is not None and welcome.mesh_secret:
-            self.credentials = MeshCredentials(
-                mesh_id=welcome.mesh_id, mesh_secret=welcome.mesh_secret
-            )
-            save_credentials(self.home, self.credentials)
-        self.members.merge(welcome.members)
+        if join is not None:
+            self.refusal = self._take_welcome(welcome)
+            return f"joining: {self.refusal}" if self.refusal else ""
+        # A member's facts and addresses come by gossip, first thing on the link: there a
+        # removal among them cuts off whoever it removed.
+        return ""
+
+    def _take_welcome(self, welcome: Welcome) -> str:
+        """Become a member of the inviter's mesh: its facts, its secret; why not, else ""."""
+        if welcome.root is None or not welcome.mesh_secret:
+            return "the inviter runs an older mlx-mesh; upgrade it first"
+        me = self.identity.node_id
+        self.members.open(
+            welcome.mesh_id, welcome.root, welcome.admissions, welcome.tombstones, time.time()
+        )
+        if self.members.key_of(me) != self.identity.public_key_bytes.hex():
+            self.members.ledger = None
+            return "the inviter's Welcome does not admit this node"
+        for member in welcome.members:
+            self.members.note_member(member)
+        self.credentials = MeshCredentials(
+            mesh_id=welcome.mesh_id,
+            mesh_secret=welcome.mesh_secret,
+            secret_generation=welcome.secret_generation,
+        )
+        save_credentials(self.home, self.credentials)
         save_members(self.home, self.members)
         return ""
 

@@ -2,8 +2,8 @@
 
 Each node publishes a :class:`NodeState` when it changes and at least every ``interval_s``
 (the heartbeat); peers that miss heartbeats are marked down by the :class:`~mesh.peers.PeerTable`.
-A clean shutdown sends :class:`Leave`. ``Members`` spreads the member list so a node that
-joined through one member can reach the rest. (Round-trip times come from the tunnel's own
+A clean shutdown sends :class:`Leave`. ``Members`` spreads the member list's signed facts so a
+node that joined through one member can reach the rest. (Round-trip times come from the tunnel's own
 keep-alive pings, not from gossip.)
 
 Messages travel as one orjson object each (the service puts them on a tunnel stream).
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mesh.errors import GossipDecodeError, UnknownGossipType
 from mesh.membership.codec import MessageCodec
+from mesh.membership.facts import Admission, Tombstone
 from mesh.membership.members import Member
 
 DEFAULT_INTERVAL_S = 2.0
@@ -75,6 +76,9 @@ class NodeState(BaseModel):
     # prompt cache holds (worker/prompt_cache/digest.py, wire form). Refreshed with the load probe,
     # so at most once per gossip interval; bounded by the digest's own bound.
     cache: dict[str, str] = Field(default_factory=dict)
+    # Signed membership (optional, as above): the digest of the member facts this node holds.
+    # A peer whose digest differs is sent ours: members that missed a change converge.
+    members_digest: str = ""
 
     def content(self) -> dict:
         """Everything but ``seq``: what decides whether a change is worth publishing now."""
@@ -87,9 +91,19 @@ class Leave(BaseModel):
 
 
 class Members(BaseModel):
+    """The member list's signed facts (:mod:`mesh.membership.facts`) and the members'
+    addresses. A receiver takes only what its ledger verifies; ``members`` entries are dialing
+    hints for nodes the facts admit, nothing more. ``removed`` is for nodes of the previous
+    version (unsigned: upgraded nodes ignore it). The mesh secret's generation and digest tell
+    a peer that its secret is older than ours (then we send ours on that link)."""
+
     type: Literal["members"] = "members"
-    members: list[Member]
+    members: list[Member] = Field(default_factory=list)
     removed: dict[str, float] = Field(default_factory=dict)  # node id → when it was removed
+    admissions: list[Admission] = Field(default_factory=list)
+    tombstones: list[Tombstone] = Field(default_factory=list)
+    secret_generation: int = 0
+    secret_digest: str = ""
 
 
 GossipMessage = NodeState | Leave | Members

@@ -1,8 +1,10 @@
 """The mesh's HTTP endpoints on the gateway (added through ``create_app(extra_routes=...)``).
 
 ``POST /api/mesh/invite``  ``{"ttl_s": 3600}`` → ``{"token": "mlxmesh1.…"}`` (``mesh invite``)
-``GET /api/mesh/members``  every member: node id, addresses, linked now (``mesh members list``)
-``POST /api/mesh/members/remove``  ``{"node": "<id or prefix>"}`` (``mesh members remove``)
+``GET /api/mesh/members``  every member (node id, addresses, linked now, who admitted it) and
+every removed node (who removed it, when) (``mesh members list``)
+``POST /api/mesh/members/remove``  ``{"node": "<id or prefix>", "keep": [...], "dry_run": false}``
+→ ``{"removed", "going_with", "kept", "dry_run"}`` (``mesh members remove``)
 ``GET /api/mesh/models``, ``POST /api/mesh/models/pull``  peer copy (see :mod:`mesh.copy.http`)
 
 Minting invites and removing members are admin actions: allowed from loopback, or from anywhere
@@ -39,6 +41,8 @@ class InviteRequest(BaseModel):
 
 class RemoveRequest(BaseModel):
     node: str = Field(min_length=1, max_length=64)
+    keep: list[str] = Field(default_factory=list, max_length=128)  # ids or prefixes
+    dry_run: bool = False
 
 
 CSRF_HEADER = "x-mesh-csrf"
@@ -106,15 +110,22 @@ def mesh_routes(
     async def remove(request: Request, body: dict[str, Any]) -> Response:
         try:
             asked = RemoveRequest.model_validate(body)
-            node_id = service.remove_member(asked.node)
+            report = service.remove_member(asked.node, asked.keep, asked.dry_run)
         except ValidationError as exc:
             return _error(400, f"bad remove request: {exc}", "invalid_request_error")
         except MembershipError as exc:
             return _error(400, str(exc), "invalid_request_error")
-        return JSONResponse({"removed": node_id})
+        return JSONResponse(
+            {
+                "removed": report.node_id,
+                "going_with": report.going_with,
+                "kept": report.kept,
+                "dry_run": asked.dry_run,
+            }
+        )
 
     async def members(request: Request) -> Response:
-        return JSONResponse({"members": service.member_rows()})
+        return JSONResponse({"members": service.member_rows(), "removed": service.removed_rows()})
 
     async def csrf_token_route(request: Request) -> Response:
         # Same-origin reads only: no CORS headers, and the Host guard refuses rebound names.

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from gateway.responses.state import LocalResponses
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
 from mesh.admission import Admission
+from mesh.connector import Connector
 from mesh.control_inbox import ControlInbox
 from mesh.copy.server import CopyConfig
 from mesh.copy.service import PeerCopy, stored_model_names
@@ -41,11 +42,12 @@ from mesh.errors import AddressError, ConnectError, MembershipError, MeshError
 from mesh.gossip import GossipMessage, Leave, Members, ModelAd, NodeState, gossip_from_dict
 from mesh.gossiper import Gossiper, LoadProbe, gossip_frame, log_peer_events
 from mesh.identity import NodeIdentity, short_id
+from mesh.member_sync import SECRET_KIND, MemberSync
 from mesh.membership.invite import InviteToken
 from mesh.membership.members import MeshCredentials, load_credentials
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerTable
-from mesh.roster import Roster, decode_join_token
+from mesh.roster import RemovalReport, Roster, decode_join_token
 from mesh.routing.planner import RoutingConfig
 from mesh.split.coordinator import SplitMesh
 from mesh.split.orders import SPLIT_RANK_PATH
@@ -124,6 +126,7 @@ class MeshService:
         self.roster = Roster(self.home, identity)
         self.members = self.roster.members
         self.admission = Admission(identity, self.home, self.members)
+        self.connector = Connector(self.endpoint, self.admission, self.config.auth_timeout_s)
         self.links: dict[str, PeerConnection] = {}  # authenticated connections by peer id
         self.gossip = Gossiper(
             self.node_id,
@@ -137,7 +140,7 @@ class MeshService:
             self.node_id,
             members=lambda: self.members.members.values(),
             is_linked=lambda node_id: node_id in self.links,
-            link=self._dial_member,
+            link=self.connector.dial_member,
             static_peers=self.config.static_peers,
             redial_s=self.config.redial_s,
             max_backoff_s=self.config.max_redial_backoff_s,
@@ -165,6 +168,15 @@ class MeshService:
         self.inbox = ControlInbox(
             {"gossip": lambda peer_id, body: self._on_gossip(peer_id, gossip_from_dict(body))}
         )
+        self.sync = MemberSync(
+            self.roster,
+            self.admission,
+            links=lambda: self.links,
+            cut_off=self._cut_off,
+            ignore=self.inbox.ignore,
+            spawn=self._spawn,
+        )
+        self.inbox.handlers[SECRET_KIND] = self.sync.on_secret
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery: LanDiscovery | None = None
         self._stopping = False
@@ -208,12 +220,13 @@ class MeshService:
             await self.split.start(self.config.host, self.config.bridge_port)
         if token is not None:
             try:
-                await self._join_mesh(token)
+                await self.connector.join(token)
             except BaseException:
                 await self.split.stop()
                 await self.copy.stop()
                 await self.endpoint.close()
                 raise
+            self.roster.remember_self(self.addresses)  # a member now: its own entry too
         loop = asyncio.get_running_loop()
         self._tasks += [loop.create_task(self.gossip.run()), loop.create_task(self.dialer.run())]
         if self.config.discovery:
@@ -249,17 +262,30 @@ class MeshService:
         return self.roster.create_invite(self.mesh_id, self.addresses, ttl_s)
 
     def member_rows(self) -> list[dict[str, Any]]:
-        """``mesh members list``: every member with its addresses and whether it is linked."""
+        """``mesh members list``: every member with its addresses, whether it is linked and
+        who admitted it."""
         return self.roster.rows(self.links)
 
-    def remove_member(self, node: str) -> str:
-        """Remove a member by node id (or a unique prefix of one): persisted, gossiped, its
-        link closed and its pin forgotten; it can come back only with a fresh invite. Returns
-        the full node id; raises ``MembershipError`` in words."""
-        node_id = self.roster.remove(node, self.mesh_id)
-        self._cut_off(node_id)
-        self._spawn(self.gossip.broadcast(gossip_frame(self.roster.message())))
-        return node_id
+    def removed_rows(self) -> list[dict[str, Any]]:
+        """``mesh members list``: every removed node, who removed it and when."""
+        return self.roster.removed_rows()
+
+    def remove_member(
+        self,
+        node: str,
+        keep: Sequence[str] = (),
+        dry_run: bool = False,
+    ) -> RemovalReport:
+        """Remove a member by node id (or a unique prefix of one), with the members it alone
+        admitted (but ``keep``): signed, persisted, gossiped, their links closed and pins
+        forgotten, the mesh secret rotated; they can come back only as new nodes. Raises
+        ``MembershipError`` in words."""
+        report = self.roster.remove(node, self.mesh_id, keep, dry_run)
+        if not dry_run:
+            for node_id in report.left:
+                self._cut_off(node_id)
+            self.sync.after_removal()
+        return report
 
     def _cut_off(self, node_id: str) -> None:
         """A node that is no longer a member: close its link (its tunnel streams, split rank
@@ -272,54 +298,6 @@ class MeshService:
         self.split.bridge.drop_member(node_id)
         log_peer_events(self.peers.on_leave(node_id, time.monotonic()))
         self.dialer.on_left(node_id)
-
-    async def _join_mesh(self, token: InviteToken) -> None:
-        self.admission.join = token
-        problems: list[str] = []
-        for address in token.addresses:
-            try:
-                host, port = split_address(address)
-                conn = await self.endpoint.connect(
-                    host,
-                    port,
-                    expected_fingerprint=token.fingerprint,
-                    expected_node_id=token.inviter,
-                )
-            except (ConnectError, AddressError) as exc:
-                problems.append(f"{address}: {exc}")
-                continue
-            if await self._wait_link(conn) and self.credentials is not None:
-                log.info("joined mesh %s through %s", token.mesh_id, short_id(token.inviter))
-                self.admission.join = None
-                return
-            problems.append(f"{address}: {self.admission.refusal or conn.close_reason}")
-        self.admission.join = None
-        raise MembershipError("could not join the mesh: " + "; ".join(problems))
-
-    async def _dial_member(self, node_id: str, host: str, port: int) -> bool:
-        """The dialer's way in: connect pinned by node id, then wait for the membership check."""
-        try:
-            conn = await self.endpoint.connect(host, port, expected_node_id=node_id)
-        except ConnectError as exc:
-            log.debug("dial %s at %s:%d: %s", short_id(node_id), host, port, exc)
-            return False
-        return await self._wait_link(conn)
-
-    async def _wait_link(self, conn: PeerConnection) -> bool:
-        """Wait until ``conn`` is authenticated (True) or closed (False)."""
-        waits = [
-            asyncio.ensure_future(conn.authenticated.wait()),
-            asyncio.ensure_future(conn.closed.wait()),
-        ]
-        try:
-            async with asyncio.timeout(self.config.auth_timeout_s + 1):
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except TimeoutError:
-            return False
-        finally:
-            for waiter in waits:
-                waiter.cancel()
-        return conn.authenticated.is_set() and not conn.is_closed
 
     # ------------------------------------------------------------------ connections
 
@@ -349,8 +327,7 @@ class MeshService:
             conn.close(ErrorCode.AUTH_FAILED, f"auth failed: {refusal}"[:200])
             return
         if not conn.is_client and peer_id not in self.links:
-            # Tell the others about a (maybe new) member, so it can reach them too.
-            self._spawn(self.gossip.broadcast(gossip_frame(self.roster.message())))
+            self.sync.broadcast()  # tell the others about a (maybe new) member
         await self._run_link(conn, peer_id)
 
     async def _run_link(self, conn: PeerConnection, peer_id: str) -> None:
@@ -363,7 +340,7 @@ class MeshService:
         control = conn.control
         assert control is not None
         try:
-            await control.send(gossip_frame(self.roster.message()))
+            await control.send(self.sync.members_frame())
             if self.gossip.last_state is not None:
                 await control.send(gossip_frame(self.gossip.last_state))
             while (frame := await control.recv()) is not None:
@@ -387,13 +364,13 @@ class MeshService:
             if message.node_id == peer_id:  # a peer speaks only for itself
                 log_peer_events(self.peers.on_state(message, now))
                 self.split.notify()
+                self.sync.on_state(peer_id, message, now)
         elif isinstance(message, Leave):
             if message.node_id == peer_id:
                 log_peer_events(self.peers.on_leave(peer_id, now))
                 self.dialer.on_left(peer_id)
         elif isinstance(message, Members):
-            for node_id in self.roster.merge(message, self.mesh_id):
-                self._cut_off(node_id)
+            self.sync.on_members(peer_id, message, now)
 
     def _peer_upstream(self, node_id: str) -> PeerUpstream:
         async def connect() -> PeerConnection:
@@ -450,6 +427,7 @@ class MeshService:
             share_memory=self.split.offered_bytes,
             share_memory_used=self.split.host.used_bytes if self.split.host else 0,
             bridge_port=self.split.port,
+            members_digest=self.sync.digest(),
         )
 
     # ------------------------------------------------------------------ discovery

@@ -1,9 +1,12 @@
 """Mesh membership: the member store and the sans-IO join/auth handshake.
 
-Who may talk to whom: a node is a member when its Ed25519 key is in the member list of the mesh.
-A newcomer becomes a member by presenting a one-use invite secret; a member proves it still is
-one by signing a fresh nonce and a MAC with the mesh secret. Both sides are pure objects fed
-messages (``receive``) that return the messages to send; the tunnel adapter carries them.
+Who may talk to whom: a node is a member when the mesh's signed facts admit its Ed25519 key
+(:mod:`mesh.membership.ledger`). A newcomer becomes a member by presenting a one-use invite
+secret: the inviter then signs its admission. A member proves it still is one by signing a fresh
+nonce with its admitted key; it also sends a MAC with the mesh secret, which nodes of the
+previous version check and this one does not (a rotation must not lock out a node that was away
+while it happened). Both sides are pure objects fed messages (``receive``) that return the
+messages to send; the tunnel adapter carries them.
 
 Handshake (client dials server; the client already pinned the server's certificate)::
 
@@ -13,7 +16,8 @@ Handshake (client dials server; the client already pinned the server's certifica
                                                             sig_s(server, ids, nonce_c)}
     Proof{sig_c(client, ids, nonce_s),
           invite_secret | mesh_mac}            →
-                                               ←  Welcome{mesh_id, members, mesh_secret?}
+                                               ←  Welcome{mesh_id, root, admissions,
+                                                          tombstones, members, mesh_secret?}
                                                   or Denied{reason} → close AUTH_FAILED
 
 Signatures cover a role tag, both node ids and the *other* side's fresh nonce, so a captured
@@ -29,7 +33,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,24 +41,18 @@ from mesh.errors import HandshakeInputError
 from mesh.identity import node_id_of
 from mesh.identity import verify as verify_signature
 from mesh.membership.codec import MessageCodec
+from mesh.membership.facts import Admission, Root, Signer, Tombstone
 from mesh.membership.invite import InviteToken, secret_matches
+from mesh.membership.ledger import (
+    MAX_MESSAGE_ADMISSIONS,
+    MAX_MESSAGE_MEMBERS,
+    MAX_MESSAGE_TOMBSTONES,
+)
 from mesh.membership.members import Member, MemberStore, MeshCredentials
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_TAG = b"mlxmesh-auth-v1"
-
-
-class Signer(Protocol):
-    """This node's key, as the handshake needs it (``mesh.identity`` provides one)."""
-
-    @property
-    def node_id(self) -> str: ...
-
-    @property
-    def public_key_bytes(self) -> bytes: ...  # raw 32-byte Ed25519 public key
-
-    def sign(self, data: bytes) -> bytes: ...
 
 
 def transcript(role: str, signer: str, verifier: str, nonce: str) -> bytes:
@@ -106,8 +104,13 @@ class Proof(_Msg):
 class Welcome(_Msg):
     type: Literal["welcome"] = "welcome"
     mesh_id: str
-    members: list[Member]
+    members: list[Member] = Field(max_length=MAX_MESSAGE_MEMBERS)  # their addresses
     mesh_secret: str | None = None  # only to a newcomer
+    secret_generation: int = 0
+    # The signed facts (None from a node of the previous version, which has none).
+    root: Root | None = None
+    admissions: list[Admission] = Field(default_factory=list, max_length=MAX_MESSAGE_ADMISSIONS)
+    tombstones: list[Tombstone] = Field(default_factory=list, max_length=MAX_MESSAGE_TOMBSTONES)
 
 
 class Denied(_Msg):
@@ -138,7 +141,8 @@ class AuthFailure(enum.StrEnum):
     BAD_INVITE = "bad_invite"  # unknown secret
     INVITE_EXPIRED = "invite_expired"
     INVITE_USED = "invite_used"
-    BAD_MESH_MAC = "bad_mesh_mac"
+    BAD_MESH_MAC = "bad_mesh_mac"  # (only nodes of the previous version still check it)
+    MESH_FULL = "mesh_full"  # the members cap: the inviter could not admit one more
     WRONG_PEER = "wrong_peer"  # the server is not who the client meant to dial
     DENIED = "denied"  # the other side refused us
 
@@ -238,10 +242,10 @@ class ServerHandshake(_Handshake):
         if hello.node_id in self.store.removed:
             return self._refuse(AuthFailure.REMOVED)
         if hello.mode == "member":
-            known = self.store.members.get(hello.node_id)
-            if known is None:
+            key = self.store.key_of(hello.node_id)  # admitted by the signed facts, or None
+            if key is None:
                 return self._refuse(AuthFailure.NOT_A_MEMBER)
-            if known.public_key != hello.public_key:
+            if key != hello.public_key:
                 return self._refuse(AuthFailure.BAD_IDENTITY)
         self._hello = hello
         signature = self.me.sign(transcript("server", self.me.node_id, hello.node_id, hello.nonce))
@@ -265,14 +269,6 @@ class ServerHandshake(_Handshake):
             return self._refuse(AuthFailure.BAD_SIGNATURE)
         if not verify_signature(bytes.fromhex(hello.public_key), signature, signed):
             return self._refuse(AuthFailure.BAD_SIGNATURE)
-        if hello.mode == "join":
-            refusal = self._consume_invite(proof.invite_secret, hello.node_id)
-            if refusal is not None:
-                return self._refuse(refusal)
-        else:
-            expected = mesh_mac(self.credentials.mesh_secret, signed)
-            if proof.mesh_mac is None or not hmac.compare_digest(proof.mesh_mac, expected):
-                return self._refuse(AuthFailure.BAD_MESH_MAC)
         self.peer = Member(
             node_id=hello.node_id,
             public_key=hello.public_key,
@@ -280,17 +276,35 @@ class ServerHandshake(_Handshake):
             addresses=hello.addresses,
             updated_at=self.now,
         )
-        self.store.add_member(self.peer)
+        if hello.mode == "join":
+            invite = self._consume_invite(proof.invite_secret, hello.node_id)
+            if isinstance(invite, AuthFailure):
+                return self._refuse(invite)
+            # Signed here, naming the invite: the newcomer's way in that every member checks.
+            self.store.admit(self.me, self.peer, invite, self.now)
+            if self.store.key_of(hello.node_id) is None:
+                return self._refuse(AuthFailure.MESH_FULL)
+        # (Member mode: the admitted key signed our nonce; that is the credential. The MAC
+        # the client sends is for nodes of the previous version.)
+        self.store.note_member(self.peer)
         self._set_state(HandshakeState.ACCEPTED)
-        return [
-            Welcome(
-                mesh_id=self.credentials.mesh_id,
-                members=list(self.store.members.values()),
-                mesh_secret=self.credentials.mesh_secret if hello.mode == "join" else None,
-            )
-        ]
+        return [self._welcome(join=hello.mode == "join")]
 
-    def _consume_invite(self, secret: str | None, joiner: str) -> AuthFailure | None:
+    def _welcome(self, join: bool) -> Welcome:
+        ledger = self.store.ledger
+        assert ledger is not None  # a node that admits is a member: it has a ledger
+        return Welcome(
+            mesh_id=self.credentials.mesh_id,
+            members=list(self.store.members.values()),
+            mesh_secret=self.credentials.mesh_secret if join else None,
+            secret_generation=self.credentials.secret_generation,
+            root=ledger.root,
+            admissions=sorted(ledger.admissions, key=lambda a: a.at),
+            tombstones=sorted(ledger.tombstones, key=lambda t: t.at),
+        )
+
+    def _consume_invite(self, secret: str | None, joiner: str) -> str | AuthFailure:
+        """The invite's digest (what the admission names), or why it cannot be used."""
         if not secret:
             return AuthFailure.BAD_INVITE
         for digest, record in self.store.invites.items():
@@ -300,11 +314,11 @@ class ServerHandshake(_Handshake):
                 # The same joiner retrying soon after a lost Welcome is not a reuse; the same
                 # token shown again later is (one use, however long the token would live).
                 retry = record.used_by == joiner and self.now < record.used_at + INVITE_RETRY_S
-                return None if retry else AuthFailure.INVITE_USED
+                return digest if retry else AuthFailure.INVITE_USED
             if self.now >= record.expires_at:
                 return AuthFailure.INVITE_EXPIRED
             record.used_by, record.used_at = joiner, self.now
-            return None
+            return digest
         return AuthFailure.BAD_INVITE
 
 

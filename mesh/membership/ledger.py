@@ -6,7 +6,8 @@ anywhere (a peer's gossip, a Welcome, the node's own file), and re-derives the v
 holds plus them (``docs/mesh.md``, *Membership*):
 
 1. Tombstones in order of ``(at, node_id, by)``: one counts when its signer is a member at
-   that point, its target is a member then and is neither the root nor the signer.
+   that point, its target is a member then (or the signer is the root) and is neither the
+   root nor the signer.
 2. Members: the closure of admissions from the root, skipping removed nodes and admissions
    whose signer is not a member – so removing a node drops whoever it alone admitted.
 
@@ -65,7 +66,7 @@ class Refused(enum.StrEnum):
 @dataclass(frozen=True)
 class Removal:
     tombstone: Tombstone
-    admission: Admission  # what made the node a member when it was removed
+    admission: Admission | None  # what made the node a member when it was removed, if it was
 
 
 @dataclass
@@ -255,9 +256,7 @@ class _Derivation:
             if reason is not None:
                 self.reasons.setdefault(tombstone, reason)
                 continue
-            target = members[tombstone.node_id]
-            assert target is not None  # the root is never a target
-            removed[tombstone.node_id] = Removal(tombstone, target)
+            removed[tombstone.node_id] = Removal(tombstone, members.get(tombstone.node_id))
             # The chains that made both members then: what re-derives this removal anywhere.
             kept |= _chain(members, tombstone.node_id) | _chain(members, tombstone.by)
             members = self.closure(removed)
@@ -282,7 +281,9 @@ class _Derivation:
             return Refused.SELF
         if tombstone.by not in members:
             return Refused.SIGNER_NOT_A_MEMBER
-        if tombstone.node_id not in members:
+        if tombstone.node_id not in members and tombstone.by != self.root:
+            # (The root may bar a node that is not in: an upgraded node's removals from before
+            # signed membership name node ids whose keys it never had.)
             return Refused.TARGET_NOT_A_MEMBER
         if not self._holds(tombstone, self._key(members, tombstone.by)):
             return Refused.BAD_SIGNATURE

@@ -133,13 +133,18 @@ class _StubService:
             {"node_id": "b" * 64, "addresses": ["10.0.0.2:9338"], "connected": True},
         ]
 
-    def remove_member(self, node: str) -> str:
+    def removed_rows(self) -> list[dict]:
+        return [{"node_id": "c" * 64, "removed_by": "a" * 64, "removed_at": 1.7e9}]
+
+    def remove_member(self, node: str, keep=(), dry_run: bool = False):
         from mesh.errors import MembershipError
+        from mesh.roster import RemovalReport
 
         if not ("b" * 64).startswith(node):
             raise MembershipError(f"no member {node!r} in mesh m1")
-        self.removed.append("b" * 64)
-        return "b" * 64
+        if not dry_run:
+            self.removed.append("b" * 64)
+        return RemovalReport("b" * 64, going_with=["d" * 64])
 
 
 def test_members_list_and_remove_through_the_running_node(tmp_path):
@@ -153,9 +158,15 @@ def test_members_list_and_remove_through_the_running_node(tmp_path):
         listed = runner.invoke(app, ["members", "list", "--home", str(tmp_path)])
         assert listed.exit_code == 0, listed.output
         assert "this node" in listed.output and "linked" in listed.output
-        removed = runner.invoke(app, ["members", "remove", "bbbb", "--home", str(tmp_path)])
+        assert "removed" in listed.output and "cccccccccccccccc" in listed.output
+        asked = ["members", "remove", "bbbb", "--home", str(tmp_path)]
+        dry = runner.invoke(app, [*asked, "--dry-run"])
+        assert dry.exit_code == 0 and "would remove" in dry.output and "dddddddddddd" in dry.output
+        assert service.removed == []
+        removed = runner.invoke(app, asked)
         assert removed.exit_code == 0, removed.output
         assert service.removed == ["b" * 64] and "removed" in removed.output
+        assert "with it" in removed.output
         unknown = runner.invoke(app, ["members", "remove", "cccc", "--home", str(tmp_path)])
         assert unknown.exit_code == 1 and "no member 'cccc'" in unknown.output
 

@@ -39,6 +39,7 @@ async def test_the_inviter_saves_the_newcomer_before_it_sends_the_welcome(tmp_pa
     inviter, joiner = NodeIdentity.load_or_create(home), NodeIdentity.generate()
     credentials = MeshCredentials.create()
     roster = Roster(home, inviter)
+    roster.settle_credentials(credentials, None)  # a member of its own new mesh
     roster.remember_self(["127.0.0.1:1"])
     token = roster.create_invite(credentials.mesh_id, ["127.0.0.1:1"], 60)
     admission = Admission(inviter, home, roster.members, credentials)
@@ -54,3 +55,5 @@ async def test_the_inviter_saves_the_newcomer_before_it_sends_the_welcome(tmp_pa
     assert on_disk_at_welcome == [{inviter.node_id, joiner.node_id}]
     # The invite is used on disk too: a crash after the Welcome cannot make it usable again.
     assert [r.used_by for r in load_members(home).invites.values()] == [joiner.node_id]
+    # And the joiner's admission, signed by the inviter, is what makes it a member there.
+    assert load_members(home).key_of(joiner.node_id) == joiner.public_key_bytes.hex()

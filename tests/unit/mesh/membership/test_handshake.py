@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import stat
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from mesh.errors import HandshakeInputError
 from mesh.identity import node_id_of as node_id_for
+from mesh.membership.facts import Root, signature_holds
 from mesh.membership.handshake import (
     INVITE_RETRY_S,
     AuthFailure,
@@ -79,10 +81,17 @@ def server_key() -> KeySigner:
 
 
 @pytest.fixture
-def store(server_key: KeySigner) -> MemberStore:
+def store(mesh: MeshCredentials, server_key: KeySigner) -> MemberStore:
+    """The server's store: a mesh it created (its root), itself with its address."""
     store = MemberStore()
-    store.add_member(server_key.member(["127.0.0.1:9338"]))
+    store.open(mesh.mesh_id, Root.of(server_key))
+    store.note_member(server_key.member(["127.0.0.1:9338"]))
     return store
+
+
+def _admit(store: MemberStore, server_key: KeySigner, member: Member) -> None:
+    """The server admits ``member`` (as its join would have)."""
+    store.admit(server_key, member, "test", NOW)
 
 
 def _invite(mesh: MeshCredentials, server_key: KeySigner, store: MemberStore, ttl: float = 60):
@@ -182,6 +191,13 @@ def test_join_succeeds_and_hands_out_mesh_secret(mesh, server_key, store):
     assert client.peer is not None and client.peer.addresses == ["127.0.0.1:9338"]
     assert store.members[joiner.node_id].fingerprint == "fp-joiner"
     assert server.peer is not None and server.peer.node_id == joiner.node_id
+    # The Welcome carries the signed facts: the root, and the joiner's admission by the
+    # inviter, naming the invite it consumed.
+    assert client.welcome.root == Root.of(server_key)
+    (admission,) = client.welcome.admissions
+    assert admission.node_id == joiner.node_id and admission.by == server_key.node_id
+    assert admission.invite == secret_digest(token.secret)
+    assert signature_holds(admission, mesh.mesh_id, server_key.public_key_bytes.hex())
 
 
 def _join_failure(mesh, server_key, store, token, *, now=NOW, joiner=None) -> AuthFailure:
@@ -263,7 +279,7 @@ def test_a_removed_node_is_refused_with_its_old_invite_a_fresh_one_or_the_secret
     server = _server(server_key, mesh, store)
     _run(ClientHandshake(me=b, mesh_id=mesh.mesh_id, expected_peer=None, invite=old), server)
     assert server.state is HandshakeState.ACCEPTED
-    assert store.remove(b.node_id, now=NOW + 1)
+    assert store.remove(server_key, b.node_id, NOW + 1, []).left == [b.node_id]
     save_members(tmp_path, store)
     store = load_members(tmp_path)  # the member restarted
     assert _join_failure(mesh, server_key, store, old, now=NOW + 2, joiner=b) is AuthFailure.REMOVED
@@ -292,7 +308,7 @@ def _member_client(me, mesh, expected_peer) -> ClientHandshake:
 
 def test_member_rejoins_without_token(mesh, server_key, store):
     member = KeySigner()
-    store.add_member(member.member(["127.0.0.1:2"]))
+    _admit(store, server_key, member.member(["127.0.0.1:2"]))
     server = _server(server_key, mesh, store)
     client = _member_client(member, mesh, server_key.node_id)
     _run(client, server)
@@ -307,20 +323,31 @@ def test_member_unknown_key_refused(mesh, server_key, store):
     assert server.failure is AuthFailure.NOT_A_MEMBER
 
 
-def test_member_with_wrong_mesh_secret_refused(mesh, server_key, store):
+def test_a_member_away_during_a_secret_rotation_still_gets_in(mesh, server_key, store):
+    """The admitted key is the credential: a member whose mesh secret is older (it was off
+    when a removal rotated it) links, and then learns the new one (mesh/member_sync.py)."""
     member = KeySigner()
-    store.add_member(member.member())
-    wrong = MeshCredentials(mesh_id=mesh.mesh_id, mesh_secret="wrong")
-    server = _server(server_key, mesh, store)
-    client = ClientHandshake(me=member, mesh_id=mesh.mesh_id, expected_peer=None, credentials=wrong)
+    _admit(store, server_key, member.member())
+    older = MeshCredentials(mesh_id=mesh.mesh_id, mesh_secret="an older generation")
+    server = _server(server_key, mesh.rotated(), store)
+    client = ClientHandshake(me=member, mesh_id=mesh.mesh_id, expected_peer=None, credentials=older)
     _run(client, server)
-    assert server.failure is AuthFailure.BAD_MESH_MAC
+    assert server.state is client.state is HandshakeState.ACCEPTED
+
+
+def test_a_key_the_facts_do_not_admit_is_refused_whatever_secret_it_shows(mesh, server_key, store):
+    """The audit's plant: an address entry without an admission, and the real mesh secret."""
+    plant = KeySigner()
+    assert not store.note_member(plant.member(["127.0.0.1:7"]))  # gossip cannot plant it
+    server = _server(server_key, mesh, store)
+    _run(_member_client(plant, mesh, server_key.node_id), server)
+    assert server.failure is AuthFailure.NOT_A_MEMBER
 
 
 def test_member_key_swapped_refused(mesh, server_key, store):
     """Someone claiming a member's node id with another key."""
     member = KeySigner()
-    store.add_member(member.member())
+    _admit(store, server_key, member.member())
     impostor = KeySigner()
     impostor.node_id = member.node_id  # claims the id, but holds a different key
     server = _server(server_key, mesh, store)
@@ -331,7 +358,7 @@ def test_member_key_swapped_refused(mesh, server_key, store):
 def test_replayed_proof_refused(mesh, server_key, store):
     """A Proof captured from one session is useless in the next: the nonce differs."""
     member = KeySigner()
-    store.add_member(member.member())
+    _admit(store, server_key, member.member())
     first = _server(server_key, mesh, store)
     client = _member_client(member, mesh, None)
     challenge = first.receive(client.start())[0]
@@ -347,10 +374,10 @@ def test_replayed_proof_refused(mesh, server_key, store):
 def test_signature_bound_to_both_node_ids(mesh, server_key, store):
     """A proof made for server X does not open server Y, even with the same nonce."""
     member = KeySigner()
-    store.add_member(member.member())
+    _admit(store, server_key, member.member())
     other_key = KeySigner()
     x = _server(server_key, mesh, store, now=NOW)
-    y = _server(other_key, mesh, store.model_copy(deep=True), now=NOW)
+    y = _server(other_key, mesh, copy.deepcopy(store), now=NOW)
     y.nonce = x.nonce
     client = _member_client(member, mesh, None)
     proof = client.receive(x.receive(client.start())[0])[0]
@@ -370,7 +397,7 @@ def test_node_id_not_hash_of_key_refused(mesh, server_key, store):
 
 def test_transport_fingerprint_must_match_claim(mesh, server_key, store):
     member = KeySigner()
-    store.add_member(member.member())
+    _admit(store, server_key, member.member())
     server = ServerHandshake(me=server_key, credentials=mesh, store=store, now=NOW,
                              peer_fingerprint="seen-by-tls")  # fmt: skip
     client = _member_client(member, mesh, None)
@@ -382,7 +409,7 @@ def test_transport_fingerprint_must_match_claim(mesh, server_key, store):
 def test_client_refuses_wrong_server(mesh, server_key, store):
     """The client expected another node id (e.g. the inviter): the server's key is wrong."""
     member = KeySigner()
-    store.add_member(member.member())
+    _admit(store, server_key, member.member())
     server = _server(server_key, mesh, store)
     client = _member_client(member, mesh, expected_peer=KeySigner().node_id)
     _run(client, server)
@@ -458,70 +485,71 @@ def test_message_from_dict_rejects_garbage(data):
 def test_store_never_replaces_a_members_key(server_key, store):
     other = KeySigner()
     hijack = Member(node_id=server_key.node_id, public_key=other.public_key_bytes.hex())
-    assert not store.add_member(hijack)
+    assert not store.note_member(hijack)
     assert store.members[server_key.node_id].public_key == server_key.public_key_bytes.hex()
 
 
-def test_store_merge_drops_entries_whose_id_is_not_their_key(store):
-    member = KeySigner()
+def test_store_takes_addresses_of_members_only(server_key, store):
+    member, stranger = KeySigner(), KeySigner()
+    _admit(store, server_key, member.member())
     bogus = Member(node_id="f" * 64, public_key=member.public_key_bytes.hex())
-    assert store.merge([bogus, member.member()])
-    assert "f" * 64 not in store.members and member.node_id in store.members
+    assert not store.note_member(bogus) and not store.note_member(stranger.member(["1.2.3.4:5"]))
+    assert set(store.members) == {server_key.node_id, member.node_id}
+    assert store.note_member(member.member(["10.0.0.2:9338"]))
 
 
-def test_files_are_private_and_roundtrip(tmp_path, mesh, store):
+def test_files_are_private_and_roundtrip(tmp_path, mesh, server_key, store):
+    _admit(store, server_key, KeySigner().member(["10.0.0.2:9338"]))
+    store.remove(server_key, next(n for n in store.members if n != server_key.node_id), NOW, [])
     save_credentials(tmp_path, mesh)
     save_members(tmp_path, store)
     assert load_credentials(tmp_path) == mesh
-    assert load_members(tmp_path) == store
+    loaded = load_members(tmp_path)
+    assert loaded.to_file() == store.to_file()
+    assert loaded.members == store.members and loaded.removed == store.removed
     for name in ("mesh.json", "members.json"):
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
     assert load_credentials(tmp_path / "nowhere") is None
 
 
-def test_store_keeps_the_newest_addresses(store):
+def test_store_keeps_the_newest_addresses(server_key, store):
     member = KeySigner()
+    _admit(store, server_key, member.member())
     fresh = member.member(["10.0.0.2:9338"]).model_copy(update={"updated_at": 200.0})
     stale = member.member(["10.0.0.2:1111"]).model_copy(update={"updated_at": 100.0})
-    assert store.add_member(fresh)
-    assert not store.merge([stale])  # a second-hand old copy arrives through gossip
+    assert store.note_member(fresh)
+    assert not store.note_member(stale)  # a second-hand old copy arrives through gossip
     assert store.members[member.node_id].addresses == ["10.0.0.2:9338"]
     newer = member.member(["10.0.0.3:9338"]).model_copy(update={"updated_at": 300.0})
-    assert store.merge([newer])
+    assert store.note_member(newer)
     assert store.members[member.node_id].addresses == ["10.0.0.3:9338"]
 
 
 # --------------------------------------------------------------------------- removal
 
 
-def _member(key: KeySigner, at: float, address: str = "10.0.0.9:9338") -> Member:
-    member = key.member([address])
-    return member.model_copy(update={"updated_at": at})
-
-
-def test_a_removed_member_stays_out_of_every_merge_of_older_copies():
-    store, key = MemberStore(), KeySigner()
-    store.add_member(_member(key, at=100.0))
-    assert store.remove(key.node_id, now=200.0)
-    assert key.node_id not in store.members and store.removed == {key.node_id: 200.0}
-    assert not store.merge([_member(key, at=150.0)])  # a stale copy from a peer's gossip
-    assert not store.add_member(_member(key, at=200.0))
+def test_a_removed_member_stays_out_of_every_merge_of_older_copies(mesh, server_key, store):
+    key = KeySigner()
+    _admit(store, server_key, key.member())
+    old = list(store.ledger.admissions)  # type: ignore[union-attr]
+    assert store.remove(server_key, key.node_id, NOW + 100, []).left == [key.node_id]
+    assert key.node_id not in store.members and store.removed == {key.node_id: NOW + 100}
+    assert not store.merge(old, [], NOW + 200).joined  # a stale copy from a peer's gossip
+    assert not store.note_member(key.member(["10.0.0.9:9338"]))
     assert key.node_id not in store.members
 
 
-def test_a_tombstone_travels_and_holds_against_later_entries():
+def test_a_tombstone_travels_and_holds_against_later_entries(mesh, server_key, store):
     key = KeySigner()
-    here, there = MemberStore(), MemberStore()
-    here.add_member(_member(key, at=100.0))
-    there.add_member(_member(key, at=100.0))
-    here.remove(key.node_id, now=200.0)
-    assert there.merge(list(here.members.values()), here.removed)
-    assert key.node_id not in there.members and there.removed[key.node_id] == 200.0
-    assert not there.merge([], here.removed)  # the same news again changes nothing
-    rejoined = _member(key, at=300.0)  # newer than the removal, first-hand or gossiped
-    assert not here.add_member(rejoined) and key.node_id in here.removed
-    assert not there.merge([rejoined], {key.node_id: 200.0})
-    assert key.node_id not in there.members
+    _admit(store, server_key, key.member())
+    there = copy.deepcopy(store)
+    store.remove(server_key, key.node_id, NOW + 100, [])
+    ledger = store.ledger
+    assert ledger is not None
+    change = there.merge(list(ledger.admissions), list(ledger.tombstones), NOW + 200)
+    assert change.left == [key.node_id] and there.removed[key.node_id] == NOW + 100
+    again = there.merge(list(ledger.admissions), list(ledger.tombstones), NOW + 300)
+    assert not again.left and not again.joined  # the same news again changes nothing
 
 
 def test_a_newer_peers_extra_fields_are_ignored():

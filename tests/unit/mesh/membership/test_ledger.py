@@ -261,3 +261,16 @@ def test_forged_or_replayed_facts_never_make_a_member(steps, data):
     assert set(book.view.members) <= honest
     assert outsider.node_id not in book.view.members
     assert removed_then <= set(book.view.removed)  # tombstones are kept
+
+
+def test_the_root_may_bar_a_node_that_is_not_in() -> None:
+    """An upgraded node's old removals name node ids without keys: as its own root it signs
+    tombstones for them, and an admission of such a node (a stale member's copy) then loses."""
+    book = ledger()
+    change = book.merge([], [tomb(ROOT, C, at=NOW - 100)], NOW)
+    assert not change.refused and C.node_id in book.view.removed
+    assert book.view.removed[C.node_id].admission is None
+    book.merge([admit(ROOT, A), admit(A, C)], [], NOW)
+    assert members(book) == ids(ROOT, A)
+    # Anyone else's tombstone of a non-member is refused: no junk to keep.
+    assert book.merge([], [tomb(A, D)], NOW).refused == {Refused.TARGET_NOT_A_MEMBER: 1}
