@@ -83,7 +83,8 @@ class Roster:
                 raise MembershipError(f"{self.home}/members.json is another mesh's")
             return
         if store.legacy is not None:
-            known, gone = len(store.legacy.members), len(store.legacy.removed)
+            known = len(set(store.legacy.members) - {self.node_id})
+            gone = len(store.legacy.removed)
             migrate(store, self.identity, mesh_id, time.time())
             log.warning(
                 "members.json predates signed membership: this node signed its %d member(s) "

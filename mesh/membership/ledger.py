@@ -157,13 +157,28 @@ class Ledger:
                 change.refused[Refused.FORGED] += 1
             else:
                 fresh.add(fact)
+        # Signed by a key no fact names: it cannot count, whatever else arrives with it –
+        # refused before any derivation (a flood of junk must not cost one each).
+        known = {self.root.node_id} | {a.node_id for a in self.admissions}
+        known |= {f.node_id for f in fresh if isinstance(f, Admission)}
+        for fact in [f for f in fresh if f.by not in known]:
+            fresh.discard(fact)
+            change.refused[Refused.SIGNER_NOT_A_MEMBER] += 1
+        if len(self.view.members) >= MAX_MEMBERS and not any(
+            isinstance(f, Tombstone) for f in fresh
+        ):  # full, and nothing that frees a seat: a newcomer's admission cannot count
+            for fact in [f for f in fresh if f.node_id not in self.view.members]:
+                fresh.discard(fact)
+                change.refused[Refused.MEMBERS_CAP] += 1
         if not fresh:
             return change
+        fresh_offered = set(fresh)
         before = set(self.view.members)
         derivation = _Derivation(self, fresh)
-        self.view, self.admissions, self.tombstones = derivation.run()
+        result = derivation.run()
+        self.view, self.admissions, self.tombstones = result
         self._verified &= self.admissions | self.tombstones
-        for fact in fresh - self.admissions - self.tombstones:
+        for fact in fresh_offered - self.admissions - self.tombstones:
             reason = derivation.reasons.get(fact)
             if reason is not None:
                 change.refused[reason] += 1
@@ -210,6 +225,9 @@ class _Derivation:
     def __init__(self, ledger: Ledger, fresh: Iterable[Fact] = ()) -> None:
         self.ledger = ledger
         self.root = ledger.root.node_id
+        # At the members cap, the members we have come first: a flood of newcomers (however
+        # it is dated) is refused rather than pushing anyone out.
+        self.prefer = set(ledger.view.members)
         admissions = set(ledger.admissions)
         self.tombstones = set(ledger.tombstones)
         for fact in fresh:
@@ -221,28 +239,40 @@ class _Derivation:
         for admission in sorted(admissions, key=_order):
             self.by_signer[admission.by].append(admission)
         self.reasons: dict[Fact, Refused] = {}
+        self.capped = False  # the last closure refused someone for the members cap
 
     def closure(self, removed: Iterable[str]) -> dict[str, Admission | None]:
         """The members reachable from the root through admissions by members, skipping
-        ``removed`` nodes; each with the admission that reached it."""
+        ``removed`` nodes; each with the admission that reached it. At the members cap, the
+        members we had are taken first (and only then: below it, the result must not depend
+        on what this node had, or nodes with the same facts would keep different ones)."""
+        gone = set(removed)
+        out = self._reach(gone, prefer=None)
+        return self._reach(gone, prefer=self.prefer) if self.capped else out
+
+    def _reach(self, gone: set[str], prefer: set[str] | None) -> dict[str, Admission | None]:
         out: dict[str, Admission | None] = {self.root: None}
         keys = {self.root: self.ledger.root.public_key}
-        gone = set(removed)
-        queue = deque([self.root])
-        while queue:
-            signer = queue.popleft()
-            for admission in self.by_signer.get(signer, ()):
-                node = admission.node_id
-                if node in out or node in gone:
-                    continue
-                if not self._holds(admission, keys[signer]):
-                    continue
-                if len(out) >= MAX_MEMBERS:
-                    self.reasons[admission] = Refused.MEMBERS_CAP
-                    continue
-                out[node] = admission
-                keys[node] = admission.public_key
-                queue.append(node)
+        self.capped = False
+        for only_preferred in (True, False) if prefer is not None else (False,):
+            queue = deque(out)
+            while queue:
+                signer = queue.popleft()
+                for admission in self.by_signer.get(signer, ()):
+                    node = admission.node_id
+                    if node in out or node in gone:
+                        continue
+                    if only_preferred and node not in prefer:  # type: ignore[operator]
+                        continue
+                    if not self._holds(admission, keys[signer]):
+                        continue
+                    if len(out) >= MAX_MEMBERS:
+                        self.reasons[admission] = Refused.MEMBERS_CAP
+                        self.capped = True
+                        continue
+                    out[node] = admission
+                    keys[node] = admission.public_key
+                    queue.append(node)
         return out
 
     def run(self) -> tuple[View, set[Admission], set[Tombstone]]:
@@ -259,7 +289,7 @@ class _Derivation:
             removed[tombstone.node_id] = Removal(tombstone, members.get(tombstone.node_id))
             # The chains that made both members then: what re-derives this removal anywhere.
             kept |= _chain(members, tombstone.node_id) | _chain(members, tombstone.by)
-            members = self.closure(removed)
+            members = self._without(members, tombstone.node_id, removed)
         for node in members:
             kept |= _chain(members, node)
             kept |= set(self._extra_admissions(node, members))
@@ -268,6 +298,16 @@ class _Derivation:
                 self.reasons.setdefault(admission, Refused.SIGNER_NOT_A_MEMBER)
         tombstones = {r.tombstone for r in removed.values()}
         return View(members, removed), kept, tombstones
+
+    def _without(
+        self, members: dict[str, Admission | None], node: str, removed: dict[str, Removal]
+    ) -> dict[str, Admission | None]:
+        """The closure once ``node`` is removed. A node that reached no one is simply dropped
+        (the closure would find every other member the same way); else, or at the members
+        cap (a seat freed may take someone in), it is derived again."""
+        if self.capped or any(a is not None and a.by == node for a in members.values()):
+            return self.closure(removed)
+        return {n: a for n, a in members.items() if n != node}
 
     def _refusal(
         self,

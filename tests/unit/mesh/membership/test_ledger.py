@@ -151,6 +151,11 @@ def test_the_members_cap_holds_against_a_flood() -> None:
     change = book.merge(flood, [], NOW)
     assert len(book.view.members) == MAX_MEMBERS
     assert change.refused[Refused.MEMBERS_CAP] == 20 + 2  # the root and A hold two seats
+    # Full: a flood dated before everyone pushes nobody out.
+    members_then = members(book)
+    backdated = [admit(A, NodeIdentity.generate(), at=1.0) for _ in range(5)]
+    assert book.merge(backdated, [], NOW).refused == {Refused.MEMBERS_CAP: 5}
+    assert members(book) == members_then
     assert message_refusal(MAX_MESSAGE_MEMBERS + 1, 0, 0) is Refused.TOO_MANY
     assert message_refusal(MAX_MESSAGE_MEMBERS, 0, 0) is None
 
