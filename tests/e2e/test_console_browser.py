@@ -442,17 +442,18 @@ def test_two_node_mesh_topology_forwarded_chat_and_invite(browser, tmp_path: Pat
             assert "peer" in footer and a.service.node_id[:12] in footer
             assert worker.calls == 1
 
-            # The Mesh tab lists the members and removes one (through the CSRF-guarded POST).
-            page.click("[data-tab='mesh']")
-            members = page.locator("#members tbody")
-            page.wait_for_function("document.querySelectorAll('#members tbody tr').length === 2")
+            # The Mesh tab lists the members and removes one (through the CSRF-guarded POST):
+            # the mesh's creator, A, removes B (the creator itself cannot be removed).
+            page_a.click("[data-tab='mesh']")
+            members = page_a.locator("#members tbody")
+            page_a.wait_for_function("document.querySelectorAll('#members tbody tr').length === 2")
             assert "this node" in members.inner_text()
-            page.on("dialog", lambda dialog: dialog.accept())
-            page.click(f"[data-remove='{a.service.node_id}']")
-            page.wait_for_function(
+            page_a.on("dialog", lambda dialog: dialog.accept())
+            page_a.click(f"[data-remove='{b.service.node_id}']")
+            page_a.wait_for_function(
                 "document.querySelector('#members-result').textContent.startsWith('Removed')"
             )
-            page.wait_for_function("document.querySelectorAll('#members tbody tr').length === 1")
+            page_a.wait_for_function("document.querySelectorAll('#members tbody tr').length === 1")
     context.close()
 
 

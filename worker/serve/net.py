@@ -153,10 +153,17 @@ class RepeatedLogFilter(logging.Filter):
 
 
 def configure_logging(level: int = logging.WARNING) -> None:
-    """One line per record on stderr, and no floods of identical lines."""
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RepeatedLogFilter())
+    """One line per record on stderr, and no floods of identical lines. A process whose logging
+    someone else set up already (a test runner calling the CLI in-process) keeps its handlers as
+    they are: a filter added to them held back later tests' lines."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RepeatedLogFilter())
+    root.addHandler(handler)
+    root.setLevel(level)
 
 
 def server_limits() -> dict[str, Any]:
