@@ -2,9 +2,11 @@
 
 It is the :class:`~gateway.upstream.Upstream` for the worker's model (ChatRequest → OpenAI
 chat-completions body + the worker's extensions; streamed chunks → internal events; connection
-refused before any byte → ``Error(unavailable, retryable)``; cancelling the consumer closes the
-HTTP response, which stops the worker's generation), and it also counts tokens, reads the
-worker's health and model description, and waits for a starting worker to be ready.
+refused before any byte → ``Error(unavailable, retryable)``; no first token or too long a gap
+after it (:class:`~gateway.deadlines.StreamDeadlines`) → ``Error(timeout)``, retryable while
+nothing was produced; cancelling the consumer closes the HTTP response, which stops the
+worker's generation), and it also counts tokens, reads the worker's health and model
+description, and waits for a starting worker to be ready. Every call has a deadline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import httpx
 import orjson
 
+from gateway.deadlines import StreamDeadlines
 from gateway.events import (
     RETRYABLE_KINDS,
     Done,
@@ -260,10 +263,12 @@ class WorkerClient(Upstream):
         client: httpx.AsyncClient | None = None,
         connect_timeout_s: float = 5.0,
         secret: str | None = None,
+        deadlines: StreamDeadlines | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
         self.name = name
+        self.deadlines = deadlines or StreamDeadlines()
         # The worker's per-start secret (mesh.workers): without it the worker answers 401.
         headers = {"authorization": f"Bearer {secret}"} if secret else None
         self._client = client or httpx.AsyncClient(
@@ -307,37 +312,46 @@ class WorkerClient(Upstream):
         url = f"{self.base_url}/v1/chat/completions"
         decoder = ChunkDecoder(running_count=request.stream)
         produced = False  # nothing reached the client yet: a broken connection is retryable
+        deadlines = self.deadlines
+        clock = asyncio.get_running_loop().time
+        started = clock()
+        heard: float | None = None  # when the worker last sent an answer line
         try:
-            async with self._client.stream(
-                "POST", url, content=body, headers={"content-type": "application/json"}
-            ) as response:
-                try:
-                    if response.status_code != 200:
-                        yield await _status_error(response)
-                        return
-                    if listing := response.headers.get("x-tools-listing"):
-                        yield Meta({"x-tools-listing": listing})  # tools shortened to fit
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            for event in decoder.finish():
-                                yield event
+            # One timer per stream, moved on by each line: a stopped worker cannot hold it.
+            async with asyncio.timeout_at(deadlines.due(started, None)) as deadline:
+                async with self._client.stream(
+                    "POST", url, content=body, headers={"content-type": "application/json"}
+                ) as response:
+                    try:
+                        if response.status_code != 200:
+                            yield await _status_error(response)
                             return
-                        for event in decoder.decode(orjson.loads(data)):
-                            produced = True
-                            yield event
-                            if isinstance(event, Error):
+                        if listing := response.headers.get("x-tools-listing"):
+                            yield Meta({"x-tools-listing": listing})  # tools shortened to fit
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data:"):
+                                continue
+                            heard = clock()
+                            deadline.reschedule(deadlines.due(started, heard))
+                            events, final = _line_events(decoder, line[5:].strip())
+                            produced = produced or bool(events)
+                            for event in events:
+                                yield event
+                            if final:
                                 return
-                finally:
-                    # From here on the response only closes: a cancel now would cut that short.
-                    call.reading = False
+                    finally:
+                        # From here on the response only closes: a cancel now would cut it short.
+                        call.reading = False
             yield Error(
                 kind="upstream",
                 message="the worker closed the stream before [DONE]",
                 retryable=not produced,
             )
+        except TimeoutError:
+            # Closing the response closed its connection: the worker stops this job, if it can.
+            message = deadlines.missed(heard is not None)
+            log.warning("worker %s: %s", self.model_name, message)
+            yield Error(kind="timeout", message=message, retryable=not produced)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             yield Error(kind="unavailable", message=f"worker unreachable: {exc}", retryable=True)
         except httpx.HTTPError as exc:
@@ -372,10 +386,11 @@ class WorkerClient(Upstream):
             return None
         return data if isinstance(data, dict) and isinstance(data.get("hashes"), list) else None
 
-    async def health(self) -> dict[str, Any] | None:
-        """The worker's ``/health`` body, or None when it does not answer 200 with JSON."""
+    async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        """The worker's ``/health`` body, or None when it does not answer 200 with JSON within
+        ``timeout_s`` (a stopped worker accepts the connection and never answers)."""
         try:
-            response = await self._client.get(f"{self.base_url}/health", timeout=2.0)
+            response = await self._client.get(f"{self.base_url}/health", timeout=timeout_s)
             return response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
@@ -403,6 +418,14 @@ class WorkerClient(Upstream):
             context_length=data.get("context_length"),
             capabilities=dict(data.get("capabilities") or {}),
         )
+
+
+def _line_events(decoder: ChunkDecoder, data: str) -> tuple[list[Event], bool]:
+    """The events of one ``data:`` line, and whether the answer ends with them."""
+    if data == "[DONE]":
+        return decoder.finish(), True
+    events = decoder.decode(orjson.loads(data))
+    return events, any(isinstance(event, Error) for event in events)
 
 
 async def _status_error(response: httpx.Response) -> Error:
