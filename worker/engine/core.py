@@ -109,6 +109,7 @@ class Engine:
         self._followers: Followers
         self._model: Any = None
         self._gate: MemoryGate | None = None  # the memory budget's, made by the load
+        self._round_started: float | None = None  # the owner thread's round (commands, a step)
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -147,6 +148,14 @@ class Engine:
         snapshot of plain numbers."""
         disk = self._store.disk
         return None if disk is None else disk.as_dict()
+
+    @property
+    def busy_s(self) -> float:
+        """How long the owner thread has been in its current round (its commands and one step:
+        a token, or a prefill chunk); 0 while it waits for work. The node's health check reads
+        it (/health ``engine_busy_s``) to tell a stuck engine from a busy one."""
+        started = self._round_started
+        return 0.0 if started is None else time.monotonic() - started
 
     @property
     def cache_digest(self) -> CacheDigest:
@@ -198,7 +207,9 @@ class Engine:
             "discard": self._on_discard,
         }
         while True:
+            self._round_started = None
             commands = self._drain(wait_s=self._idle_wait())
+            self._round_started = time.monotonic()
             if any(kind == "stop" for kind, _ in commands):
                 break
             for kind, arg in commands:

@@ -173,6 +173,8 @@ async def health(request: Request) -> Response:
             # The memory budget: its limit and what running KV and the cache use (null: none).
             "memory": engine.memory_budget,
             "loops_stopped": stats.loops_stopped,
+            # In one step this long (0: waiting for work): the node's health check reads it.
+            "engine_busy_s": round(engine.busy_s, 3),
             # Speculative decoding (worker/speculative/batch.py): drafted and accepted tokens,
             # and tokens a verify pass gives each row (1 would be plain decoding).
             # "draft": where drafts come from ("prompt lookup" or the draft model's path).
