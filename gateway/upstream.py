@@ -117,8 +117,14 @@ class StaticDirectory:
         )
 
     def remove(self, model: str) -> None:
-        """Unlist ``model`` (a split model whose group waits for memory)."""
+        """Unlist ``model``."""
         self.entries.pop(model, None)
+
+    def withdraw(self, model: str) -> None:
+        """Keep ``model`` listed with no route (its worker is restarting, its split group
+        broken): a request for it is then 503 with Retry-After, not 404 – SDKs retry that."""
+        info, _ = self.entries.get(model, (ModelInfo(id=model), []))
+        self.entries[model] = (info, [])
 
     def models(self) -> list[ModelInfo]:
         return [info for info, _ in self.entries.values()]

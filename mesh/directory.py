@@ -72,3 +72,10 @@ class MeshDirectory:
 
     def recently_served(self, model: str) -> bool:
         return self.peers.recently_served(model, self.clock())
+
+
+def offered_models(local: ModelDirectory) -> list[ModelInfo]:
+    """This node's models to advertise to peers: those with a route now. A withdrawn one (its
+    worker stuck and restarting, its split group broken or waiting) stays listed here, where
+    a request for it is 503, but peers stop routing to it (and answer 503 for it a while)."""
+    return [info for info in local.models() if local.routes(info.id)]

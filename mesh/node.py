@@ -30,6 +30,7 @@ from starlette.applications import Starlette
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.console import close_event_streams
+from gateway.deadlines import StreamDeadlines
 from gateway.moa.config import MoaConfig
 from gateway.moa.upstream import MixtureOfAgents
 from gateway.responses.state import LocalResponses
@@ -44,7 +45,8 @@ from mesh.node_file import remove_node_file, write_node_file
 from mesh.response_relay import MeshResponses, node_tag
 from mesh.service import MeshConfig, MeshService
 from mesh.split.ranks import SplitProcesses
-from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, WorkerSupervisor
+from mesh.worker_health import HealthOptions
+from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, WorkerState, WorkerSupervisor
 from worker.serve.net import bind_socket, server_limits
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,9 @@ class NodeConfig:
     speculation: str = "auto"  # the workers' --speculation
     draft_model: str | None = None  # the workers' --draft-model (a resolved path or hub id)
     prompt_cache_gb: float = 2.0  # the workers' --prompt-cache-gb
+    # mesh up --worker-health-*, --worker-stall-timeout; --first-token/idle-token-timeout
+    health: HealthOptions = field(default_factory=HealthOptions)
+    deadlines: StreamDeadlines = field(default_factory=StreamDeadlines)
 
     def worker_options(self) -> WorkerOptions:
         return WorkerOptions(
@@ -81,6 +86,8 @@ class NodeConfig:
             speculation=self.speculation,
             draft_model=self.draft_model,
             prompt_cache_gb=self.prompt_cache_gb,
+            health=self.health,
+            deadlines=self.deadlines,
         )
 
     def check(self) -> None:
@@ -147,7 +154,8 @@ class Node:
             load_probe=self.workers.load,
             responses=self.stored_responses,
         )
-        self.workers.make_process = SplitProcesses(self.mesh.split, self._list_split)
+        self.workers.make_process = SplitProcesses(self.mesh.split)
+        self.workers.on_listing = self._list
         self.responses = MeshResponses(
             self.stored_responses,
             links=lambda: self.mesh.links,
@@ -160,11 +168,18 @@ class Node:
     def stop(self) -> None:
         self._stop.set()
 
-    async def _list_split(self, process: WorkerProcess, listed: bool) -> None:
-        """A split model is listed while its group runs, unlisted while it waits for memory."""
-        self.local.remove(process.name)
-        if listed and process.client is not None:
-            self.local.add(await process.client.describe(), process.client)
+    async def _list(self, process: WorkerProcess, serving: bool) -> None:
+        """A model has its route while its worker serves. Otherwise (a stuck worker restarting,
+        a split group broken, re-forming or waiting for memory) it stays listed here without a
+        route, so a request for it is 503 with Retry-After, and gossip stops advertising it."""
+        if serving and process.client is not None:
+            info = await process.client.describe()
+            if process.state is not WorkerState.SERVING:
+                return  # it stopped serving while it described itself: withdrawn already
+            self.local.remove(process.name)
+            self.local.add(info, process.client)
+        else:
+            self.local.withdraw(process.name)
 
     def status(self) -> dict[str, Any]:
         """The status picture (``gateway.status``): the mesh's, plus this node's workers."""
@@ -190,9 +205,9 @@ class Node:
                 await self.mesh.start()
                 log.info("node %s in mesh %s", self.identity.short_id, self.mesh.mesh_id)
                 await self.workers.start()
-            for name, client in self.workers.clients.items():
-                self.local.remove(name)  # a split model may have listed itself already
-                self.local.add(await client.describe(), client)
+            for process in self.workers.processes:
+                if process.state is not WorkerState.SERVING:  # a split model still forming
+                    self.local.withdraw(process.name)
             await self._serve(self.build_app())
         finally:
             await self.workers.stop()

@@ -36,7 +36,7 @@ from mesh.control_inbox import ControlInbox
 from mesh.copy.server import CopyConfig
 from mesh.copy.service import PeerCopy, stored_model_names
 from mesh.dialer import Dialer
-from mesh.directory import MeshDirectory
+from mesh.directory import MeshDirectory, offered_models
 from mesh.discovery import Advert, LanDiscovery, mesh_hash, should_dial
 from mesh.errors import AddressError, ConnectError, MembershipError, MeshError
 from mesh.gossip import GossipMessage, Leave, Members, ModelAd, NodeState, gossip_from_dict
@@ -415,7 +415,7 @@ class MeshService:
                     capabilities=info.capabilities,
                     stages=self.split.stages(info.id),
                 )
-                for info in self.local.models()
+                for info in offered_models(self.local)
             ],
             queue_depth=int(load.get("queue_depth", 0)),
             # The workers' own count includes forwarded requests; without a probe, count those.

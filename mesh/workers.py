@@ -3,25 +3,32 @@
 ``WorkerSupervisor`` owns the node's workers: it starts them in parallel, keeps them running and
 stops them. Each ``WorkerProcess`` spawns its child, waits until it says it is listening and its
 ``/health`` answers, and restarts it with exponential backoff on the same port when it dies (so
-routes stay valid); on Linux a worker dies with the node even if the node is killed. Every call
-to a worker goes through its one :class:`~gateway.worker_client.WorkerClient`.
+routes stay valid); on Linux a worker dies with the node even if the node is killed. While it
+runs, its ``/health`` is checked every few seconds (``mesh/worker_health.py``): a worker that
+misses enough checks in a row is stuck, and is withdrawn, killed and restarted. Only a serving
+worker's model has a route: the node is told of every change (``on_listing``). Every call to a
+worker goes through its one :class:`~gateway.worker_client.WorkerClient`, with deadlines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import secrets
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from gateway.deadlines import StreamDeadlines
 from gateway.worker_client import WorkerClient
 from mesh.children import child_preexec, forward_output
 from mesh.errors import NodeError
+from mesh.worker_health import Health, HealthCheck, HealthOptions
 from worker.serve.net import SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,24 @@ class WorkerOptions:
     speculation: str = "auto"  # the worker's --speculation (auto|off)
     draft_model: str | None = None  # the worker's --draft-model
     prompt_cache_gb: float = 2.0  # the worker's --prompt-cache-gb
+    # The node's checks of each running worker, and the deadlines on every worker stream.
+    health: HealthOptions = field(default_factory=HealthOptions)
+    deadlines: StreamDeadlines = field(default_factory=StreamDeadlines)
+
+
+class WorkerState(enum.Enum):
+    """A supervised worker's life. Only a serving worker's model has a route; in every other
+    state its model stays listed on this node (a request for it is 503 with Retry-After) and
+    is not advertised to peers."""
+
+    STARTING = "starting"  # loading (a split model: forming its group or waiting for memory)
+    SERVING = "serving"
+    STUCK = "stuck"  # missed its health checks: withdrawn, being killed
+    RESTARTING = "restarting"  # exited: withdrawn until it is back
+
+
+# Told of each change of a worker's state: True when it serves (list its route), else False.
+Listing = Callable[["WorkerProcess", bool], Awaitable[None]]
 
 
 def check_model_available(home: Path, model: str) -> None:
@@ -97,6 +122,9 @@ class WorkerProcess:
         self.secret = secrets.token_urlsafe(32)
         self.port = 0  # 0 on the first start; the same port afterwards so routes stay valid
         self.restarts = 0
+        self.state = WorkerState.STARTING
+        self.health: HealthCheck | None = None  # the running worker's checks
+        self.on_listing: Listing | None = None  # set by the supervisor (the node's directory)
         self.process: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._supervisor: asyncio.Task[None] | None = None
@@ -105,6 +133,13 @@ class WorkerProcess:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
+
+    @property
+    def answering(self) -> bool:
+        """Whether it answered its last health check (or has not been checked yet)."""
+        if self.state is WorkerState.STUCK:
+            return False
+        return self.health is None or self.health.state is Health.HEALTHY
 
     def status(self) -> dict[str, Any]:
         """More for ``mesh status`` (a split model's stages)."""
@@ -152,7 +187,9 @@ class WorkerProcess:
                         forward_output(process.stdout, self.name, self._on_output)
                     )
                     if self.client is None:
-                        self.client = WorkerClient(url, self.name, secret=self.secret)
+                        self.client = WorkerClient(
+                            url, self.name, secret=self.secret, deadlines=self.options.deadlines
+                        )
                     if not await self.client.wait_ready(lambda: process.returncode is None):
                         raise NodeError(
                             f"worker at {url} exited ({process.returncode}) before it was healthy"
@@ -165,6 +202,7 @@ class WorkerProcess:
 
     async def start(self) -> str:
         self.url = await self._spawn()
+        await self._set_state(WorkerState.SERVING)
         self._supervisor = asyncio.create_task(self._supervise(), name=f"worker-{self.name}")
         return self.url
 
@@ -174,9 +212,10 @@ class WorkerProcess:
         started = loop.time()
         while not self._stopping:
             assert self.process is not None
-            code = await self.process.wait()
+            code = await self._wait_while_healthy(self.process)
             if self._stopping:
                 return
+            await self._set_state(WorkerState.RESTARTING)
             if loop.time() - started > STABLE_RUN_S:  # it ran fine for a while: not a crash loop
                 backoff = self.options.restart_backoff_s
             log.warning("worker %s exited with %s; restarting in %.1fs", self.name, code, backoff)
@@ -186,10 +225,63 @@ class WorkerProcess:
             try:
                 self.url = await self._spawn()
                 self.restarts += 1
+                await self._set_state(WorkerState.SERVING)
             except (NodeError, OSError, TimeoutError) as exc:
                 log.error("worker %s failed to restart: %s", self.name, exc)
                 if self.process is not None and self.process.returncode is None:
                     self.process.kill()  # hung while loading: do not wait on it forever
+
+    async def _wait_while_healthy(self, process: asyncio.subprocess.Process) -> int:
+        """Until ``process`` exits (its exit status), checking its health meanwhile; a stuck one
+        is withdrawn and killed, so it exits soon."""
+        checks = asyncio.create_task(self._check_health(process), name=f"health-{self.name}")
+        try:
+            return await process.wait()
+        finally:
+            checks.cancel()
+            await asyncio.wait([checks])
+
+    async def _check_health(self, process: asyncio.subprocess.Process) -> None:
+        """Ask ``/health`` every interval until the worker is stuck (mesh/worker_health.py),
+        then withdraw its model and SIGKILL it: its open requests fail over (nothing sent to
+        their client yet) or end with an error event, and the restart loop brings it back."""
+        options = self.options.health
+        client = self.client
+        if options.interval_s <= 0 or client is None:
+            return
+        loop = asyncio.get_running_loop()
+        self.health = check = HealthCheck(self.name, options, loop.time())
+        while check.state is not Health.STUCK:
+            asked = loop.time()
+            body = await client.health(timeout_s=options.interval_s)
+            if body is None:
+                check.no_answer(loop.time())
+            else:
+                check.answered(loop.time(), body)
+            await asyncio.sleep(max(0.0, asked + options.interval_s - loop.time()))
+        log.error(
+            "worker %s is stuck (%s): withdrawn and killed; it restarts", self.name, check.why
+        )
+        await self._set_state(WorkerState.STUCK)
+        if process.returncode is None:
+            process.kill()  # SIGKILL: a stopped (SIGSTOP) process would never see a SIGTERM
+
+    async def _set_state(self, state: WorkerState) -> None:
+        """Change state (logged) and tell the node whether the model has a route now."""
+        if state is self.state:
+            return
+        # One message per target state: the node's log filter holds back repeats of a message.
+        log.info("worker %s: %s -> " + state.value, self.name, self.state.value)
+        self.state = state
+        await self._listing(state is WorkerState.SERVING)
+
+    async def _listing(self, serving: bool) -> None:
+        if self.on_listing is None:
+            return
+        try:
+            await self.on_listing(self, serving)
+        except Exception:  # a listing failure must not stop the supervision; say so
+            log.exception("could not update the listing of %s", self.name)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
@@ -229,6 +321,8 @@ class WorkerSupervisor:
         # What makes each model's process: a plain worker here; the node injects split
         # serving's factory (mesh/split/ranks.py), which may split a model over ranks.
         self.make_process: ProcessFactory = WorkerProcess
+        # Told whenever a worker starts or stops serving (the node's directory lists it).
+        self.on_listing: Listing | None = None
         # Each model's speculation counters from its worker's last /health (load() polls it):
         # the status picture carries them to the gateway's /metrics.
         self.speculation: dict[str, dict[str, Any]] = {}
@@ -246,6 +340,7 @@ class WorkerSupervisor:
             process = self.make_process(model, self.options)
             if any(p.name == process.name for p in self.processes):
                 raise NodeError(f"two --model options serve the same name {process.name!r}")
+            process.on_listing = self.on_listing
             self.processes.append(process)
         try:
             async with asyncio.TaskGroup() as group:
@@ -261,9 +356,12 @@ class WorkerSupervisor:
         await asyncio.gather(*(p.stop() for p in self.processes))
 
     def status(self) -> dict[str, Any]:
-        """Restarts by worker (not URLs: a worker is this node's private business)."""
+        """State, restarts and health checks by worker (not URLs: a worker is this node's
+        private business)."""
+        now = time.monotonic()  # the event loop's clock, which the checks were fed
         return {
-            p.name: {"restarts": p.restarts, **p.status()}
+            p.name: {"state": p.state.value, "restarts": p.restarts, **p.status()}
+            | ({"health": p.health.status(now)} if p.health is not None else {})
             | ({"speculation": self.speculation[p.name]} if p.name in self.speculation else {})
             for p in self.processes
         }
@@ -276,7 +374,10 @@ class WorkerSupervisor:
         """Queue depth, in-flight and tok/s summed over the workers' ``/health``, and each
         model's prompt-cache digest (for gossip)."""
         total: dict[str, Any] = {"queue_depth": 0, "in_flight": 0, "tok_s": 0.0, "cache": {}}
-        for client in self.clients.values():
+        for process in self.processes:
+            client = process.client
+            if client is None or not process.answering:
+                continue  # a stuck one would hold up every other's load for its timeout
             data = await client.health()
             if data is None:
                 log.debug("worker %s did not answer its health check", client.model_name)

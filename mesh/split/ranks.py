@@ -5,13 +5,14 @@ a pipeline split (``python -m worker.serve.split_rank --serve``: the normal work
 gateway sees one more worker). Each forming of the group:
 
 1. plans the split over this node's share and the members that offer memory (gossip, via
-   :class:`~mesh.split.coordinator.SplitMesh`); while no plan fits, the model is unlisted and
-   the reason logged once, and it re-plans whenever the offers change;
+   :class:`~mesh.split.coordinator.SplitMesh`); while no plan fits, the model has no route
+   (listed here, a request for it is 503 with Retry-After; not advertised to peers) and the
+   reason is logged once, and it re-plans whenever the offers change;
 2. gives the group a fresh id and opens the ring: this node's ranks get fresh loopback ports
    (registered with its bridge), every remote rank a local bridge link (mesh/split/bridge.py);
 3. orders every remote rank from its node (one tunnel stream each, the rank's lease) and waits
    until they all run (a member may first copy its files from this node);
-4. starts this node's other ranks, then rank 0, and lists the model.
+4. starts this node's other ranks, then rank 0, and serves the model (its route is listed).
 
 No ``mlx.launch``, no SSH: the mesh writes every rank's ``MLX_RANK`` and hostfile. The group
 lives and dies as one: rank 0 exits when a peer is gone or a step misses its deadline
@@ -22,12 +23,10 @@ down; the worker's restart loop then re-forms the group, re-planned over who off
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from mesh.errors import NodeError, PlanError, SplitError
@@ -47,7 +46,7 @@ from mesh.split.plan import (
     whole_model_bytes,
 )
 from mesh.split.processes import spawn_rank, stop_process, wake
-from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, served_name
+from mesh.workers import SplitOptions, WorkerOptions, WorkerProcess, WorkerState, served_name
 from worker.split.signals import LOCKSTEP_VERSION, WAKE_LINE
 
 log = logging.getLogger(__name__)
@@ -59,8 +58,6 @@ REPLAN_S = 10.0  # while waiting for memory: re-plan at least this often
 MEMORY_ENV = "MLX_MESH_MEMORY_BYTES"
 PROMPT_CACHE_BYTES = 2 << 30  # the worker's default prompt-cache budget
 DOZE_AFTER_S = 1.0  # idle this long, the other ranks leave the ring's busy wait (_on_output)
-
-Listing = Callable[["SplitWorkerProcess", bool], Awaitable[None]]
 
 
 class SplitWorkerProcess(WorkerProcess):
@@ -78,7 +75,6 @@ class SplitWorkerProcess(WorkerProcess):
         except LayoutError as exc:
             raise NodeError(f"cannot split {self.name}: {exc}") from None
         self.mesh = mesh
-        self.on_listing: Listing | None = None
         self.plan: SplitPlan | None = None
         self.group = ""
         self.followers: list[asyncio.subprocess.Process] = []
@@ -132,6 +128,7 @@ class SplitWorkerProcess(WorkerProcess):
             waiting.cancel()
         if self._first.done() and (self._first.exception() is None or not self._remote_plan):
             self.url = self._first.result()  # a failure on this node alone fails its start
+            await self._set_state(WorkerState.SERVING)
             self._supervisor = asyncio.create_task(self._supervise(), name=f"split-{self.name}")
             return self.url
         self._supervisor = asyncio.create_task(self._later(), name=f"split-{self.name}")
@@ -143,6 +140,7 @@ class SplitWorkerProcess(WorkerProcess):
         while True:
             try:
                 self.url = await self._first
+                await self._set_state(WorkerState.SERVING)
                 break
             except (NodeError, OSError, TimeoutError) as exc:
                 log.error("split model %s could not form: %s", self.name, exc)
@@ -175,7 +173,6 @@ class SplitWorkerProcess(WorkerProcess):
         if self.mesh is not None:
             self.mesh.plans[self.name] = plan
             self.mesh.waiting.pop(self.name, None)
-        await self._listing(True)
         return url
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -358,6 +355,7 @@ class SplitWorkerProcess(WorkerProcess):
         if self._stopping:
             return
         log.warning("a rank of split model %s ended (%s); re-forming the group", self.name, why)
+        await self._set_state(WorkerState.RESTARTING)  # no new request for a broken group
         process = self.process
         if process is None or process.returncode is not None:
             return
@@ -391,11 +389,6 @@ class SplitWorkerProcess(WorkerProcess):
         if self.mesh is not None and self.group:
             self.mesh.bridge.unregister(self.group)
 
-    async def _listing(self, listed: bool) -> None:
-        if self.on_listing is not None:
-            with contextlib.suppress(Exception):  # a listing failure must not break the group
-                await self.on_listing(self, listed)
-
     def status(self) -> dict[str, object]:
         """``mesh status``: the group's stages, or why it waits."""
         if self.mesh is not None and self.name in self.mesh.waiting:
@@ -418,9 +411,8 @@ class SplitProcesses:
     options, or one too big for this node (:func:`split_if_too_big`), is served by a
     :class:`SplitWorkerProcess` over ``mesh``; any other by a plain worker."""
 
-    def __init__(self, mesh: SplitMesh | None, on_listing: Listing | None = None) -> None:
+    def __init__(self, mesh: SplitMesh | None) -> None:
         self.mesh = mesh
-        self.on_listing = on_listing
 
     def __call__(self, model: str, options: WorkerOptions, /) -> WorkerProcess:
         if options.split is None and self.mesh is not None:
@@ -428,9 +420,7 @@ class SplitProcesses:
             options = dataclasses.replace(options, split=split) if split else options
         if options.split is None:
             return WorkerProcess(model, options)
-        process = SplitWorkerProcess(model, options, self.mesh)
-        process.on_listing = self.on_listing
-        return process
+        return SplitWorkerProcess(model, options, self.mesh)
 
 
 def prompt_cache_bytes(plan: SplitPlan) -> int:
