@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from gateway.deadlines import FIRST_TOKEN_S, IDLE_S, StreamDeadlines
 from mesh.cli.app import HomeOption, app, err_console, fail, read_secret, resolve_home
 from mesh.cli.worker import (
     DRAFT_MODEL_OPTION_HELP,
@@ -15,9 +16,12 @@ from mesh.cli.worker import (
     SPECULATION_OPTION_HELP,
     check_worker_options,
 )
+from mesh.worker_health import HealthOptions
 
 if TYPE_CHECKING:
     from mesh.copy.server import CopyConfig
+
+DEFAULT_HEALTH = HealthOptions()
 
 
 def allowed_host_names(host: str, advertise: list[str], extra: list[str]) -> frozenset[str]:
@@ -151,6 +155,36 @@ def up_command(
         help="TCP port of the split ring bridge (TLS, members only) [default: mesh port + 3;"
         " 0 = any]. Runs on nodes that serve a model or offer memory.",
     ),
+    first_token_timeout: float = typer.Option(
+        FIRST_TOKEN_S,
+        "--first-token-timeout",
+        help="Seconds a local worker may take to its first token (queue and prefill included)"
+        " before the request goes elsewhere or fails; 0 = no limit.",
+    ),
+    idle_token_timeout: float = typer.Option(
+        IDLE_S,
+        "--idle-token-timeout",
+        help="Seconds a local worker's answer may pause between tokens before it ends in an"
+        " error event; 0 = no limit.",
+    ),
+    worker_health_interval: float = typer.Option(
+        DEFAULT_HEALTH.interval_s,
+        "--worker-health-interval",
+        help="Seconds between checks of each worker's /health (an answer must come within"
+        " one); 0 = no checks.",
+    ),
+    worker_health_misses: int = typer.Option(
+        DEFAULT_HEALTH.misses,
+        "--worker-health-misses",
+        help="Missed checks in a row that make a worker stuck: its model is withdrawn, the"
+        " worker killed and restarted.",
+    ),
+    worker_stall_timeout: float = typer.Option(
+        DEFAULT_HEALTH.stall_s,
+        "--worker-stall-timeout",
+        help="Seconds a worker's engine may spend in one step (a token or a prefill chunk)"
+        " before its health checks count as missed.",
+    ),
 ) -> None:
     """Start a node: one MLX worker per --model and the OpenAI/Anthropic gateway in front."""
     from gateway import __version__
@@ -162,6 +196,13 @@ def up_command(
     from mesh.workers import SplitOptions
     from worker.serve.net import configure_logging
 
+    health, deadlines = liveness_options(
+        first_token_timeout,
+        idle_token_timeout,
+        worker_health_interval,
+        worker_health_misses,
+        worker_stall_timeout,
+    )
     configure_logging()
     home_dir = resolve_home(home)
     api_key = read_secret(api_key, "API key")
@@ -201,6 +242,8 @@ def up_command(
         speculation=speculation,
         draft_model=draft,
         prompt_cache_gb=prompt_cache_gb,
+        health=health,
+        deadlines=deadlines,
         gateway=GatewayConfig(
             api_key=api_key,
             max_in_flight=max_in_flight,
@@ -235,6 +278,18 @@ def up_command(
         run_mesh_node(config, mesh_config)
     except (NodeError, MeshError) as exc:
         raise fail(str(exc)) from exc
+
+
+def liveness_options(
+    first_token_s: float, idle_s: float, interval_s: float, misses: int, stall_s: float
+) -> tuple[HealthOptions, StreamDeadlines]:
+    """The worker health checks and stream deadlines from ``mesh up``'s flags (0: off)."""
+    if min(first_token_s, idle_s, interval_s) < 0 or stall_s <= 0:
+        raise fail("the worker timeouts and the health interval take seconds (0: off)")
+    if misses < 1:
+        raise fail("--worker-health-misses takes a count, at least 1")
+    health = HealthOptions(interval_s=interval_s, misses=misses, stall_s=stall_s)
+    return health, StreamDeadlines(first_token_s or None, idle_s or None)
 
 
 def _check_draft(models: tuple[str, ...], draft: str, name: str | None) -> None:

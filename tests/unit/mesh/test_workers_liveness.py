@@ -118,3 +118,26 @@ async def test_a_request_for_a_withdrawn_model_is_503_with_retry_after() -> None
     models = await asgi_request(app, "GET", "/v1/models")
     assert [m["id"] for m in models.json()["data"]] == ["m"]
 
+
+def test_the_flags_reach_the_workers_options_and_bad_ones_are_refused_in_words(
+    tmp_path: Path,
+) -> None:
+    from typer.testing import CliRunner
+
+    from gateway.deadlines import StreamDeadlines
+    from mesh.cli import app
+    from mesh.cli.node import liveness_options
+    from mesh.node import NodeConfig
+
+    health, deadlines = liveness_options(30.0, 0.0, 1.0, 4, 90.0)
+    assert health == HealthOptions(interval_s=1.0, misses=4, stall_s=90.0)
+    assert deadlines == StreamDeadlines(first_token_s=30.0, idle_s=None)  # 0: no limit
+    options = NodeConfig(home=tmp_path, health=health, deadlines=deadlines).worker_options()
+    assert options.health == health and options.deadlines == deadlines
+    runner = CliRunner()
+    for flags, words in (
+        (["--worker-health-misses", "0"], "at least 1"),
+        (["--first-token-timeout", "-1"], "take seconds"),
+    ):
+        result = runner.invoke(app, ["up", "--home", str(tmp_path), "--no-worker", *flags])
+        assert result.exit_code != 0 and words in result.output, result.output
