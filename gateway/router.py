@@ -2,7 +2,8 @@
 
 The commit point is the first content delta (or terminal); an early ``Usage`` or ``Sampling``
 waits for it, and a ``Progress`` note passes through without committing (it is not part of the answer). A
-failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable, an
+failure before it – an ``Error`` that is retryable or of kind overloaded/unavailable (for a
+client waiting for the whole answer also the upstream's own, upstream/timeout: then 503), an
 exception, or a stream that ends early – is retried once on the same route after
 ``retry_backoff_s``, then on the next route (the MoA route is not retried: its arbiter already
 deals with failing workers). After it, nothing is retried: the error goes on to
@@ -26,6 +27,8 @@ from gateway.upstream import MESH_MODEL, ModelDirectory, Route, Upstream, close_
 log = logging.getLogger(__name__)
 
 ROUTE_REASON_HEADER = "x-mesh-route-reason"
+# The upstream's own failures (not the request's fault): worth another route while unanswered.
+_BROKE_MID_ANSWER = frozenset({"upstream", "timeout"})
 
 
 class RouteError(GatewayError):
@@ -66,13 +69,22 @@ class CommitTracker:
 
     def may_retry(self, error: Error) -> bool:
         """Whether ``error``, arriving now, may be retried elsewhere instead of answered."""
-        return not self.committed and is_retryable(error)
+        return not self.committed and is_retryable(self.failure(error))
+
+    def seen(self, event: Event) -> Event:
+        """``event`` as this client must see it: an error as :meth:`failure` says."""
+        return self.failure(event) if isinstance(event, Error) else event
 
     def failure(self, error: Error) -> Error:
-        """``error`` as the client must see it: never retryable after the commit."""
-        if not self.committed:
-            return error
-        return Error(kind="upstream", message=error.message, retryable=False)
+        """``error`` as the client must see it: never retryable after the commit. Before it, a
+        client waiting for the whole answer has seen nothing of one its upstream broke off
+        mid-way (a worker killed, or silent past its deadline): the work is lost, not the
+        request, so that is ``unavailable`` – retried elsewhere, else 503 with Retry-After."""
+        if self.committed:
+            return Error(kind="upstream", message=error.message, retryable=False)
+        if not self.streaming and error.kind in _BROKE_MID_ANSWER and not is_retryable(error):
+            return Error(kind="unavailable", message=error.message, retryable=True)
+        return error
 
 
 class Router:
@@ -216,6 +228,7 @@ class _Attempt:
             async for event in source:  # until the commit
                 if held.absorb(event):
                     continue
+                event = commit.seen(event)
                 if isinstance(event, Progress):
                     # A note, not content: it goes out (with the route facts known so far, so
                     # they can reach the headers) and a retry stays possible.

@@ -74,3 +74,21 @@ def test_a_whole_answer_commits_only_at_its_end() -> None:
     assert tracker.feed(ToolCallDelta(index=0, id="c1", name="f", arguments="")) is False
     assert tracker.may_retry(BUSY) and tracker.failure(BROKEN) is BROKEN
     assert tracker.feed(Done("stop")) is True and tracker.committed
+
+
+def test_a_whole_answer_broken_mid_way_by_its_upstream_may_still_go_elsewhere() -> None:
+    """A worker killed or silent past its deadline mid-answer: its error is not retryable by
+    itself (it did work), but a client waiting for the whole answer saw nothing of it."""
+    lost = Error(kind="upstream", message="the worker closed the stream before [DONE]")
+    silent = Error(kind="timeout", message="the worker sent nothing for 120 s mid-answer")
+    whole = CommitTracker(streaming=False)
+    whole.feed(TextDelta("Hel"))
+    assert whole.may_retry(lost) and whole.may_retry(silent)
+    # ... and if no route is left it is a 503 with Retry-After: the client may come back.
+    assert whole.seen(lost) == Error(kind="unavailable", message=lost.message, retryable=True)
+    assert whole.seen(TextDelta("x")) == TextDelta("x")
+    assert not whole.may_retry(REFUSED) and whole.seen(REFUSED) is REFUSED  # its own fault
+    streamed = CommitTracker()
+    assert not streamed.may_retry(lost)  # a stream: only what says it is retryable
+    streamed.feed(TextDelta("Hel"))
+    assert not streamed.may_retry(silent)

@@ -231,3 +231,17 @@ async def test_closing_the_stream_closes_the_upstream_call_at_once():
             break
     await events.aclose()
     assert upstream.cancelled == 1 and upstream.active == 0
+
+
+async def test_a_whole_answer_its_only_route_breaks_mid_way_twice_is_a_503() -> None:
+    """No stream asked, the worker killed mid-answer on both tries: nothing reached the client,
+    so it gets 503 (Retry-After), not the 502 of a broken answer."""
+    broke = [TextDelta("par"), Error(kind="upstream", message="worker connection failed")]
+    upstream = ScriptedUpstream(scripts=[broke, broke], name="local")
+    router = _router(upstream)
+    request = REQUEST.model_copy(update={"stream": False})
+    events = [e async for e in router.stream(request, router.resolve(request))]
+    assert events[-1] == Error(
+        kind="unavailable", message="worker connection failed", retryable=True
+    )
+    assert _meta(events).headers["x-attempts"] == "2"
