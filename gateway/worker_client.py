@@ -333,7 +333,7 @@ class WorkerClient(Upstream):
                                 continue
                             heard = clock()
                             deadline.reschedule(deadlines.due(started, heard))
-                            events, final = _line_events(decoder, line[5:].strip())
+                            events, final = _line_events(decoder, line[5:].strip(), produced)
                             produced = produced or bool(events)
                             for event in events:
                                 yield event
@@ -342,11 +342,7 @@ class WorkerClient(Upstream):
                     finally:
                         # From here on the response only closes: a cancel now would cut it short.
                         call.reading = False
-            yield Error(
-                kind="upstream",
-                message="the worker closed the stream before [DONE]",
-                retryable=not produced,
-            )
+            yield _broken("the worker closed the stream before [DONE]", produced)
         except TimeoutError:
             # Closing the response closed its connection: the worker stops this job, if it can.
             message = deadlines.missed(heard is not None)
@@ -355,11 +351,7 @@ class WorkerClient(Upstream):
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             yield Error(kind="unavailable", message=f"worker unreachable: {exc}", retryable=True)
         except httpx.HTTPError as exc:
-            yield Error(
-                kind="upstream",
-                message=f"worker connection failed: {type(exc).__name__}: {exc}",
-                retryable=not produced,
-            )
+            yield _broken(f"worker connection failed: {type(exc).__name__}: {exc}", produced)
         except orjson.JSONDecodeError as exc:
             yield Error(kind="upstream", message=f"worker sent malformed JSON: {exc}")
 
@@ -420,12 +412,30 @@ class WorkerClient(Upstream):
         )
 
 
-def _line_events(decoder: ChunkDecoder, data: str) -> tuple[list[Event], bool]:
-    """The events of one ``data:`` line, and whether the answer ends with them."""
+def _broken(message: str, produced: bool) -> Error:
+    """The worker's answer broke off. Before any output the worker went away (killed, its
+    split group broken): unavailable, retryable – 503 with Retry-After when no other route
+    answers. After it, the answer so far is all there is (502)."""
+    if produced:
+        return Error(kind="upstream", message=message)
+    return Error(kind="unavailable", message=message, retryable=True)
+
+
+def _line_events(decoder: ChunkDecoder, data: str, produced: bool) -> tuple[list[Event], bool]:
+    """The events of one ``data:`` line, and whether the answer ends with them.
+
+    A worker that fails a job before any output (its engine's step failed, its split group
+    broke, it shuts down) is in trouble, not the request (one it refuses is a 4xx before the
+    stream): that is ``unavailable`` and retryable, so another route may answer, else the
+    client gets 503 with Retry-After."""
     if data == "[DONE]":
         return decoder.finish(), True
     events = decoder.decode(orjson.loads(data))
-    return events, any(isinstance(event, Error) for event in events)
+    if not events or not isinstance(failed := events[-1], Error):
+        return events, False
+    if not produced:
+        events[-1] = Error("unavailable", failed.message, retryable=True, code=failed.code)
+    return events, True
 
 
 async def _status_error(response: httpx.Response) -> Error:
