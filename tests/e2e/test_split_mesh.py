@@ -1,6 +1,7 @@
 """``mesh up --split 2``: a real node serves a model over two rank processes it supervises.
 The gateway's answers at temperature 0 are the unsplit worker's; a rank stopped (SIGSTOP) or
-killed mid-stream ends the stream with an error event in under 5 s, and the group re-forms."""
+killed mid-stream ends the stream with an error event in under 5 s, and the group re-forms;
+meanwhile the model stays listed and a request for it is 503 with Retry-After, never 404."""
 
 from __future__ import annotations
 
@@ -61,6 +62,17 @@ def answer(client: httpx.Client, model: str) -> str | None:
     return response.json()["choices"][0]["message"]["content"]
 
 
+def answer_or_503(client: httpx.Client, model: str) -> str | None:
+    """The answer once the group serves; until then (None) a 503 with Retry-After, the model
+    listed (a 404 would make an SDK give up)."""
+    response = client.post("/v1/chat/completions", json={**CHAT, "model": model, "max_tokens": 6})
+    assert model in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    if response.status_code == 200:
+        return response.json()["choices"][0]["message"]["content"]
+    assert response.status_code == 503 and response.headers.get("retry-after"), response.text
+    return None
+
+
 def stream_until_signal(client: httpx.Client, model: str, pid: int, sig: int) -> tuple[str, float]:
     body = {**CHAT, "model": model, "max_tokens": 100000, "stream": True}
     return split_testing.stream_until_signal(client, body, pid, sig)
@@ -97,11 +109,15 @@ def test_mesh_up_split_serves_fails_fast_and_reforms(tmp_path: Path) -> None:
             assert '"error"' in last and took < 5.0
 
             # Re-formed (the stopped rank is killed, both start again), same answers.
-            assert wait_for(lambda: answer(client, "tiny6"), 120, "re-formed group") == expected
+            reformed = wait_for(lambda: answer_or_503(client, "tiny6"), 120, "re-formed group")
+            assert reformed == expected
             worker = json.loads(node_file.read_text())["workers"]["tiny6"]["pid"]
             (follower,) = followers(worker, tmp_path)
             last, took = stream_until_signal(client, "tiny6", follower, signal.SIGKILL)
             assert '"error"' in last and took < 5.0
+            assert answer_or_503(client, "tiny6") is None  # still re-forming
+            reformed = wait_for(lambda: answer_or_503(client, "tiny6"), 120, "re-formed again")
+            assert reformed == expected
     finally:
         node.send_signal(signal.SIGTERM)
         out = node.communicate(timeout=60)[0].decode()

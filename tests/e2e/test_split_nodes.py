@@ -5,8 +5,10 @@ store split over them (``--split-over``). A's rank 0 serves the worker API; the 
 on B (and C), which copy only the files their layers need from A. At temperature 0 every API on
 A, and a forwarded route through B, answer as the unsplit model does; a remote rank killed or
 stopped mid-stream ends the stream with an error event in under 5 s and the group re-forms;
-B's node gone unlists the model, and B back re-forms the group. Strangers get nothing from the
-bridge."""
+B's node gone leaves the model waiting for memory, and B back re-forms the group. While the
+group is broken, re-forming or waiting, the model stays listed in /v1/models (its state in
+/api/status) and a request for it is 503 with Retry-After, never 404 (SDKs retry a 503 only).
+Strangers get nothing from the bridge."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +61,48 @@ def chat(url: str) -> str | None:
     if response.status_code != 200:
         return None
     return response.json()["choices"][0]["message"]["content"]
+
+
+def served_or_503(url: str) -> str | None:
+    """The answer once the model serves again; until then (None) every request for it must be
+    503 with Retry-After and the model listed – never a 404, which an SDK does not retry."""
+    response = httpx.post(url + "/v1/chat/completions", json={**CHAT, "model": "tiny6"}, timeout=60)
+    listed = [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+    assert "tiny6" in listed, listed
+    if response.status_code == 200:
+        return response.json()["choices"][0]["message"]["content"]
+    assert response.status_code == 503, (response.status_code, response.text)
+    assert response.headers.get("retry-after"), response.headers
+    return None
+
+
+class Outage(threading.Thread):
+    """Asks for the model every 0.3 s until stopped, with :func:`served_or_503`'s rule: what
+    broke it is kept in ``failure`` (checked by the test, in its own thread)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.asked = 0
+        self.failure: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.3):
+            try:
+                served_or_503(self.url)
+                self.asked += 1
+            except httpx.HTTPError:
+                continue  # not this test's business: the gateway's own connection
+            except AssertionError as exc:
+                self.failure = exc
+                return
+
+    def finish(self) -> None:
+        self.done.set()
+        self.join(70)
+        assert self.failure is None, self.failure
+        assert self.asked > 0
 
 
 def responses_text(url: str) -> str:
@@ -153,17 +198,20 @@ def test_a_model_split_over_two_nodes_serves_fails_fast_and_reforms(tmp_path: Pa
             (rank,) = wait_for(lambda: rank_pids(tmp_path), 60, "B's rank")
             last, took = stream_until_signal(a.url, rank, sig)
             assert '"error"' in last and took < 5.0, (sig, last, took)
-            assert wait_for(lambda: chat(a.url), 120, "the re-formed group") == expected
+            assert wait_for(lambda: served_or_503(a.url), 120, "the re-formed group") == expected
 
-        # B's node gone: A cannot plan without it (--split-over names it), so the model is
-        # unlisted; B back (same home) re-forms the group.
+        # B's node gone: A cannot plan without it (--split-over names it), so the model waits
+        # for memory – listed, 503 with Retry-After; B back (same home) re-forms the group.
+        outage = Outage(a.url)
+        outage.start()
         b.kill()
-        wait_for(lambda: "tiny6" in status(a.url)["node"]["split"]["waiting"], 60, "unlisted")
-        assert httpx.post(
-            a.url + "/v1/chat/completions", json={**CHAT, "model": "tiny6"}
-        ).status_code in (404, 503)
+        wait_for(lambda: "tiny6" in status(a.url)["node"]["split"]["waiting"], 60, "waiting")
+        assert served_or_503(a.url) is None
+        assert status(a.url)["workers"]["tiny6"]["state"] in ("restarting", "starting")
         b = Running(tmp_path / "b", "--no-worker", "--share-memory", "1")
-        assert wait_for(lambda: chat(a.url), 120, "the group re-formed with B back") == expected
+        assert wait_for(lambda: served_or_503(a.url), 120, "the group back with B") == expected
+        outage.finish()
+        assert status(a.url)["workers"]["tiny6"]["state"] == "serving"
     finally:
         out_a = a.stop() if a is not None else ""
         print("---- node A ----\n" + out_a)
