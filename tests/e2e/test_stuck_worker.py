@@ -5,6 +5,9 @@ missed checks 2 s apart), withdraws the model (B stops routing there), kills the
 fails its requests over to B (or ends a committed one with an error event), and restarts it.
 No request hangs: each one completes or fails cleanly within the bound below.
 
+With the health checks off, the stream deadlines alone (here 2 s) end the stopped worker's
+requests: a stream under way with its error event, a new request with a 504.
+
 Before the fix (no health check, no stream deadlines) the requests on the stopped worker wait
 until the client's own timeout (here 60 s): the outcome assertions fail with "hung"."""
 
@@ -166,3 +169,46 @@ def test_a_stopped_worker_under_load_is_withdrawn_restarted_and_hangs_no_request
         out_b = b.stop() if b is not None else ""
         print("---- node A ----\n" + a.stop())
         print("---- node B ----\n" + out_b)
+
+
+@pytest.mark.timeout(120)
+def test_the_stream_deadlines_alone_end_a_stopped_workers_requests(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Health checks off, 2 s deadlines: a stream under way when the worker stops ends with its
+    error event, a new request is a 504 (first token, tried twice), and the worker, let go
+    again, serves as before."""
+    a = Running(
+        tmp_path / "a", "--model", str(tiny_model_dir), "--worker-health-interval", "0",
+        "--first-token-timeout", "2", "--idle-token-timeout", "2",
+    )  # fmt: skip
+    worker = a.info["workers"]["model"]["pid"]
+    body = {"model": "model", "messages": [{"role": "user", "content": "Go on."}]}
+    long, short = body | {"max_tokens": 4000, "stream": True}, body | {"max_tokens": 3}
+    try:
+        with httpx.Client(base_url=a.url, timeout=CLIENT_TIMEOUT_S) as client:
+            lines: list[str] = []
+            stopped_at = 0.0
+            with client.stream("POST", "/v1/chat/completions", json=long) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append(line)
+                    if not stopped_at and '"content"' in line:
+                        os.kill(worker, signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+            ended_s = time.monotonic() - stopped_at
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            assert lines[-2].startswith('data: {"error"'), lines[-3:]
+            assert "mid-answer" in lines[-2] and ended_s < 6.0, (lines[-2], ended_s)
+            started = time.monotonic()
+            refused = client.post("/v1/chat/completions", json=short)
+            assert refused.status_code == 504, refused.text
+            assert "no first token within 2 s" in refused.text
+            assert time.monotonic() - started < 10.0
+            os.kill(worker, signal.SIGCONT)
+            again = client.post("/v1/chat/completions", json=short)
+            assert again.status_code == 200, again.text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
+        print("---- node A ----\n" + a.stop())
