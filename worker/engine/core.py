@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 from worker.cpu.fast_path import CpuFastPath
 from worker.engine.commits import Commits
 from worker.engine.followers import Followers
+from worker.engine.inbox import Inbox
 from worker.engine.load import Loader, can_batch, load_model, make_generator
 from worker.engine.memory_gate import MemoryGate, memory_gate
 from worker.engine.meter import Meter
@@ -91,7 +91,7 @@ class Engine:
         self.cpu_fast_path: CpuFastPath | None = None  # set by the load on the CPU backend
         # Test hook: called on the owner thread right before a commit lands in the store.
         self.before_commit: Callable[[str], None] | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox = Inbox(self.config.admit_gap_s, self.config.admit_window_s)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -124,14 +124,14 @@ class Engine:
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():
-            self._inbox.put(("stop", None))
+            self._inbox.put("stop")
             self._thread.join(timeout=30)
 
     def discard_prompt_cache(self) -> None:
         """Drop every cached and pending prompt and the throughput window, in order after the
         commands before it. For the start-up warm-up (worker/serve/warm_up.py): its prompts
         must not show up as a user's cached tokens, nor its tokens as load."""
-        self._inbox.put(("discard", None))
+        self._inbox.put("discard")
 
     @property
     def draft_source(self) -> str:
@@ -173,18 +173,18 @@ class Engine:
             budget.check_submit(need, self.stats.queue_depth)
         job = Job(request, asyncio.get_running_loop())
         self._meter.submitted()
-        self._inbox.put(("submit", job))
+        self._inbox.put("submit", job)
         return job
 
     def cancel(self, job: Job) -> None:
         """Stop a job (client gone). Safe to call at any time, also after it finished."""
         if not job.done:
-            self._inbox.put(("cancel", job.id))
+            self._inbox.put("cancel", job.id)
 
     def commit(self, job: Job) -> None:
         """Land a finished job's KV cache in the prompt cache. Returns at once."""
         self.stats.log("commit_requested", job.id)
-        self._inbox.put(("commit", job.id))
+        self._inbox.put("commit", job.id)
 
     def tokens_per_second(self, window_s: float = 10.0) -> float:
         return self._meter.tokens_per_second(window_s)
@@ -208,7 +208,7 @@ class Engine:
         }
         while True:
             self._round_started = None
-            commands = self._drain(wait_s=self._idle_wait())
+            commands = self._inbox.drain(wait_s=self._idle_wait(), idle=not self._rows)
             self._round_started = time.monotonic()
             if any(kind == "stop" for kind, _ in commands):
                 break
@@ -318,34 +318,6 @@ class Engine:
         if nearest is not None:
             return max(0.0, min(0.25, nearest - time.monotonic()))
         return 0.25
-
-    def _drain(self, *, wait_s: float) -> list[tuple[str, Any]]:
-        commands = []
-        try:
-            if wait_s > 0:
-                commands.append(self._inbox.get(timeout=wait_s))
-            while True:
-                commands.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        if not self._rows and any(kind == "submit" for kind, _ in commands):
-            commands += self._gather()
-        return commands
-
-    def _gather(self) -> list[tuple[str, Any]]:
-        """The commands that follow an idle engine's first job within ``admit_gap_s`` of each
-        other (for at most ``admit_window_s``): concurrent requests (an agent's parallel calls,
-        a client's four streams) then prefill as one batch. Measured here: four requests sent
-        at once reached the engine within 1-3 ms, and those that missed the first's prefill
-        waited for it, ~0.1 s more to their first token."""
-        commands: list[tuple[str, Any]] = []
-        deadline = time.monotonic() + self.config.admit_window_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                commands.append(self._inbox.get(timeout=min(left, self.config.admit_gap_s)))
-            except queue.Empty:
-                break
-        return commands
 
     # ---- commands ----------------------------------------------------------------------------
 
