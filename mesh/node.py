@@ -71,6 +71,8 @@ class NodeConfig:
     speculation: str = "auto"  # the workers' --speculation
     draft_model: str | None = None  # the workers' --draft-model (a resolved path or hub id)
     prompt_cache_gb: float = 2.0  # the workers' --prompt-cache-gb
+    prompt_cache_disk_gb: float | None = None  # the workers' --prompt-cache-disk-gb
+    memory_gb: float | None = None  # the workers' --memory-gb
     # mesh up --worker-health-*, --worker-stall-timeout; --first-token/idle-token-timeout
     health: HealthOptions = field(default_factory=HealthOptions)
     deadlines: StreamDeadlines = field(default_factory=StreamDeadlines)
@@ -86,6 +88,8 @@ class NodeConfig:
             speculation=self.speculation,
             draft_model=self.draft_model,
             prompt_cache_gb=self.prompt_cache_gb,
+            prompt_cache_disk_gb=self.prompt_cache_disk_gb,
+            memory_gb=self.memory_gb,
             health=self.health,
             deadlines=self.deadlines,
         )

@@ -65,6 +65,10 @@ class WorkerOptions:
     speculation: str = "auto"  # the worker's --speculation (auto|off)
     draft_model: str | None = None  # the worker's --draft-model
     prompt_cache_gb: float = 2.0  # the worker's --prompt-cache-gb
+    prompt_cache_disk_gb: float | None = (
+        None  # the worker's --prompt-cache-disk-gb (None: its default)
+    )
+    memory_gb: float | None = None  # the worker's --memory-gb (None: its default)
     # The node's checks of each running worker, and the deadlines on every worker stream.
     health: HealthOptions = field(default_factory=HealthOptions)
     deadlines: StreamDeadlines = field(default_factory=StreamDeadlines)
@@ -158,6 +162,8 @@ class WorkerProcess:
             "--speculation", self.options.speculation,
             "--prompt-cache-gb", f"{self.options.prompt_cache_gb:g}",
             *(("--draft-model", self.options.draft_model) if self.options.draft_model else ()),
+            *_sized("--prompt-cache-disk-gb", self.options.prompt_cache_disk_gb),
+            *_sized("--memory-gb", self.options.memory_gb),
         ]  # fmt: skip
 
     def _env(self) -> dict[str, str]:
@@ -390,3 +396,8 @@ class WorkerSupervisor:
             if isinstance(speculation := data.get("speculation"), dict):
                 self.speculation[client.model_name] = speculation
         return total
+
+
+def _sized(flag: str, gb: float | None) -> tuple[str, ...]:
+    """``flag GB`` for the worker's command line, or nothing for the worker's own default."""
+    return () if gb is None else (flag, f"{gb:g}")

@@ -11,7 +11,9 @@ import typer
 from gateway.deadlines import FIRST_TOKEN_S, IDLE_S, StreamDeadlines
 from mesh.cli.app import HomeOption, app, err_console, fail, read_secret, resolve_home
 from mesh.cli.worker import (
+    DISK_CACHE_OPTION_HELP,
     DRAFT_MODEL_OPTION_HELP,
+    MEMORY_OPTION_HELP,
     PROMPT_CACHE_OPTION_HELP,
     SPECULATION_OPTION_HELP,
     check_worker_options,
@@ -149,6 +151,10 @@ def up_command(
     speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
     draft_model: str | None = typer.Option(None, "--draft-model", help=DRAFT_MODEL_OPTION_HELP),
     prompt_cache_gb: float = typer.Option(2.0, "--prompt-cache-gb", help=PROMPT_CACHE_OPTION_HELP),
+    prompt_cache_disk_gb: float | None = typer.Option(
+        None, "--prompt-cache-disk-gb", help=DISK_CACHE_OPTION_HELP
+    ),
+    memory_gb: float | None = typer.Option(None, "--memory-gb", help=MEMORY_OPTION_HELP),
     bridge_port: int | None = typer.Option(
         None,
         "--bridge-port",
@@ -215,7 +221,7 @@ def up_command(
         raise fail("--split takes the number of ranks, at least 2")
     if share_memory < 0:
         raise fail("--share-memory takes a size in GB")
-    check_worker_options(speculation, prompt_cache_gb)
+    check_worker_options(speculation, prompt_cache_gb, prompt_cache_disk_gb, memory_gb)
     over = tuple(n.strip() for n in split_over.split(",") if n.strip()) if split_over else ()
     if split_over is not None and not over:
         raise fail("--split-over takes node ids (or 'self'), separated by commas")
@@ -242,6 +248,8 @@ def up_command(
         speculation=speculation,
         draft_model=draft,
         prompt_cache_gb=prompt_cache_gb,
+        prompt_cache_disk_gb=prompt_cache_disk_gb,
+        memory_gb=memory_gb,
         health=health,
         deadlines=deadlines,
         gateway=GatewayConfig(

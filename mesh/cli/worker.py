@@ -22,12 +22,32 @@ DRAFT_MODEL_OPTION_HELP = (
 )
 
 
-def check_worker_options(speculation: str, prompt_cache_gb: float) -> None:
+DISK_CACHE_OPTION_HELP = (
+    "GB of prompt caches each worker keeps on disk across restarts, in <home>/cache/<model>/"
+    " (0: none) [default: a tenth of the free disk, 16 at most]."
+)
+MEMORY_OPTION_HELP = (
+    "GB of one memory budget per worker for running requests and prompt caches: past it a"
+    " request waits, or gets 429 + Retry-After (0: none) [default: 80% of memory less the"
+    " weights]."
+)
+
+
+def check_worker_options(
+    speculation: str,
+    prompt_cache_gb: float,
+    prompt_cache_disk_gb: float | None = None,
+    memory_gb: float | None = None,
+) -> None:
     """Refuse, in words, worker settings ``mesh up`` and ``mesh worker`` share."""
     if speculation not in ("auto", "off"):
         raise fail(f"--speculation is auto or off, not {speculation!r}")
     if prompt_cache_gb < 0:
         raise fail("--prompt-cache-gb takes a size in GB (0: no prompt cache)")
+    if prompt_cache_disk_gb is not None and prompt_cache_disk_gb < 0:
+        raise fail("--prompt-cache-disk-gb takes a size in GB (0: no disk tier)")
+    if memory_gb is not None and memory_gb < 0:
+        raise fail("--memory-gb takes a size in GB (0: no memory budget)")
 
 
 @app.command("worker")
@@ -40,12 +60,16 @@ def worker_command(
     speculation: str = typer.Option("auto", "--speculation", help=SPECULATION_OPTION_HELP),
     draft_model: str | None = typer.Option(None, "--draft-model", help=DRAFT_MODEL_OPTION_HELP),
     prompt_cache_gb: float = typer.Option(2.0, "--prompt-cache-gb", help=PROMPT_CACHE_OPTION_HELP),
+    prompt_cache_disk_gb: float | None = typer.Option(
+        None, "--prompt-cache-disk-gb", help=DISK_CACHE_OPTION_HELP
+    ),
+    memory_gb: float | None = typer.Option(None, "--memory-gb", help=MEMORY_OPTION_HELP),
 ) -> None:
     """Serve MODEL over HTTP (OpenAI chat completions, /v1/models, /health)."""
     from worker.engine.core import EngineError
     from worker.serve.main import exit_process, run
 
-    check_worker_options(speculation, prompt_cache_gb)
+    check_worker_options(speculation, prompt_cache_gb, prompt_cache_disk_gb, memory_gb)
     try:
         run(
             model,
@@ -56,6 +80,8 @@ def worker_command(
             speculation=speculation,
             draft_model=draft_model,
             prompt_cache_gb=prompt_cache_gb,
+            prompt_cache_disk_gb=prompt_cache_disk_gb,
+            memory_gb=memory_gb,
         )
     except KeyboardInterrupt:
         exit_process(0)
