@@ -431,7 +431,9 @@ async function createInvite() {
 // ---------------------------------------------------------------- members
 
 function renderMembers(tbody, members) {
-  tbody.innerHTML = members
+  // Only when it changed: every status push re-rendered it, and a Remove button replaced under
+  // the pointer swallowed the click.
+  const html = members
     .map((m) => {
       const link = m.self ? "this node" : m.connected ? "linked" : "–";
       const button = m.self
@@ -441,6 +443,9 @@ function renderMembers(tbody, members) {
         <td>${escapeHtml((m.addresses || []).join(", "))}</td><td>${link}</td><td>${button}</td></tr>`;
     })
     .join("");
+  if (tbody.dataset.rendered === html) return;
+  tbody.dataset.rendered = html;
+  tbody.innerHTML = html;
 }
 
 async function removeMember(nodeId) {

@@ -192,7 +192,12 @@ class PromptCacheStore:
         """Write every entry worth keeping that the disk tier lacks (at shutdown); how many."""
         if self.disk is None:
             return 0
-        return sum(self.disk.save(e.tokens, e.cache) for e in self._entries.values())
+        written = 0
+        for entry in self._entries.values():
+            self.disk.flush()  # one entry's copy in flight at a time, not the whole tier's
+            written += self.disk.save(entry.tokens, entry.cache)
+        self.disk.flush()
+        return written
 
     def _refresh_digest(self) -> None:
         # Most recently inserted first: they get the first share of the digest's bound. A

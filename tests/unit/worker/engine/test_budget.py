@@ -116,7 +116,9 @@ async def test_the_memory_tier_spills_to_disk_before_a_job_waits(
         assert engine.memory_budget["prompt_cache_bytes"] > 0  # type: ignore[index]
         done = await finish(engine, engine.submit(GenerationRequest(second, 8, GREEDY)))
         assert done.completion_tokens > 0
-        assert engine.prompt_cache_disk is not None and engine.prompt_cache_disk["writes"] == 1
+        disk = engine.prompt_cache_disk
+        assert disk is not None
+        await wait_until(lambda: engine.prompt_cache_disk["writes"] == 1)  # type: ignore[index]
         # The first conversation's prefix is on disk, and comes back from there.
         again = await finish(engine, engine.submit(GenerationRequest([*first, 7], 4, GREEDY)))
         assert again.cached_tokens >= len(first) - 1

@@ -42,6 +42,7 @@ def test_an_entry_survives_a_new_tier_and_loads_back_equal(tmp_path: Path) -> No
     tier = DiskTier(config(tmp_path))
     tokens, cache = list(range(40)), kv(40)
     assert tier.save(tokens, cache)
+    tier.flush()
     again = DiskTier(config(tmp_path))  # a restart: the index comes from the files
     entry, shared = again.best([*range(30), 99])
     assert entry is not None and shared == 30
@@ -70,6 +71,7 @@ def test_a_damaged_file_is_skipped_with_one_line_and_removed(
     tier = DiskTier(config(tmp_path))
     tokens = list(range(40))
     tier.save(tokens, kv(40))
+    tier.flush()
     data = tmp_path / f"{tokens_key(tokens)}.safetensors"
     raw = bytearray(data.read_bytes())
     if damage == "flip":
@@ -91,7 +93,9 @@ def test_another_format_another_model_and_a_cut_write_are_skipped_at_start(
     tier = DiskTier(config(tmp_path))
     first, second = list(range(40)), list(range(100, 140))
     tier.save(first, kv(40))
+    tier.flush()
     tier.save(second, kv(40, seed=1))
+    tier.flush()
     sidecar = tmp_path / f"{tokens_key(first)}.json"
     meta = json.loads(sidecar.read_text())
     sidecar.write_text(json.dumps(meta | {"format": 99}))
@@ -108,13 +112,16 @@ def test_another_format_another_model_and_a_cut_write_are_skipped_at_start(
 def test_the_bound_drops_the_least_recently_used_also_across_restarts(tmp_path: Path) -> None:
     tier = DiskTier(config(tmp_path))
     tier.save(list(range(40)), kv(40))
+    tier.flush()
     one = tier.nbytes
     tier.save(list(range(100, 140)), kv(40, seed=1))
+    tier.flush()
     first, _ = tier.best(list(range(41)))
     time.sleep(0.05)  # past the file system's clock granularity
     assert first is not None and tier.load(first) is not None  # used: now the most recent
     again = DiskTier(config(tmp_path, max_bytes=2 * one + one // 2))
     again.save(list(range(200, 240)), kv(40, seed=2))
+    again.flush()
     assert list(range(40)) in again and list(range(200, 240)) in again
     assert list(range(100, 140)) not in again
 
