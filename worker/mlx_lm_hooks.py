@@ -168,10 +168,6 @@ def write_index(cache: Any) -> int:
     return int(getattr(cache, "_idx", 0))
 
 
-def set_write_index(cache: Any, index: int) -> None:
-    cache._idx = index
-
-
 def set_window_lengths(cache: Any, lengths: Any) -> None:
     """A sliding window's row lengths, before its ``finalize`` rolls the rest into padding."""
     cache._lengths = lengths

@@ -29,6 +29,7 @@ class Parked:
 class Pending:
     tokens: list[int]
     cache: list[Any]
+    nbytes: int  # counted once, when held: the memory budget reads the total every loop
     created: float = field(default_factory=time.monotonic)
 
 
@@ -91,7 +92,7 @@ class Commits:
         return bool(parked)
 
     def hold(self, job_id: str, tokens: list[int], cache: list[Any]) -> None:
-        self.pending[job_id] = Pending(tokens, cache)
+        self.pending[job_id] = Pending(tokens, cache, cache_nbytes(cache))
 
     def land(self, job_id: str, before: Callable[[str], None] | None = None) -> None:
         """Commit a pending cache to the store (``before``: a test hook, called first)."""
@@ -117,7 +118,7 @@ class Commits:
     @property
     def pending_bytes(self) -> int:
         """What the finished jobs' caches waiting for their commit hold."""
-        return sum(cache_nbytes(p.cache) for p in self.pending.values())
+        return sum(p.nbytes for p in self.pending.values())
 
     def land_all(self) -> None:
         """Commit every pending cache (at shutdown: they go to disk with the rest)."""

@@ -112,6 +112,7 @@ class DiskTier:
         self.block_size = block_size
         self.stats = DiskStats()
         self._entries: dict[str, DiskEntry] = {}
+        self._nbytes = 0  # the entries' bytes, kept as they come and go (/health reads it)
         self._last_hot_write = 0.0
         self._written: set[str] = set()
         self._queued: set[str] = set()  # keys on their way to disk
@@ -126,7 +127,7 @@ class DiskTier:
         for sidecar in sorted(self.root.glob("*.json")):
             entry = self._read_sidecar(sidecar)
             if entry is not None:
-                self._entries[entry.key] = entry
+                self._add(entry)
         for data in self.root.glob("*.safetensors"):
             if data.stem not in self._entries:  # written, never described: a write cut short
                 self._skip(data.stem, "no description (a write cut short)")
@@ -169,15 +170,20 @@ class DiskTier:
     def _sidecar(self, key: str) -> Path:
         return self.root / f"{key}.json"
 
+    def _add(self, entry: DiskEntry) -> None:
+        self._entries[entry.key] = entry
+        self._nbytes += entry.nbytes
+
     def _remove(self, key: str) -> None:
-        self._entries.pop(key, None)
+        if (entry := self._entries.pop(key, None)) is not None:
+            self._nbytes -= entry.nbytes
         for path in (self._sidecar(key), self._data(key)):
             with contextlib.suppress(OSError):
                 path.unlink()
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -195,8 +201,8 @@ class DiskTier:
     # ---- writes ------------------------------------------------------------------------------
 
     def worth_keeping(self, tokens: Sequence[int], cache: list[Any]) -> bool:
-        """Long enough to be worth a file, not on disk yet, and plain KV layers (mlx-lm's file
-        format keeps a sliding window's arrays but not its position: such models keep their
+        """Long enough to be worth a file, not on disk yet, and plain KV layers (a file holds
+        each layer's keys and values, not a sliding window's position: such models keep their
         caches in memory only)."""
         from mlx_lm.models.cache import KVCache
 
@@ -213,17 +219,16 @@ class DiskTier:
             self._remove(key)
         self._written.clear()
 
-    def hot_write_due(self, now: float | None = None) -> bool:
-        """Whether a hot (still in memory) entry may be written now: one every
-        ``hot_interval_s``, so a busy node does not spend its owner thread writing."""
-        now = time.monotonic() if now is None else now
-        return now - self._last_hot_write >= self.config.hot_interval_s
-
     def save(self, tokens: Sequence[int], cache: list[Any], *, hot: bool = False) -> bool:
         """Queue ``cache`` (holding exactly ``tokens``) for the writer; whether it was queued.
-        The arrays are copied out here (on the owner thread), cut to the tokens they hold."""
+        The arrays are copied out here (on the owner thread), cut to the tokens they hold. A
+        ``hot`` entry (still in memory) goes at most once every ``hot_interval_s``: its copy
+        and its write are not free, and an evicted one will follow anyway."""
+        import mlx.core as mx
         import numpy as np
 
+        if hot and time.monotonic() - self._last_hot_write < self.config.hot_interval_s:
+            return False
         self._collect()
         if not self.worth_keeping(tokens, cache):
             return False
@@ -239,7 +244,7 @@ class DiskTier:
                 held = array[..., : layer.offset, :]
                 dtype = str(held.dtype).removeprefix("mlx.core.")
                 if dtype == "bfloat16":  # numpy has none: its bits travel as uint16
-                    held = held.view(_uint16())
+                    held = held.view(mx.uint16)
                 tensors[f"{i}.{name}"] = np.array(held)
         key = tokens_key(tokens)
         self._queued.add(key)
@@ -312,7 +317,7 @@ class DiskTier:
                 log.warning("prompt cache on disk: could not write %s: %s", key, why)
                 continue
             entry.chain = block_hashes(entry.tokens, self.block_size)
-            self._entries[key] = entry
+            self._add(entry)
             self._written.add(key)
             self._bound()
 
@@ -382,9 +387,3 @@ class DiskTier:
             "dropped": self.stats.dropped,
             "writing": len(self._queued),
         }
-
-
-def _uint16() -> Any:
-    import mlx.core as mx
-
-    return mx.uint16

@@ -84,6 +84,8 @@ class PromptCacheStore:
     stats: PromptCacheStats = field(default_factory=PromptCacheStats)
     _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
     _next_key: int = 0
+    # The entries' bytes, kept as they come and go: the memory budget reads it every loop.
+    _nbytes: int = 0
     # What the store holds, for routing by prefix (worker/prompt_cache/digest.py). Rebuilt on the
     # owner thread after every change and swapped in whole, so other threads read it safely.
     digest: CacheDigest = field(default_factory=CacheDigest)
@@ -96,7 +98,7 @@ class PromptCacheStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -112,12 +114,15 @@ class PromptCacheStore:
             return 0
         return shared
 
-    def best_prefix(self, prompt: Sequence[int]) -> int:
-        """How many prompt tokens a lookup would serve from the cache (no copy, no LRU touch)."""
-        in_memory = max(
+    def _best_in_memory(self, prompt: Sequence[int]) -> int:
+        return max(
             (self.usable_prefix(e.tokens, prompt, e.trimmable) for e in self._entries.values()),
             default=0,
         )
+
+    def best_prefix(self, prompt: Sequence[int]) -> int:
+        """How many prompt tokens a lookup would serve from the cache (no copy, no LRU touch)."""
+        in_memory = self._best_in_memory(prompt)
         if self.disk is None:
             return in_memory
         return max(in_memory, self.disk.best(prompt)[1])
@@ -128,11 +133,7 @@ class PromptCacheStore:
         entry, on_disk = self.disk.best(prompt)
         if entry is None:
             return
-        in_memory = max(
-            (self.usable_prefix(e.tokens, prompt, e.trimmable) for e in self._entries.values()),
-            default=0,
-        )
-        if on_disk < in_memory + DISK_GAIN_TOKENS:
+        if on_disk < self._best_in_memory(prompt) + DISK_GAIN_TOKENS:
             return
         cache = self.disk.load(entry)
         if cache is not None:
@@ -176,15 +177,15 @@ class PromptCacheStore:
             covered = common_prefix(entry.tokens, key_tokens) == len(entry.tokens)
             if covered and (trimmable or entry.tokens == key_tokens):
                 del self._entries[key]
+                self._nbytes -= entry.nbytes
         chain = block_hashes(key_tokens, self.digest_block_size)
         entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable, chain)
         self._entries[self._next_key] = entry
+        self._nbytes += entry.nbytes
         self._next_key += 1
         self.stats.inserts += 1
-        disk = self.disk
-        if disk is not None and not from_disk and disk.worth_keeping(key_tokens, cache):
-            if disk.hot_write_due():
-                disk.save(key_tokens, cache, hot=True)
+        if self.disk is not None and not from_disk:
+            self.disk.save(key_tokens, cache, hot=True)
         self._evict()
         self._refresh_digest()
 
@@ -212,28 +213,31 @@ class PromptCacheStore:
         when there is one, else dropped (the memory budget makes room so); bytes freed."""
         freed = 0
         while self._entries and freed < nbytes:
-            _, dropped = self._entries.popitem(last=False)
-            freed += dropped.nbytes
-            self.stats.evictions += 1
-            if self.disk is not None:
-                self.disk.save(dropped.tokens, dropped.cache)
+            freed += self._evict_oldest()
         if freed:
             self._refresh_digest()
         return freed
 
     def _evict(self) -> None:
-        total = self.nbytes
-        while self._entries and (total > self.max_bytes or len(self._entries) > self.max_entries):
-            _, dropped = self._entries.popitem(last=False)
-            total -= dropped.nbytes
-            self.stats.evictions += 1
-            if self.disk is not None:
-                self.disk.save(dropped.tokens, dropped.cache)
+        while self._entries and (
+            self._nbytes > self.max_bytes or len(self._entries) > self.max_entries
+        ):
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> int:
+        """Drop the least recently used entry (to the disk tier when there is one); its bytes."""
+        _, dropped = self._entries.popitem(last=False)
+        self._nbytes -= dropped.nbytes
+        self.stats.evictions += 1
+        if self.disk is not None:
+            self.disk.save(dropped.tokens, dropped.cache)
+        return dropped.nbytes
 
     def clear(self, *, forget_written: bool = False) -> None:
         """Forget every entry in memory; ``forget_written``: also what this process wrote to
         disk (the start-up warm-up's prompts are no user's)."""
         self._entries.clear()
+        self._nbytes = 0
         if self.disk is not None and forget_written:
             self.disk.forget_written()
         self._refresh_digest()

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.mlx_lm_hooks import original_merge_caches, wrap_merge_caches, write_index
+from worker.mlx_lm_hooks import wrap_merge_caches, write_index
 
 NEW = -1  # Step.source: start from a fresh cache
 KEEP = -2  # Step.source: run on the cache as it is (trimmed to the offset)
@@ -360,11 +360,6 @@ def record_batches() -> None:
         return recorded
 
     wrap_merge_caches(recording)
-
-
-def original_merge() -> Callable[[list[list[Any]]], list[Any]]:
-    """mlx-lm's own ``_merge_caches`` (a follower in rank 0's process must not record)."""
-    return original_merge_caches()
 
 
 def _ledger_of(caches: list[list[Any]]) -> CacheLedger | None:

@@ -11,6 +11,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from worker.mlx_lm_hooks import original_merge_caches
 from worker.split.cache import (
     COPY,
     EXTEND,
@@ -26,7 +27,6 @@ from worker.split.cache import (
     Step,
     batch_columns,
     batch_rows,
-    original_merge,
 )
 
 
@@ -76,7 +76,7 @@ class FollowerCaches:
         rows = ops[at]
         pairs = ops[at + 1 : at + 1 + 2 * rows]
         sources = [self._view(pairs[2 * r], pairs[2 * r + 1]) for r in range(rows)]
-        self._batches[batch_id] = original_merge()(sources)
+        self._batches[batch_id] = original_merge_caches()(sources)
         return at + 1 + 2 * rows
 
     def _copy(self, batch_id: int, ops: tuple[int, ...], at: int) -> int:
