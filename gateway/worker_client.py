@@ -378,6 +378,30 @@ class WorkerClient(Upstream):
             return None
         return data if isinstance(data, dict) and isinstance(data.get("hashes"), list) else None
 
+    async def prefix_held(
+        self, block_size: int, hashes: list[int], timeout_s: float = 1.0
+    ) -> dict[str, Any] | None:
+        """How much of a prompt (its block hashes) the worker's prompt cache holds now or is
+        about to (a pending commit), with its load: ``held_tokens``, ``queue_depth``,
+        ``in_flight``, ``prefill_backlog``, ``prefill_tok_s``; None when it does not answer in time."""
+        body = {"block_size": block_size, "hashes": hashes}
+        try:
+            response = await self._client.post(f"{self.base_url}/v1/prompt_cache/held", json=body, timeout=timeout_s)  # fmt: skip
+            if response.status_code != 200:
+                return None
+            data = response.json()
+            held = max(int(data["cached_tokens"]), int(data["pending_tokens"]))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        rate = data.get("prefill_tok_s")
+        return {
+            "held_tokens": held,
+            "queue_depth": data.get("queue_depth"),
+            "in_flight": data.get("in_flight"),
+            "prefill_backlog": data.get("prefill_backlog"),
+            "prefill_tok_s": rate,
+        }
+
     async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """The worker's ``/health`` body, or None when it does not answer 200 with JSON within
         ``timeout_s`` (a stopped worker accepts the connection and never answers)."""

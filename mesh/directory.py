@@ -20,7 +20,7 @@ from typing import Any
 from gateway.request import ChatRequest
 from gateway.upstream import ModelDirectory, ModelInfo, Route, Upstream
 from mesh.peers import PeerTable
-from mesh.routing.planner import RoutePlanner, RoutingConfig
+from mesh.routing.planner import AskHeld, RoutePlanner, RoutingConfig
 
 MAX_PEER_ROUTES = 3
 
@@ -36,11 +36,18 @@ class MeshDirectory:
     clock: Callable[[], float] = time.monotonic  # the peer table's clock
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     local_load: Callable[[], dict[str, Any]] = dict  # the load probe's last answer (digests)
+    ask_held: AskHeld | None = None  # a peer's answer to "how much of this prompt do you hold?"
     planner: RoutePlanner = field(init=False)
 
     def __post_init__(self) -> None:
         self.planner = RoutePlanner(
-            self.local, self.peers, self.upstream_for, self.local_load, self.routing, self.clock
+            self.local,
+            self.peers,
+            self.upstream_for,
+            self.local_load,
+            self.routing,
+            self.clock,
+            ask_held=self.ask_held,
         )
 
     def models(self) -> list[ModelInfo]:

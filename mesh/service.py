@@ -48,6 +48,7 @@ from mesh.membership.members import MeshCredentials, load_credentials
 from mesh.peer_upstream import PeerUpstream
 from mesh.peers import PeerTable
 from mesh.roster import RemovalReport, Roster, decode_join_token
+from mesh.routing import held
 from mesh.routing.planner import RoutingConfig
 from mesh.split.coordinator import SplitMesh
 from mesh.split.orders import SPLIT_RANK_PATH
@@ -116,10 +117,12 @@ class MeshService:
             self._peer_upstream,
             routing=self.config.routing,
             local_load=lambda: self.gossip.load,
+            ask_held=self._ask_held,
         )
         self.tunnel_server = TunnelServer(
             local, responses, retry_backoff_s=self.config.retry_backoff_s
         )
+        self.tunnel_server.handlers[held.HELD_PATH] = lambda stream, _peer: held.serve(stream, local)  # fmt: skip
         self.endpoint = TunnelEndpoint(
             identity, self.config.host, self.config.port, config=self.config.tunnel
         )
@@ -386,6 +389,14 @@ class MeshService:
             on_begin=self.peers.begin_request,
             on_end=self.peers.end_request,
         )
+
+    async def _ask_held(
+        self, node_id: str, model: str, block_size: int, hashes: list[int], timeout_s: float
+    ) -> held.Held | None:
+        conn = self.links.get(node_id)
+        if conn is None or conn.is_closed:
+            return None
+        return await held.ask(conn, model, block_size, hashes, timeout_s)
 
     # ------------------------------------------------------------------ background loops
 

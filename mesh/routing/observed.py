@@ -38,6 +38,7 @@ class Observed:
     hedges: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     hedges_running: int = 0
     requests: int = 0
+    held_questions: int = 0  # continuing turns that asked the nodes what they hold now
 
     def on_ttft(self, node_id: str, seconds: float) -> None:
         self.ttft.setdefault(node_id, deque(maxlen=self.window)).append(seconds)
@@ -98,6 +99,7 @@ class Observed:
     def snapshot(self) -> dict:
         return {
             "requests": self.requests,
+            "held_questions": self.held_questions,
             "hedges": dict(self.hedges),
             "ttft_ms": {n: round(1000 * (self.ttft_s(n) or 0.0), 1) for n in self.ttft},
         }

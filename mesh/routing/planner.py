@@ -14,20 +14,28 @@ model has no tokenizer for it and ranks by load, RTT and session only: a text di
 say how many tokens a prefix is, nor match the template's rendering, and forwarding the
 tokenization to a peer costs a round trip on every request (see notes-routing.md).
 
-A request without a session key gets one from its conversation (:func:`conversation_key`: its
-first user message), so that every entry node breaks a tie for the same conversation the same
-way. Without it a tie went to whichever node the turn entered, and a conversation entering at
-random nodes left its turns' caches on all of them, none holding the latest: the gossiped
-digest arrives up to one interval (2 s) after a turn, later than an agent's next turn.
+A request without a session key gets one from its conversation (:func:`conversation_key`), so
+that every entry node breaks a tie for the same conversation the same way. Without it a tie went
+to whichever node the turn entered, and a conversation entering at random nodes left its turns'
+caches on all of them, none holding the latest.
+
+What gossip says of a cache is up to one interval (2 s) old, older than an agent's next turn,
+and an answer goes out before its cache is committed. So a turn that continues a conversation
+(it carries an earlier answer) first asks every node serving the model how much of its prompt
+it holds now, a pending commit included (:mod:`mesh.routing.held`: one stream each, all at
+once, ``held_question_s`` at most); an answer counts as fresh, silence leaves gossip's word.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +43,7 @@ from gateway.hedge import HedgedUpstream
 from gateway.request import ChatRequest, Message
 from gateway.upstream import ModelDirectory, Route, Upstream
 from mesh.peers import PeerTable
+from mesh.routing.held import Held
 from mesh.routing.observed import Observed, TrackedUpstream
 from mesh.routing.score import Candidate, Choice, Policy, rank
 from worker.prompt_cache.digest import CacheDigest
@@ -53,6 +62,11 @@ class RoutingConfig:
     max_hedges: int = 2
     max_routes: int = 3
     policy: Policy = field(default_factory=Policy)
+    held_question_s: float = 0.25  # the deadline of the routing-time question (0: never ask)
+
+
+# (node id, model, block size, block hashes, deadline s) -> what it holds now, or None
+AskHeld = Callable[[str, str, int, list[int], float], Awaitable[Held | None]]
 
 
 @dataclass
@@ -71,6 +85,7 @@ class RoutePlanner:
     config: RoutingConfig = field(default_factory=RoutingConfig)
     clock: Callable[[], float] = time.monotonic
     observed: Observed = field(default_factory=Observed)
+    ask_held: AskHeld | None = None  # a peer's answer to the routing-time question
     _turns: itertools.count = field(default_factory=itertools.count, repr=False)
     _parsed: tuple[str, CacheDigest | None] = field(default=("", None), repr=False)
 
@@ -97,8 +112,10 @@ class RoutePlanner:
             order = nodes[shift:] + nodes[:shift]
             return self._build([Choice(n, 0.0, 0, "round-robin") for n in order], local)
         prompt = await self._prompt(request, local)
+        held = await self._held_now(request, nodes, prompt, local)
         now = self.clock()
-        candidates = [self._candidate(n, model, prompt, now, key) for n in nodes]
+        candidates = [self._candidate(n, model, prompt, now, key, held.get(n)) for n in nodes]
+        candidates = _with_known_rate(candidates)
         ranked = rank(
             candidates,
             prompt_tokens=prompt.tokens,
@@ -128,36 +145,73 @@ class RoutePlanner:
             int(blocks.get("block_size", 64)),
         )
 
+    async def _held_now(
+        self, request: ChatRequest, nodes: list[str], prompt: _Prompt, local: list[Route]
+    ) -> dict[str, Held]:
+        """What each node says it holds of the prompt now, for a turn that continues a
+        conversation; nodes that cannot say within the deadline are left out."""
+        deadline = self.config.held_question_s
+        if deadline <= 0 or not prompt.hashes or not continues(request.messages):
+            return {}
+        model, size, hashes = request.model, prompt.block_size, prompt.hashes
+
+        async def one(node_id: str) -> Held | None:
+            if node_id == self.self_id:
+                ask = getattr(local[0].upstream, "prefix_held", None)
+                return None if ask is None else Held.parse(await ask(size, hashes, deadline))
+            if self.ask_held is None:
+                return None
+            return await self.ask_held(node_id, model, size, hashes, deadline)
+
+        async def bounded(node_id: str) -> Held | None:
+            try:
+                async with asyncio.timeout(deadline):
+                    return await one(node_id)
+            except TimeoutError:
+                return None
+
+        answers = await asyncio.gather(*(bounded(n) for n in nodes))
+        self.observed.held_questions += 1
+        return {n: a for n, a in zip(nodes, answers, strict=True) if a is not None}
+
     def _candidate(
-        self, node_id: str, model: str, prompt: _Prompt, now: float, session: str | None
+        self,
+        node_id: str,
+        model: str,
+        prompt: _Prompt,
+        now: float,
+        session: str | None,
+        held: Held | None = None,
     ) -> Candidate:
         routed = self.observed.routed_cached(node_id, prompt.hashes, prompt.block_size, now, session)  # fmt: skip
         running = self.observed.running[node_id]
         if node_id == self.self_id:
             load = self.local_load()
-            cached = _lookup(self._local_digest(load.get("cache", {}).get(model)), prompt)
-            return Candidate(
+            digest = self._local_digest(load.get("cache", {}).get(model))
+            candidate = Candidate(
                 node_id,
-                cached_tokens=max(cached, routed),
+                cached_tokens=max(_lookup(digest, prompt), routed),
                 digest_at=now,
                 queue_depth=int(load.get("queue_depth", 0)),
                 running=max(running, int(load.get("in_flight", 0))),
                 load_at=load.get("probed_at"),
                 ttft_s=self.observed.ttft_s(node_id),
             )
-        record = self.peers.peers[node_id]
-        cached = _lookup(record.digest(model), prompt)
-        return Candidate(
-            node_id,
-            cached_tokens=max(cached, routed),
-            # What we routed there ourselves is known now; the digest is as old as the state.
-            digest_at=now if routed >= cached else record.last_seen,
-            queue_depth=record.state.queue_depth,
-            running=max(record.outstanding, record.state.in_flight),
-            load_at=record.last_seen,
-            ttft_s=self.observed.ttft_s(node_id),
-            rtt_s=record.rtt_s,
-        )
+        else:
+            record = self.peers.peers[node_id]
+            cached = _lookup(record.digest(model), prompt)
+            candidate = Candidate(
+                node_id,
+                cached_tokens=max(cached, routed),
+                # What we routed there ourselves is known now; the digest is as old as the state.
+                digest_at=now if routed >= cached else record.last_seen,
+                queue_depth=record.state.queue_depth,
+                running=max(record.outstanding, record.state.in_flight),
+                load_at=record.last_seen,
+                ttft_s=self.observed.ttft_s(node_id),
+                rtt_s=record.rtt_s,
+            )
+        return candidate if held is None else _heard_now(candidate, held, routed, running, now)
 
     def _local_digest(self, wire: Any) -> CacheDigest | None:
         if not isinstance(wire, str):
@@ -219,14 +273,51 @@ class RoutePlanner:
         return {"mode": self.config.mode, "hedge": self.config.hedge} | self.observed.snapshot()
 
 
+def _heard_now(candidate: Candidate, held: Held, routed: int, running: int, now: float) -> Candidate:  # fmt: skip
+    """A candidate as the node's answer to the routing-time question says it is now: what it
+    holds (a pending commit counted), its queue and its prefill rate; gossip's are older."""
+    changes: dict[str, Any] = {"cached_tokens": max(held.tokens, routed), "digest_at": now}
+    if held.queue_depth is not None:
+        changes.update(queue_depth=held.queue_depth, load_at=now)
+    if held.in_flight is not None:
+        changes["running"] = max(running, held.in_flight)
+    if held.prefill_tok_s is not None:
+        changes["prefill_tok_s"] = held.prefill_tok_s
+    if held.prefill_backlog is not None:
+        changes["backlog_tokens"] = held.prefill_backlog
+    return dataclasses.replace(candidate, **changes)
+
+
+def _with_known_rate(candidates: list[Candidate]) -> list[Candidate]:
+    """Nodes that did not say their prefill rate get the median of those that did (the same
+    model, machines of a home mesh): a guess closer than the policy's fixed one, and the same
+    for every node that did not say, so the comparison stays fair."""
+    rates = [c.prefill_tok_s for c in candidates if c.prefill_tok_s is not None]
+    if not rates or len(rates) == len(candidates):
+        return candidates
+    rate = statistics.median(rates)
+    return [c if c.prefill_tok_s is not None else dataclasses.replace(c, prefill_tok_s=rate) for c in candidates]  # fmt: skip
+
+
+def continues(messages: list[Message]) -> bool:
+    """Whether a request continues a conversation: it carries an earlier answer."""
+    return any(m.role in ("assistant", "tool") for m in messages)
+
+
 def conversation_key(messages: list[Message]) -> str | None:
-    """A stand-in session key: the hash of the first user message, which every turn of a
-    conversation repeats (its system prompt is usually shared by every conversation of the same
-    agent, so it says nothing). Conversations that open alike share a key, and their prefix."""
-    first = next((m.content for m in messages if m.role == "user" and m.content), None)
-    if first is None:
-        return None
-    return "conversation:" + hashlib.sha256(first[:8192].encode()).hexdigest()[:16]
+    """A stand-in session key, the same on every turn of a conversation: the hash of what comes
+    before and in its first user message (the system prompt alone is usually shared by every
+    conversation of an agent). Conversations that open alike still share it – and their first
+    turn's prompt, so one node serving them all is what their caches want; a continuing turn is
+    routed by what the nodes say they hold (:meth:`RoutePlanner._held_now`), the key only breaks
+    ties among equals."""
+    opening = hashlib.sha256()
+    for message in messages:
+        content = message.content if isinstance(message.content, str) else str(message.content)
+        opening.update(f"{message.role}\x00{content[:8192]}\x00".encode())
+        if message.role == "user" and message.content:
+            return "conversation:" + opening.hexdigest()[:16]
+    return None
 
 
 def _headers(route: Route) -> dict[str, str]:

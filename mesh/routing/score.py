@@ -15,12 +15,17 @@ prefill runs before the batch's next decode step, so the rows decoding delay it 
 step, which grows only slowly with the batch – each counts ``running_share`` of a request.
 
 ``uncached_tokens`` is the prompt less the prefix the node's cache digest holds (a digest older
-than ``digest_ttl_s`` counts for nothing: the cache may have moved on); ``per_request_s`` is the
-node's recent TTFT as this node saw it (else ``default_request_s``). Candidates within
+than ``digest_ttl_s`` counts for nothing: the cache may have moved on); ``prefill_tok_s`` is the
+node's measured prefill rate when it told us (its answer to the routing-time question), else a
+mesh-wide guess; ``per_request_s`` is the node's recent TTFT as this node saw it (else
+``default_request_s``). Candidates within
 ``tie_s`` (or ``tie_ratio`` of the best cost) of the best tie; a session's rendezvous hash breaks
 the tie (``sticky``), else a round-robin turn (``spread``), so new sessions and session-less
-requests spread over idle nodes (but ``prefer``, this node, wins a tie no session decides). The first choice carries its reason: ``cache 18432/20100``
-(its cache decided), ``load`` (another node had more cached but was busier or farther),
+requests spread over idle nodes (but ``prefer``, this node, wins a tie no session decides); among
+tied nodes those holding the most of the prompt come first. The first choice carries its reason,
+whose first word says what decided: ``cache 18432/20100 (0.31s <= 2.10s elsewhere)`` (its cache
+decided: its wait and the prefill of what it lacks beat the best node elsewhere), ``load (b1c2d3e4
+holds 18432/20100 but 3.20s > 2.10s)`` (another node had more cached but was busier or farther),
 ``sticky``, ``local``, ``spread`` or ``only``.
 """
 
@@ -55,6 +60,10 @@ class Candidate:
     load_at: float | None = None  # when queue_depth was measured (None: now)
     ttft_s: float | None = None
     rtt_s: float | None = None
+    prefill_tok_s: float | None = None  # its worker's measured rate (None: the policy's guess)
+    backlog_tokens: int | None = (
+        None  # prompt tokens its queue has to prefill first (None: unknown)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +90,16 @@ def usable_cached(candidate: Candidate, prompt_tokens: int, now: float, policy: 
 def cost(candidate: Candidate, prompt_tokens: int, now: float, policy: Policy) -> float:
     uncached = prompt_tokens - usable_cached(candidate, prompt_tokens, now, policy)
     per_request = candidate.ttft_s if candidate.ttft_s is not None else policy.default_request_s
-    batches = float(math.ceil(candidate.queue_depth / max(1, policy.prefill_batch)))
-    if candidate.load_at is not None and per_request > 0:
-        batches = max(0.0, batches - max(0.0, now - candidate.load_at) / per_request)
-    wait = (batches + policy.running_share * candidate.running) * per_request
-    return uncached / policy.prefill_tok_s + wait + (candidate.rtt_s or 0.0)
+    rate = candidate.prefill_tok_s or policy.prefill_tok_s
+    if candidate.backlog_tokens is not None:  # the queue's work, as the node measured it now
+        wait = candidate.backlog_tokens / rate
+    else:
+        batches = float(math.ceil(candidate.queue_depth / max(1, policy.prefill_batch)))
+        if candidate.load_at is not None and per_request > 0:
+            batches = max(0.0, batches - max(0.0, now - candidate.load_at) / per_request)
+        wait = batches * per_request
+    wait += policy.running_share * candidate.running * per_request
+    return uncached / rate + wait + (candidate.rtt_s or 0.0)
 
 
 def rank(
@@ -117,6 +131,12 @@ def rank(
     margin = max(policy.tie_s, policy.tie_ratio * best)
     tied = [s for s in scored if s.cost_s - best <= margin]
     rest = scored[len(tied) :]
+    # A tie goes to the nodes holding the most of the prompt first: a few blocks cached are
+    # worth less than the tie's margin, but they are the conversation's, and its next turn
+    # finds more there.
+    most = max(s.cached_tokens for s in tied)
+    rest = [s for s in tied if s.cached_tokens < most] + rest
+    tied = [s for s in tied if s.cached_tokens == most]
     if session_key:
         tied.sort(key=lambda s: -affinity(session_key, s.node_id))
         breaker = "sticky"
@@ -135,11 +155,19 @@ def rank(
 
 
 def _reason(first: Choice, others: list[Choice], tie: bool, breaker: str, prompt: int) -> str:
+    """The first word says what decided (the lab counts it); a cache or load decision says the
+    rule's numbers: a cache target wins only when its wait and the prefill of what it lacks cost
+    less than the best node without its cache (estimated seconds to the first token)."""
     if not others:
         return "only"
-    most_elsewhere = max(o.cached_tokens for o in others)
-    if first.cached_tokens > most_elsewhere:
-        return f"cache {first.cached_tokens}/{prompt}"
-    if most_elsewhere > first.cached_tokens:
-        return "load"
+    holder = max(others, key=lambda o: (o.cached_tokens, -o.cost_s))
+    if first.cached_tokens > holder.cached_tokens:
+        elsewhere = min(o.cost_s for o in others)
+        than = "<=" if first.cost_s <= elsewhere else "~"  # "~": a tie the cache decided
+        return f"cache {first.cached_tokens}/{prompt} ({first.cost_s:.2f}s {than} {elsewhere:.2f}s elsewhere)"  # fmt: skip
+    if holder.cached_tokens > first.cached_tokens:
+        return (
+            f"load ({holder.node_id[:8]} holds {holder.cached_tokens}/{prompt} but"
+            f" {holder.cost_s:.2f}s > {first.cost_s:.2f}s)"
+        )
     return breaker if tie else "load"

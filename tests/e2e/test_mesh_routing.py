@@ -93,7 +93,7 @@ async def test_the_request_goes_where_its_prefix_is_cached_and_says_why(mesh):
     assert _text(events) == "from b" and isinstance(events[-1], Done)
     meta = route_meta(events)
     assert meta["x-peer"] == b.node_id
-    assert meta["x-mesh-route-reason"] == "cache 1856/2000"
+    assert meta["x-mesh-route-reason"].startswith("cache 1856/2000 (")
     assert c_worker.calls == 0
 
 
@@ -113,7 +113,49 @@ async def test_a_stalled_first_token_is_hedged_and_the_stalled_peer_stops(mesh):
     events = await _ask(entry)
     meta = route_meta(events)
     assert meta["x-mesh-hedge"] == "won"
-    assert meta["x-mesh-route-reason"] == "cache 1856/2000"  # the first choice, hedged
+    assert meta["x-mesh-route-reason"].startswith("cache 1856/2000 (")  # the first choice, hedged
     assert _text(events) in ("from a", "from c")  # the next-best node answered
     await wait_until(lambda: b_worker.cancelled == 1, limit_s=10)  # nothing decodes for nobody
     assert entry.directory.planner.observed.hedges["won"] == 1
+
+
+@dataclass
+class HoldingUpstream(ScriptedUpstream):
+    """A worker that says, when asked, that it holds the prompt now (its commit not yet in any
+    gossiped digest): the routing-time question over the tunnel must find it."""
+
+    held: int = 0
+    questions: int = 0
+
+    async def prefix_held(self, block_size, hashes, timeout_s):
+        self.questions += 1
+        assert hashes == block_hashes(PROMPT)
+        return {"held_tokens": self.held, "queue_depth": 0, "in_flight": 0, "prefill_backlog": 0,
+                "prefill_tok_s": 500.0}  # fmt: skip
+
+
+async def test_the_next_turn_asks_the_peers_and_goes_where_the_prompt_is_held_now(mesh):
+    entry = await mesh("a", TokenizingUpstream(scripts=[text_script("from a")], name="local"))
+    b_worker = HoldingUpstream(scripts=[text_script("from b")], name="local")
+    c_worker = HoldingUpstream(scripts=[text_script("from c")], name="local", held=1920)
+    b = await mesh("b", b_worker, join=entry.create_invite(60).encode())
+    c = await mesh("c", c_worker, join=entry.create_invite(60).encode())
+    await wait_until(lambda: {b.node_id, c.node_id} <= entry.peers.peers.keys(), limit_s=20)
+    digests = [CacheDigest.from_wire(r.state.cache.get("tiny", "64:")) for r in entry.peers.peers.values()]  # fmt: skip
+    assert not any(d.hashes for d in digests)  # gossip says nothing is cached anywhere
+    follow_up = ChatRequest(
+        model="tiny",
+        messages=[
+            *REQUEST.messages,
+            Message(role="assistant", content="hello"),
+            Message(role="user", content="more"),
+        ],
+    )
+    router = Router(entry.directory, retry_backoff_s=0.05)
+    events = [e async for e in router.stream(follow_up, await router.aresolve(follow_up))]
+    assert _text(events) == "from c"
+    meta = route_meta(events)
+    assert meta["x-peer"] == c.node_id
+    assert meta["x-mesh-route-reason"].startswith("cache 1920/2000 (")
+    assert b_worker.questions == c_worker.questions == 1  # over QUIC, one question each
+    assert entry.directory.planner.observed.held_questions == 1

@@ -1,4 +1,5 @@
-"""``POST /v1/prompt_blocks``: a chat request's prompt as cache-digest block hashes.
+"""``POST /v1/prompt_blocks``: a chat request's prompt as cache-digest block hashes, and
+``POST /v1/prompt_cache/held``: how much of such a prompt this worker holds now.
 
 The entry node of a mesh asks its own worker for these (it has the model's tokenizer and chat
 template) and looks them up in every node's :class:`~worker.prompt_cache.digest.CacheDigest` to route
@@ -62,4 +63,40 @@ async def prompt_blocks(request: Request) -> Response:
         return _bad(f"the chat template rejected the messages: {exc}")
     size = engine.cache_digest.block_size
     out = {"block_size": size, "prompt_tokens": len(tokens), "hashes": block_hashes(tokens, size)}
+    return Response(orjson.dumps(out), media_type="application/json")
+
+
+MAX_HELD_HASHES = 16384  # a 1M-token prompt in blocks of 64: anything longer is no prompt of ours
+
+
+async def prompt_cache_held(request: Request) -> Response:
+    """``{"block_size", "cached_tokens", "pending_tokens", "queue_depth", "in_flight",
+    "prefill_backlog", "prefill_tok_s"}`` for ``{"block_size", "hashes"}``: the prefix the prompt cache holds now,
+    the one a pending commit (an answer sent, its cache not yet stored) holds, and the load and
+    prefill rate to weigh them by. A mesh asks it while routing a conversation's next turn, when
+    what it heard by gossip may be older than the turn before; it answers from the digest and
+    counters, not the engine's thread, so a busy engine answers at once. Another block size:
+    nothing held."""
+    engine = request.app.state.engine
+    try:
+        body = orjson.loads(await request.body())
+        size, hashes = int(body["block_size"]), body["hashes"]
+        if not isinstance(hashes, list) or len(hashes) > MAX_HELD_HASHES:
+            raise ValueError("hashes")
+        hashes = [int(h) for h in hashes]
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        return _bad(f"not a prefix question: {exc}")
+    cached = pending = 0
+    if size == engine.cache_digest.block_size:
+        cached, pending = engine.prefix_held(hashes)
+    stats = engine.stats
+    out = {
+        "block_size": size,
+        "cached_tokens": cached,
+        "pending_tokens": pending,
+        "queue_depth": stats.queue_depth,
+        "in_flight": stats.in_flight,
+        "prefill_backlog": engine.prefill_backlog if stats.queue_depth else 0,
+        "prefill_tok_s": engine.prefill_tokens_per_second(),
+    }
     return Response(orjson.dumps(out), media_type="application/json")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.types import EngineConfig, EngineStats, Job
+from worker.prompt_cache.digest import block_hashes
 from worker.prompt_cache.store import PromptCacheStore, cache_nbytes
 
 
@@ -30,6 +31,7 @@ class Pending:
     tokens: list[int]
     cache: list[Any]
     nbytes: int  # counted once, when held: the memory budget reads the total every loop
+    chain: tuple[int, ...] = ()  # block_hashes(tokens): routing counts a pending commit as held
     created: float = field(default_factory=time.monotonic)
 
 
@@ -42,6 +44,13 @@ class Commits:
         self.stats = stats
         self.pending: dict[str, Pending] = {}
         self.parked: list[Parked] = []
+        # The pending commits' block hashes, swapped in whole on every change so that the event
+        # loop's thread can read them: a mesh asking "do you hold this prefix?" between an
+        # answer and its commit hears yes (the next turn parks until the commit lands).
+        self.held_chains: tuple[tuple[int, ...], ...] = ()
+
+    def _publish(self) -> None:
+        self.held_chains = tuple(p.chain for p in self.pending.values() if p.chain)
 
     def park(self, job: Job) -> bool:
         """Park ``job`` when its prompt would reuse more of a pending commit than the store
@@ -92,7 +101,9 @@ class Commits:
         return bool(parked)
 
     def hold(self, job_id: str, tokens: list[int], cache: list[Any]) -> None:
-        self.pending[job_id] = Pending(tokens, cache, cache_nbytes(cache))
+        chain = tuple(block_hashes(tokens, self.store.digest_block_size))
+        self.pending[job_id] = Pending(tokens, cache, cache_nbytes(cache), chain)
+        self._publish()
 
     def land(self, job_id: str, before: Callable[[str], None] | None = None) -> None:
         """Commit a pending cache to the store (``before``: a test hook, called first)."""
@@ -101,7 +112,8 @@ class Commits:
             return
         if before is not None:
             before(job_id)
-        self.store.insert(pending.tokens, pending.cache)
+        self.store.insert(pending.tokens, pending.cache)  # the digest has it before it leaves
+        self._publish()
         self.stats.commits += 1
         self.stats.log("committed", job_id)
 
@@ -110,10 +122,12 @@ class Commits:
         if not self.pending:
             return
         now = time.monotonic()
-        for job_id, pending in list(self.pending.items()):
-            if now - pending.created > self.config.pending_commit_ttl_s:
-                del self.pending[job_id]
-                self.stats.log("commit_expired", job_id)
+        expired = [j for j, p in self.pending.items() if now - p.created > self.config.pending_commit_ttl_s]  # fmt: skip
+        for job_id in expired:
+            del self.pending[job_id]
+            self.stats.log("commit_expired", job_id)
+        if expired:
+            self._publish()
 
     @property
     def pending_bytes(self) -> int:
@@ -130,3 +144,4 @@ class Commits:
         ``forget_written``: also what this process wrote to the disk tier (the warm-up's)."""
         self.store.clear(forget_written=forget_written)
         self.pending.clear()
+        self._publish()

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.cpu.fast_path import CpuFastPath
@@ -49,7 +49,7 @@ from worker.engine.types import (
     TokenChunk,
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
-from worker.prompt_cache.digest import CacheDigest
+from worker.prompt_cache.digest import CacheDigest, common_blocks
 from worker.prompt_cache.disk import DiskTier
 from worker.prompt_cache.store import PromptCacheStore
 from worker.speculative.batch import SpeculationStats
@@ -162,6 +162,13 @@ class Engine:
         """What the prompt cache holds (block hashes, bounded), safe to read from any thread."""
         return self._store.digest
 
+    def prefix_held(self, hashes: Sequence[int]) -> tuple[int, int]:
+        """Tokens of a prompt (its block hashes, of the digest's block size) that the prompt
+        cache holds, and that a pending commit holds; safe to call from any thread."""
+        size = self._store.digest_block_size
+        pending = max((common_blocks(c, hashes) for c in self._commits.held_chains), default=0)
+        return self._store.digest.cached_tokens(hashes), pending * size
+
     # ---- calls from the event loop -----------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Job:
@@ -188,6 +195,13 @@ class Engine:
 
     def tokens_per_second(self, window_s: float = 10.0) -> float:
         return self._meter.tokens_per_second(window_s)
+
+    def prefill_tokens_per_second(self) -> float | None:
+        return self._meter.prefill_tokens_per_second()
+
+    # Prompt tokens the rows still have to prefill (set on the owner thread after each step,
+    # read by the mesh's routing-time question: the wait a newcomer's prefill is behind).
+    prefill_backlog: int = 0
 
     # ---- owner thread ------------------------------------------------------------------------
 
@@ -382,6 +396,7 @@ class Engine:
     def _step(self) -> None:
         for active, r in self._rows.step():
             self._on_token(active, r)
+        self.prefill_backlog = self._rows.backlog()
 
     def _on_token(self, active: Active, r: Any) -> None:
         job = active.job

@@ -9,6 +9,9 @@ from collections import deque
 
 from worker.engine.types import EngineStats
 
+PREFILL_WINDOW = 16  # prefills the rate is measured over
+MIN_PREFILL_TOKENS = 32  # shorter ones measure the step, not the prefill
+
 
 class Meter:
     """Counts what the engine's jobs do into ``stats`` (read by /health and tests), and the
@@ -18,6 +21,9 @@ class Meter:
         self.stats = stats
         self._lock = threading.Lock()
         self._rate: deque[tuple[float, int]] = deque()
+        # The last prefills' (tokens computed, seconds from admission to first token): the
+        # mesh weighs a cached prefix against a cold prefill elsewhere by this rate.
+        self._prefills: deque[tuple[int, float]] = deque(maxlen=PREFILL_WINDOW)
 
     def submitted(self) -> None:
         with self._lock:
@@ -62,6 +68,20 @@ class Meter:
             if shared:
                 self.stats.shared_prefills += 1
                 self.stats.shared_prefill_tokens += shared
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A row's prefill of ``tokens`` computed prompt tokens gave its first token after
+        ``seconds`` (sharing the engine with whatever ran beside it: what a newcomer gets)."""
+        if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
+            with self._lock:
+                self._prefills.append((tokens, seconds))
+
+    def prefill_tokens_per_second(self) -> float | None:
+        """Prompt tokens prefilled per second over the last prefills; None before any."""
+        with self._lock:
+            seconds = sum(s for _, s in self._prefills)
+            tokens = sum(n for n, _ in self._prefills)
+        return tokens / seconds if seconds > 0 else None
 
     def decoded(self, tokens: int) -> None:
         with self._lock:

@@ -10,8 +10,9 @@ prefix of the chunks done, so a client's retry of the same prompt resumes the pr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.logprobs import token_logprob
@@ -47,6 +48,7 @@ class Active:
     completion_tokens: int = 0
     first_token: bool = False
     loop: LoopGuard | None = None  # None: the loop guard is off
+    admitted_at: float = field(default_factory=time.monotonic)  # on the generator since
 
     def decode(self, r: Any, tokenizer: Any) -> Decoded:
         """Feed the generator's response ``r`` (a token, maybe a finish reason) through the
@@ -133,6 +135,12 @@ class Rows:
     def __bool__(self) -> bool:
         return bool(self._active)
 
+    def backlog(self) -> int:
+        """Prompt tokens still to prefill before the rows waiting for their first token have it."""
+        return sum(
+            len(a.job.request.prompt) - a.held for a in self._active.values() if not a.first_token
+        )
+
     def __iter__(self) -> Iterator[Active]:
         return iter(list(self._active.values()))
 
@@ -203,6 +211,8 @@ class Rows:
                 active.first_token = True
                 active.held = len(active.job.request.prompt)
                 self._meter.first_token()
+                computed = active.held - active.cached_tokens
+                self._meter.prefilled(computed, time.monotonic() - active.admitted_at)
             decoded.append((active, r))
         if decoded:
             self._meter.decoded(len(decoded))

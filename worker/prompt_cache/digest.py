@@ -57,6 +57,19 @@ def block_hashes(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) ->
     return out
 
 
+def common_blocks(chain: Sequence[int], hashes: Sequence[int]) -> int:
+    """How many leading blocks two chains share. Chained hashes agree up to a depth and differ
+    from there on, so a binary search finds the deepest equal one."""
+    lo, hi = 0, min(len(chain), len(hashes))
+    while lo < hi:  # invariant: the first lo blocks agree; none past hi does
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] == hashes[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _spread(hashes: list[int], keep: int) -> list[int]:
     """``keep`` of ``hashes``, evenly spaced and always including the deepest."""
     if keep >= len(hashes):

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.chat.job import BadRequest, listing_header, start_job
 from worker.chat.prompt import ChatTemplate
-from worker.chat.prompt_blocks import prompt_blocks
+from worker.chat.prompt_blocks import prompt_blocks, prompt_cache_held
 from worker.chat.schemas import ChatCompletionRequest, describe_validation_error
 from worker.chat.wire import (
     collect_unless_disconnected,
@@ -165,6 +165,7 @@ async def health(request: Request) -> Response:
             "queue_depth": stats.queue_depth,
             "in_flight": stats.in_flight,
             "tokens_per_second": round(engine.tokens_per_second(), 3),
+            "prefill_tokens_per_second": _rounded(engine.prefill_tokens_per_second()),
             "uptime_s": round(engine.uptime_s, 3),
             "warm_up_s": _rounded(stats.warm_up_s),
             "cache_digest": engine.cache_digest.to_wire(),  # routing by prefix (mesh)
@@ -198,6 +199,7 @@ ROUTES = [
     Route("/v1/models", models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/v1/prompt_blocks", prompt_blocks, methods=["POST"]),  # routing by prefix (mesh)
+    Route("/v1/prompt_cache/held", prompt_cache_held, methods=["POST"]),  # routing by prefix
 ]
 
 

@@ -40,7 +40,7 @@ def _planner(mode="cache", hedge="off", cached_on: str | None = "b", now=10.0):
 async def test_the_peer_holding_the_prefix_comes_first_with_its_reason():
     routes = await _planner().routes(REQUEST)
     assert routes[0].peer == "b"
-    assert routes[0].reason == "cache 896/1000"
+    assert routes[0].reason == "cache 896/1000 (0.10s <= 1.00s elsewhere)"
     assert [r.reason for r in routes[1:]] == ["next", "next"]
 
 

@@ -14,14 +14,15 @@ def fresh(node_id: str, cached: int = 0, **load) -> Candidate:
 def test_the_node_holding_the_prefix_wins_and_says_so():
     ranked = rank([fresh("a"), fresh("b", 18432), fresh("c", 1024)], prompt_tokens=20100, now=NOW)
     assert [c.node_id for c in ranked] == ["b", "c", "a"]
-    assert ranked[0].reason == "cache 18432/20100"
+    assert ranked[0].reason == "cache 18432/20100 (1.67s <= 19.08s elsewhere)"
 
 
 def test_load_beats_a_small_cached_prefix():
     busy = fresh("a", 512, queue_depth=3, running=2, ttft_s=2.0)
     ranked = rank([busy, fresh("b")], prompt_tokens=2000, now=NOW)
     assert ranked[0].node_id == "b"
-    assert ranked[0].reason == "load"
+    # The rule's numbers: a's wait and the prefill it lacks, against b's cold prefill.
+    assert ranked[0].reason == "load (a holds 512/2000 but 3.69s > 2.00s)"
 
 
 def test_a_long_prefix_is_worth_waiting_for_one_running_request():
@@ -41,7 +42,7 @@ def test_running_rows_share_the_batch_but_queued_requests_wait_for_a_prefill_bat
     # ...but seventeen fill three batches (1.5 s): the idle node wins on load.
     queued = fresh("a", 1000, queue_depth=17, ttft_s=0.5)
     ranked = rank([queued, fresh("b")], prompt_tokens=2000, now=NOW)
-    assert ranked[0].node_id == "b" and ranked[0].reason == "load"
+    assert ranked[0].node_id == "b" and ranked[0].reason.startswith("load (a holds 1000/2000")
     assert cost(fresh("a", 0, queue_depth=8), 100, NOW, Policy()) == cost(
         fresh("a", 0, queue_depth=1), 100, NOW, Policy()
     )
@@ -119,3 +120,26 @@ def test_this_node_wins_a_tie_no_session_decides_and_load_spreads_the_rest():
     assert rank(busy, prompt_tokens=500, now=NOW, prefer="me")[0].node_id in {"a", "b"}
     with_session = rank(idle, prompt_tokens=500, now=NOW, prefer="me", session_key="s1")
     assert with_session[0].reason == "sticky"
+
+
+def test_a_tie_goes_to_the_node_holding_more_of_the_prompt_before_the_session():
+    # 40 tokens cached is within the tie's margin, but it is the conversation's: it wins the
+    # tie whatever the session hash says.
+    for key in (f"s{i}" for i in range(20)):
+        ranked = rank([fresh("a"), fresh("b", 40)], prompt_tokens=400, now=NOW, session_key=key)
+        assert ranked[0].node_id == "b"
+        assert ranked[0].reason.startswith("cache 40/400 (")
+
+
+def test_a_measured_prefill_rate_and_backlog_replace_the_guesses():
+    # The holder's queue has 1,000 prompt tokens to prefill at 100 tok/s (10 s): a cold prefill
+    # of 2,000 tokens at 500 tok/s (4 s) elsewhere wins, and the reason says by how much.
+    holder = fresh("a", 1900, prefill_tok_s=100.0, backlog_tokens=1000)
+    cold = fresh("b", prefill_tok_s=500.0, backlog_tokens=0)
+    ranked = rank([holder, cold], prompt_tokens=2000, now=NOW)
+    assert ranked[0].node_id == "b"
+    assert ranked[0].reason == "load (a holds 1900/2000 but 11.00s > 4.00s)"
+    # With its queue empty the holder wins: 100 tokens at 100 tok/s against 4 s.
+    idle = fresh("a", 1900, prefill_tok_s=100.0, backlog_tokens=0)
+    ranked = rank([idle, cold], prompt_tokens=2000, now=NOW)
+    assert ranked[0].reason == "cache 1900/2000 (1.00s <= 4.00s elsewhere)"

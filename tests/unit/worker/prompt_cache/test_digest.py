@@ -85,3 +85,15 @@ def test_the_prompt_cache_store_keeps_its_digest_current():
     assert store.digest.cached_tokens(block_hashes(third, BLOCK)) == 40
     store.clear()
     assert len(store.digest) == 0
+
+
+def test_common_blocks_finds_where_two_chains_part():
+    from worker.prompt_cache.digest import common_blocks
+
+    base = list(range(640))
+    chain = block_hashes(base)
+    assert common_blocks(chain, chain) == 10
+    assert common_blocks(chain, block_hashes(base[:300] + [7] * 340)) == 4  # parts in block 5
+    assert common_blocks(chain[:3], chain) == 3
+    assert common_blocks([], chain) == 0
+    assert common_blocks(chain, block_hashes([9, *base[1:]])) == 0
