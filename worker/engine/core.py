@@ -51,7 +51,7 @@ from worker.engine.types import (
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
 from worker.prompt_cache.digest import CacheDigest, common_blocks
 from worker.prompt_cache.disk import DiskTier
-from worker.prompt_cache.store import PromptCacheStore
+from worker.prompt_cache.store import PromptCacheStats, PromptCacheStore
 from worker.speculative.batch import SpeculationStats
 from worker.speculative.drafts import DraftModel, make_draft
 
@@ -141,6 +141,11 @@ class Engine:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self._started
+
+    @property
+    def prompt_cache(self) -> dict[str, Any]:
+        """The memory tier's size, bound and hits (worker/prompt_cache/store.py ``summary``)."""
+        return self._store.summary()
 
     @property
     def prompt_cache_disk(self) -> dict[str, Any] | None:
@@ -368,6 +373,7 @@ class Engine:
 
     def _on_discard(self, _: None) -> None:
         self._commits.clear(forget_written=True)
+        self._store.stats = PromptCacheStats()  # the warm-up's lookups are no user's hits
         self._meter.forget_rate()
         self.stats.log("discarded", "")
 

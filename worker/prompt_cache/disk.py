@@ -188,6 +188,10 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> set[str]:
+        """The keys of the entries on disk now (safe from other threads: one C-level copy)."""
+        return set(self._entries)
+
     def __contains__(self, tokens: Sequence[int]) -> bool:
         key = tokens_key(tokens)
         return key in self._entries or key in self._queued

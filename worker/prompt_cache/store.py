@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from worker.prompt_cache.digest import DEFAULT_BLOCK_SIZE, CacheDigest, block_hashes, common_prefix
-from worker.prompt_cache.disk import DiskTier
+from worker.prompt_cache.disk import DiskTier, tokens_key
 
 # A disk entry is loaded when it serves this many more prompt tokens than memory does: below
 # it the prefill of the difference costs less than reading the file (SmolLM2 on the Linux CPU:
@@ -64,11 +64,12 @@ class _Entry:
     nbytes: int
     trimmable: bool
     chain: list[int] = field(default_factory=list)  # block_hashes(tokens), for the digest
+    key: str = ""  # tokens_key(tokens): the disk tier's name for the same prefix
 
 
 @dataclass
 class PromptCacheStats:
-    hits: int = 0
+    hits: int = 0  # lookups that found a usable prefix
     misses: int = 0
     inserts: int = 0
     evictions: int = 0
@@ -180,6 +181,7 @@ class PromptCacheStore:
                 self._nbytes -= entry.nbytes
         chain = block_hashes(key_tokens, self.digest_block_size)
         entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable, chain)
+        entry.key = tokens_key(key_tokens)
         self._entries[self._next_key] = entry
         self._nbytes += entry.nbytes
         self._next_key += 1
@@ -188,6 +190,25 @@ class PromptCacheStore:
             self.disk.save(key_tokens, cache, hot=True)
         self._evict()
         self._refresh_digest()
+
+    def summary(self) -> dict[str, Any]:
+        """The memory tier's size and bound, the lookups' hits and misses, and ``prefixes``:
+        the distinct prefixes held in memory or on disk (one held in both counts once).
+
+        Read from other threads (/health, /metrics): the entries are copied out in one C-level
+        step each (``list``/``set`` of a dict holds the GIL), never iterated while they change."""
+        memory_keys = {entry.key for entry in list(self._entries.values())}
+        disk_keys = self.disk.keys() if self.disk is not None else set()
+        stats = self.stats
+        return {
+            "entries": len(memory_keys),
+            "bytes": self._nbytes,
+            "max_bytes": self.max_bytes,
+            "prefixes": len(memory_keys | disk_keys),
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "cached_tokens": stats.cached_tokens,
+        }
 
     def flush_to_disk(self) -> int:
         """Write every entry worth keeping that the disk tier lacks (at shutdown); how many."""

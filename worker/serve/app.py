@@ -1,4 +1,5 @@
-"""The worker's HTTP app: OpenAI chat completions (stream and not), /v1/models, /health.
+"""The worker's HTTP app: OpenAI chat completions (stream and not), /v1/models, /health,
+/metrics (worker/serve/metrics.py).
 
 ``create_app(engine)`` builds the Starlette app over a started ``Engine``; ``serve`` runs it with
 uvicorn. The prompt-cache commit is requested only after the terminal frame (``[DONE]`` or the
@@ -41,6 +42,7 @@ from worker.chat.wire import (
 from worker.engine.budget import BudgetRefusal
 from worker.engine.core import Engine
 from worker.engine.types import Failed
+from worker.serve.metrics import make_registry, metrics
 from worker.serve.net import bind_socket, server_limits
 
 log = logging.getLogger(__name__)
@@ -170,6 +172,8 @@ async def health(request: Request) -> Response:
             "warm_up_s": _rounded(stats.warm_up_s),
             "cache_digest": engine.cache_digest.to_wire(),  # routing by prefix (mesh)
             # The prompt cache's disk tier (entries, bytes, bound, writes, loads; null: none).
+            # The memory tier (entries, bytes, bound, distinct prefixes in both tiers, hits).
+            "prompt_cache": engine.prompt_cache,
             "prompt_cache_disk": engine.prompt_cache_disk,
             # The memory budget: its limit and what running KV and the cache use (null: none).
             "memory": engine.memory_budget,
@@ -200,6 +204,7 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/v1/prompt_blocks", prompt_blocks, methods=["POST"]),  # routing by prefix (mesh)
     Route("/v1/prompt_cache/held", prompt_cache_held, methods=["POST"]),  # routing by prefix
+    Route("/metrics", metrics, methods=["GET"]),  # the budget and the prompt cache's tiers
 ]
 
 
@@ -213,6 +218,7 @@ def create_app(engine: Engine, *, secret: str | None = None) -> Starlette:
     app = Starlette(routes=ROUTES, middleware=[Middleware(WorkerSecretGuard, secret=secret)])
     app.state.engine = engine
     app.state.template = ChatTemplate(engine.tokenizer)
+    app.state.metrics = make_registry(engine.name, engine)
     return app
 
 
