@@ -84,10 +84,12 @@ async def status(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state: InfoState = request.app.state.gateway
-    if state.status is not None:  # a node's picture carries its workers' speculation counters
+    # A node's picture carries its workers' speculation counters and every node's cache view.
+    if state.status is not None:
         try:
             picture = await read_status(state.status, None)
             state.metrics.speculation.update(picture.get("workers") or {})
+            state.metrics.node_cache.update(picture)
         except Exception:  # the request metrics still answer
             log.exception("status source failed")
     return Response(

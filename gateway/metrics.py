@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.answer import Accumulator
+from gateway.cache_view import NodeCacheStats
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ class GatewayMetrics:
         self.in_flight = Gauge("gateway_in_flight", "Requests being served", registry=self.registry)
         self.moa = MoaMetrics(self.registry)
         self.speculation = WorkerSpeculation(self.registry)
+        self.node_cache = NodeCacheStats(self.registry)  # every node's prompt cache in brief
         self._log_path = log_path
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)

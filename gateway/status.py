@@ -49,9 +49,12 @@ async def read_status(
 
 
 def health_facts(picture: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``/health`` tells of the picture: who this node is, how many peers, its workers."""
+    """What ``/health`` tells of the picture: who this node is, how many peers, its workers,
+    its prompt caches in brief."""
     node = picture.get("node") or {}
     facts: dict[str, Any] = {key: node[key] for key in ("node_id", "mesh_id") if key in node}
+    if node.get("cache_stats"):  # each model's prompt cache and memory budget, in brief
+        facts["cache_stats"] = node["cache_stats"]
     if "peers" in picture:  # the peers linked now (a row without the flag is a live one)
         facts["peers"] = sum(1 for peer in picture["peers"] if peer.get("connected", True))
     if "workers" in picture:

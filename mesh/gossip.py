@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mesh.cache_stats import CacheStatsAd
 from mesh.errors import GossipDecodeError, UnknownGossipType
 from mesh.membership.codec import MessageCodec
 from mesh.membership.facts import Admission, Tombstone
@@ -76,6 +77,10 @@ class NodeState(BaseModel):
     # prompt cache holds (worker/prompt_cache/digest.py, wire form). Refreshed with the load probe,
     # so at most once per gossip interval; bounded by the digest's own bound.
     cache: dict[str, str] = Field(default_factory=dict)
+    # The mesh-wide view (optional, as above): model name → its prompt cache in brief (memory
+    # and disk tier bytes, prefixes, hit rate, budget; mesh/cache_stats.py). Refreshed with the
+    # load probe; at most ``MAX_MODELS`` entries of a few numbers each.
+    cache_stats: dict[str, CacheStatsAd] = Field(default_factory=dict)
     # Signed membership (optional, as above): the digest of the member facts this node holds.
     # A peer whose digest differs is sent ours: members that missed a change converge.
     members_digest: str = ""

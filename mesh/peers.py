@@ -237,6 +237,8 @@ class PeerTable:
                 "outstanding": r.outstanding,
                 "tok_s": r.state.tok_s,
                 "cache_blocks": {m: len(d) for m in r.state.cache if (d := r.digest(m))},
+                # each model's prompt cache in brief (mesh/cache_stats.py; {}: an older peer)
+                "cache_stats": {m: s.model_dump() for m, s in r.state.cache_stats.items()},
                 # memory offered for ranks of split models, and what they use (console, status)
                 "share_memory": r.state.share_memory,
                 "share_memory_used": r.state.share_memory_used,

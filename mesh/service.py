@@ -31,6 +31,7 @@ from gateway.responses.state import LocalResponses
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
 from mesh.admission import Admission
+from mesh.cache_stats import bounded
 from mesh.connector import Connector
 from mesh.control_inbox import ControlInbox
 from mesh.copy.server import CopyConfig
@@ -433,6 +434,7 @@ class MeshService:
             in_flight=int(load.get("in_flight", self.tunnel_server.active)),
             tok_s=float(load.get("tok_s", 0.0)),
             cache=dict(load.get("cache", {})),  # prompt-cache digests (mesh/routing/)
+            cache_stats=bounded(load.get("cache_stats", {})),  # the mesh-wide view
             copy_port=self.copy.port,
             stored=stored_model_names(self.home),
             share_memory=self.split.offered_bytes,

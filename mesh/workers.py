@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from gateway.deadlines import StreamDeadlines
 from gateway.worker_client import WorkerClient
+from mesh.cache_stats import summarise
 from mesh.children import child_preexec, forward_output
 from mesh.errors import NodeError
 from mesh.worker_health import Health, HealthCheck, HealthOptions
@@ -378,8 +379,10 @@ class WorkerSupervisor:
 
     async def load(self) -> dict[str, Any]:
         """Queue depth, in-flight and tok/s summed over the workers' ``/health``, and each
-        model's prompt-cache digest (for gossip)."""
-        total: dict[str, Any] = {"queue_depth": 0, "in_flight": 0, "tok_s": 0.0, "cache": {}}
+        model's prompt-cache digest and summary (for gossip)."""
+        total: dict[str, Any] = {
+            "queue_depth": 0, "in_flight": 0, "tok_s": 0.0, "cache": {}, "cache_stats": {}
+        }  # fmt: skip
         for process in self.processes:
             client = process.client
             if client is None or not process.answering:
@@ -393,6 +396,8 @@ class WorkerSupervisor:
             total["tok_s"] += float(data.get("tokens_per_second", 0.0))
             if isinstance(digest := data.get("cache_digest"), str):
                 total["cache"][client.model_name] = digest
+            if (stats := summarise(data)) is not None:
+                total["cache_stats"][client.model_name] = stats
             if isinstance(speculation := data.get("speculation"), dict):
                 self.speculation[client.model_name] = speculation
         return total

@@ -15,8 +15,10 @@ import httpx
 import orjson
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from mesh.cli.app import HomeOption, app, console, fail, resolve_home
+from mesh.cli.cache_view import COLUMNS, cache_cells
 from mesh.cli.split_view import split_section
 
 
@@ -89,7 +91,8 @@ def status_command(
     home: Path | None = HomeOption,
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON status."),
 ) -> None:
-    """Show this node and every peer (models, load, RTT, last seen, state), then split models."""
+    """Show this node and every peer (models, load, RTT, last seen, state), every node's prompt
+    caches (memory and disk tier, prefixes, hit rate, budget), then split models."""
     data = call_node(resolve_home(home), "GET", "/api/status")
     if as_json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
@@ -118,6 +121,14 @@ def status_command(
             f"{peer.get('last_seen_s', 0):.1f}",
         )
     console.print(table)
+    caches = cache_cells(data)
+    if caches:
+        cache_table = Table(title="prompt caches", title_justify="left")
+        for column in COLUMNS:
+            cache_table.add_column(column)
+        for row in caches:  # Text: names come from peers, never rich markup
+            cache_table.add_row(*(Text(cell) for cell in row))
+        console.print(cache_table)
     split = split_section(data)
     if split:
         # Plain text: model names and sentences come from peers, never rich markup.
