@@ -29,6 +29,8 @@ function normaliseNode(raw, isSelf) {
     load: raw.load ?? loadOf(raw),
     // Memory offered for ranks of split models (mesh up --share-memory), and what they use now.
     offer: Number(raw.share_memory) > 0 ? { bytes: raw.share_memory, used: raw.share_memory_used || 0 } : null,
+    // Each model's prompt cache in brief (gossiped: mesh/cache_stats.py); {} from older nodes.
+    caches: raw.cache_stats && typeof raw.cache_stats === "object" ? raw.cache_stats : {},
     rttMs: typeof rtt === "number" ? rtt : null,
     // Either an absolute time (last_seen, unix s or ms) or an age (last_seen_s, seconds ago).
     lastSeen: raw.last_seen ?? (raw.last_seen_s != null ? Date.now() / 1000 - raw.last_seen_s : null),
@@ -131,6 +133,33 @@ function offerNote(offer) {
   return ` <span class="muted offer">· ${escapeHtml(text)}</span>`;
 }
 
+// One line per model: memory tier, disk tier, prefixes held, hit rate, and the budget in use.
+export function describeCaches(caches) {
+  const lines = Object.keys(caches)
+    .sort()
+    .map((model) => {
+      const c = caches[model] || {};
+      const parts = [`mem ${formatBytes(c.memory_bytes)}`, `disk ${formatBytes(c.disk_bytes)}`];
+      parts.push(`${Number(c.prefixes) || 0} prefixes`);
+      const lookups = Number(c.lookups) || 0;
+      parts.push(c.hit_rate == null ? "no lookups" : `${Math.round(c.hit_rate * 100)}% hits of ${lookups}`);
+      if (c.budget_bytes != null) parts.push(`budget ${formatBytes(c.budget_used_bytes)} / ${formatBytes(c.budget_bytes)}`);
+      return { model, text: parts.join(" · ") };
+    });
+  return lines;
+}
+
+function cacheCell(caches) {
+  const lines = describeCaches(caches);
+  if (!lines.length) return "–";
+  return lines
+    .map(
+      ({ model, text }) =>
+        `<div class="cache-line" data-model="${escapeHtml(model)}"><b>${escapeHtml(model)}</b> <span class="muted">${escapeHtml(text)}</span></div>`,
+    )
+    .join("");
+}
+
 export function renderNodeTable(tbody, status) {
   const { self, peers } = normaliseStatus(status);
   tbody.innerHTML = [self, ...peers]
@@ -141,6 +170,7 @@ export function renderNodeTable(tbody, status) {
         <td class="num">${escapeHtml(n.addresses.join(", ") || "–")}</td>
         <td>${escapeHtml(n.models.join(", ") || "–")}${offerNote(n.offer)}</td>
         <td>${escapeHtml(describeLoad(n.load))}</td>
+        <td class="caches">${cacheCell(n.caches)}</td>
         <td class="num">${n.self ? "–" : n.rttMs == null ? "?" : `${n.rttMs.toFixed(1)} ms`}</td>
         <td>${n.self ? "–" : ago(n.lastSeen)}</td>
       </tr>`,

@@ -284,6 +284,52 @@ def test_mesh_tab_draws_a_split_models_stages_and_a_waiting_one(browser) -> None
     assert errors == [], f"JavaScript errors on the page: {errors}"
 
 
+def test_node_table_shows_every_node_prompt_cache(browser) -> None:  # type: ignore[no-untyped-def]
+    """The mesh-wide view: each node's memory tier, disk tier, prefixes, hit rate and budget,
+    as gossip brought them; an older peer (no summary) shows a dash; names are text."""
+    summary = {"memory_bytes": 3_000_000, "disk_bytes": 70_000_000, "prefixes": 5,
+               "lookups": 4, "hit_rate": 0.75, "budget_bytes": 10**9,
+               "budget_used_bytes": 4_000_000}  # fmt: skip
+    picture = {
+        "node": {"node_id": SELF, "models": [{"name": "tiny"}], "cache_stats": {"tiny": summary}},
+        "peers": [
+            {"node_id": B, "state": "up", "connected": True, "models": [],
+             "cache_stats": {"<b>x</b>": {"prefixes": 1, "hit_rate": None}}},
+            {"node_id": C, "state": "up", "connected": True, "models": []},
+        ],
+    }  # fmt: skip
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="tiny"), ScriptedUpstream.of(name="local"))
+    server = ServerThread(create_app(directory, GatewayConfig(), status=lambda: picture))
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(10_000)
+    errors: list[str] = []
+    with server:
+        page = context.new_page()
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(server.url + "/")
+        page.click("[data-tab='mesh']")
+        page.wait_for_selector(f"#nodes tr[data-node-id='{SELF}'] .cache-line")
+        mine = page.locator(f"#nodes tr[data-node-id='{SELF}'] td.caches").inner_text()
+        assert " ".join(mine.split()) == (
+            "tiny mem 3.0 MB · disk 70.0 MB · 5 prefixes · 75% hits of 4 · budget 4.0 MB / 1.0 GB"
+        ), mine
+        theirs = page.locator(f"#nodes tr[data-node-id='{B}'] td.caches")
+        assert " ".join(theirs.inner_text().split()) == (
+            "<b>x</b> mem 0 B · disk 0 B · 1 prefixes · no lookups"
+        )
+        assert theirs.locator("b b").count() == 0  # the model name is text, not markup
+        assert page.locator(f"#nodes tr[data-node-id='{C}'] td.caches").inner_text() == "–"
+        # The feed follows: a hit moves the rate.
+        picture["node"]["cache_stats"]["tiny"] |= {"lookups": 5, "hit_rate": 0.8}
+        page.wait_for_function(
+            f"document.querySelector(\"#nodes tr[data-node-id='{SELF}'] td.caches\")"
+            ".textContent.includes('80% hits of 5')"
+        )
+    context.close()
+    assert errors == [], f"JavaScript errors on the page: {errors}"
+
+
 def test_requests_table_fills_live(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]
     # History first (loaded once at start), so the next row can only come over the live feed.
     history = len(httpx.get(gateway.server.url + "/api/requests").json()["requests"])
