@@ -20,6 +20,11 @@ _METRICS = {
     "disk_bytes": ("prompt_cache_disk_bytes", "gauge", "bytes in the disk tier"),
     "prefixes": ("prompt_cache_prefixes", "gauge", "distinct prefixes held in either tier"),
     "hit_rate": ("prompt_cache_hit_rate", "gauge", "lookups that found a prefix / lookups"),
+    "cached_share": (
+        "prompt_cache_cached_share",
+        "gauge",
+        "prompt tokens served from the cache / prompt tokens looked up",
+    ),
     "lookups": ("prompt_cache_lookups", "counter", "prompt-cache lookups since the worker began"),
     "budget_bytes": ("memory_budget_bytes", "gauge", "the worker's memory budget"),
     "budget_used_bytes": ("memory_used_bytes", "gauge", "memory budget in use"),

@@ -3,7 +3,8 @@
 A worker's ``/health`` (worker/serve/app.py) says a lot about its prompt cache and memory
 budget; the mesh needs four numbers of it per model (``mesh status``, the console, the
 gateway's ``/metrics``): the memory tier's bytes, the disk tier's bytes, the distinct prefixes
-held, and the share of lookups that hit – plus the budget and its use when there is one. The
+held, and the share of lookups that hit (and of prompt tokens served from the cache) – plus the
+budget and its use when there is one. The
 summary is a few dozen bytes a model, so a node's state stays small however big its cache is.
 
 Every field has a default: a node of an older version sends none (``NodeState.cache_stats``
@@ -32,6 +33,9 @@ class CacheStatsAd(BaseModel):
     prefixes: int = 0  # distinct prefixes held in either tier
     lookups: int = 0  # since the worker started (its warm-up's not counted)
     hit_rate: float | None = None  # hits / lookups; None before the first lookup
+    # Prompt tokens served from the cache / prompt tokens looked up (a hit may reuse only the
+    # chat template's opening; this says how much of the prompts the cache saved).
+    cached_share: float | None = None
     budget_bytes: int | None = None  # the worker's memory budget (None: no budget)
     budget_used_bytes: int | None = None  # running KV + the memory tier + pending commits
 
@@ -58,12 +62,14 @@ def summarise(health: Mapping[str, Any]) -> CacheStatsAd | None:
     budget = _block(health, "memory")
     hits, misses = _int(memory_tier, "hits") or 0, _int(memory_tier, "misses") or 0
     lookups = hits + misses
+    looked_up, cached = _int(memory_tier, "prompt_tokens") or 0, _int(memory_tier, "cached_tokens")
     return CacheStatsAd(
         memory_bytes=_int(memory_tier, "bytes") or 0,
         disk_bytes=_int(disk, "bytes") or 0,
         prefixes=_int(memory_tier, "prefixes") or 0,
         lookups=lookups,
         hit_rate=round(hits / lookups, 3) if lookups else None,
+        cached_share=round(min(1.0, (cached or 0) / looked_up), 3) if looked_up else None,
         budget_bytes=_int(budget, "limit_bytes"),
         budget_used_bytes=_int(budget, "used_bytes"),
     )

@@ -143,6 +143,7 @@ export function describeCaches(caches) {
       parts.push(`${Number(c.prefixes) || 0} prefixes`);
       const lookups = Number(c.lookups) || 0;
       parts.push(c.hit_rate == null ? "no lookups" : `${Math.round(c.hit_rate * 100)}% hits of ${lookups}`);
+      if (c.cached_share != null) parts.push(`${Math.round(c.cached_share * 100)}% of tokens cached`);
       if (c.budget_bytes != null) parts.push(`budget ${formatBytes(c.budget_used_bytes)} / ${formatBytes(c.budget_bytes)}`);
       return { model, text: parts.join(" · ") };
     });

@@ -1,5 +1,6 @@
 """The "prompt caches" table of ``mesh status``: per node and model, the memory tier, the disk
-tier, the cached prefixes and the hit rate, and the memory budget in use. Pure: the cells of
+tier, the cached prefixes, the hit rate (lookups) and the share of prompt tokens served from
+the cache, and the memory budget in use. Pure: the cells of
 the rows :func:`gateway.cache_view.cache_rows` reads from the ``/api/status`` picture."""
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ from typing import Any
 from gateway.cache_view import cache_rows
 from mesh.cli.split_view import format_size
 
-COLUMNS = ("node", "model", "memory", "disk", "prefixes", "hit rate", "budget used")
+COLUMNS = (
+    "node",
+    "model",
+    "memory",
+    "disk",
+    "prefixes",
+    "hit rate",
+    "tokens cached",
+    "budget used",
+)
 
 
 def cache_cells(status: Mapping[str, Any]) -> list[list[str]]:
@@ -28,6 +38,7 @@ def cache_cells(status: Mapping[str, Any]) -> list[list[str]]:
                 _size(row["disk_bytes"]),
                 "-" if row["prefixes"] is None else f"{row['prefixes']:.0f}",
                 _rate(row["hit_rate"], row["lookups"]),
+                "-" if row["cached_share"] is None else f"{row['cached_share']:.0%}",
                 _budget(row["budget_used_bytes"], row["budget_bytes"]),
             ]
         )

@@ -288,7 +288,7 @@ def test_node_table_shows_every_node_prompt_cache(browser) -> None:  # type: ign
     """The mesh-wide view: each node's memory tier, disk tier, prefixes, hit rate and budget,
     as gossip brought them; an older peer (no summary) shows a dash; names are text."""
     summary = {"memory_bytes": 3_000_000, "disk_bytes": 70_000_000, "prefixes": 5,
-               "lookups": 4, "hit_rate": 0.75, "budget_bytes": 10**9,
+               "lookups": 4, "hit_rate": 0.75, "cached_share": 0.5, "budget_bytes": 10**9,
                "budget_used_bytes": 4_000_000}  # fmt: skip
     picture = {
         "node": {"node_id": SELF, "models": [{"name": "tiny"}], "cache_stats": {"tiny": summary}},
@@ -312,7 +312,8 @@ def test_node_table_shows_every_node_prompt_cache(browser) -> None:  # type: ign
         page.wait_for_selector(f"#nodes tr[data-node-id='{SELF}'] .cache-line")
         mine = page.locator(f"#nodes tr[data-node-id='{SELF}'] td.caches").inner_text()
         assert " ".join(mine.split()) == (
-            "tiny mem 3.0 MB · disk 70.0 MB · 5 prefixes · 75% hits of 4 · budget 4.0 MB / 1.0 GB"
+            "tiny mem 3.0 MB · disk 70.0 MB · 5 prefixes · 75% hits of 4 · "
+            "50% of tokens cached · budget 4.0 MB / 1.0 GB"
         ), mine
         theirs = page.locator(f"#nodes tr[data-node-id='{B}'] td.caches")
         assert " ".join(theirs.inner_text().split()) == (

@@ -68,6 +68,9 @@ def test_each_node_sees_the_other_nodes_prompt_cache(tiny_model_dir, tmp_path) -
         a_from_b = wait_for(lambda: settled(b.home, a_id, 2), 30, "A's cache seen from B")
         b_from_a = wait_for(lambda: settled(a.home, b_id, 1), 30, "B's cache seen from A")
         assert a_self["hit_rate"] == a_from_b["hit_rate"] == 0.5  # the second turn hit
+        # ... all of its prompt but the last token: just under half of both turns' tokens.
+        assert 0.4 < a_self["cached_share"] == a_from_b["cached_share"] < 0.5
+        assert b_self["cached_share"] == b_from_a["cached_share"] == 0.0
         assert b_self["hit_rate"] == b_from_a["hit_rate"] == 0.0
         for seen in (a_self, a_from_b, b_self, b_from_a):
             assert seen["memory_bytes"] > 0 and seen["prefixes"] >= 1, seen

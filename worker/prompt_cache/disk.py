@@ -189,8 +189,8 @@ class DiskTier:
         return len(self._entries)
 
     def keys(self) -> set[str]:
-        """The keys of the entries on disk now (safe from other threads: one C-level copy)."""
-        return set(self._entries)
+        """The keys of the entries on disk and on their way there (owner thread)."""
+        return set(self._entries) | self._queued
 
     def __contains__(self, tokens: Sequence[int]) -> bool:
         key = tokens_key(tokens)

@@ -74,6 +74,7 @@ class PromptCacheStats:
     inserts: int = 0
     evictions: int = 0
     cached_tokens: int = 0
+    prompt_tokens: int = 0  # of the prompts looked up: cached_tokens / this is the cached share
 
 
 @dataclass
@@ -92,6 +93,8 @@ class PromptCacheStore:
     digest: CacheDigest = field(default_factory=CacheDigest)
     digest_block_size: int = DEFAULT_BLOCK_SIZE
     disk: DiskTier | None = None  # the disk tier, when the worker has a home for it
+    # Distinct prefixes in either tier (one in both counts once), counted with the digest.
+    prefixes: int = 0
 
     def __post_init__(self) -> None:
         if self.disk is not None:
@@ -145,6 +148,7 @@ class PromptCacheStore:
     ) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for ``prompt`` and how many tokens it covers
         (``merged_by_reader``: see :func:`copy_cache`)."""
+        self.stats.prompt_tokens += len(prompt)
         if self.disk is not None:
             self._restore(prompt)
         best_key, best_len = None, 0
@@ -192,21 +196,18 @@ class PromptCacheStore:
         self._refresh_digest()
 
     def summary(self) -> dict[str, Any]:
-        """The memory tier's size and bound, the lookups' hits and misses, and ``prefixes``:
-        the distinct prefixes held in memory or on disk (one held in both counts once).
-
-        Read from other threads (/health, /metrics): the entries are copied out in one C-level
-        step each (``list``/``set`` of a dict holds the GIL), never iterated while they change."""
-        memory_keys = {entry.key for entry in list(self._entries.values())}
-        disk_keys = self.disk.keys() if self.disk is not None else set()
+        """The memory tier's size and bound, ``prefixes`` (distinct, in either tier), the
+        lookups' hits and misses, and the prompt tokens looked up and served from the cache.
+        Plain numbers kept by the owner thread: safe to read from any thread (/health)."""
         stats = self.stats
         return {
-            "entries": len(memory_keys),
+            "entries": len(self._entries),
             "bytes": self._nbytes,
             "max_bytes": self.max_bytes,
-            "prefixes": len(memory_keys | disk_keys),
+            "prefixes": self.prefixes,
             "hits": stats.hits,
             "misses": stats.misses,
+            "prompt_tokens": stats.prompt_tokens,
             "cached_tokens": stats.cached_tokens,
         }
 
@@ -225,9 +226,12 @@ class PromptCacheStore:
         # Most recently inserted first: they get the first share of the digest's bound. A
         # prefix of an untrimmable entry is not servable, so it advertises its whole length only.
         chains = [e.chain if e.trimmable else e.chain[-1:] for e in reversed(self._entries.values())]  # fmt: skip
+        keys = {e.key for e in self._entries.values()}
         if self.disk is not None:  # after memory's: restoring costs a read, not a prefill
             chains += self.disk.chains()
+            keys |= self.disk.keys()
         self.digest = CacheDigest.of_chains(chains, block_size=self.digest_block_size)
+        self.prefixes = len(keys)
 
     def spill(self, nbytes: int) -> int:
         """Give up at least ``nbytes`` of memory, least recently used first: to the disk tier

@@ -54,6 +54,7 @@ _MEMORY_TIER = {
     ),
     "hits": ("worker_prompt_cache_hits", "counter", "lookups that found a cached prefix"),
     "misses": ("worker_prompt_cache_misses", "counter", "lookups that found none"),
+    "prompt_tokens": ("worker_prompt_cache_prompt_tokens", "counter", "prompt tokens looked up"),
     "cached_tokens": ("worker_prompt_cache_cached_tokens", "counter", "prompt tokens served"),
 }
 _DISK_TIER = {

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gateway.cache_view import NodeCacheStats, cache_rows
 
 SUMMARY = {"memory_bytes": 3000, "disk_bytes": 70000, "prefixes": 5, "lookups": 4,
-           "hit_rate": 0.75, "budget_bytes": 10**6, "budget_used_bytes": 4000}  # fmt: skip
+           "hit_rate": 0.75, "cached_share": 0.5, "budget_bytes": 10**6, "budget_used_bytes": 4000}  # fmt: skip
 PICTURE = {
     "node": {"node_id": "a" * 64, "cache_stats": {"m": SUMMARY}},
     "peers": [
@@ -46,6 +46,7 @@ def test_metrics_per_node_and_model() -> None:
         f'gateway_node_prompt_cache_prefixes{{model="m",node="{a}"}} 5.0',
         f'gateway_node_prompt_cache_hit_rate{{model="m",node="{a}"}} 0.75',
         f'gateway_node_prompt_cache_lookups_total{{model="m",node="{a}"}} 4.0',
+        f'gateway_node_prompt_cache_cached_share{{model="m",node="{a}"}} 0.5',
         f'gateway_node_memory_budget_bytes{{model="m",node="{a}"}} 1e+06',
         f'gateway_node_memory_used_bytes{{model="m",node="{a}"}} 4000.0',
         f'gateway_node_prompt_cache_prefixes{{model="m",node="{b}"}} 1.0',

@@ -17,6 +17,7 @@ HEALTH = {
         "prefixes": 5,
         "hits": 3,
         "misses": 1,
+        "prompt_tokens": 1200,
         "cached_tokens": 900,
     },
     "prompt_cache_disk": {"entries": 4, "bytes": 70000, "max_bytes": 10**9},
@@ -31,6 +32,7 @@ def test_a_worker_health_sums_up_to_four_numbers_and_the_budget() -> None:
         prefixes=5,
         lookups=4,
         hit_rate=0.75,
+        cached_share=0.75,
         budget_bytes=10**6,
         budget_used_bytes=4000,
     )

@@ -14,6 +14,7 @@ PICTURE = {
                 "prefixes": 5,
                 "lookups": 4,
                 "hit_rate": 0.75,
+                "cached_share": 0.5,
                 "budget_bytes": 10**9,
                 "budget_used_bytes": 4_000_000,
             },
@@ -28,8 +29,8 @@ PICTURE = {
 
 def test_every_node_with_a_summary_gets_a_row() -> None:
     assert cache_cells(PICTURE) == [
-        ["this node", "m", "3.0 MB", "70.0 MB", "5", "75% of 4", "4.0 MB of 1.0 GB"],
-        ["b" * 16 + " (down)", "m", "0 B", "-", "-", "-", "no budget"],
+        ["this node", "m", "3.0 MB", "70.0 MB", "5", "75% of 4", "50%", "4.0 MB of 1.0 GB"],
+        ["b" * 16 + " (down)", "m", "0 B", "-", "-", "-", "-", "no budget"],
     ]
     assert len(COLUMNS) == len(cache_cells(PICTURE)[0])
 

@@ -27,6 +27,7 @@ def test_an_empty_store_says_zero_everywhere() -> None:
         "prefixes": 0,
         "hits": 0,
         "misses": 0,
+        "prompt_tokens": 0,
         "cached_tokens": 0,
     }
 
@@ -38,7 +39,8 @@ def test_hits_misses_and_bytes_follow_the_lookups() -> None:
     cache, n = store.fetch([*range(10), 99])
     assert cache is not None and n == 10
     summary = store.summary()
-    assert (summary["hits"], summary["misses"], summary["cached_tokens"]) == (1, 1, 10)
+    assert (summary["hits"], summary["misses"]) == (1, 1)
+    assert (summary["prompt_tokens"], summary["cached_tokens"]) == (3 + 11, 10)
     assert summary["entries"] == summary["prefixes"] == 1
     assert summary["bytes"] == store.nbytes > 0
 
@@ -47,6 +49,7 @@ def test_a_prefix_on_disk_and_in_memory_counts_once(tmp_path: Path) -> None:
     disk = DiskTier(DiskTierConfig(str(tmp_path), 1 << 30, "m", min_tokens=8, hot_interval_s=0))
     store = PromptCacheStore(disk=disk, max_entries=1)
     store.insert(list(range(20)), kv(20))  # hot: written to disk, kept in memory
+    assert store.summary()["prefixes"] == 1  # on its way to disk: one prefix all the same
     disk.flush()
     assert len(disk) == 1
     assert store.summary()["prefixes"] == 1
