@@ -53,3 +53,11 @@ def test_metrics_per_node_and_model() -> None:
     ):
         assert line in text, (line, text)
     assert f'gateway_node_prompt_cache_hit_rate{{model="m",node="{b}"}}' not in text
+
+
+def test_health_shows_this_node_summary_only() -> None:
+    from gateway.status import health_facts
+
+    facts = health_facts(PICTURE)
+    assert facts["cache_stats"] == {"m": SUMMARY}
+    assert "cache_stats" not in health_facts({"node": {"node_id": "x", "cache_stats": {}}})
