@@ -185,7 +185,8 @@ class PromptCacheStore:
                 self._nbytes -= entry.nbytes
         chain = block_hashes(key_tokens, self.digest_block_size)
         entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable, chain)
-        entry.key = tokens_key(key_tokens)
+        if self.disk is not None:  # only a disk tier can hold the same prefix twice
+            entry.key = tokens_key(key_tokens)
         self._entries[self._next_key] = entry
         self._nbytes += entry.nbytes
         self._next_key += 1
@@ -226,12 +227,11 @@ class PromptCacheStore:
         # Most recently inserted first: they get the first share of the digest's bound. A
         # prefix of an untrimmable entry is not servable, so it advertises its whole length only.
         chains = [e.chain if e.trimmable else e.chain[-1:] for e in reversed(self._entries.values())]  # fmt: skip
-        keys = {e.key for e in self._entries.values()}
+        self.prefixes = len(self._entries)
         if self.disk is not None:  # after memory's: restoring costs a read, not a prefill
             chains += self.disk.chains()
-            keys |= self.disk.keys()
+            self.prefixes = len({e.key for e in self._entries.values()} | self.disk.keys())
         self.digest = CacheDigest.of_chains(chains, block_size=self.digest_block_size)
-        self.prefixes = len(keys)
 
     def spill(self, nbytes: int) -> int:
         """Give up at least ``nbytes`` of memory, least recently used first: to the disk tier
