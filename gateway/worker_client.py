@@ -382,20 +382,25 @@ class WorkerClient(Upstream):
         self, block_size: int, hashes: list[int], timeout_s: float = 1.0
     ) -> dict[str, Any] | None:
         """How much of a prompt (its block hashes) the worker's prompt cache holds now or is
-        about to (a pending commit), with its load: ``held_tokens``, ``queue_depth``,
-        ``in_flight``, ``prefill_backlog``, ``prefill_tok_s``; None when it does not answer in time."""
+        about to (a pending commit), with its load: ``held_tokens``, ``disk_tokens`` (of them,
+        those to restore from disk), ``restore_tok_s``, ``queue_depth``, ``in_flight``,
+        ``prefill_backlog``, ``prefill_tok_s``; None when it does not answer in time."""
         body = {"block_size": block_size, "hashes": hashes}
         try:
             response = await self._client.post(f"{self.base_url}/v1/prompt_cache/held", json=body, timeout=timeout_s)  # fmt: skip
             if response.status_code != 200:
                 return None
             data = response.json()
-            held = max(int(data["cached_tokens"]), int(data["pending_tokens"]))
+            warm = max(int(data.get("memory_tokens", data["cached_tokens"])), int(data["pending_tokens"]))  # fmt: skip
+            held = max(warm, int(data["cached_tokens"]))
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
         rate = data.get("prefill_tok_s")
         return {
             "held_tokens": held,
+            # Held only on disk beyond memory: a restore (a read) before the prefill of the rest.
+            "disk_tokens": held if held > warm else 0,
+            "restore_tok_s": data.get("restore_tok_s"),
             "queue_depth": data.get("queue_depth"),
             "in_flight": data.get("in_flight"),
             "prefill_backlog": data.get("prefill_backlog"),

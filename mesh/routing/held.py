@@ -7,8 +7,8 @@ node asks the members that serve the model, with a short deadline, one stream ea
 
     → RequestHead{path=/mesh/v1/prefix-held, deadline}
       Body({"model", "block_size", "hashes"}) BodyEnd
-    ← ResponseHead{200} Data({"held_tokens", "queue_depth", "in_flight", "prefill_backlog",
-                              "prefill_tok_s"}) End
+    ← ResponseHead{200} Data({"held_tokens", "disk_tokens", "restore_tok_s", "queue_depth",
+                              "in_flight", "prefill_backlog", "prefill_tok_s"}) End
     ← ResponseHead{4xx} End                                 a question it cannot answer
 
 The answering node asks its own worker (``POST /v1/prompt_cache/held``), which answers from its
@@ -66,6 +66,8 @@ class Held:
     in_flight: int | None = None
     prefill_backlog: int | None = None  # prompt tokens its queue still has to prefill
     prefill_tok_s: float | None = None
+    disk_tokens: int = 0  # of ``tokens``, those a restore from its disk tier reads back first
+    restore_tok_s: float | None = None  # the rate its last restores ran at
 
     @classmethod
     def parse(cls, data: Any) -> Held | None:
@@ -81,6 +83,8 @@ class Held:
             _count(data.get("in_flight")),
             _count(data.get("prefill_backlog"), 1 << 30),
             _rate(data.get("prefill_tok_s")),
+            min(tokens, _count(data.get("disk_tokens"), 1 << 30) or 0),
+            _rate(data.get("restore_tok_s")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,6 +94,8 @@ class Held:
             "in_flight": self.in_flight,
             "prefill_backlog": self.prefill_backlog,
             "prefill_tok_s": self.prefill_tok_s,
+            "disk_tokens": self.disk_tokens,
+            "restore_tok_s": self.restore_tok_s,
         }
 
 

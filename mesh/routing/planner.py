@@ -285,6 +285,8 @@ def _heard_now(candidate: Candidate, held: Held, routed: int, running: int, now:
         changes["prefill_tok_s"] = held.prefill_tok_s
     if held.prefill_backlog is not None:
         changes["backlog_tokens"] = held.prefill_backlog
+    if held.disk_tokens and held.tokens > routed:
+        changes.update(restore_tokens=held.disk_tokens, restore_tok_s=held.restore_tok_s)
     return dataclasses.replace(candidate, **changes)
 
 

@@ -17,9 +17,10 @@ step, which grows only slowly with the batch – each counts ``running_share`` o
 ``uncached_tokens`` is the prompt less the prefix the node's cache digest holds (a digest older
 than ``digest_ttl_s`` counts for nothing: the cache may have moved on); ``prefill_tok_s`` is the
 node's measured prefill rate when it told us (its answer to the routing-time question), else a
-mesh-wide guess; ``per_request_s`` is the node's recent TTFT as this node saw it (else
-``default_request_s``). Candidates within
-``tie_s`` (or ``tie_ratio`` of the best cost) of the best tie; a session's rendezvous hash breaks
+mesh-wide guess; a prefix held only in its disk tier adds its restore (``restore_tokens`` at its
+measured restore rate, else ten times its prefill rate); ``per_request_s`` is the node's recent
+TTFT as this node saw it (else ``default_request_s``). Candidates within ``tie_s`` (or
+``tie_ratio`` of the best cost) of the best tie; a session's rendezvous hash breaks
 the tie (``sticky``), else a round-robin turn (``spread``), so new sessions and session-less
 requests spread over idle nodes (but ``prefer``, this node, wins a tie no session decides); among
 tied nodes those holding the most of the prompt come first. The first choice carries its reason,
@@ -35,6 +36,10 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# A restore from the disk tier against a prefill of the same tokens, until a node has measured
+# its own: 0.82 s against 12 s for 3,000 SmolLM2 tokens here (bench/results/prompt-cache-disk.md).
+RESTORE_SPEEDUP = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +66,9 @@ class Candidate:
     ttft_s: float | None = None
     rtt_s: float | None = None
     prefill_tok_s: float | None = None  # its worker's measured rate (None: the policy's guess)
-    backlog_tokens: int | None = (
-        None  # prompt tokens its queue has to prefill first (None: unknown)
-    )
+    backlog_tokens: int | None = None  # prompt tokens its queue prefills first (None: unknown)
+    restore_tokens: int = 0  # of cached_tokens, those its disk tier must read back first
+    restore_tok_s: float | None = None  # its measured restore rate (None: a multiple of prefill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +104,10 @@ def cost(candidate: Candidate, prompt_tokens: int, now: float, policy: Policy) -
             batches = max(0.0, batches - max(0.0, now - candidate.load_at) / per_request)
         wait = batches * per_request
     wait += policy.running_share * candidate.running * per_request
-    return uncached / rate + wait + (candidate.rtt_s or 0.0)
+    restore = 0.0
+    if candidate.restore_tokens and uncached < prompt_tokens:  # a disk hit: read, then prefill
+        restore = candidate.restore_tokens / (candidate.restore_tok_s or RESTORE_SPEEDUP * rate)
+    return uncached / rate + restore + wait + (candidate.rtt_s or 0.0)
 
 
 def rank(

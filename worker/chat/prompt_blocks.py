@@ -70,10 +70,11 @@ MAX_HELD_HASHES = 16384  # a 1M-token prompt in blocks of 64: anything longer is
 
 
 async def prompt_cache_held(request: Request) -> Response:
-    """``{"block_size", "cached_tokens", "pending_tokens", "queue_depth", "in_flight",
-    "prefill_backlog", "prefill_tok_s"}`` for ``{"block_size", "hashes"}``: the prefix the prompt cache holds now,
-    the one a pending commit (an answer sent, its cache not yet stored) holds, and the load and
-    prefill rate to weigh them by. A mesh asks it while routing a conversation's next turn, when
+    """``{"block_size", "cached_tokens", "memory_tokens", "disk_tokens", "restore_tok_s",
+    "pending_tokens", "queue_depth", "in_flight", "prefill_backlog", "prefill_tok_s"}`` for
+    ``{"block_size", "hashes"}``: the prefix the prompt cache holds now (in memory, on disk with
+    the rate a restore ran at), the one a pending commit (an answer sent, its cache not yet
+    stored) holds, and the load and prefill rate to weigh them by. A mesh asks it while routing a conversation's next turn, when
     what it heard by gossip may be older than the turn before; it answers from the digest and
     counters, not the engine's thread, so a busy engine answers at once. Another block size:
     nothing held."""
@@ -86,14 +87,17 @@ async def prompt_cache_held(request: Request) -> Response:
         hashes = [int(h) for h in hashes]
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         return _bad(f"not a prefix question: {exc}")
-    cached = pending = 0
+    held = {"memory": 0, "disk": 0, "pending": 0, "restore_tok_s": None}
     if size == engine.cache_digest.block_size:
-        cached, pending = engine.prefix_held(hashes)
+        held = engine.prefix_held(hashes)
     stats = engine.stats
     out = {
         "block_size": size,
-        "cached_tokens": cached,
-        "pending_tokens": pending,
+        "cached_tokens": max(held["memory"], held["disk"]),
+        "memory_tokens": held["memory"],
+        "disk_tokens": held["disk"],
+        "restore_tok_s": held["restore_tok_s"],
+        "pending_tokens": held["pending"],
         "queue_depth": stats.queue_depth,
         "in_flight": stats.in_flight,
         "prefill_backlog": engine.prefill_backlog if stats.queue_depth else 0,

@@ -167,12 +167,14 @@ class Engine:
         """What the prompt cache holds (block hashes, bounded), safe to read from any thread."""
         return self._store.digest
 
-    def prefix_held(self, hashes: Sequence[int]) -> tuple[int, int]:
-        """Tokens of a prompt (its block hashes, of the digest's block size) that the prompt
-        cache holds, and that a pending commit holds; safe to call from any thread."""
-        size = self._store.digest_block_size
+    def prefix_held(self, hashes: Sequence[int]) -> dict[str, Any]:
+        """Tokens of a prompt (its block hashes, of the digest's block size) held in memory, on
+        disk (with the disk's restore rate) and by a pending commit; safe from any thread."""
+        size, store = self._store.digest_block_size, self._store
+        memory, disk = store.held(hashes)
         pending = max((common_blocks(c, hashes) for c in self._commits.held_chains), default=0)
-        return self._store.digest.cached_tokens(hashes), pending * size
+        restore = store.disk.restore_tokens_per_second() if store.disk is not None else None
+        return {"memory": memory * size, "disk": disk * size, "pending": pending * size, "restore_tok_s": restore}  # fmt: skip
 
     # ---- calls from the event loop -----------------------------------------------------------
 

@@ -32,6 +32,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,8 @@ class DiskTier:
         self._writes: queue.Queue[tuple[str, tuple[int, ...], dict[str, Any], str]] = queue.Queue()
         self._done: queue.Queue[tuple[str, DiskEntry | None, str]] = queue.Queue()
         self._writer: threading.Thread | None = None
+        # The last loads' (tokens, seconds): what a restore costs, for routing to weigh.
+        self._restores: deque[tuple[int, float]] = deque(maxlen=8)
         self._scan()
 
     # ---- the index ---------------------------------------------------------------------------
@@ -355,6 +358,7 @@ class DiskTier:
         from mlx_lm.models.cache import KVCache
 
         data = self._data(entry.key)
+        started = time.monotonic()
         try:
             if _file_sha256(data) != entry.sha256:
                 return self._skip(entry.key, "checksum mismatch (a corrupt or truncated file)")
@@ -377,7 +381,15 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(self._sidecar(entry.key))
         self.stats.loads += 1
+        self._restores.append((len(entry.tokens), time.monotonic() - started))
         return cache
+
+    def restore_tokens_per_second(self) -> float | None:
+        """Tokens restored per second over the last loads (checksum, read and all); None before
+        any. Read from any thread: a copy of the deque is taken at once."""
+        restores = list(self._restores)
+        seconds = sum(s for _, s in restores)
+        return sum(n for n, _ in restores) / seconds if seconds > 0 else None
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from worker.prompt_cache.digest import DEFAULT_BLOCK_SIZE, CacheDigest, block_hashes, common_prefix
+from worker.prompt_cache.digest import (
+    DEFAULT_BLOCK_SIZE,
+    CacheDigest,
+    block_hashes,
+    common_blocks,
+    common_prefix,
+)
 from worker.prompt_cache.disk import DiskTier, tokens_key
 
 # A disk entry is loaded when it serves this many more prompt tokens than memory does: below
@@ -95,6 +101,10 @@ class PromptCacheStore:
     disk: DiskTier | None = None  # the disk tier, when the worker has a home for it
     # Distinct prefixes in either tier (one in both counts once), counted with the digest.
     prefixes: int = 0
+    # Every entry's whole chain by tier, swapped in whole with the digest: the mesh's
+    # routing-time question is answered from these exactly (the digest thins long chains).
+    memory_chains: tuple[tuple[tuple[int, ...], bool], ...] = ()  # (chain, trimmable)
+    disk_chains: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.disk is not None:
@@ -232,6 +242,20 @@ class PromptCacheStore:
             chains += self.disk.chains()
             self.prefixes = len({e.key for e in self._entries.values()} | self.disk.keys())
         self.digest = CacheDigest.of_chains(chains, block_size=self.digest_block_size)
+        self.memory_chains = tuple((tuple(e.chain), e.trimmable) for e in self._entries.values())
+        self.disk_chains = tuple(tuple(c) for c in self.disk.chains()) if self.disk else ()
+
+    def held(self, hashes: Sequence[int]) -> tuple[int, int]:
+        """Blocks of a prompt (its block hashes) the memory tier and the disk tier hold; any
+        thread (it reads the last published chains). An entry that cannot be trimmed serves
+        only a prompt that extends all of it."""
+        memory = 0
+        for chain, trimmable in self.memory_chains:
+            shared = common_blocks(chain, hashes)
+            if trimmable or shared == len(chain):
+                memory = max(memory, shared)
+        disk = max((common_blocks(c, hashes) for c in self.disk_chains), default=0)
+        return memory, disk
 
     def spill(self, nbytes: int) -> int:
         """Give up at least ``nbytes`` of memory, least recently used first: to the disk tier

@@ -143,3 +143,18 @@ def test_a_measured_prefill_rate_and_backlog_replace_the_guesses():
     idle = fresh("a", 1900, prefill_tok_s=100.0, backlog_tokens=0)
     ranked = rank([idle, cold], prompt_tokens=2000, now=NOW)
     assert ranked[0].reason == "cache 1900/2000 (1.00s <= 4.00s elsewhere)"
+
+
+def test_a_prefix_on_disk_costs_its_restore_and_still_beats_a_cold_prefill():
+    # 2,000 tokens: 10 s cold at 200 tok/s. On disk at "a": a 1.0 s read of 1,900 tokens, then
+    # 0.5 s for the rest; in memory at "b" only the first 1,000 (5 s of prefill left).
+    on_disk = fresh("a", 1900, prefill_tok_s=200.0, backlog_tokens=0, restore_tokens=1900, restore_tok_s=1900.0)  # fmt: skip
+    in_memory = fresh("b", 1000, prefill_tok_s=200.0, backlog_tokens=0)
+    assert cost(on_disk, 2000, NOW, Policy()) == 1.5
+    ranked = rank(
+        [in_memory, on_disk, fresh("c", prefill_tok_s=200.0)], prompt_tokens=2000, now=NOW
+    )
+    assert [c.node_id for c in ranked] == ["a", "b", "c"]
+    # Unmeasured, a restore counts ten times the prefill rate.
+    guessed = fresh("a", 1900, prefill_tok_s=200.0, restore_tokens=1900)
+    assert cost(guessed, 2000, NOW, Policy()) == 0.5 + 1900 / 2000

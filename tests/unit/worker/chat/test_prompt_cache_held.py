@@ -68,6 +68,8 @@ async def test_a_pending_commit_counts_as_held_until_it_lands(engine: Engine) ->
     await _wait(lambda: engine.stats.commits == 1)
     after = (await _held(app, question)).json()
     assert after["cached_tokens"] == before["pending_tokens"] and after["pending_tokens"] == 0
+    assert after["memory_tokens"] == after["cached_tokens"] and after["disk_tokens"] == 0
+    assert after["restore_tok_s"] is None  # no disk tier here
     # Another block size says nothing rather than something wrong.
     other = (await _held(app, {"block_size": 32, "hashes": block_hashes(next_turn, 32)})).json()
     assert other["cached_tokens"] == other["pending_tokens"] == 0

@@ -205,3 +205,21 @@ async def test_the_warm_up_leaves_nothing_on_disk(tiny_model_dir: Path, tmp_path
         await wait_until(lambda: not any(tmp_path.glob("*.json")))
     finally:
         engine.close()
+
+
+def test_the_routing_question_sees_each_tier_and_a_restore_is_timed(tmp_path: Path) -> None:
+    from worker.prompt_cache.digest import block_hashes
+    from worker.prompt_cache.store import PromptCacheStore
+
+    tier = DiskTier(config(tmp_path), block_size=8)
+    tier.save(list(range(200)), kv(200))
+    tier.flush()
+    store = PromptCacheStore(digest_block_size=8, disk=DiskTier(config(tmp_path), block_size=8))
+    store.insert(list(range(16)), kv(16))  # memory holds the first 16 (the disk tier too, now)
+    asked = block_hashes([*range(200), 7, 7, 7, 7, 7, 7, 7, 7], 8)
+    assert store.held(asked) == (2, 25)  # blocks: 16 tokens in memory, 200 on disk
+    assert store.disk is not None and store.disk.restore_tokens_per_second() is None
+    cache, cached = store.fetch([*range(200), 7])  # a disk hit: read back, then served
+    assert cached == 200 and cache is not None
+    assert store.disk.restore_tokens_per_second() > 0
+    assert store.held(asked)[0] == 25  # now in memory too
