@@ -67,6 +67,16 @@ def test_a_conversation_keeps_its_key_turn_after_turn_and_others_differ():
     assert conversation_key([Message(role="system", content="x")]) is None
 
 
+def test_conversations_that_open_with_the_same_words_for_different_agents_differ():
+    hi = [Message(role="user", content="hi")]
+    keys = {
+        conversation_key(hi),
+        conversation_key([Message(role="system", content="you review code"), *hi]),
+        conversation_key([Message(role="system", content="you write docs"), *hi]),
+    }
+    assert len(keys) == 3  # the first user message alone made them one
+
+
 async def test_keyless_turns_entering_anywhere_go_to_the_conversations_node():
     """No session key, nothing in any digest yet: every turn of a conversation, whichever node
     it enters (a fresh planner: no routing memory), breaks the tie for the same node – the
