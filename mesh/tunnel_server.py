@@ -36,7 +36,7 @@ from mesh.delta_merge import DeltaMerge, mergeable
 from mesh.errors import MeshError
 from mesh.identity import short_id
 from mesh.peer_upstream import CHAT_PATH
-from mesh.tunnel.frames import Body, BodyEnd, Data, End, ErrorCode, RequestHead, ResponseHead
+from mesh.tunnel.frames import Data, End, ErrorCode, RequestHead, ResponseHead
 
 log = logging.getLogger(__name__)
 
@@ -77,24 +77,18 @@ class TunnelServer:
         if handler is not None:  # a stream of its own kind: it reads its body itself
             await handler(stream, peer_id)
             return
-        body = bytearray()
-        while True:
-            frame = await stream.recv()
-            if isinstance(frame, Body):
-                body += frame.data
-                if len(body) > MAX_BODY_BYTES:
-                    await _refuse(stream, 413, "request body too large")
-                    return
-            elif isinstance(frame, BodyEnd) or frame is None:
-                break
+        body = await stream.read_body(MAX_BODY_BYTES)
+        if body is None:
+            await _refuse(stream, 413, "request body too large")
+            return
         if head.path == response_relay.RESPONSES_PATH and self.responses is not None:
-            await response_relay.serve(stream, bytes(body), self.responses)
+            await response_relay.serve(stream, body, self.responses)
             return
         if head.path != CHAT_PATH:
             await _refuse(stream, 404, f"unknown path {head.path}")
             return
         try:
-            request = ChatRequest.model_validate_json(bytes(body))
+            request = ChatRequest.model_validate_json(body)
         except ValidationError as exc:
             await _refuse(stream, 400, f"bad request: {exc.error_count()} errors")
             return

@@ -125,18 +125,6 @@ async def held_here(local: ModelDirectory, model: str, block_size: int, hashes: 
     return None
 
 
-async def _read_body(stream: Any) -> bytes | None:
-    body = bytearray()
-    while True:
-        frame = await stream.recv()
-        if isinstance(frame, Body):
-            body += frame.data
-            if len(body) > MAX_BODY_BYTES:
-                return None
-        elif isinstance(frame, BodyEnd) or frame is None:
-            return bytes(body)
-
-
 async def _reply(stream: Any, status: int, payload: bytes = b"") -> None:
     await stream.send(ResponseHead(status=status))
     if payload:
@@ -146,7 +134,7 @@ async def _reply(stream: Any, status: int, payload: bytes = b"") -> None:
 
 async def serve(stream: Any, local: ModelDirectory) -> None:
     """Answer one peer's question (the tunnel server's handler for :data:`HELD_PATH`)."""
-    body = await _read_body(stream)
+    body = await stream.read_body(MAX_BODY_BYTES)
     if body is None:
         await _reply(stream, 413)
         return

@@ -37,6 +37,8 @@ from mesh.errors import (
 from mesh.tunnel.frames import (
     HEADER_SIZE,
     MAX_PAYLOAD,
+    Body,
+    BodyEnd,
     Data,
     End,
     ErrorCode,
@@ -256,6 +258,19 @@ class TunnelStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    async def read_body(self, limit: int) -> bytes | None:
+        """A request's body: its ``Body`` frames up to ``BodyEnd``; None once it passes
+        ``limit`` bytes (the caller refuses it). Raises like ``recv``."""
+        body = bytearray()
+        while True:
+            frame = await self.recv()
+            if isinstance(frame, Body):
+                body += frame.data
+                if len(body) > limit:
+                    return None
+            elif isinstance(frame, BodyEnd) or frame is None:
+                return bytes(body)
 
     def __aiter__(self) -> AsyncIterator[Frame]:
         return self._iterate()
