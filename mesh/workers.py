@@ -333,6 +333,8 @@ class WorkerSupervisor:
         # Each model's speculation counters from its worker's last /health (load() polls it):
         # the status picture carries them to the gateway's /metrics.
         self.speculation: dict[str, dict[str, Any]] = {}
+        # And its memory budget and prompt-cache tiers (sizes and counters), for /health.
+        self.memory: dict[str, dict[str, Any]] = {}
 
     @property
     def clients(self) -> dict[str, WorkerClient]:
@@ -370,6 +372,7 @@ class WorkerSupervisor:
             p.name: {"state": p.state.value, "restarts": p.restarts, **p.status()}
             | ({"health": p.health.status(now)} if p.health is not None else {})
             | ({"speculation": self.speculation[p.name]} if p.name in self.speculation else {})
+            | self.memory.get(p.name, {})
             for p in self.processes
         }
 
@@ -400,7 +403,16 @@ class WorkerSupervisor:
                 total["cache_stats"][client.model_name] = stats
             if isinstance(speculation := data.get("speculation"), dict):
                 self.speculation[client.model_name] = speculation
+            self.memory[client.model_name] = {
+                key: data[key] for key in _MEMORY_KEYS if isinstance(data.get(key), dict)
+            }
         return total
+
+
+# The blocks of a worker's /health its node's /health repeats under ``workers.<model>``: the
+# memory budget (limit, use, weights) and the prompt cache's memory and disk tiers (sizes,
+# evictions, disk writes and loads) – what the lab's memory scenario reads.
+_MEMORY_KEYS = ("memory", "prompt_cache", "prompt_cache_disk")
 
 
 def _sized(flag: str, gb: float | None) -> tuple[str, ...]:

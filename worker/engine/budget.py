@@ -48,6 +48,7 @@ class MemoryBudget:
     max_waiting: int = DEFAULT_MAX_WAITING
     reserved: dict[str, int] = field(default_factory=dict)  # job id → bytes
     cache_bytes: int = 0  # the memory tier and the pending commits, as last told
+    weight_bytes: int = 0  # the model's parameters as loaded: outside the budget, reported
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         tokens = prompt_tokens + max_tokens + self.draft_tokens
@@ -97,4 +98,5 @@ class MemoryBudget:
             "running_kv_bytes": self.running_bytes,
             "prompt_cache_bytes": self.cache_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_bytes": self.weight_bytes,
         }

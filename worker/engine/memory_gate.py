@@ -101,10 +101,12 @@ def memory_gate(
     per_token = kv_bytes_per_token(model)
     if per_token is None:
         return None
+    weights = weight_bytes(model)
     limit = config.memory_budget_bytes
     if limit is None:
-        limit = default_limit(physical_memory_bytes(), weight_bytes(model))
+        limit = default_limit(physical_memory_bytes(), weights)
     if limit is None:
         return None
     draft = config.speculation.draft_tokens if config.speculation.on else 0
-    return MemoryGate(MemoryBudget(limit, per_token, draft_tokens=draft), store, pending_bytes)
+    budget = MemoryBudget(limit, per_token, draft_tokens=draft, weight_bytes=weights)
+    return MemoryGate(budget, store, pending_bytes)

@@ -220,6 +220,7 @@ class PromptCacheStore:
             "misses": stats.misses,
             "prompt_tokens": stats.prompt_tokens,
             "cached_tokens": stats.cached_tokens,
+            "evictions": stats.evictions,  # to the disk tier when there is one, else dropped
         }
 
     def flush_to_disk(self) -> int:

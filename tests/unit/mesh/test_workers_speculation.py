@@ -85,3 +85,35 @@ async def test_the_workers_speculation_counters_reach_the_status_picture(tmp_pat
     process.client = Client()  # type: ignore[assignment]
     await supervisor.load()
     assert supervisor.status()["m"]["speculation"] == block
+
+
+async def test_the_workers_memory_and_cache_tiers_reach_the_status_picture(tmp_path: Path) -> None:
+    """The budget (with the weights) and both prompt-cache tiers' blocks of the worker's last
+    /health show under the node's ``workers.<model>`` (its /health): the lab's memory scenario
+    reads them; a block the worker does not send (no budget: null) is left out."""
+    from mesh.workers import WorkerOptions, WorkerSupervisor
+
+    memory = {"limit_bytes": 16 << 20, "used_bytes": 1 << 20, "weight_bytes": 4096}
+    tier = {"bytes": 1 << 20, "evictions": 3}
+    disk = {"bytes": 3 << 20, "writes": 3, "loads": 1}
+
+    class Client:
+        model_name = "m"
+
+        def __init__(self) -> None:
+            self.body: dict[str, object] = {"memory": memory, "prompt_cache": tier, "cd": "x"}
+
+        async def health(self) -> dict[str, object]:
+            return self.body | {"queue_depth": 0, "prompt_cache_disk": disk}
+
+    supervisor = WorkerSupervisor(WorkerOptions(home=tmp_path), ["m"])
+    process = WorkerProcess("m", supervisor.options)
+    supervisor.processes.append(process)
+    process.client = client = Client()  # type: ignore[assignment]
+    await supervisor.load()
+    status = supervisor.status()["m"]
+    assert status["memory"] == memory and status["prompt_cache"] == tier
+    assert status["prompt_cache_disk"] == disk and "cd" not in status
+    client.body = {"memory": None, "prompt_cache": tier}
+    await supervisor.load()
+    assert "memory" not in supervisor.status()["m"]

@@ -62,6 +62,8 @@ def per_token(model_dir: Path) -> int:
     engine = start(model_dir)
     try:
         assert engine.memory_budget is not None
+        # The weights are outside the budget but reported beside it (the lab's RSS bound).
+        assert engine.memory_budget["weight_bytes"] > 0
         return engine.memory_budget["kv_bytes_per_token"]
     finally:
         engine.close()
@@ -119,6 +121,7 @@ async def test_the_memory_tier_spills_to_disk_before_a_job_waits(
         disk = engine.prompt_cache_disk
         assert disk is not None
         await wait_until(lambda: engine.prompt_cache_disk["writes"] == 1)  # type: ignore[index]
+        assert engine.prompt_cache["evictions"] == 1  # the memory tier's spill, counted
         # The first conversation's prefix is on disk, and comes back from there.
         again = await finish(engine, engine.submit(GenerationRequest([*first, 7], 4, GREEDY)))
         assert again.cached_tokens >= len(first) - 1

@@ -29,6 +29,7 @@ def test_an_empty_store_says_zero_everywhere() -> None:
         "misses": 0,
         "prompt_tokens": 0,
         "cached_tokens": 0,
+        "evictions": 0,
     }
 
 
