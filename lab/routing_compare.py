@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from lab.memory_watch import MB, MemoryWatch, render_memory
 from lab.netlab import LabOptions, NetLab
 from lab.nodes import LabError, healthy, wait_until
 from lab.scenario import NodeStep, Scenario, SessionsSpec, SlowStep, load_scenario
@@ -65,6 +66,7 @@ class Turn:
     hedge: str = ""
     attempts: int = 0
     error: str = ""
+    refused: int = 0  # 429 answers (the budget's full queue), each followed by a retry
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, session: str | None, turn: Turn) -> None:  # fmt: skip
@@ -73,6 +75,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, session: str | N
     async with client.stream("POST", f"{url}/v1/messages", json=body, headers=headers) as response:
         turn.reason = response.headers.get("x-mesh-route-reason", "")
         turn.hedge = response.headers.get("x-mesh-hedge", "")
+        if response.status_code == 429:
+            turn.refused += 1
         if response.status_code != 200:
             turn.error = f"{response.status_code} {(await response.aread())[:200]!r}"
             return
@@ -149,8 +153,12 @@ async def one_run(scenario: Scenario, out: Path, run: Run, *, console: Console) 
     kill, slow = run.kill, run.slow
     lab = NetLab(scenario, LabOptions(out_dir=out, up_args=run.up_args), console)
     started = time.monotonic()
+    watch: MemoryWatch | None = None
     try:
         await lab.setup()
+        if run.watch:  # after set-up: the first samples are each node's idle baseline
+            watch = MemoryWatch(lab.nodes, margin=int(spec.rss_margin_mb * MB))
+            await watch.start()
         model = lab.nodes[0].model_id
         driver = Driver(lab, spec, model, random.Random(spec.seed))
         driver.up = {n.index for n in lab.nodes if n.running()}
@@ -166,15 +174,30 @@ async def one_run(scenario: Scenario, out: Path, run: Run, *, console: Console) 
         sessions = build_sessions(spec.count, json.loads(FIXTURE.read_text()))
         total = sum(len(s) for s in sessions)
         limits = httpx.Timeout(120, connect=5)
+        if watch is not None:
+            watch.mark("sessions start")
         async with httpx.AsyncClient(trust_env=False, timeout=limits) as client:
             timeline = asyncio.create_task(driver.timeline(total, scenario))
             await asyncio.gather(*(driver.session(client, i, s) for i, s in enumerate(sessions)))
             timeline.cancel()
+        if watch is not None:
+            watch.mark("sessions end")
+            await asyncio.sleep(4)  # the nodes' /health counters lag by a probe interval
+            for event in lab.events:
+                if event["event"] in ("kill", "start", "back") and event["t"] > watch.t0_wall:
+                    watch.mark(event["event"], event["t"], node=event.get("node"))
     finally:
+        if watch is not None:
+            await watch.stop()
         await lab.close()
     rows = [t.__dict__ for t in driver.turns]
     (out / "turns.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return summarize(driver.turns) | {"wall_s": round(time.monotonic() - started, 1)}
+    result = summarize(driver.turns) | {"wall_s": round(time.monotonic() - started, 1)}
+    if watch is not None:
+        path = out / "memory.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in watch.rows()))
+        result["memory"] = watch.summary() | {"samples_file": str(path)}
+    return result
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -199,6 +222,7 @@ def summarize(turns: list[Turn]) -> dict:
         "ok": len(ok),
         "lost": len(turns) - len(ok),
         "client_retries": sum(t.attempts - 1 for t in turns),
+        "refused_429": sum(t.refused for t in turns),
         "cached_ratio": cached / prompt if prompt else 0.0,
         "ceiling": ceiling(ok),
         "prompt_tokens": prompt,
@@ -237,19 +261,30 @@ class Run:
     kill: bool = True  # kill and restart the stop node midway
     slow: bool = False  # hold the slow node to its CPU duty
     session_keys: bool = True  # the clients send their session ids (as the scenario says)
+    watch: bool = False  # sample every node's memory (lab/memory_watch.py)
 
 
 def runs(spec: SessionsSpec) -> list[Run]:
     """Each routing with the scenario's session keys; then, where the scenario sends them,
     each without (``keyless``: clients that send no session id, whose turns only the cache
     can place); then the hedge runs."""
-    cache = (
-        [] if spec.prompt_cache_gb is None else ["--prompt-cache-gb", f"{spec.prompt_cache_gb:g}"]
-    )
+    sizes: list[str] = []  # the prompt cache's tiers
+    for flag, gb in (
+        ("--prompt-cache-gb", spec.prompt_cache_gb),
+        ("--prompt-cache-disk-gb", spec.prompt_cache_disk_gb),
+    ):
+        sizes += [] if gb is None else [flag, f"{gb:g}"]
+    watch = spec.memory_gb is not None
+    cache = sizes + (["--memory-gb", f"{spec.memory_gb:g}"] if watch else [])
+    budget = f", budget {spec.memory_gb:g} GB" if watch else ""
+    keys = spec.session_keys
     out = [
-        Run(mode, ["--routing", mode, *cache], session_keys=spec.session_keys)
+        Run(f"{mode}{budget}", ["--routing", mode, *cache], session_keys=keys, watch=watch)
         for mode in spec.routings
     ]
+    for mode in spec.unbounded:
+        flags = ["--routing", mode, *sizes, "--memory-gb", "0"]
+        out.append(Run(f"{mode}, no budget", flags, session_keys=keys, watch=watch))
     if spec.session_keys:
         for mode in spec.keyless:
             flags = ["--routing", mode, *cache]
@@ -283,6 +318,7 @@ def render(scenario: Scenario, results: dict[str, dict]) -> str:
             f"| {p50} / {p95} "
             f"| {r['hedged']} | {reasons} | {r['wall_s']} |"
         )
+    lines += render_memory(results)
     return "\n".join(lines) + "\n"
 
 
@@ -304,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--markdown", type=Path, help="write the table here too")
     parser.add_argument("--only", action="append", default=[], help="run only this label")
+    parser.add_argument("--plot", type=Path, help="the RSS plot here too (runs with a budget)")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     scenario = load_scenario(args.scenario)
@@ -317,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     table = render(scenario, results)
+    if any("memory" in r for r in results.values()):
+        from lab.plots import rss_plot  # matplotlib only where there is something to draw
+
+        for path in [args.out / "rss.png", *([args.plot] if args.plot else [])]:
+            rss_plot(path, results)
     print(table)
     if args.markdown:
         args.markdown.write_text(table)

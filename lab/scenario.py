@@ -230,6 +230,16 @@ class SessionsSpec(_Strict):
     # Every node's workers' prompt cache (mesh up --prompt-cache-gb); None: the default. Small
     # enough that a node holds only some sessions, where a turn lands decides what it finds.
     prompt_cache_gb: float | None = Field(None, ge=0)
+    # Every node's workers' memory budget (mesh up --memory-gb) and disk tier
+    # (--prompt-cache-disk-gb); None: the defaults. With a budget, each run samples every node's
+    # RSS each second (lab/memory_watch.py) and checks it against budget + weights + its idle
+    # RSS + ``rss_margin_mb``.
+    memory_gb: float | None = Field(None, gt=0)
+    prompt_cache_disk_gb: float | None = Field(None, ge=0)
+    rss_margin_mb: float = Field(0.0, ge=0)
+    # Routings run once more with no budget (--memory-gb 0), everything else the same: the
+    # cached share the budget costs, measured in the same invocation.
+    unbounded: list[str] = Field(default_factory=list)
 
 
 class Scenario(_Strict):
