@@ -227,6 +227,12 @@ class MemoryWatch:
             "max_rss": {
                 n: max((s.rss for s in self.samples if s.node == n), default=0) for n in self.idle
             },
+            # The last sample: what the node still holds once the load is over (a freed page the
+            # allocator keeps shows here; a transient peak does not).
+            "end_rss": {
+                n: next((s.rss for s in reversed(self.samples) if s.node == n), 0)
+                for n in self.idle
+            },
             "idle_root": {n: s.root for n, s in self.idle.items()},
             "max_root": {
                 n: max((s.root for s in self.samples if s.node == n), default=0) for n in self.idle
@@ -257,8 +263,9 @@ def render_memory(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     lines = [
         "",
         "| run | requests | lost | 429s | cached/prompt | max RSS / bound MiB per node "
-        "| bound met | spills (memory-tier evictions) | disk writes | disk loads |",
-        "|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
+        "| bound met | max budget use MiB | spills (memory-tier evictions) | disk writes "
+        "| disk loads |",
+        "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for label, r in watched.items():
         m = r["memory"]
@@ -269,14 +276,15 @@ def render_memory(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
         met = "–" if not m["bound"] else ("yes" if all(b["ok"] for b in m["bound"].values()) else "**no**")  # fmt: skip
         lines.append(
             f"| {label} | {r['requests']} | {r['lost']} | {r['refused_429']} "
-            f"| {r['cached_ratio']:.3f} | {per_node} | {met} | {m['evictions']} "
+            f"| {r['cached_ratio']:.3f} | {per_node} | {met} | {_mb(m['max_budget_used'] or None)} "
+            f"| {m['evictions']} "
             f"| {m['disk_writes']} | {m['disk_loads']} |"
         )
     lines += [
         "",
         "| run | node | budget MiB | weights MiB | idle RSS MiB | overhead MiB | bound MiB "
-        "| max RSS MiB | samples over bound |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| max RSS MiB | RSS at the end MiB | samples over bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for label, r in watched.items():
         m = r["memory"]
@@ -288,6 +296,7 @@ def render_memory(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
             over = "–" if b is None else f"{b['over']} of {b['samples']}"
             lines.append(
                 f"| {label} | {n} | {_mb(budget)} | {weights / MB:.2f} | {_mb(m['idle_rss'][n])} "
-                f"| {_mb(overhead)} | {_mb(bound)} | {_mb(m['max_rss'][n])} | {over} |"
+                f"| {_mb(overhead)} | {_mb(bound)} | {_mb(m['max_rss'][n])} "
+                f"| {_mb(m['end_rss'].get(n))} | {over} |"
             )
     return lines

@@ -264,6 +264,11 @@ class Run:
     watch: bool = False  # sample every node's memory (lab/memory_watch.py)
 
 
+def _gib(gb: float) -> str:
+    """--memory-gb's GiB in words: "16 MiB" below one."""
+    return f"{gb:g} GiB" if gb >= 1 else f"{gb * 1024:g} MiB"
+
+
 def runs(spec: SessionsSpec) -> list[Run]:
     """Each routing with the scenario's session keys; then, where the scenario sends them,
     each without (``keyless``: clients that send no session id, whose turns only the cache
@@ -276,7 +281,7 @@ def runs(spec: SessionsSpec) -> list[Run]:
         sizes += [] if gb is None else [flag, f"{gb:g}"]
     watch = spec.memory_gb is not None
     cache = sizes + (["--memory-gb", f"{spec.memory_gb:g}"] if watch else [])
-    budget = f", budget {spec.memory_gb:g} GB" if watch else ""
+    budget = f", budget {_gib(spec.memory_gb)}" if spec.memory_gb is not None else ""
     keys = spec.session_keys
     out = [
         Run(f"{mode}{budget}", ["--routing", mode, *cache], session_keys=keys, watch=watch)

@@ -105,7 +105,7 @@ def test_the_memory_scenario_runs_with_a_budget_then_without_one() -> None:
     spec = load_scenario("routing-memory").sessions
     assert spec is not None and spec.memory_gb and spec.count == 12
     budgeted, unbounded = runs(spec)
-    assert budgeted.label == f"cache, budget {spec.memory_gb:g} GB" and unbounded.label == "cache, no budget"  # fmt: skip
+    assert budgeted.label == "cache, budget 16 MiB" and unbounded.label == "cache, no budget"
     for run in (budgeted, unbounded):
         assert run.watch and run.kill
         assert run.up_args[run.up_args.index("--prompt-cache-disk-gb") + 1] == "1"
@@ -120,6 +120,7 @@ def test_the_table_shows_each_node_against_its_bound() -> None:
         "budget": {0: 16 * MB, 1: 16 * MB},
         "weights": {0: MB, 1: MB},
         "max_rss": {0: 300 * MB, 1: 400 * MB},
+        "end_rss": {0: 290 * MB, 1: 399 * MB},
         "bound": check_bound(
             [Sample(1, 0, 1, 300 * MB, 2), Sample(1, 1, 1, 400 * MB, 2)],
             {0: 330 * MB, 1: 340 * MB},
@@ -127,10 +128,11 @@ def test_the_table_shows_each_node_against_its_bound() -> None:
         "evictions": 40,
         "disk_writes": 41,
         "disk_loads": 9,
+        "max_budget_used": 15 * MB,
     }
     result = {"requests": 144, "lost": 0, "refused_429": 0, "cached_ratio": 0.9}
     lines = render_memory({"cache": {"requests": 1}, "cache, budget": result | {"memory": memory}})
     text = "\n".join(lines)
-    assert "| cache, budget | 144 | 0 | 0 | 0.900 | 0: 300 / 330, 1: 400 / 340 | **no** | 40 | 41 | 9 |" in text  # fmt: skip
-    assert "| cache, budget | 1 | 16 | 1.00 | 260 | 323 | 340 | 400 | 1 of 1 |" in text
+    assert "| cache, budget | 144 | 0 | 0 | 0.900 | 0: 300 / 330, 1: 400 / 340 | **no** | 15 | 40 | 41 | 9 |" in text  # fmt: skip
+    assert "| cache, budget | 1 | 16 | 1.00 | 260 | 323 | 340 | 400 | 399 | 1 of 1 |" in text
     assert render_memory({"cache": {"requests": 1}}) == []
