@@ -290,12 +290,13 @@ def render_memory(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
         m = r["memory"]
         for n in sorted(m["idle_rss"]):
             b = m["bound"].get(n)
-            budget, weights = m["budget"].get(n), m["weights"].get(n) or 0
+            budget, weights = m["budget"].get(n), m["weights"].get(n)
             bound = None if b is None else b["bound"]
-            overhead = None if bound is None else bound - (budget or 0) - weights
+            overhead = None if bound is None else bound - (budget or 0) - (weights or 0)
+            weighed = "–" if weights is None else f"{weights / MB:.2f}"
             over = "–" if b is None else f"{b['over']} of {b['samples']}"
             lines.append(
-                f"| {label} | {n} | {_mb(budget)} | {weights / MB:.2f} | {_mb(m['idle_rss'][n])} "
+                f"| {label} | {n} | {_mb(budget)} | {weighed} | {_mb(m['idle_rss'][n])} "
                 f"| {_mb(overhead)} | {_mb(bound)} | {_mb(m['max_rss'][n])} "
                 f"| {_mb(m['end_rss'].get(n))} | {over} |"
             )
