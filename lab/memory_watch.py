@@ -139,6 +139,11 @@ def check_bound(samples: Sequence[Sample], bounds: Mapping[int, int]) -> dict[in
     return out
 
 
+def busy_facts(facts: Mapping[str, int]) -> int:
+    """Bytes and writes that only requests make (0 for a node that served nothing yet)."""
+    return sum(facts.get(k, 0) for k in ("memory_tier", "disk_tier", "disk_writes", "budget_used"))
+
+
 class MemoryWatch:
     """Samples every node of a lab run each ``interval_s``: ``await start()`` (after set-up:
     it records the idle baselines), ``await stop()`` at the end."""
@@ -148,7 +153,8 @@ class MemoryWatch:
         self.interval_s = interval_s
         self.margin = margin
         self.samples: list[Sample] = []
-        self.idle: dict[int, Sample] = {}
+        self.idle: dict[int, Sample] = {}  # each node's baseline
+        self.idle_samples: list[Sample] = []
         self._t0 = time.monotonic()
         self.t0_wall = time.time()  # for placing the lab's events (kill, restart) on the samples
         self.marks: list[dict] = []  # {"t", "event", "node"?} in the samples' time
@@ -177,11 +183,19 @@ class MemoryWatch:
     async def start(self, idle_samples: int = 3) -> None:
         """The idle baseline (the largest of a few samples a second apart), then the loop."""
         for _ in range(idle_samples):
-            for s in await self.sample():
+            taken = await self.sample()
+            self.idle_samples += taken
+            for s in taken:
                 if s.rss > self.idle.get(s.node, Sample(0, 0, 0, 0, 0)).rss:
                     self.idle[s.node] = s
             await asyncio.sleep(self.interval_s)
         self._task = asyncio.create_task(self._loop())
+
+    @property
+    def idle_clean(self) -> bool:
+        """No prompt cached and nothing written during the idle samples: a baseline taken
+        while requests already ran would raise the bound."""
+        return all(busy_facts(s.facts) == 0 for s in self.idle_samples)
 
     async def _loop(self) -> None:
         while True:
@@ -222,6 +236,7 @@ class MemoryWatch:
         return {
             "margin": self.margin,
             "idle_rss": {n: s.rss for n, s in self.idle.items()},
+            "idle_clean": self.idle_clean,
             "budget": {n: f.get("budget") for n, f in first.items()},
             "weights": {n: f.get("weights") for n, f in first.items()},
             "max_rss": {
@@ -295,8 +310,9 @@ def render_memory(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
             overhead = None if bound is None else bound - (budget or 0) - (weights or 0)
             weighed = "–" if weights is None else f"{weights / MB:.2f}"
             over = "–" if b is None else f"{b['over']} of {b['samples']}"
+            idle = _mb(m["idle_rss"][n]) + ("" if m.get("idle_clean", True) else " (not idle!)")
             lines.append(
-                f"| {label} | {n} | {_mb(budget)} | {weighed} | {_mb(m['idle_rss'][n])} "
+                f"| {label} | {n} | {_mb(budget)} | {weighed} | {idle} "
                 f"| {_mb(overhead)} | {_mb(bound)} | {_mb(m['max_rss'][n])} "
                 f"| {_mb(m['end_rss'].get(n))} | {over} |"
             )

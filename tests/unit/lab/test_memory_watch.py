@@ -9,6 +9,7 @@ from lab.memory_watch import (
     MB,
     Sample,
     bound_bytes,
+    busy_facts,
     check_bound,
     counters,
     health_facts,
@@ -136,3 +137,10 @@ def test_the_table_shows_each_node_against_its_bound() -> None:
     assert "| cache, budget | 144 | 0 | 0 | 0.900 | 0: 300 / 330, 1: 400 / 340 | **no** | 15 | 40 | 41 | 9 |" in text  # fmt: skip
     assert "| cache, budget | 1 | 16 | 1.00 | 260 | 323 | 340 | 400 | 399 | 1 of 1 |" in text
     assert render_memory({"cache": {"requests": 1}}) == []
+    busy = {"cache": result | {"memory": memory | {"idle_clean": False}}}
+    assert "| 260 (not idle!) |" in "\n".join(render_memory(busy))
+
+
+def test_a_node_that_cached_or_wrote_anything_was_not_idle() -> None:
+    assert busy_facts({"budget": 16 * MB, "weights": MB, "evictions": 0}) == 0
+    assert busy_facts({"memory_tier": 1751040, "disk_writes": 1}) > 0
