@@ -33,8 +33,14 @@ class MemoryGate:
         return len(self._waiting)
 
     def refresh(self) -> None:
-        """What the memory tier and the pending commits hold now."""
+        """What the memory tier and the pending commits hold now; past the limit, the memory
+        tier spills the excess. (A finished job's cache lands in the tier at its real size –
+        mlx-lm grows a KV cache 256 positions at a time – which its reservation, by the token,
+        can undercount: the lab saw the use 1 MiB over a 16 MiB budget until the next start.)"""
         self.budget.cache_bytes = self._store.nbytes + self._pending_bytes()
+        over = -self.budget.room()
+        if over > 0 and self._store.spill(over):
+            self.budget.cache_bytes = self._store.nbytes + self._pending_bytes()
 
     def enter(self, job: Job) -> bool:
         """Reserve ``job``'s KV and say it may start, spilling the memory tier first if that

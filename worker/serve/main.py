@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from worker.cpu.allocator import return_freed_memory
 from worker.cpu.fast_path import DEFAULT_DEQUANTIZE_SHARE, reexec_with_fast_blas
 from worker.engine.core import Engine, EngineError
 from worker.engine.loop_guard import configured_span
@@ -156,6 +157,7 @@ def run(
 
     if fast_blas:
         reexec_with_fast_blas()
+    return_freed_memory()  # before the engine's threads make their malloc arenas
     path = locate_model(model, home)
     draft_path = locate_model(draft_model, home) if draft_model else None
     if draft_path is not None and (reason := check_draft_dirs(path, draft_path)):

@@ -262,9 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from worker.cpu.allocator import return_freed_memory
     from worker.cpu.fast_path import reexec_with_fast_blas
 
     reexec_with_fast_blas()  # as the worker does (Linux CPU): same pid, arguments, environment
+    return_freed_memory()  # as the worker does: freed memory goes back to the system
     logging.basicConfig(level=logging.WARNING)
     group = None if args.single else mx.distributed.init(backend="ring", strict=True)
     split = [int(n) for n in args.split.split(",")] if args.split else None

@@ -156,3 +156,25 @@ async def test_a_full_queue_is_refused_with_a_429_and_a_too_large_job_with_a_413
         assert engine.memory_budget["running_kv_bytes"] == 0  # type: ignore[index]
     finally:
         engine.close()
+
+
+def test_a_cache_landing_over_the_limit_is_spilled_at_the_next_look() -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from worker.engine.memory_gate import MemoryGate
+    from worker.prompt_cache.store import PromptCacheStore
+
+    def kv(tokens: int) -> list[KVCache]:
+        layer = KVCache()
+        layer.update_and_fetch(mx.zeros((1, 2, tokens, 8)), mx.zeros((1, 2, tokens, 8)))
+        return [layer]
+
+    store = PromptCacheStore()
+    for start in range(3):  # three conversations' caches, landed as their jobs ended
+        store.insert([start, *range(100, 400)], kv(301))
+    budget = MemoryBudget(limit=store.nbytes // 2, kv_bytes_per_token=64)
+    gate = MemoryGate(budget, store, pending_bytes=lambda: 0)
+    gate.refresh()
+    assert budget.used <= budget.limit  # spilled (least recently used first), not only counted
+    assert 0 < len(store) < 3
