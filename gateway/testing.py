@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,32 @@ class ScriptedUpstream(Upstream):
             raise
         finally:
             self.active -= 1
+
+
+@dataclass
+class SeededUpstream(Upstream):
+    """A model whose reply is a pure function of the request (``reply``; deltas split at "|"),
+    streamed the way one batch decodes, with random pauses drawn from ``rng``: each call's first
+    delta within ``first_s``, each later delta and its end ``step_s`` to 2 ``step_s`` after the
+    one before (so, with ``first_s`` < ``step_s``, no call ends before every call streams). For
+    checking that an answer depends on what was asked, not on how streams interleave."""
+
+    reply: Callable[[ChatRequest], str]
+    rng: random.Random = field(default_factory=random.Random)
+    first_s: float = 0.003
+    step_s: float = 0.005
+    name: str = "seeded"
+    requests: list[ChatRequest] = field(default_factory=list)
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        self.requests.append(request)
+        await asyncio.sleep(self.rng.uniform(0.0, self.first_s))
+        for i, piece in enumerate(self.reply(request).split("|")):
+            if i:
+                await asyncio.sleep(self.rng.uniform(self.step_s, 2 * self.step_s))
+            yield TextDelta(piece, logprob=-0.1)
+        await asyncio.sleep(self.rng.uniform(self.step_s, 2 * self.step_s))
+        yield Done()
 
 
 @dataclass

@@ -12,6 +12,11 @@ Inside 1, 2 and 4 a lone choice letter ("(B)", "B.") becomes ``b`` and a number 
 canonically ("1,000.50" → "1000.5", "-0" → "0"). Anything else – an open-ended answer – has no
 extractable answer (None) and does not vote.
 
+Given the question, the runs of words a reply merely copies from it (:data:`ECHO_WORDS` or more
+in a row) are cut out first: a sample that parrots "pick the smallest number of the following
+candidates: 580.505 587.813" has not answered 587.813, and one that is nothing but the question
+has no answer.
+
 A reply that refutes itself does not vote either: one that states an arithmetic equation that is
 false ("10 + 9 = 10"), checked exactly (:func:`states_false_equation`). On the tuning items of
 ``bench/moa_quality.py`` 7 % of wrong replies stated one and 0.2 % of right ones did.
@@ -23,6 +28,7 @@ import ast
 import operator
 import re
 from decimal import Decimal
+from difflib import SequenceMatcher
 from fractions import Fraction
 
 from gateway.moa.scoring import normalize_answer
@@ -30,6 +36,8 @@ from gateway.moa.scoring import normalize_answer
 SHORT_WORDS = 6  # a reply this short is its own answer
 SHORT_CHARS = 60
 MAX_EXPONENT = 30  # e-notation written out in full up to this exponent
+ECHO_WORDS = 5  # this many of the question's words in a row, copied, are an echo of it
+MAX_ECHO_WORDS = 2000  # longer texts are not compared word by word (quadratic at worst)
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _MARKER = re.compile(r"\b(?:final\s+)?answer\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE)
@@ -82,8 +90,34 @@ def _short(text: str) -> str | None:
     return phrase
 
 
-def extract_answer(text: str) -> str | None:
-    """The normalised final answer of a complete reply, or None when it has none to vote with."""
+_WORD = re.compile(r"\S+")
+
+
+def without_echo(text: str, question: str) -> str:
+    """``text`` with every run of at least :data:`ECHO_WORDS` words copied from ``question``
+    (compared case-insensitively) cut out; the rest, spacing included, stays as written."""
+    words = list(_WORD.finditer(text))
+    asked = question.lower().split()
+    if len(words) < ECHO_WORDS or len(asked) < ECHO_WORDS or len(words) > MAX_ECHO_WORDS:
+        return text
+    said = [w.group().lower() for w in words]
+    matcher = SequenceMatcher(None, asked[-MAX_ECHO_WORDS:], said, autojunk=False)
+    cut = [b for b in matcher.get_matching_blocks() if b.size >= ECHO_WORDS]
+    if not cut:
+        return text
+    out, at = [], 0
+    for block in cut:
+        out.append(text[at : words[block.b].start()])
+        at = words[block.b + block.size - 1].end()
+    out.append(text[at:])
+    return "".join(out)
+
+
+def extract_answer(text: str, question: str | None = None) -> str | None:
+    """The normalised final answer of a complete reply, or None when it has none to vote with;
+    ``question``: what was asked, whose echoes in the reply do not count."""
+    if question:
+        text = without_echo(text, question)
     text = text.strip()
     if not text:
         return None

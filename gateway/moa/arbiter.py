@@ -81,6 +81,7 @@ class Arbiter:
         win_rates: Mapping[str, float] | None = None,
         preferred: str | None = None,
         wave: int | None = None,
+        question: str | None = None,
     ) -> None:
         if not workers:
             raise ValueError("an arbiter needs at least one worker")
@@ -90,6 +91,7 @@ class Arbiter:
         self.workers: dict[str, WorkerView] = {w: WorkerView(w, started_at=now) for w in workers}
         self.win_rates = dict(win_rates or {})
         self.preferred = preferred if preferred in self.workers else None
+        self.question = question  # vote: a sample's echoes of it do not vote
         # race: when another worker first passed the gates while the preferred one had not.
         self.prefer_deadline: float | None = None
         self.state = ArbiterState.WATCHING
@@ -419,7 +421,7 @@ class Arbiter:
         return decisions
 
     def _decide_vote(self, now: float) -> list[Decision]:
-        read_ballots(self.tally, self.workers.values())
+        read_ballots(self.tally, self.workers.values(), self.question)
         reason = self.tally.decision()
         if reason is None:
             if any(v.running for v in self.workers.values()):

@@ -37,7 +37,8 @@ _ARITHMETIC = re.compile(r"\d\s*(?:[+*/×÷^%]|\*\*|\s-\s)\s*\(?\s*-?\d")
 MAX_ARITHMETIC_CHARS = 300  # a short question: arithmetic inside an essay prompt is not one
 
 
-def _last_user_text(request: ChatRequest) -> str:
+def last_user_text(request: ChatRequest) -> str:
+    """The last user message's text (empty when there is none)."""
     for message in reversed(request.messages):
         if message.role == "user":
             return message.content
@@ -52,7 +53,7 @@ def choose_policy(request: ChatRequest) -> tuple[Policy, str]:
         return "race", "structured"
     if request.max_tokens is not None and request.max_tokens > LONG_ANSWER_TOKENS:
         return "race", "long"
-    text = _last_user_text(request)
+    text = last_user_text(request)
     if not text or len(text) > MAX_QUESTION_CHARS:
         return "race", "open"
     if _SHORT_INSTRUCTION.search(text):

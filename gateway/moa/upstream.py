@@ -28,7 +28,7 @@ from gateway.events import (
     is_terminal,
 )
 from gateway.moa.arbiter import Arbiter
-from gateway.moa.auto import choose_policy
+from gateway.moa.auto import choose_policy, last_user_text
 from gateway.moa.candidates import (
     Candidate,
     mixable_models,
@@ -257,6 +257,7 @@ class _Run:
             win_rates={c.name: moa.wins.rate(c.model.id) for c in candidates},
             preferred=candidates[0].name if _self_mixture(candidates) else None,
             wave=self.config.vote_wave,
+            question=last_user_text(request),
         )
         self.by_name = {c.name: c for c in candidates}
 

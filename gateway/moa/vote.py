@@ -14,7 +14,8 @@ abstains when it has none; a failed one withdraws. The vote is decided as soon a
 - ``complete``: nobody is left to vote.
 
 The winner is the leading answer's candidate with the highest mean token log-probability,
-complete ones before those cut off by ``max_tokens`` (ties: the one that voted first). A cut-off
+complete ones before those cut off by ``max_tokens`` (ties: the one that voted first; ballots
+are cast in lockstep order, :func:`read_ballots`, so a seeded request is reproducible). A cut-off
 candidate votes with the answer its text so far gives (what a reader of that text would take
 as its answer): on the screening items of ``bench/moa_quality.py`` its vote is worth more than
 its abstention. Tied answers go to the caller's own (``preferred``) answer, else to the answer
@@ -165,18 +166,41 @@ class Tally:
         return max(best, key=lambda b: (b.complete, b.confidence, -b.order))
 
 
-def read_ballots(tally: Tally, views: Iterable[WorkerView]) -> None:
+def read_ballots(tally: Tally, views: Iterable[WorkerView], question: str | None = None) -> None:
     """Count the candidates that finished or died since the last look (each text is read once).
 
-    A finished candidate votes with its extracted answer; one that called a tool or states a
-    false equation refutes itself and abstains; one cut off by ``max_tokens`` votes with what
-    its text gives, as an incomplete ballot; a failed or cancelled one withdraws."""
+    A finished candidate votes with its extracted answer (``question``: the words it merely
+    repeats from the question do not count, :func:`~gateway.moa.answers.extract_answer`); one
+    that called a tool or states a false equation refutes itself and abstains; one cut off by
+    ``max_tokens`` votes with what its text gives, as an incomplete ballot; a failed or
+    cancelled one withdraws.
+
+    Ballots are cast in the order a lockstep batch would finish them – fewest tokens first, then
+    candidate order – never in the order their ends happened to arrive, and reading stops as
+    soon as the vote is decided: a finished candidate is counted only once no streaming one can
+    still come before it (it has streamed fewer tokens, or as many from an earlier place). So
+    samples that decode together give the same decision and winner however their streams
+    interleave (a seeded request gives the same answer twice). A candidate that has not
+    streamed yet (a later prefill, a slow or stalled node) holds nobody up: it is not in step."""
+    views = list(views)
     for view in views:
-        if view.name not in tally.pending:
-            continue
-        if view.finished:
-            refuted = view.tool_calls or states_false_equation(view.text)
-            answer = None if refuted else extract_answer(view.text)
-            tally.cast(view.name, answer, view.mean_logprob, view.finish_reason != "length")
-        elif not view.alive:
+        if view.name in tally.pending and not view.alive:
             tally.withdraw(view.name)
+    place = {view.name: i for i, view in enumerate(views)}
+    streaming = [
+        (v.tokens, place[v.name])
+        for v in views
+        if v.running and v.tokens and v.name in tally.pending
+    ]
+    finished = sorted(
+        (v for v in views if v.finished and v.name in tally.pending),
+        key=lambda v: (v.tokens, place[v.name]),
+    )
+    for view in finished:
+        if any(other < (view.tokens, place[view.name]) for other in streaming):
+            return  # a streaming candidate may still finish before this one
+        refuted = view.tool_calls or states_false_equation(view.text)
+        answer = None if refuted else extract_answer(view.text, question)
+        tally.cast(view.name, answer, view.mean_logprob, view.finish_reason != "length")
+        if tally.decision() is not None:
+            return

@@ -4,6 +4,7 @@ running ``vote`` over scripted candidate streams."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -380,3 +381,92 @@ def test_read_ballots_counts_each_candidate_once_and_refuted_ones_abstain():
         ("c", "12", False),
     ]
     assert tally.abstained == ["b"] and tally.withdrawn == ["d"] and tally.pending == {"e"}
+
+
+# Eight samples of one batch, their deltas split at "|": two answers tie for long, so which
+# ballots arrive first would decide the vote if arrival order counted.
+BATCH = ["7|.", "The answer|is 8", "8", "7", "answer:|8|!", "9|.", "7|!", "8|."]
+
+
+def interleaved(rng: random.Random) -> Arbiter:
+    """The vote over :data:`BATCH` as one batch decodes it: every sample's first delta (in a
+    random order), then the rest of the deltas and ends in a random interleaving, each stream's
+    own order kept."""
+    arbiter = make(names(len(BATCH)), vote_confidence=0.85, vote_scatter=1 / 3)
+    streams = []
+    for worker, text in zip(names(len(BATCH)), BATCH, strict=True):
+        events: list = [TokenArrived(worker, p, logprob=-0.1) for p in text.split("|")]
+        streams.append([*events, WorkerFinished(worker, "stop")])
+    rng.shuffle(streams)
+    for stream in streams:
+        arbiter.handle(stream.pop(0), 1.0)
+    while arbiter.state is ArbiterState.WATCHING:
+        stream = rng.choice([s for s in streams if s])
+        arbiter.handle(stream.pop(0), 2.0)
+    return arbiter
+
+
+def test_the_same_samples_give_the_same_winner_however_their_streams_interleave():
+    """Ballots count in lockstep order (fewest tokens, then candidate order), not arrival order:
+    a seeded request, whose samples are the same texts each time, gets the same answer."""
+    outcomes = set()
+    for seed in range(60):
+        arbiter = interleaved(random.Random(seed))
+        outcomes.add((arbiter.winner, arbiter.reason, tuple(arbiter.tally.votes().items())))
+    assert len(outcomes) == 1, outcomes
+
+
+def test_a_finished_sample_waits_only_for_streaming_ones_that_could_finish_before_it():
+    arbiter = make(names(3), vote_confidence=1.0)
+    arbiter.handle(TokenArrived("w2", "The", logprob=-0.1), 1.0)  # streaming: 1 token so far
+    assert answer(arbiter, "w0", "4", 1.1) == []  # 1 token: w2 cannot finish before it
+    decisions = answer(arbiter, "w1", "The answer is 4", 1.2)  # 4 tokens: w2 (1) may come first
+    assert decisions == [] and [b.candidate for b in arbiter.tally.ballots] == ["w0"]
+    # w2 streams on past w1's length: w1's ballot counts, and 2 : 0 with one left is safe.
+    for piece in ("answer", "might", "be"):
+        decisions = arbiter.handle(TokenArrived("w2", piece, logprob=-0.1), 1.3)
+    assert decisions[0] == Commit("w0", "safe")
+
+
+def test_true_and_its_quoted_form_vote_together_and_e_notation_with_its_decimal():
+    views = []
+    for i, text in enumerate(['The answer is "True".', "True", "4.37271e+02", "437.271"]):
+        view = WorkerView(f"w{i}", started_at=0.0, tokens=3)
+        view.text, view.status, view.finish_reason = text, WorkerStatus.FINISHED, "stop"
+        views.append(view)
+    tally = Tally([v.name for v in views], confidence=1.0)
+    read_ballots(tally, views)
+    assert tally.votes() == {"true": 2, "437.271": 2}
+
+
+QUESTION = (
+    "Your task is to pick the largest/smallest number out of several options.\n\n"
+    "Now, pick the smallest number of the following candidates: 580.505000 587.813000\n"
+    "Answer with the number only."
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("pick the smallest number of the following candidates: 580.505000 587.813000", None),
+        ("Now, pick the smallest number of the following candidates: 580.505000 587.813000", None),
+        ("580.505000", "580.505"),
+        ("The smallest number is 580.505.", "580.505"),
+        ("The following candidates: 580.505000 587.813000. The smallest is 580.505", "580.505"),
+    ],
+)
+def test_a_reply_that_parrots_the_question_does_not_vote_with_its_numbers(text, answer):
+    assert extract_answer(text) is not None  # without the question, it would have voted
+    assert extract_answer(text, QUESTION) == answer
+
+
+def test_the_arbiter_reads_ballots_against_the_question():
+    arbiter = Arbiter(names(3), CONFIG, now=0.0, policy="vote", question=QUESTION)
+    for w in names(3):
+        arbiter.handle(WorkerStarted(w), 0.0)
+    parrot = "pick the smallest number of the following candidates: 580.505000 587.813000"
+    answer(arbiter, "w0", parrot, 1.0)
+    answer(arbiter, "w1", parrot, 1.1)
+    answer(arbiter, "w2", "580.505", 1.2)
+    assert arbiter.winner == "w2" and arbiter.tally.abstained == ["w0", "w1"]

@@ -3,13 +3,15 @@ are stopped, what the client gets, and the ``x-moa-*`` costs."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gateway.events import Done, Error, TextDelta
 from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.moa.costs import format_votes, parse_votes
 from gateway.request import ToolSpec
-from gateway.testing import ScriptedUpstream, Sleep, Stall, Step
+from gateway.testing import ScriptedUpstream, SeededUpstream, Sleep, Stall, Step
 from gateway.upstream import ModelInfo, StaticDirectory
 from tests.unit.gateway.moa.test_splice import (
     ask,
@@ -113,3 +115,37 @@ def test_votes_header_round_trips_and_is_latin1(votes):
     header = format_votes(votes)
     header.encode("ascii")
     assert parse_votes(header) == votes
+
+
+# What each of a seeded request's samples says, by its seed's distance from the request's
+# (the caller's own sample first): four one-token answers, two "8" and two "7", finish at once;
+# counted as they happen to arrive, either could win.
+SAYS = ["The|answer|is|5", "9|.", "8", "8.", "7", "7.", "6|!", "5|."]
+
+
+@pytest.mark.parametrize("wave", [2, 8])
+async def test_a_seeded_mesh_request_gives_the_same_text_twice(wave):
+    texts = set()
+    for run in range(8):
+        upstream = SeededUpstream(
+            lambda r: SAYS[((r.seed or 0) - 40) % len(SAYS)], rng=random.Random(run)
+        )
+        config = MoaConfig(policy="auto", vote_wave=wave)
+        moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), config)  # type: ignore[arg-type]
+        question = ask(seed=40)
+        question.messages[0].content = "What is 4 + 4? Answer with the number only."
+        events = await collect(moa, question)
+        assert meta_of(events)["x-moa-policy"] == "vote"
+        texts.add(text_of(events))
+    assert len(texts) == 1, texts
+
+
+@pytest.mark.parametrize(("asked", "sent"), [(None, 0.0), (0.7, 0.7)])
+async def test_the_callers_own_sample_is_greedy_unless_they_set_a_temperature(asked, sent):
+    """It wins ties and scattered votes: the model's own default (SmolLM2's 0.2) answered 4.9
+    points below greedy on held-out families (issue 43)."""
+    upstream = scripted(says("5"))
+    moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), FAST)
+    await collect(moa, ask(metadata={"moa_policy": "vote", "moa_samples": 3}, temperature=asked))
+    first, *rest = upstream.requests
+    assert first.temperature == sent and all(r.temperature is None for r in rest)
