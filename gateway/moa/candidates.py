@@ -48,9 +48,18 @@ class Candidate:
     reason: str | None = None  # why the mesh picked its node (x-mesh-route-reason)
 
 
+def follows_chat(model: ModelInfo) -> bool:
+    """False for a model its worker reports without a chat template (a base model): it
+    continues the prompt's text rather than answering the turn. Unknown counts as following."""
+    return model.capabilities.get("chat_template") is not False
+
+
 def mixable_models(directory: ModelDirectory) -> list[ModelInfo]:
-    """Models ``mesh`` can ask: routable, not ``mesh`` itself, largest first (unknown sizes last)."""
+    """Models ``mesh`` can ask: routable, not ``mesh`` itself, largest first (unknown sizes last);
+    models without a chat template only when no other model is there (gemma3-270m, a base
+    model, beside SmolLM2 cost the vote 8.7 points and won the race with its text, issue 43)."""
     models = [m for m in directory.models() if m.id != MESH_MODEL and directory.routes(m.id)]
+    models = [m for m in models if follows_chat(m)] or models
     return sorted(models, key=lambda m: -(m.parameters or 0))
 
 

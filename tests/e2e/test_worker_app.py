@@ -789,3 +789,24 @@ def test_a_client_that_leaves_during_a_long_prefill_stops_it_and_its_retry_resum
         retry = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
         assert retry["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * step
         assert sum(spy.chunks) == retry["usage"]["prompt_tokens"] - 1 - 3 * step
+
+
+def test_a_model_without_a_chat_template_says_so(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A base model continues text instead of answering turns: ``mesh`` leaves it out
+    (gateway.moa.candidates.follows_chat) when another model is there."""
+    import httpx
+
+    model = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, model)
+    for extra in model.glob("chat_template*"):
+        extra.unlink()
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    with run_worker_in_thread(model, name="tiny-base") as (url, _engine):
+        (entry,) = httpx.get(f"{url}/models").json()["data"]
+        assert entry["capabilities"]["chat_template"] is False
+    with run_worker_in_thread(tiny_model_dir, name="tiny") as (url, _engine):
+        (entry,) = httpx.get(f"{url}/models").json()["data"]
+        assert entry["capabilities"]["chat_template"] is True

@@ -151,6 +151,8 @@ async def models(request: Request) -> Response:
         "capabilities": {
             "tools": template.tool_calling,  # native, or the generic tool prompt
             "thinking": bool(engine.tokenizer.has_thinking),
+            # Without one (a base model) it continues the text instead of answering the turn.
+            "chat_template": bool(engine.tokenizer.has_chat_template),
             "context_length": info.context_length,
         },
     }

@@ -1,0 +1,52 @@
+"""Which models ``mesh`` asks: a model without a chat template (a base model) only when there is
+no other."""
+
+from __future__ import annotations
+
+from gateway.events import Done, TextDelta
+from gateway.moa import MixtureOfAgents, MoaConfig
+from gateway.moa.candidates import mixable_models, plan_candidates, plan_samples
+from gateway.testing import ScriptedUpstream
+from gateway.upstream import ModelInfo, StaticDirectory
+from tests.unit.gateway.moa.test_splice import ask, assert_well_formed, collect, meta_of, text_of
+
+
+def chat_and_base() -> tuple[StaticDirectory, ScriptedUpstream, ScriptedUpstream]:
+    """SmolLM2 (135M, a chat template) beside gemma3-270m reported without one."""
+    smol = ScriptedUpstream.of(TextDelta("Paris."), Done(), name="smol")
+    gemma = ScriptedUpstream.of(TextDelta("Paris is the capital of"), Done(), name="gemma")
+    directory = StaticDirectory()
+    directory.add(
+        ModelInfo("smollm2-135m", parameters=135, capabilities={"chat_template": True}), smol
+    )
+    base = ModelInfo("gemma3-270m", parameters=270, capabilities={"chat_template": False})
+    directory.add(base, gemma)
+    return directory, smol, gemma
+
+
+def test_a_base_model_is_no_candidate_beside_a_chat_model():
+    directory, _, _ = chat_and_base()
+    assert [m.id for m in mixable_models(directory)] == ["smollm2-135m"]
+    plan = plan_candidates(directory, ask(), MoaConfig(max_workers=3))
+    assert {c.model.id for c in plan} == {"smollm2-135m"} and len(plan) == 3  # self-mixture
+    assert {c.model.id for c in plan_samples(directory, ask(), 4)} == {"smollm2-135m"}
+
+
+def test_unknown_counts_as_chat_and_base_models_alone_still_answer():
+    directory = StaticDirectory()
+    directory.add(ModelInfo("old", parameters=1), ScriptedUpstream.of(TextDelta("hi")))
+    base = ModelInfo("base", parameters=2, capabilities={"chat_template": False})
+    directory.add(base, ScriptedUpstream.of(TextDelta("hi")))
+    assert [m.id for m in mixable_models(directory)] == ["old"]
+    alone = StaticDirectory()
+    alone.add(base, ScriptedUpstream.of(TextDelta("hi")))
+    assert [m.id for m in mixable_models(alone)] == ["base"]
+
+
+async def test_race_answers_with_the_chat_model_when_a_base_model_is_beside_it():
+    directory, smol, gemma = chat_and_base()
+    moa = MixtureOfAgents(directory, MoaConfig(policy="race"))
+    events = await collect(moa, ask(metadata={"moa_policy": "race"}))
+    assert_well_formed(events)
+    assert text_of(events) == "Paris." and meta_of(events)["x-moa-winner"].startswith("smollm2")
+    assert gemma.calls == 0 and smol.calls == 3
