@@ -1,0 +1,350 @@
+"""``model="mesh"`` as a user sends it, against greedy, on task families nobody tuned it for.
+
+The honest protocol (issue 43). Task *families* (not seeds) are split before anything is
+measured: :data:`TUNING` – every family ``bench/moa.py`` and ``bench/moa_quality.py`` use, where
+every rule and setting of ``mesh`` was and is chosen – and :data:`HELD_OUT` – reasoning-gym
+families neither uses, chosen by greedy accuracy alone on a screening seed (phase ``screen``:
+between 10 % and 50 %, so that there is room both ways) and never used for any choice.
+
+Every item is asked, one request at a time on an idle in-process node (a real worker over HTTP
+on loopback, the gateway's own ``MixtureOfAgents``), in each mode of :data:`MODES`:
+
+- ``greedy``: the single model, ``temperature`` 0;
+- ``mesh``: ``model="mesh"`` exactly as a user sends it – the body a chat-completions client
+  posts (no metadata, temperature unset), parsed by the gateway's own parser – with the
+  node's default configuration (``policy="auto"``);
+- variants: ``mesh`` with a request or configuration change (each says which).
+
+Graded with the project's own rule (``bench/moa_quality.py``'s ``is_correct``: the extracted
+answer or the whole reply through reasoning-gym's scorer). Reported pooled and per family: each
+mode against greedy, paired (wins / losses, sign test), and its time to the whole answer
+(median and p90 against greedy's, and the median of the per-item ratios).
+
+    python bench/moa_heldout.py screen --items 10
+    python bench/moa_heldout.py run --families held-out --items 30 --modes greedy mesh
+    python bench/moa_heldout.py report
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.moa import TASKS as POLICY_TASKS
+from bench.moa_quality import (
+    HELD_OUT_FAMILIES,
+    SCREEN_FAMILIES,
+    TUNING_FAMILIES,
+    grade,
+    sign_test_p,
+    start_log,
+)
+from bench.moa_quality import TASKS as QUALITY_TASKS
+from gateway.api.chat import parse
+from gateway.events import Done, Error, Meta, TextDelta
+from gateway.moa import MixtureOfAgents, MoaConfig
+from gateway.upstream import ModelInfo, StaticDirectory, Upstream
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LOG = RESULTS / "moa-heldout.jsonl"
+SCREEN_LOG = RESULTS / "moa-heldout-screen.jsonl"
+REPORT = RESULTS / "moa-heldout.md"
+SCREEN_SEED, RUN_SEED = 1001, 4343
+MAX_TOKENS = 40
+NUMBER_ONLY = "Answer with the number only."
+FINAL_ONLY = "Answer with only the final answer."
+
+Family = tuple[str, dict[str, Any], str]  # reasoning-gym name, its settings, the instruction
+
+
+def _asked(families: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Family]:
+    """Each family with the instruction its question ends with."""
+    return {
+        label: (name, cfg, NUMBER_ONLY if label in NUMBER_FAMILIES else FINAL_ONLY)
+        for label, (name, cfg) in families.items()
+    }
+
+
+# Asked for "the number only" (the rest: "only the final answer").
+NUMBER_FAMILIES = {
+    *POLICY_TASKS,
+    *("number_format", "number_sequence", "aiw", "simple_equations", "decimal_chain_sum"),
+}
+TUNING = _asked({**POLICY_TASKS, **QUALITY_TASKS})
+SCREEN = _asked(SCREEN_FAMILIES)
+HELD_OUT = _asked(HELD_OUT_FAMILIES)
+assert not TUNING_FAMILIES & {name for name, _, _ in HELD_OUT.values()}, "a tuning family held out"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way of asking: the model named, body fields added, the node's MoA configuration."""
+
+    model: str  # "single" (the one model) or "mesh"
+    body: dict[str, Any] = dataclasses.field(default_factory=dict)
+    config: MoaConfig = dataclasses.field(default_factory=lambda: MoaConfig(policy="auto"))
+    note: str = ""
+
+
+MODES: dict[str, Mode] = {
+    "greedy": Mode("single", {"temperature": 0}, note="the single model, temperature 0"),
+    "mesh": Mode("mesh", note="as a user sends it: no metadata, temperature unset"),
+    "vote": Mode(
+        "mesh",
+        {"metadata": {"moa_policy": "vote"}},
+        note="the vote asked for (`metadata.moa_policy`), shipped settings",
+    ),
+    "vote, one batch": Mode(
+        "mesh",
+        {"metadata": {"moa_policy": "vote"}},
+        MoaConfig(policy="auto", vote_wave=8),
+        note="the vote asked for, its 8 samples started at once as one batch, stopped when decided",
+    ),
+}
+
+
+def families(which: str) -> dict[str, Family]:
+    return {"tuning": TUNING, "held-out": HELD_OUT, "screen": SCREEN}[which]
+
+
+def make_items(family: Family, count: int, seed: int) -> list[dict[str, Any]]:
+    import reasoning_gym  # pip install -e '.[bench]'
+
+    name, cfg, _ = family
+    return list(reasoning_gym.create_dataset(name, size=count, seed=seed, **cfg))
+
+
+def body_for(question: str, family: Family, mode: Mode, model: str) -> dict[str, Any]:
+    """What a chat-completions client posts (the mode's fields added)."""
+    content = f"{question}\n{family[2]}"
+    return {
+        "model": model if mode.model == "single" else "mesh",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        **mode.body,
+    }
+
+
+async def ask(upstream: Upstream, body: dict[str, Any]) -> dict[str, Any]:
+    """One answer through the gateway's parser: text, seconds to its end, the x-moa headers."""
+    request, _ = parse(body)
+    started = time.perf_counter()
+    text, headers, finish = [], {}, "error"
+    async for event in upstream.stream(request):
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+        elif isinstance(event, Meta):
+            headers.update(event.headers)
+        elif isinstance(event, Done):
+            finish = event.finish_reason
+        elif isinstance(event, Error):
+            finish = f"error: {event.message}"
+    seconds = time.perf_counter() - started
+    return {"text": "".join(text), "s": seconds, "finish": finish, "headers": headers}
+
+
+@contextlib.contextmanager
+def node(model_dir: Path) -> Iterator[tuple[Upstream, StaticDirectory]]:
+    """A real worker over HTTP on loopback, and the directory ``mesh`` sees (that one model)."""
+    from gateway.worker_client import WorkerClient
+    from worker.testing import run_worker_in_thread
+
+    with run_worker_in_thread(model_dir, name=model_dir.name) as (url, _):
+        worker = WorkerClient(url.removesuffix("/v1"), model_dir.name)
+        directory = StaticDirectory()
+        size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+        directory.add(ModelInfo(model_dir.name, parameters=size), worker)
+        yield worker, directory
+
+
+async def run(args: argparse.Namespace) -> None:
+    chosen = families(args.families)
+    seed = SCREEN_SEED if args.phase == "screen" else args.seed
+    log = SCREEN_LOG if args.phase == "screen" else args.log
+    modes = ["greedy"] if args.phase == "screen" else args.modes
+    header = {"model": args.model.name, "seed": seed, "max_tokens": MAX_TOKENS}
+    done = {(r["family"], r["index"], r["mode"]) for r in start_log(log, header)}
+    with node(args.model) as (worker, directory):
+        upstreams = {
+            label: worker
+            if MODES[label].model == "single"
+            else MixtureOfAgents(directory, MODES[label].config)
+            for label in modes
+        }
+        await ask(
+            worker, {"model": args.model.name, "messages": [{"role": "user", "content": "Hi"}]}
+        )
+        pools = {label: make_items(f, args.items, seed) for label, f in chosen.items()}
+        for index in range(args.items):  # round-robin, so a partial log covers every family
+            for label, pool in pools.items():
+                entry = pool[index]
+                for mode in modes:  # one item's modes back to back: load drifts hit all alike
+                    if (label, index, mode) in done:
+                        continue
+                    body = body_for(entry["question"], chosen[label], MODES[mode], args.model.name)
+                    out = await ask(upstreams[mode], body)
+                    ok = grade(chosen[label][:2], out["text"], entry)
+                    row = {"family": label, "index": index, "mode": mode, "correct": ok, **out}
+                    with log.open("ab") as fh:
+                        fh.write(orjson.dumps(row) + b"\n")
+                    print(f"{label} #{index} {mode}: {ok} {out['s']:.2f}s {out['text'][:60]!r}")
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [r for r in map(orjson.loads, path.read_bytes().splitlines()) if "header" not in r]
+
+
+def _by_item(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+    items: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        items.setdefault((r["family"], r["index"]), {})[r["mode"]] = r
+    return items
+
+
+def _p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+def compare(items: list[dict[str, dict[str, Any]]], mode: str) -> dict[str, Any]:
+    """``mode`` against greedy on the items both answered."""
+    pairs = [(i[mode], i["greedy"]) for i in items if mode in i and "greedy" in i]
+    n = len(pairs)
+    wins = sum(a["correct"] and not b["correct"] for a, b in pairs)
+    losses = sum(b["correct"] and not a["correct"] for a, b in pairs)
+    mine, base = [a["s"] for a, _ in pairs], [b["s"] for _, b in pairs]
+    return {
+        "n": n,
+        "acc": sum(a["correct"] for a, _ in pairs) / n,
+        "greedy": sum(b["correct"] for _, b in pairs) / n,
+        "wins": wins,
+        "losses": losses,
+        "p": sign_test_p(wins, losses),
+        "median_s": statistics.median(mine),
+        "median_x": statistics.median(mine) / statistics.median(base),
+        "p90_x": _p90(mine) / _p90(base),
+        "ratio_x": statistics.median(a / b for a, b in zip(mine, base, strict=True)),
+        "started": statistics.mean(int(a["headers"].get("x-moa-workers", 1)) for a, _ in pairs),
+    }
+
+
+def verdict(c: dict[str, Any]) -> str:
+    """Issue 43's bars: the vote's (≥ +3 points, p < 0.05, median ≤ 2×, p90 ≤ 3× greedy's) and
+    the fallback's (within one point of greedy at ≤ 1.25× its median time)."""
+    delta = 100 * (c["acc"] - c["greedy"])
+    if delta >= 3 and c["p"] < 0.05 and c["median_x"] <= 2 and c["p90_x"] <= 3:
+        return "beats greedy (the bar)"
+    if abs(delta) <= 1 and c["median_x"] <= 1.25:
+        return "greedy's equal at ≤ 1.25× (the fallback bar)"
+    return "neither bar"
+
+
+def table(rows: list[dict[str, Any]], title: str) -> list[str]:
+    items = _by_item(rows)
+    fams = sorted({f for f, _ in items})
+    modes = [m for m in MODES if any(m in i for i in items.values())]
+    lines = [
+        f"### {title}: {len(items)} items, {len(fams)} families",
+        "",
+        "| mode | accuracy | greedy on the same items | vs greedy (wins / losses) | sign test p "
+        "| median time | median × greedy | p90 × greedy | median of per-item × | calls started "
+        "| issue 43's bars |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for mode in modes:
+        c = compare(list(items.values()), mode)
+        if not c["n"]:
+            continue
+        lines.append(
+            f"| {mode} | {100 * c['acc']:.1f} % (n = {c['n']}) | {100 * c['greedy']:.1f} % | "
+            f"{c['wins']} / {c['losses']} | {c['p']:.3g} | {c['median_s']:.2f} s | "
+            f"{c['median_x']:.2f}× | {c['p90_x']:.2f}× | {c['ratio_x']:.2f}× | "
+            f"{c['started']:.2f} | {verdict(c) if mode != 'greedy' else ''} |"
+        )
+    lines += ["", "Per family (accuracy; time: median × greedy):", ""]
+    lines += ["| family | n | " + " | ".join(modes) + " |", "|---|---:|" + "---:|" * len(modes)]
+    for fam in fams:
+        mine = [i for (f, _), i in items.items() if f == fam]
+        cells = []
+        for mode in modes:
+            c = compare(mine, mode) if any(mode in i for i in mine) else None
+            cells.append(f"{100 * c['acc']:.0f} % ({c['median_x']:.1f}×)" if c else "–")
+        lines.append(f"| {fam} | {len(mine)} | {' | '.join(cells)} |")
+    return lines
+
+
+def screen_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| family | items | greedy | kept |", "|---|---:|---:|:---:|"]
+    for fam in SCREEN:
+        mine = [r for r in rows if r["family"] == fam]
+        if mine:
+            acc = 100 * sum(r["correct"] for r in mine) / len(mine)
+            kept = "yes" if fam in HELD_OUT else ""
+            lines.append(f"| {fam} | {len(mine)} | {acc:.0f} % | {kept} |")
+    return lines
+
+
+def report(args: argparse.Namespace) -> str:
+    rows = _rows(args.log)
+    held = [r for r in rows if r["family"] in HELD_OUT]
+    tuning = [r for r in rows if r["family"] in TUNING]
+    lines = [
+        "# `mesh` on held-out task families (issue 43)",
+        "",
+        f"Written by `python bench/moa_heldout.py report` from `{args.log.name}`.",
+        "",
+        f"Tuning families (every rule and setting chosen here): {', '.join(sorted(TUNING))}.",
+        f"Held-out families (never used for any choice): {', '.join(HELD_OUT) or 'none yet'}.",
+        "",
+        "Modes:",
+        "",
+        *(f"- `{label}`: {mode.note}" for label, mode in MODES.items()),
+        "",
+    ]
+    if held:
+        lines += [*table(held, "Held-out families"), ""]
+    if tuning:
+        lines += [*table(tuning, "Tuning families"), ""]
+    screen = _rows(SCREEN_LOG)
+    if screen:
+        lines += ["## Screening (greedy only, seed 1001)", "", *screen_table(screen), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", choices=("screen", "run", "report"))
+    parser.add_argument("--model", type=Path, default=Path.home() / ".mlx-mesh/models/smollm2-135m")
+    parser.add_argument("--families", choices=("tuning", "held-out", "screen"), default="held-out")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["greedy", "mesh"])
+    parser.add_argument("--items", type=int, default=30, help="per family")
+    parser.add_argument("--seed", type=int, default=RUN_SEED)
+    parser.add_argument("--log", type=Path, default=LOG)
+    args = parser.parse_args()
+    if args.phase == "screen":
+        args.families = "screen"
+    if args.phase != "report":
+        asyncio.run(run(args))
+    text = report(args)
+    REPORT.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
