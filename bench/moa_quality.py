@@ -540,9 +540,11 @@ def evaluate(rows: list[dict[str, Any]], pool: str = "default", wave: int | None
                 judged.decided_step,
             )
         question = row.get("question", "")
-        policy, _ = choose_policy(request_for(question, 64)) if question else ("vote", "")
+        vote = config.auto_vote  # auto: the vote, or the single greedy answer (shipped)
+        policy, _ = choose_policy(request_for(question, 64), vote=vote) if question else ("", "")
         largest = max(n for n in N_SWEEP if n <= min(8, len(samples) + 1))
-        label = f"mesh vote (N={largest})" if policy == "vote" else "mesh race (3)"
+        labels = {"vote": f"mesh vote (N={largest})", "single": "single greedy"}
+        label = labels.get(policy or ("vote" if vote else "single"), "mesh race (3)")
         note("mesh auto", *(out[label][k][-1] for k in ("hit", "used", "tokens", "steps")))
         note("oracle (any of the N=8 pool)", any(ok[:8]), 8, 0, 0)
     return out

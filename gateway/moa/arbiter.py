@@ -20,6 +20,7 @@ Policies:
   off by ``max_tokens`` abstains; when nobody votes, the most confident finished text wins.
   Samples start in waves (``wave``): the next is launched only when a whole wave is in and
   the vote is still open, so an early decision saves the samples never started.
+- ``single``: one worker (the best model's greedy answer), committed as it starts.
 - ``judge``: every candidate runs to its end (once most have finished, the rest get
   ``grace_s``); the complete ones are ranked by confidence and, when they differ, the strongest
   model picks one (:mod:`gateway.moa.judge`); a judge that names none leaves the most confident.
@@ -132,6 +133,7 @@ class Arbiter:
             "reduce": self._decide_reduce,
             "vote": self._decide_vote,
             "judge": self._decide_judge,
+            "single": self._decide_race,  # one worker: committed when it starts (_decide)
         }
 
     # -- inputs ---------------------------------------------------------------------------

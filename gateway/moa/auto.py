@@ -1,17 +1,23 @@
 """``auto``: the policy a ``mesh`` request gets from what it asks, decided from the request alone.
 
-``race`` (the first good opening, streamed at once) for agent turns and open chat; ``vote``
-(several samples, the majority answer) for short-answer questions, where selecting among
-samples beats any single one (bench/results/moa-quality.md). The rule, first that applies:
+``race`` (the first good opening, streamed at once) for agent turns and open chat; for
+short-answer questions ``single`` – the best model's one answer, greedy unless the caller set a
+temperature – or, with ``MoaConfig.auto_vote``, ``vote`` (several samples, the majority answer).
+The vote beat one answer on new items of the task families it was tuned on
+(bench/results/moa-quality.md) but not on families no rule was tuned on, where it made the
+user wait 2-4x as long (bench/results/moa-heldout.md); so ``auto`` does not pay for it unless
+told.
+The rule, first that applies:
 
 1. ``race`` – an agent turn: tools offered, tool results in the conversation, structured output
    (JSON), or a long answer allowed (``max_tokens`` over :data:`LONG_ANSWER_TOKENS`);
-2. ``vote`` – the last user message asks for a short answer: an instruction such as "answer with
-   the number only", "just the letter", "final answer", ``\\boxed``; or lettered options (two or
-   more lines such as "A) …", "(B) …"); or arithmetic to work out in a short message ("what is 17 * 3?");
+2. ``single`` (``vote``) – the last user message asks for a short answer: an instruction such as
+   "answer with the number only", "just the letter", "final answer", ``\\boxed``; or lettered
+   options (two or more lines such as "A) …", "(B) …"); or arithmetic to work out in a short
+   message ("what is 17 * 3?");
 3. ``race`` – everything else (open chat).
 
-``metadata.moa_policy`` overrides the rule.
+``metadata.moa_policy`` overrides the rule (``"vote"`` asks for the vote).
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ def last_user_text(request: ChatRequest) -> str:
     return ""
 
 
-def choose_policy(request: ChatRequest) -> tuple[Policy, str]:
-    """The policy for ``request`` and the rule that chose it (for the ``x-moa-auto`` header)."""
+def choose_policy(request: ChatRequest, *, vote: bool = False) -> tuple[Policy, str]:
+    """The policy for ``request`` and the rule that chose it (for the ``x-moa-auto`` header);
+    ``vote``: short-answer questions get the vote instead of one answer."""
     if request.tools or any(m.role == "tool" or m.tool_calls for m in request.messages):
         return "race", "agent"
     if request.output_format is not None:
@@ -56,10 +63,11 @@ def choose_policy(request: ChatRequest) -> tuple[Policy, str]:
     text = last_user_text(request)
     if not text or len(text) > MAX_QUESTION_CHARS:
         return "race", "open"
+    short: Policy = "vote" if vote else "single"
     if _SHORT_INSTRUCTION.search(text):
-        return "vote", "short-answer"
+        return short, "short-answer"
     if len(_OPTION.findall(text)) >= 2:
-        return "vote", "choices"
+        return short, "choices"
     if len(text) <= MAX_ARITHMETIC_CHARS and _ARITHMETIC.search(text):
-        return "vote", "arithmetic"
+        return short, "arithmetic"
     return "race", "open"

@@ -207,3 +207,20 @@ def plan_samples(
         served = by_model[model.id]
         out.append(_candidate(name, model, served[(i // len(models)) % len(served)], sample))
     return out
+
+
+def plan_single(
+    directory: ModelDirectory, request: ChatRequest, routes: Routes | None = None
+) -> list[Candidate]:
+    """The ``single`` policy's one call: the best model (the first :func:`mixable_models`
+    orders), on its best route, with the caller's request – greedy when it leaves temperature
+    unset, as the vote's own sample is."""
+    models = mixable_models(directory)
+    if not models:
+        return []
+    model = models[0]
+    sample = worker_request(request, model.id, name=model.id)
+    if request.temperature is None:
+        sample = sample.model_copy(update={"temperature": GREEDY})
+    route = _routes_of(directory, routes, model.id, request.session_key)[0]
+    return [_candidate(model.id, model, route, sample)]

@@ -5,10 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-# What the arbiter runs; "auto" picks one of them per request (gateway/moa/auto.py).
-Policy = Literal["race", "consensus", "reduce", "vote", "judge"]
-PolicyChoice = Literal["race", "consensus", "reduce", "vote", "judge", "auto"]
-POLICIES: tuple[PolicyChoice, ...] = ("race", "consensus", "reduce", "vote", "judge", "auto")
+# What the arbiter runs; "auto" picks one of them per request (gateway/moa/auto.py). "single":
+# one call to the best model, greedy when the caller left temperature unset.
+Policy = Literal["race", "consensus", "reduce", "vote", "judge", "single"]
+PolicyChoice = Literal["race", "consensus", "reduce", "vote", "judge", "single", "auto"]
+POLICIES: tuple[PolicyChoice, ...] = (
+    "race",
+    "consensus",
+    "reduce",
+    "vote",
+    "judge",
+    "single",
+    "auto",
+)
 MAX_SAMPLES = 32  # metadata.moa_samples: 1..MAX_SAMPLES
 
 
@@ -21,6 +30,11 @@ class MoaConfig:
 
     # Which arbiter policy decides (see gateway/moa/arbiter.py and bench/results/moa.md).
     policy: PolicyChoice = "race"
+    # auto: whether a short-answer question gets the vote (True) or the best model's single
+    # answer (False). Off: on six task families no rule was tuned on, no variant of the vote
+    # beat greedy (+0.8 points, p = 1, one batch) and each made the user wait 2-4x as long
+    # (bench/results/moa-heldout.md).
+    auto_vote: bool = False
     # Most worker calls per request (distinct models first; one model → that many samples).
     max_workers: int = 3
     # Temperatures of the self-mixture samples; None keeps the caller's own temperature.

@@ -34,6 +34,7 @@ from gateway.moa.candidates import (
     mixable_models,
     plan_candidates,
     plan_samples,
+    plan_single,
     ranked_routes,
     reducer_request,
     strongest,
@@ -178,7 +179,7 @@ class MixtureOfAgents(Upstream):
         if asked not in POLICIES:
             return None, None
         if asked == "auto":
-            return choose_policy(request)
+            return choose_policy(request, vote=self.config.auto_vote)
         return asked, None
 
     def samples_for(self, request: ChatRequest) -> int | None:
@@ -199,7 +200,7 @@ class MixtureOfAgents(Upstream):
                 f"expected one of {', '.join(POLICIES)}",
             )
             return
-        n = self.config.max_workers  # the calls made: one per model, or samples of one
+        n = 1 if policy == "single" else self.config.max_workers  # one per model, or samples
         if policy in ("vote", "judge"):
             samples = self.samples_for(request)
             if samples is None:
@@ -214,6 +215,8 @@ class MixtureOfAgents(Upstream):
         if policy in ("vote", "judge"):
             floor = self.config.vote_min_temperature
             candidates = plan_samples(self.directory, request, n, routes, floor)
+        elif policy == "single":
+            candidates = plan_single(self.directory, request, routes)
         else:
             candidates = plan_candidates(self.directory, request, self.config, routes)
         if not candidates:

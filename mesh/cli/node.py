@@ -76,8 +76,8 @@ def up_command(
     moa_policy: str = typer.Option(
         "auto",
         "--moa-policy",
-        help="model=mesh arbiter: auto (vote for short-answer questions, race otherwise), "
-        "race, consensus, reduce, vote or judge.",
+        help="model=mesh arbiter: auto (the best model's one greedy answer for short-answer "
+        "questions, race otherwise), race, consensus, reduce, vote, judge or single.",
     ),
     moa_workers: int = typer.Option(
         3, "--moa-workers", help="model=mesh: most worker calls per request."

@@ -25,8 +25,9 @@ def asking(text: str, **fields) -> ChatRequest:
         ("What is 12 - 5?", "arithmetic"),
     ],
 )
-def test_short_answer_questions_vote(text, rule):
-    assert choose_policy(asking(text)) == ("vote", rule)
+def test_short_answer_questions_get_one_answer_or_the_vote_when_configured(text, rule):
+    assert choose_policy(asking(text)) == ("single", rule)
+    assert choose_policy(asking(text), vote=True) == ("vote", rule)
 
 
 @pytest.mark.parametrize(
@@ -55,7 +56,7 @@ def test_agent_turns_race_even_when_the_question_is_short():
     ]
     assert choose_policy(ChatRequest(model="mesh", messages=history)) == ("race", "agent")
     assert choose_policy(asking(short, max_tokens=4096)) == ("race", "long")
-    assert choose_policy(asking(short, max_tokens=256)) == ("vote", "short-answer")
+    assert choose_policy(asking(short, max_tokens=256)) == ("single", "short-answer")
     assert choose_policy(asking(short, output_format=OutputFormat())) == ("race", "structured")
 
 

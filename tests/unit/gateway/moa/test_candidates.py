@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gateway.events import Done, TextDelta
 from gateway.moa import MixtureOfAgents, MoaConfig
-from gateway.moa.candidates import mixable_models, plan_candidates, plan_samples
+from gateway.moa.candidates import mixable_models, plan_candidates, plan_samples, plan_single
 from gateway.testing import ScriptedUpstream
 from gateway.upstream import ModelInfo, StaticDirectory
 from tests.unit.gateway.moa.test_splice import ask, assert_well_formed, collect, meta_of, text_of
@@ -50,3 +50,12 @@ async def test_race_answers_with_the_chat_model_when_a_base_model_is_beside_it()
     assert_well_formed(events)
     assert text_of(events) == "Paris." and meta_of(events)["x-moa-winner"].startswith("smollm2")
     assert gemma.calls == 0 and smol.calls == 3
+
+
+def test_single_asks_the_best_chat_model_once_greedy_unless_a_temperature_is_set():
+    directory, _, _ = chat_and_base()
+    (call,) = plan_single(directory, ask())
+    assert call.model.id == "smollm2-135m" and call.request.temperature == 0.0
+    (call,) = plan_single(directory, ask(temperature=0.9, seed=5))
+    assert (call.request.temperature, call.request.seed) == (0.9, 5)
+    assert plan_single(StaticDirectory(), ask()) == []

@@ -95,19 +95,39 @@ async def test_a_sample_failing_mid_stream_does_not_vote():
     assert parse_votes(meta_of(events)["x-moa-votes"]) == {"9": 2} and text_of(events) == "9"
 
 
-async def test_auto_votes_on_short_answer_questions_and_races_agent_turns():
+async def test_auto_answers_short_questions_once_and_races_agent_turns():
     upstream = scripted(says("4"))
     moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), MoaConfig(policy="auto"))
     question = ask(metadata={"moa_samples": 3})
     question.messages[0].content = "What is 2 + 2? Answer with the number only."
-    headers = meta_of(await collect(moa, question))
-    assert headers["x-moa-policy"] == "vote" and headers["x-moa-auto"] == "short-answer"
+    events = await collect(moa, question)
+    headers = meta_of(events)
+    assert headers["x-moa-policy"] == "single" and headers["x-moa-auto"] == "short-answer"
+    assert headers["x-moa-workers"] == "1" and text_of(events) == "4"
+    # One call, greedy: the caller left temperature unset.
+    (call,) = upstream.requests
+    assert call.temperature == 0.0 and call.model == "m"
     agent = ask(tools=[ToolSpec(name="f")])
     headers = meta_of(await collect(moa, agent))
     assert headers["x-moa-policy"] == "race" and headers["x-moa-auto"] == "agent"
     # The request's own choice wins over auto, and then no x-moa-auto.
     headers = meta_of(await collect(moa, ask(metadata={"moa_policy": "race"})))
     assert headers["x-moa-policy"] == "race" and "x-moa-auto" not in headers
+
+
+async def test_auto_votes_on_short_questions_when_configured_and_keeps_a_set_temperature():
+    upstream = scripted(says("4"))
+    moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), MoaConfig(policy="auto", auto_vote=True))
+    question = ask(metadata={"moa_samples": 3})
+    question.messages[0].content = "What is 2 + 2? Answer with the number only."
+    headers = meta_of(await collect(moa, question))
+    assert headers["x-moa-policy"] == "vote" and headers["x-moa-auto"] == "short-answer"
+    assert upstream.requests[0].temperature == 0.0  # the caller's own sample: greedy anchor
+    single = MixtureOfAgents(mesh_of(("m", 1, scripted(says("4")))), MoaConfig(policy="single"))
+    events = await collect(single, ask(temperature=0.7, seed=3))
+    upstream = single.directory.routes("m")[0].upstream
+    assert meta_of(events)["x-moa-decision"] == "single"
+    assert upstream.requests[0].temperature == 0.7 and upstream.requests[0].seed == 3
 
 
 @pytest.mark.parametrize("votes", [{}, {"12": 3, "a, b=c": 1, "naïve": 2}])
@@ -130,7 +150,7 @@ async def test_a_seeded_mesh_request_gives_the_same_text_twice(wave):
         upstream = SeededUpstream(
             lambda r: SAYS[((r.seed or 0) - 40) % len(SAYS)], rng=random.Random(run)
         )
-        config = MoaConfig(policy="auto", vote_wave=wave)
+        config = MoaConfig(policy="auto", auto_vote=True, vote_wave=wave)
         moa = MixtureOfAgents(mesh_of(("m", 1, upstream)), config)  # type: ignore[arg-type]
         question = ask(seed=40)
         question.messages[0].content = "What is 4 + 4? Answer with the number only."
