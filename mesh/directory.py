@@ -77,6 +77,10 @@ class MeshDirectory:
         it to :meth:`routes`."""
         return await self.planner.routes(request)
 
+    def all_idle(self, model: str) -> bool:
+        """Every node serving ``model`` idle now (``model="mesh"``'s vote: one batch, not waves)."""
+        return self.planner.all_idle(model)
+
     def recently_served(self, model: str) -> bool:
         return self.peers.recently_served(model, self.clock())
 

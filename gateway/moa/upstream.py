@@ -230,6 +230,19 @@ class MixtureOfAgents(Upstream):
             await run.close()
 
 
+def vote_schedule(directory: ModelDirectory, candidates: list[Candidate]) -> str:
+    """``batch`` – every sample at once, stopped when the vote is decided – when every node
+    serving the samples' models is idle (the directory says so: a mesh's does); else ``waves``
+    (the next wave only for an undecided vote), which adds no more than it needs to a busy mesh.
+    On six held-out families one batch took 3.1x greedy's median time against 4.2x in waves
+    (bench/results/moa-heldout.md)."""
+    all_idle = getattr(directory, "all_idle", None)
+    if all_idle is None:
+        return "waves"
+    models = {c.model.id for c in candidates}
+    return "batch" if all(all_idle(m) for m in models) else "waves"
+
+
 class _Run:
     """One ``mesh`` request in flight: the pump tasks, their buffers and the arbiter."""
 
@@ -252,6 +265,7 @@ class _Run:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.buffers: dict[str, list[Event]] = {}
         self.started_at = self.clock()
+        self.schedule = vote_schedule(moa.directory, candidates) if policy == "vote" else None
         self.arbiter = Arbiter(
             [c.name for c in candidates],
             self.config,
@@ -259,7 +273,7 @@ class _Run:
             policy=policy,
             win_rates={c.name: moa.wins.rate(c.model.id) for c in candidates},
             preferred=candidates[0].name if _self_mixture(candidates) else None,
-            wave=self.config.vote_wave,
+            wave=len(candidates) if self.schedule == "batch" else self.config.vote_wave,
             question=last_user_text(request),
         )
         self.by_name = {c.name: c for c in candidates}
@@ -345,6 +359,8 @@ class _Run:
         headers = {"x-moa-policy": self.policy, "x-moa-workers": str(started)}
         if self.auto is not None:
             headers["x-moa-auto"] = self.auto
+        if self.schedule is not None:
+            headers["x-moa-vote-schedule"] = self.schedule
         reasons = [f"{c.name}={c.reason}" for c in self.candidates if c.reason]
         if reasons:  # where the mesh sent each candidate, and why (cache-aware routing)
             headers["x-moa-routes"] = ", ".join(reasons)

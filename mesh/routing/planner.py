@@ -248,7 +248,7 @@ class RoutePlanner:
             # Off under overload: never more hedges than max_hedges, never onto a busy node.
             if self.observed.hedges_running >= self.config.max_hedges:
                 return False
-            return self._idle(backup_id)
+            return self.is_idle(backup_id)
 
         hedged = HedgedUpstream(
             first.upstream,
@@ -260,7 +260,15 @@ class RoutePlanner:
         )
         return Route(upstream=hedged, kind=first.kind, peer=first.peer, reason=first.reason)
 
-    def _idle(self, node_id: str) -> bool:
+    def all_idle(self, model: str) -> bool:
+        """Whether every node serving ``model`` (this one included) is idle now, as far as
+        this node knows (its probe, gossip, what it sent itself): the vote then starts its
+        samples at once as one batch instead of in waves."""
+        peers = [r.node_id for r in self.peers.up() if r.serves(model)]
+        nodes = ([self.self_id] if self.local.routes(model, None) else []) + peers
+        return bool(nodes) and all(self.is_idle(n) for n in nodes)
+
+    def is_idle(self, node_id: str) -> bool:
         if self.observed.running[node_id] > 0:
             return False
         if node_id == self.self_id:

@@ -80,7 +80,8 @@ def text_of(events) -> str:
 def meta_of(events) -> dict[str, str]:
     """Every Meta merged (the opening one with policy and workers, then the decision's)."""
     metas = [e for _, e in events if isinstance(e, Meta)]
-    assert metas and set(metas[0].headers) - {"x-moa-auto"} == {"x-moa-policy", "x-moa-workers"}
+    opening = set(metas[0].headers) - {"x-moa-auto", "x-moa-vote-schedule"} if metas else set()
+    assert opening == {"x-moa-policy", "x-moa-workers"}
     return {k: v for m in metas for k, v in m.headers.items()}
 
 

@@ -11,6 +11,7 @@ from gateway.moa.costs import parse_votes
 from gateway.moa.events import Cancel, Commit, Launch, TokenArrived, WorkerFailed, WorkerStarted
 from gateway.moa.views import WorkerStatus
 from gateway.testing import Stall
+from gateway.upstream import ModelInfo, StaticDirectory
 from tests.unit.gateway.moa.test_splice import ask, assert_well_formed, collect, mesh_of, meta_of
 from tests.unit.gateway.moa.test_vote import CONFIG, answer, names
 from tests.unit.gateway.moa.test_vote_run import FAST, says, scripted
@@ -141,3 +142,39 @@ async def test_a_stop_mid_wave_stops_the_running_samples():
     events = await collect(moa, ask(metadata={"moa_policy": "vote"}))
     assert meta_of(events)["x-moa-decision"] == "confident"
     assert upstream.calls == 4 and upstream.cancelled == 1 and upstream.active == 0
+
+
+@dataclasses.dataclass
+class IdleOrBusy(StaticDirectory):
+    """A directory that says whether every node serving a model is idle (a mesh's does)."""
+
+    idle: bool = True
+
+    def all_idle(self, model: str) -> bool:
+        return self.idle
+
+
+def _directory(upstream, idle: bool) -> IdleOrBusy:
+    directory = IdleOrBusy(idle=idle)
+    directory.add(ModelInfo("m", parameters=1), upstream)
+    return directory
+
+
+async def test_on_an_idle_mesh_the_vote_starts_every_sample_at_once_and_says_so():
+    first = [says("5"), says("5"), says("6"), says("7")]
+    upstream = scripted(*first, says("5", delay=0.01), says("5", delay=0.02), [Stall()], [Stall()])
+    events = await collect(MixtureOfAgents(_directory(upstream, True), WAVES), ask(metadata={"moa_policy": "vote"}))  # fmt: skip
+    assert_well_formed(events)
+    headers = meta_of(events)
+    assert headers["x-moa-vote-schedule"] == "batch"
+    assert upstream.calls == 8  # one batch: no wave waited for another
+    assert headers["x-moa-decision"] == "safe" and upstream.active == 0  # the rest stopped
+
+
+async def test_on_a_busy_mesh_or_without_a_word_on_load_the_vote_goes_in_waves():
+    for directory in (lambda u: _directory(u, False), lambda u: mesh_of(("m", 1, u))):
+        upstream = scripted(*[says("12", delay=0.01 * i) for i in range(4)], [Stall()])
+        events = await collect(MixtureOfAgents(directory(upstream), WAVES), ask(metadata={"moa_policy": "vote"}))  # fmt: skip
+        headers = meta_of(events)
+        assert headers["x-moa-vote-schedule"] == "waves"
+        assert upstream.calls == 4 and headers["x-moa-workers"] == "4"

@@ -147,3 +147,13 @@ async def test_stream_through_a_planned_route_times_its_first_token():
     assert events
     assert planner.observed.ttft_s("b") is not None
     assert planner.observed.running["b"] == 0
+
+
+def test_all_idle_asks_every_node_serving_the_model_without_turning_the_round_robin():
+    planner = _planner(cached_on=None)
+    before = planner.peers._turn
+    assert planner.all_idle("m")  # nothing running anywhere, no load heard
+    assert planner.peers._turn == before  # the peers' round robin did not move
+    planner.observed.running["c"] = 1
+    assert not planner.all_idle("m")
+    assert not planner.all_idle("other")  # nobody serves it: not an idle mesh
