@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from worker.chat.prompt import ChatTemplate
+from worker.convert.tokenizer import FALLBACK_CHAT_TEMPLATE
 from worker.engine.core import Engine
 from worker.engine.types import EngineConfig
 from worker.serve.app import create_app
@@ -810,3 +811,9 @@ def test_a_model_without_a_chat_template_says_so(tiny_model_dir: Path, tmp_path:
     with run_worker_in_thread(tiny_model_dir, name="tiny") as (url, _engine):
         (entry,) = httpx.get(f"{url}/models").json()["data"]
         assert entry["capabilities"]["chat_template"] is True
+    # A GGUF without one (gemma3-270m) is converted with a stand-in template: still none.
+    config["chat_template"] = "{{ bos_token }}" + FALLBACK_CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    with run_worker_in_thread(model, name="tiny-converted-base") as (url, _engine):
+        (entry,) = httpx.get(f"{url}/models").json()["data"]
+        assert entry["capabilities"]["chat_template"] is False

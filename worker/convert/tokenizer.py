@@ -38,6 +38,14 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
+def is_fallback_template(template: object) -> bool:
+    """Whether ``template`` is the one :func:`build_tokenizer` writes when the GGUF has none (a
+    base model's, gemma3-270m's): it renders a prompt, but the model was not trained on turns."""
+    return isinstance(template, str) and template.removeprefix("{{ bos_token }}") == (
+        FALLBACK_CHAT_TEMPLATE
+    )
+
+
 def _fallback_template(add_bos: bool) -> str:
     # Chat templates are encoded without special tokens, so the template itself starts with the
     # BOS a model expects (base Gemma degrades badly without it).

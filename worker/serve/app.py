@@ -39,6 +39,7 @@ from worker.chat.wire import (
     sampling_used,
     sse_frames,
 )
+from worker.convert.tokenizer import is_fallback_template
 from worker.engine.budget import BudgetRefusal
 from worker.engine.core import Engine
 from worker.engine.types import Failed
@@ -152,7 +153,9 @@ async def models(request: Request) -> Response:
             "tools": template.tool_calling,  # native, or the generic tool prompt
             "thinking": bool(engine.tokenizer.has_thinking),
             # Without one (a base model) it continues the text instead of answering the turn.
-            "chat_template": bool(engine.tokenizer.has_chat_template),
+            # The converter's stand-in for a GGUF without one counts as none.
+            "chat_template": bool(engine.tokenizer.has_chat_template)
+            and not is_fallback_template(getattr(engine.tokenizer, "chat_template", None)),
             "context_length": info.context_length,
         },
     }

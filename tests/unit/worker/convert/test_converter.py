@@ -34,6 +34,7 @@ from worker.convert import (
 )
 from worker.convert.gguf_file import GGUFFile
 from worker.convert.llama import unpermute_order
+from worker.convert.tokenizer import is_fallback_template
 
 
 def _convert(gguf_path: Path, out: Path) -> Path:
@@ -214,6 +215,11 @@ def test_sentencepiece_tokenizer_round_trips(tmp_path: Path) -> None:
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
     assert prompt == "<bos>User: hi\n\nAssistant:"
+    # … and the worker reports it as no chat template (a base model: not a `mesh` candidate).
+    assert is_fallback_template(tokenizer.chat_template)
+    assert not is_fallback_template(
+        "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"
+    )
 
 
 def test_gemma3_config_and_norms(tmp_path: Path) -> None:
