@@ -35,7 +35,7 @@ import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LOG = RESULTS / "moa-heldout.jsonl"  # held-out families, cold prompts
 TUNING_LOG = RESULTS / "moa-heldout-tuning.jsonl"  # tuning families (prompt cache on)
 SCREEN_LOG = RESULTS / "moa-heldout-screen.jsonl"
+# SmolLM2 + gemma3-270m in one mesh (``--models``): on main before the worker reported the
+# converter's stand-in chat template as none, and after.
+GEMMA_LOGS = {
+    "on main (eca9cfb): gemma3-270m reported with a chat template": RESULTS
+    / "moa-heldout-gemma-main.jsonl",
+    "gemma3-270m reported without one (this branch)": RESULTS / "moa-heldout-gemma.jsonl",
+}
 REPORT = RESULTS / "moa-heldout.md"
 SCREEN_SEED, RUN_SEED, REPEAT_SEED = 1001, 4343, 777
 MAX_TOKENS = 40
@@ -113,6 +120,11 @@ MODES: dict[str, Mode] = {
         {"metadata": {"moa_policy": "vote"}},
         MoaConfig(policy="auto", vote_wave=8),
         note="the vote asked for, its 8 samples started at once as one batch, stopped when decided",
+    ),
+    "race": Mode(
+        "mesh",
+        {"metadata": {"moa_policy": "race"}},
+        note="the race asked for (`metadata.moa_policy`); `x-moa-winner` names whose text it is",
     ),
 }
 
@@ -175,16 +187,47 @@ def node(model_dir: Path, prompt_cache: bool) -> Iterator[tuple[Upstream, Static
         yield worker, directory
 
 
+@contextlib.asynccontextmanager
+async def mesh_of(
+    model_dir: Path, prompt_cache: bool, others: list[Path]
+) -> AsyncIterator[tuple[Upstream, StaticDirectory]]:
+    """:func:`node`, or with ``others`` several models in one mesh, a worker each (as ``mesh
+    up`` serves them), each described as the worker reports it (``capabilities.chat_template``,
+    parameters); the worker yielded is ``model_dir``'s, the one ``greedy`` asks."""
+    if not others:
+        with node(model_dir, prompt_cache) as pair:
+            yield pair
+        return
+    from gateway.worker_client import WorkerClient
+    from worker.engine.types import EngineConfig
+    from worker.testing import run_worker_in_thread
+
+    config = EngineConfig() if prompt_cache else EngineConfig(prompt_cache_bytes=0)
+    directory = StaticDirectory()
+    with contextlib.ExitStack() as stack:
+        workers = []
+        for path in (model_dir, *others):
+            url, _ = stack.enter_context(run_worker_in_thread(path, name=path.name, config=config))
+            worker = WorkerClient(url.removesuffix("/v1"), path.name)
+            info = await worker.describe()
+            print(f"{path.name}: parameters {info.parameters}, capabilities {info.capabilities}")
+            directory.add(info, worker)
+            workers.append(worker)
+        yield workers[0], directory
+
+
 async def run(args: argparse.Namespace) -> None:
     chosen = families(args.families)
     seed = SCREEN_SEED if args.phase == "screen" else args.seed
     log = SCREEN_LOG if args.phase == "screen" else args.log
     modes = ["greedy"] if args.phase == "screen" else args.modes
     header = {"model": args.model.name, "seed": seed, "max_tokens": MAX_TOKENS}
+    if args.models:
+        header["mesh"] = [args.model.name, *(m.name for m in args.models)]
     if args.prompt_cache:
         header["prompt_cache"] = "on"
     done = {(r["family"], r["index"], r["mode"]) for r in start_log(log, header)}
-    with node(args.model, args.prompt_cache) as (worker, directory):
+    async with mesh_of(args.model, args.prompt_cache, args.models) as (worker, directory):
         upstreams = {
             label: worker
             if MODES[label].model == "single"
@@ -316,6 +359,16 @@ def table(rows: list[dict[str, Any]], title: str) -> list[str]:
     return lines
 
 
+def winners(rows: list[dict[str, Any]], mode: str) -> str:
+    """Whose text ``mode`` answered with (``x-moa-winner``, the sample number dropped)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r["mode"] == mode:
+            model = str(r["headers"].get("x-moa-winner", "?")).split("#")[0]
+            counts[model] = counts.get(model, 0) + 1
+    return ", ".join(f"{model} {n}" for model, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def screen_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| family | items | greedy | kept |", "|---|---:|---:|:---:|"]
     for fam in SCREEN:
@@ -372,13 +425,20 @@ cached); the tuning pass kept the cache on, which flatters the modes asked after
 """
 
 
+GEMMA_NOTES = """## SmolLM2 + gemma3-270m in one mesh
+
+TODO
+"""
+
+
 def report(args: argparse.Namespace) -> str:
-    held = [r for r in _rows(args.log) if r["family"] in HELD_OUT]
+    source = LOG if args.log in GEMMA_LOGS.values() else args.log
+    held = [r for r in _rows(source) if r["family"] in HELD_OUT]
     tuning = [r for r in _rows(TUNING_LOG) if r["family"] in TUNING]
     lines = [
         "# `mesh` on held-out task families (issue 43)",
         "",
-        f"Written by `python bench/moa_heldout.py report` from `{args.log.name}`.",
+        f"Written by `python bench/moa_heldout.py report` from `{source.name}`.",
         "",
         f"Tuning families (every rule and setting chosen here): {', '.join(sorted(TUNING))}.",
         f"Held-out families (never used for any choice): {', '.join(HELD_OUT) or 'none yet'}.",
@@ -394,6 +454,16 @@ def report(args: argparse.Namespace) -> str:
     if tuning:
         title = "Tuning families (prompt cache on: modes after greedy found its prompt cached)"
         lines += [*table(tuning, title), ""]
+    for title, path in GEMMA_LOGS.items():
+        rows = [r for r in _rows(path) if r["family"] in HELD_OUT]
+        if not rows:
+            continue
+        if title == next(iter(GEMMA_LOGS)):
+            lines += [GEMMA_NOTES, ""]
+        lines += [*table(rows, f"SmolLM2 + gemma3-270m, {title}"), ""]
+        for mode in ("mesh", "race"):
+            if any(r["mode"] == mode for r in rows):
+                lines += [f"`{mode}` answered with: {winners(rows, mode)}.", ""]
     screen = _rows(SCREEN_LOG)
     if screen:
         lines += ["## Screening (greedy only, seed 1001)", "", *screen_table(screen), ""]
@@ -404,6 +474,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", choices=("screen", "run", "repeat", "report"))
     parser.add_argument("--model", type=Path, default=Path.home() / ".mlx-mesh/models/smollm2-135m")
+    parser.add_argument(
+        "--models", type=Path, nargs="*", default=[], help="more models in the mesh, a worker each"
+    )
     parser.add_argument("--families", choices=("tuning", "held-out", "screen"), default="held-out")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["greedy", "mesh"])
     parser.add_argument("--items", type=int, default=30, help="per family")
