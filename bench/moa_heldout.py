@@ -427,7 +427,33 @@ cached); the tuning pass kept the cache on, which flatters the modes asked after
 
 GEMMA_NOTES = """## SmolLM2 + gemma3-270m in one mesh
 
-TODO
+Issue 43's second bar: with the base gemma3-270m beside SmolLM2, `mesh` as a user sends it
+must do no worse than SmolLM2 alone, and `race` must answer with SmolLM2. Same held-out items
+(seed 4343, 20 per family), two workers in one directory as `mesh up` serves two models, each
+described as its worker reports it (`--models`), one request at a time, greedy = SmolLM2 at
+temperature 0:
+
+    python bench/moa_heldout.py run --model ~/.mlx-mesh/models/smollm2-135m \\
+        --models ~/.mlx-mesh/models/gemma3-270m --items 20 --modes greedy mesh \\
+        --log bench/results/moa-heldout-gemma.jsonl   # then --items 2 --modes greedy mesh race
+
+On main (eca9cfb) `mesh` left gemma3-270m in: its GGUF (`mesh models pull gemma3-270m`) has
+no chat template, so the converter writes a plain role-prefixed stand-in
+(`{{ bos_token }}User: …\\n\\nAssistant:`) into `tokenizer_config.json`, and the worker reported
+`capabilities.chat_template: true` for it – the filter that leaves base models out never
+fired. `mixable_models` orders candidates by parameters, largest first (268,098,176 against
+SmolLM2's 134,515,008), so `single` – what `auto` picks for these short-answer questions –
+asked gemma3 on 120 of 120 items: it continues the prompt (echoes the question, writes the
+next `User:` turn) and `mesh` fell to 2.5 % against SmolLM2's 18.3 % (1 win / 20 losses,
+p = 2e-05) at 1.83x greedy's median time; `race` (both models started) answered with gemma3's
+text on 7 of 12 items (those 12 ran first, on a busier CPU: mind their times). Now the worker reports the converter's stand-in as no chat template
+(`is_fallback_template`), so gemma3-270m is no candidate while SmolLM2 is there: `mesh` gives
+SmolLM2's greedy text on 120 of 120 items (16.7 % = 16.7 %, 0 / 0, p = 1) at 0.96x greedy's
+median time (p90 0.89x), and `race` answers with SmolLM2 (its three samples) on 12 of 12.
+
+Greedy itself is not bit-for-bit repeatable on this shared CPU: SmolLM2's greedy text differs
+on 4 of 120 items (ransom_note True/False) between the two runs below, hence 18.3 % against
+16.7 %; within each run every mode is paired with that run's greedy.
 """
 
 
