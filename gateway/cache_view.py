@@ -12,7 +12,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from worker.serve.metrics import table_families
 
 # A row's field → (metric name, kind, help), labelled by node and model.
 _METRICS = {
@@ -81,10 +83,5 @@ class NodeCacheStats:
         return []  # the nodes are known only at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        for key, (name, kind, text) in _METRICS.items():
-            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            metric = family(f"gateway_node_{name}", text, labels=["node", "model"])
-            for row in self.rows:
-                if row[key] is not None:
-                    metric.add_metric([row["node_id"][:16], row["model"]], row[key])
-            yield metric
+        samples = [([row["node_id"][:16], row["model"]], row) for row in self.rows]
+        yield from table_families(_METRICS, ["node", "model"], samples, "gateway_node_")

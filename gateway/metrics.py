@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from gateway.answer import Accumulator
 from gateway.cache_view import NodeCacheStats
+from worker.serve.metrics import table_families
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +138,8 @@ class WorkerSpeculation:
         return []  # the models are known only at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        for key, (name, kind, text) in _SPECULATION.items():
-            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            metric = family(f"gateway_worker_speculation_{name}", text, labels=["model"])
-            for model, block in sorted(self.snapshot.items()):
-                value = block.get(key)
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    metric.add_metric([model], float(value))
-            yield metric
+        samples = [([model], block) for model, block in sorted(self.snapshot.items())]
+        yield from table_families(_SPECULATION, ["model"], samples, "gateway_worker_speculation_")
 
 
 class GatewayMetrics:

@@ -8,7 +8,7 @@ budget, no disk tier) is exported without samples.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -69,19 +69,39 @@ _DISK_TIER = {
 }
 
 
+# A table of metrics: source key → (metric name, kind "counter" | "gauge", help).
+MetricTable = Mapping[str, tuple[str, str, str]]
+
+
+def table_families(
+    table: MetricTable,
+    labels: list[str],
+    samples: Sequence[tuple[list[str], Mapping[str, Any]]],
+    prefix: str = "",
+) -> Iterator[Metric]:
+    """One family per table entry, named ``prefix`` + its name; a sample for each (label
+    values, source) whose source has a number at the entry's key. Every family is yielded,
+    with no samples when no source has it. Pure; the gateway's per-node and per-model
+    collectors use it too."""
+    for key, (name, kind, text) in table.items():
+        family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        metric = family(prefix + name, text, labels=labels)
+        for values, source in samples:
+            value = source.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                metric.add_metric(values, float(value))
+        yield metric
+
+
 def families(
-    model: str, snapshots: list[tuple[Mapping[str, Any] | None, dict[str, tuple[str, str, str]]]]
+    model: str, snapshots: list[tuple[Mapping[str, Any] | None, MetricTable]]
 ) -> Iterator[Metric]:
     """The metric families of ``snapshots`` (a snapshot and its key → metric table), one sample
     each labelled ``model`` where the snapshot has a number for it. Pure."""
     for snapshot, table in snapshots:
-        for key, (name, kind, text) in table.items():
-            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            metric = family(name, text, labels=["model"])
-            value = None if snapshot is None else snapshot.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                metric.add_metric([model], float(value))
-            yield metric
+        yield from table_families(
+            table, ["model"], [] if snapshot is None else [([model], snapshot)]
+        )
 
 
 class WorkerCollector:
