@@ -6,6 +6,7 @@ Needs Debian's Chromium at /usr/bin/chromium (``make test`` installs it when it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -198,6 +199,26 @@ def test_topology_and_node_table_show_this_node(page) -> None:  # type: ignore[n
 # ---------------------------------------------------------------- a split model's stages
 
 
+@contextlib.contextmanager
+def mesh_tab(browser, picture: dict) -> Iterator[object]:  # type: ignore[no-untyped-def]
+    """The console's mesh tab on a node whose status picture is ``picture`` (changes to it reach
+    the page through the live feed); fails on any JavaScript error on the page."""
+    directory = StaticDirectory()
+    directory.add(ModelInfo(id="tiny"), ScriptedUpstream.of(name="local"))
+    server = ServerThread(create_app(directory, GatewayConfig(), status=lambda: picture))
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(10_000)
+    errors: list[str] = []
+    with server:
+        page = context.new_page()
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(server.url + "/")
+        page.click("[data-tab='mesh']")
+        yield page
+    context.close()
+    assert errors == [], f"JavaScript errors on the page: {errors}"
+
+
 def split_status() -> dict:
     """The split picture (tests/split_pictures.py) with peers whose strings are hostile."""
     return {
@@ -218,17 +239,7 @@ def split_status() -> dict:
 
 def test_mesh_tab_draws_a_split_models_stages_and_a_waiting_one(browser) -> None:  # type: ignore[no-untyped-def]
     picture = split_status()
-    directory = StaticDirectory()
-    directory.add(ModelInfo(id="tiny"), ScriptedUpstream.of(name="local"))
-    server = ServerThread(create_app(directory, GatewayConfig(), status=lambda: picture))
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(10_000)
-    errors: list[str] = []
-    with server:
-        page = context.new_page()
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(server.url + "/")
-        page.click("[data-tab='mesh']")
+    with mesh_tab(browser, picture) as page:
         page.wait_for_selector("#split-section .split[data-model='BIG']")
 
         big = page.locator(f".split[data-model='BIG'][data-head='{SELF}']")
@@ -280,8 +291,6 @@ def test_mesh_tab_draws_a_split_models_stages_and_a_waiting_one(browser) -> None
         picture["workers"]["HUGE"]["split"] = {"group": "g2", "stages": []}
         page.wait_for_selector(".split[data-model='HUGE'] .stage")
         assert page.locator(".split.waiting").count() == 0
-    context.close()
-    assert errors == [], f"JavaScript errors on the page: {errors}"
 
 
 def test_node_table_shows_every_node_prompt_cache(browser) -> None:  # type: ignore[no-untyped-def]
@@ -298,17 +307,7 @@ def test_node_table_shows_every_node_prompt_cache(browser) -> None:  # type: ign
             {"node_id": C, "state": "up", "connected": True, "models": []},
         ],
     }  # fmt: skip
-    directory = StaticDirectory()
-    directory.add(ModelInfo(id="tiny"), ScriptedUpstream.of(name="local"))
-    server = ServerThread(create_app(directory, GatewayConfig(), status=lambda: picture))
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(10_000)
-    errors: list[str] = []
-    with server:
-        page = context.new_page()
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(server.url + "/")
-        page.click("[data-tab='mesh']")
+    with mesh_tab(browser, picture) as page:
         page.wait_for_selector(f"#nodes tr[data-node-id='{SELF}'] .cache-line")
         mine = page.locator(f"#nodes tr[data-node-id='{SELF}'] td.caches").inner_text()
         assert " ".join(mine.split()) == (
@@ -327,8 +326,6 @@ def test_node_table_shows_every_node_prompt_cache(browser) -> None:  # type: ign
             f"document.querySelector(\"#nodes tr[data-node-id='{SELF}'] td.caches\")"
             ".textContent.includes('80% hits of 5')"
         )
-    context.close()
-    assert errors == [], f"JavaScript errors on the page: {errors}"
 
 
 def test_requests_table_fills_live(page, gateway: Gateway) -> None:  # type: ignore[no-untyped-def]
