@@ -100,7 +100,7 @@ async def prompt_cache_held(request: Request) -> Response:
         "pending_tokens": held["pending"],
         "queue_depth": stats.queue_depth,
         "in_flight": stats.in_flight,
-        "prefill_backlog": engine.prefill_backlog if stats.queue_depth else 0,
+        "prefill_backlog": engine.prefill_backlog,
         "prefill_tok_s": engine.prefill_tokens_per_second(),
     }
     return Response(orjson.dumps(out), media_type="application/json")

@@ -110,6 +110,9 @@ class Engine:
         self._model: Any = None
         self._gate: MemoryGate | None = None  # the memory budget's, made by the load
         self._round_started: float | None = None  # the owner thread's round (commands, a step)
+        # Prompt tokens the rows still have to prefill, set at the end of each round on the owner
+        # thread: the mesh's routing-time question reads it (a newcomer's prefill waits behind).
+        self.prefill_backlog = 0
 
     # ---- lifecycle (caller side) -------------------------------------------------------------
 
@@ -206,10 +209,6 @@ class Engine:
     def prefill_tokens_per_second(self) -> float | None:
         return self._meter.prefill_tokens_per_second()
 
-    # Prompt tokens the rows still have to prefill (set on the owner thread after each step,
-    # read by the mesh's routing-time question: the wait a newcomer's prefill is behind).
-    prefill_backlog: int = 0
-
     # ---- owner thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -255,6 +254,7 @@ class Engine:
                     self._fail_all(f"generation failed: {exc}")
             elif not commands:
                 self._tell_idle()
+            self.prefill_backlog = self._rows.backlog()
         self._shutdown()
 
     def _tell_idle(self) -> None:
@@ -404,7 +404,6 @@ class Engine:
     def _step(self) -> None:
         for active, r in self._rows.step():
             self._on_token(active, r)
-        self.prefill_backlog = self._rows.backlog()
 
     def _on_token(self, active: Active, r: Any) -> None:
         job = active.job
