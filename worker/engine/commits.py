@@ -112,7 +112,8 @@ class Commits:
             return
         if before is not None:
             before(job_id)
-        self.store.insert(pending.tokens, pending.cache)  # the digest has it before it leaves
+        # Hashed once, when held; the digest has it before it leaves the pending commits.
+        self.store.insert(pending.tokens, pending.cache, chain=pending.chain)
         self._publish()
         self.stats.commits += 1
         self.stats.log("committed", job_id)

@@ -103,8 +103,8 @@ class PromptCacheStore:
     prefixes: int = 0
     # Every entry's whole chain by tier, swapped in whole with the digest: the mesh's
     # routing-time question is answered from these exactly (the digest thins long chains).
-    memory_chains: tuple[tuple[tuple[int, ...], bool], ...] = ()  # (chain, trimmable)
-    disk_chains: tuple[tuple[int, ...], ...] = ()
+    memory_chains: tuple[tuple[list[int], bool], ...] = ()  # (chain, trimmable)
+    disk_chains: tuple[list[int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.disk is not None:
@@ -179,10 +179,18 @@ class PromptCacheStore:
         self.stats.cached_tokens += best_len
         return cache, best_len
 
-    def insert(self, tokens: Sequence[int], cache: list[Any], *, from_disk: bool = False) -> None:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        cache: list[Any],
+        *,
+        from_disk: bool = False,
+        chain: Sequence[int] | None = None,
+    ) -> None:
         """Store a cache holding exactly ``tokens``; entries it extends are dropped. A long one
         goes to the disk tier too, at most one every ``hot_interval_s`` (a node killed later
-        still finds it); what memory evicts goes there in any case."""
+        still finds it); what memory evicts goes there in any case. ``chain``: the tokens'
+        :func:`block_hashes` when the caller has them (a pending commit does)."""
         if not tokens or not cache:
             return
         materialize(cache)
@@ -193,8 +201,8 @@ class PromptCacheStore:
             if covered and (trimmable or entry.tokens == key_tokens):
                 del self._entries[key]
                 self._nbytes -= entry.nbytes
-        chain = block_hashes(key_tokens, self.digest_block_size)
-        entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable, chain)
+        hashes = list(chain) if chain is not None else block_hashes(key_tokens, self.digest_block_size)  # fmt: skip
+        entry = _Entry(key_tokens, cache, cache_nbytes(cache), trimmable, hashes)
         if self.disk is not None:  # only a disk tier can hold the same prefix twice
             entry.key = tokens_key(key_tokens)
         self._entries[self._next_key] = entry
@@ -238,13 +246,15 @@ class PromptCacheStore:
         # Most recently inserted first: they get the first share of the digest's bound. A
         # prefix of an untrimmable entry is not servable, so it advertises its whole length only.
         chains = [e.chain if e.trimmable else e.chain[-1:] for e in reversed(self._entries.values())]  # fmt: skip
+        disk_chains = self.disk.chains() if self.disk is not None else []
         self.prefixes = len(self._entries)
         if self.disk is not None:  # after memory's: restoring costs a read, not a prefill
-            chains += self.disk.chains()
+            chains += disk_chains
             self.prefixes = len({e.key for e in self._entries.values()} | self.disk.keys())
         self.digest = CacheDigest.of_chains(chains, block_size=self.digest_block_size)
-        self.memory_chains = tuple((tuple(e.chain), e.trimmable) for e in self._entries.values())
-        self.disk_chains = tuple(tuple(c) for c in self.disk.chains()) if self.disk else ()
+        # The chains themselves, never changed once made: no copies, only a new tuple of them.
+        self.memory_chains = tuple((e.chain, e.trimmable) for e in self._entries.values())
+        self.disk_chains = tuple(disk_chains)
 
     def held(self, hashes: Sequence[int]) -> tuple[int, int]:
         """Blocks of a prompt (its block hashes) the memory tier and the disk tier hold; any
