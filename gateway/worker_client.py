@@ -391,7 +391,7 @@ class WorkerClient(Upstream):
             if response.status_code != 200:
                 return None
             data = response.json()
-            warm = max(int(data.get("memory_tokens", data["cached_tokens"])), int(data["pending_tokens"]))  # fmt: skip
+            warm = max(int(data["memory_tokens"]), int(data["pending_tokens"]))
             held = max(warm, int(data["cached_tokens"]))
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None

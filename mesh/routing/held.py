@@ -30,11 +30,12 @@ import orjson
 from gateway.upstream import ModelDirectory
 from mesh.errors import MeshError
 from mesh.tunnel.frames import Body, BodyEnd, Data, End, RequestHead, ResponseHead
+from worker.chat.prompt_blocks import MAX_HELD_HASHES
 
 log = logging.getLogger(__name__)
 
 HELD_PATH = "/mesh/v1/prefix-held"
-MAX_HASHES = 16384  # the worker's own bound: a 1M-token prompt in blocks of 64
+MAX_HASHES = MAX_HELD_HASHES  # the worker's own bound, one figure for both ends
 MAX_BODY_BYTES = MAX_HASHES * 22 + 1024  # JSON of u64s: at most 21 bytes each
 WORKER_TIMEOUT_S = 1.0
 
