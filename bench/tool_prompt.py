@@ -93,7 +93,7 @@ def _agent_requests() -> dict[str, dict[str, Any]]:
 async def _answer(engine: Engine, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     body = {**body, "stream": False, "temperature": 0.0, "max_tokens": max_tokens}
     body.pop("stream_options", None)
-    job, assembler, listing = await start_job(
+    job, assembler, listing, _ = await start_job(
         engine, ChatTemplate(engine.tokenizer), ChatCompletionRequest(**body), body
     )
     async for event in job.events():

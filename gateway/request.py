@@ -65,6 +65,9 @@ class ChatRequest(BaseModel):
     # Without a temperature: the model's recommended one, but at least this (set by model=mesh
     # for its vote samples, never by a client API).
     min_temperature: float | None = None
+    # Whether the worker brings this answer's cache to the next turn's tokens after the
+    # response; model=mesh's extra samples, its reducer and judge never have a next turn.
+    cache_next_turn: bool = True
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None

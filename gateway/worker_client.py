@@ -111,6 +111,8 @@ def worker_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
             body["top_logprobs"] = request.top_logprobs
     if request.temperature is None and request.min_temperature is not None:
         body["min_temperature"] = request.min_temperature  # model=mesh's vote samples
+    if not request.cache_next_turn:
+        body["cache_next_turn"] = False
     if request.output_format is not None:
         body["response_format"] = _response_format(request.output_format)
     return body

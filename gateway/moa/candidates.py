@@ -139,6 +139,7 @@ def plan_candidates(
             temperature = config.sample_temperatures[i % len(config.sample_temperatures)]
             sample = sample.model_copy(
                 update={
+                    "cache_next_turn": False,
                     "temperature": request.temperature if temperature is None else temperature,
                     "seed": (request.seed or 0) + i,
                     # A session key would make samples queue behind each other for affinity.
@@ -163,7 +164,7 @@ def reducer_request(
         instructions = f"{head.content}\n\n{instructions}"
     messages.insert(0, Message(role="system", content=instructions))
     out = worker_request(request, model.id, name="reducer")
-    return out.model_copy(update={"messages": messages})
+    return out.model_copy(update={"messages": messages, "cache_next_turn": False})
 
 
 def plan_samples(
@@ -194,6 +195,7 @@ def plan_samples(
         if i:
             sample = sample.model_copy(
                 update={
+                    "cache_next_turn": False,
                     "temperature": None,
                     "min_temperature": min_temperature,
                     "top_p": None,

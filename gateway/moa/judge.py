@@ -102,6 +102,7 @@ def judge_request(request: ChatRequest, texts: list[str], model: ModelInfo) -> C
             "messages": messages,
             "tools": [],
             "tool_choice": None,
+            "cache_next_turn": False,
             "temperature": 0.0,
             "seed": None,
             "max_tokens": JUDGE_MAX_TOKENS,

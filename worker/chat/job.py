@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 
+from worker.chat.next_turn import NextTurn
 from worker.chat.output import DeltaAssembler
 from worker.chat.prompt import ChatTemplate
 from worker.chat.response_format import (
@@ -58,9 +59,11 @@ def context_overflow(prompt_tokens: int, context: int) -> BadRequest:
 
 async def start_job(
     engine: Engine, template: ChatTemplate, chat: ChatCompletionRequest, body: dict[str, Any]
-) -> tuple[Job, DeltaAssembler, Listing]:
+) -> tuple[Job, DeltaAssembler, Listing, NextTurn | None]:
     """Render ``chat`` through ``template`` (its model's, which ``engine`` serves), submit the
-    job, and return it with the assembler that splits its answer. Raises :class:`BadRequest`."""
+    job, and return it with the assembler that splits its answer, the tools' listing and the
+    conversation as a next turn renders it (None: no next turn follows). Raises
+    :class:`BadRequest`."""
     template_kwargs = dict(chat.chat_template_kwargs or {})
     thinking = normalize_thinking(body)
     if thinking is not None:
@@ -139,7 +142,8 @@ async def start_job(
     assembler = DeltaAssembler(
         think_tags=think_tags, in_reasoning=in_reasoning, tool_splitter=splitter
     )
-    return job, assembler, listing
+    turn = NextTurn(template, messages, tools, template_kwargs, listing)
+    return job, assembler, listing, turn if chat.cache_next_turn else None
 
 
 def listing_header(listing: Listing) -> dict[str, str]:

@@ -192,6 +192,9 @@ class ChatCompletionRequest(BaseModel):
     # Without a temperature: the model's recommended one, but at least this (model=mesh's vote
     # samples: a very cold default makes every sample the greedy answer).
     min_temperature: float | None = Field(default=None, ge=0, le=2)
+    # An extension: false when no next turn will follow this answer (model=mesh's extra
+    # samples), so the worker does not prefill one (worker/chat/next_turn.py).
+    cache_next_turn: bool = True
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)

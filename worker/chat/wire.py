@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
+from worker.chat.next_turn import NextTurn, commit_soon
 from worker.chat.output import DeltaAssembler
 from worker.chat.schemas import openai_usage
 from worker.engine.core import Engine, Job
@@ -65,6 +66,7 @@ async def sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
     meta: dict[str, Any],
     include_usage: bool,
     continuous_usage: bool = False,
+    next_turn: NextTurn | None = None,
 ) -> AsyncIterator[bytes]:
     base = {**meta, "object": "chat.completion.chunk"}
     first = True
@@ -126,7 +128,7 @@ async def sse_frames(  # noqa: C901 - to be split (complexity gate, issue 10)
         if job.done:
             # Runs only after [DONE] was handed to the transport (the generator resumes after
             # each send): the cache bookkeeping never delays the client.
-            engine.commit(job)
+            commit_soon(engine, job, next_turn, assembler.message())
         else:
             # Client gone before the end: stop generating now.
             engine.cancel(job)

@@ -10,12 +10,12 @@ cache and the client of the first job never waits for the bookkeeping.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.types import EngineConfig, EngineStats, Job
-from worker.prompt_cache.digest import block_hashes
+from worker.prompt_cache.digest import block_hashes, common_blocks
 from worker.prompt_cache.store import PromptCacheStore, cache_nbytes
 
 
@@ -32,6 +32,8 @@ class Pending:
     cache: list[Any]
     nbytes: int  # counted once, when held: the memory budget reads the total every loop
     chain: tuple[int, ...] = ()  # block_hashes(tokens): routing counts a pending commit as held
+    # Still being prefilled to its tokens (worker/engine/next_turns.py): never lands as it is.
+    building: bool = False
     created: float = field(default_factory=time.monotonic)
 
 
@@ -48,6 +50,15 @@ class Commits:
         # loop's thread can read them: a mesh asking "do you hold this prefix?" between an
         # answer and its commit hears yes (the next turn parks until the commit lands).
         self.held_chains: tuple[tuple[int, ...], ...] = ()
+
+    def prefix_held(self, hashes: Sequence[int]) -> dict[str, Any]:
+        """Tokens of a prompt (its block hashes, of the digest's block size) held in memory, on
+        disk (with the disk's restore rate) and by a pending commit; safe from any thread."""
+        size, store = self.store.digest_block_size, self.store
+        memory, disk = store.held(hashes)
+        pending = max((common_blocks(c, hashes) for c in self.held_chains), default=0)
+        restore = store.disk.restore_tokens_per_second() if store.disk is not None else None
+        return {"memory": memory * size, "disk": disk * size, "pending": pending * size, "restore_tok_s": restore}  # fmt: skip
 
     def _publish(self) -> None:
         self.held_chains = tuple(p.chain for p in self.pending.values() if p.chain)
@@ -100,16 +111,19 @@ class Commits:
         self.parked = [p for p in self.parked if p.job.id != job_id]
         return bool(parked)
 
-    def hold(self, job_id: str, tokens: list[int], cache: list[Any]) -> None:
+    def hold(
+        self, job_id: str, tokens: list[int], cache: list[Any], *, building: bool = False
+    ) -> None:
         chain = tuple(block_hashes(tokens, self.store.digest_block_size))
-        self.pending[job_id] = Pending(tokens, cache, cache_nbytes(cache), chain)
+        self.pending[job_id] = Pending(tokens, cache, cache_nbytes(cache), chain, building)
         self._publish()
 
     def land(self, job_id: str, before: Callable[[str], None] | None = None) -> None:
         """Commit a pending cache to the store (``before``: a test hook, called first)."""
-        pending = self.pending.pop(job_id, None)
-        if pending is None:
+        pending = self.pending.get(job_id)
+        if pending is None or pending.building:
             return
+        del self.pending[job_id]
         if before is not None:
             before(job_id)
         # Hashed once, when held; the digest has it before it leaves the pending commits.
@@ -117,6 +131,11 @@ class Commits:
         self._publish()
         self.stats.commits += 1
         self.stats.log("committed", job_id)
+
+    def drop(self, job_id: str) -> None:
+        """Forget a pending commit without landing it."""
+        if self.pending.pop(job_id, None) is not None:
+            self._publish()
 
     def expire(self) -> None:
         """Drop the commits never requested within ``pending_commit_ttl_s``."""
@@ -136,9 +155,12 @@ class Commits:
         return sum(p.nbytes for p in self.pending.values())
 
     def land_all(self) -> None:
-        """Commit every pending cache (at shutdown: they go to disk with the rest)."""
+        """Commit every pending cache (at shutdown: they go to disk with the rest); one still
+        being built is dropped."""
         for job_id in list(self.pending):
             self.land(job_id)
+        self.pending.clear()
+        self._publish()
 
     def clear(self, *, forget_written: bool = False) -> None:
         """Forget the store's entries and the pending commits (parked jobs stay);

@@ -35,6 +35,7 @@ from worker.engine.inbox import Inbox
 from worker.engine.load import Loader, can_batch, load_model, make_generator
 from worker.engine.memory_gate import MemoryGate, memory_gate
 from worker.engine.meter import Meter
+from worker.engine.next_turns import NextTurns
 from worker.engine.rows import Active, Rows
 from worker.engine.types import (
     EngineConfig,
@@ -49,7 +50,7 @@ from worker.engine.types import (
     TokenChunk,
 )
 from worker.generation_config import MLX_LM_DEFAULTS, resolve_sampling_defaults
-from worker.prompt_cache.digest import CacheDigest, common_blocks
+from worker.prompt_cache.digest import CacheDigest
 from worker.prompt_cache.disk import DiskTier
 from worker.prompt_cache.store import PromptCacheStats, PromptCacheStore
 from worker.speculative.batch import SpeculationStats
@@ -109,6 +110,7 @@ class Engine:
         self._followers: Followers
         self._model: Any = None
         self._gate: MemoryGate | None = None  # the memory budget's, made by the load
+        self._next_turns: NextTurns | None = None  # made by the load, but for a split's rank 0
         self._round_started: float | None = None  # the owner thread's round (commands, a step)
         # Prompt tokens the rows still have to prefill, set at the end of each round on the owner
         # thread: the mesh's routing-time question reads it (a newcomer's prefill waits behind).
@@ -171,13 +173,9 @@ class Engine:
         return self._store.digest
 
     def prefix_held(self, hashes: Sequence[int]) -> dict[str, Any]:
-        """Tokens of a prompt (its block hashes, of the digest's block size) held in memory, on
-        disk (with the disk's restore rate) and by a pending commit; safe from any thread."""
-        size, store = self._store.digest_block_size, self._store
-        memory, disk = store.held(hashes)
-        pending = max((common_blocks(c, hashes) for c in self._commits.held_chains), default=0)
-        restore = store.disk.restore_tokens_per_second() if store.disk is not None else None
-        return {"memory": memory * size, "disk": disk * size, "pending": pending * size, "restore_tok_s": restore}  # fmt: skip
+        """Tokens of a prompt (its block hashes) held in memory, on disk and by a pending
+        commit, with the disk's restore rate (:meth:`Commits.prefix_held`); from any thread."""
+        return self._commits.prefix_held(hashes)
 
     # ---- calls from the event loop -----------------------------------------------------------
 
@@ -198,10 +196,12 @@ class Engine:
         if not job.done:
             self._inbox.put("cancel", job.id)
 
-    def commit(self, job: Job) -> None:
-        """Land a finished job's KV cache in the prompt cache. Returns at once."""
+    def commit(self, job: Job, next_turn: list[int] | None = None) -> None:
+        """Land a finished job's KV cache in the prompt cache; ``next_turn``: the tokens the
+        next turn will show the conversation through this answer as (worker/chat/next_turn.py),
+        the cache is brought to them after. Returns at once."""
         self.stats.log("commit_requested", job.id)
-        self._inbox.put("commit", job.id)
+        self._inbox.put("commit", (job.id, next_turn))
 
     def tokens_per_second(self, window_s: float = 10.0) -> float:
         return self._meter.tokens_per_second(window_s)
@@ -240,11 +240,7 @@ class Engine:
                     log.exception("engine command %s failed", kind)
                     if kind == "submit":
                         self._reject(arg, f"cannot start generation: {exc}")
-            for job in self._commits.due():
-                self._start(job)
-            self._commits.expire()
-            if self._gate is not None:
-                self._open_gate(self._gate)
+            self._between_steps()
             if self._rows:
                 try:
                     self._step()
@@ -256,6 +252,17 @@ class Engine:
                 self._tell_idle()
             self.prefill_backlog = self._rows.backlog()
         self._shutdown()
+
+    def _between_steps(self) -> None:
+        """The work of a round besides its step: parked jobs whose commit landed, expired
+        commits, a chunk of an answer's next turn, the jobs the memory budget has room for."""
+        for job in self._commits.due():
+            self._start(job)
+        self._commits.expire()
+        if self._next_turns:
+            self._next_turns.step()
+        if self._gate is not None:
+            self._open_gate(self._gate)
 
     def _tell_idle(self) -> None:
         """A model that wants to know the engine is idle (a split's rank 0 lets its other
@@ -320,6 +327,11 @@ class Engine:
         if self._loader is None:
             pending = self._commits
             self._gate = memory_gate(self.config, model, self._store, lambda: pending.pending_bytes)
+            if self.config.next_turn_max_tail > 0:
+                self._next_turns = NextTurns(
+                    model, self._store, pending, step_size=self.config.prefill_step_size,
+                    max_tail=self.config.next_turn_max_tail,
+                )  # fmt: skip
 
     def _left(self, job: Job) -> None:
         if self._gate is not None:
@@ -333,7 +345,7 @@ class Engine:
     def _idle_wait(self) -> float:
         """How long to block for commands: not at all while decoding, else until the next
         parked job's deadline (or a short tick for pending-commit expiry)."""
-        if self._rows:
+        if self._rows or self._next_turns:
             return 0.0
         nearest = self._commits.next_deadline()
         if nearest is not None:
@@ -370,8 +382,12 @@ class Engine:
             log.exception("cannot start job %s", job.id)
             self._reject(job, f"cannot start generation: {exc}")
 
-    def _on_commit(self, job_id: str) -> None:
+    def _on_commit(self, commit: tuple[str, list[int] | None]) -> None:
+        job_id, next_turn = commit
+        pending = self._commits.pending.get(job_id)
         self._commits.land(job_id, self.before_commit)
+        if pending is not None and next_turn and self._next_turns is not None:
+            self._next_turns.plan(job_id, pending.tokens, next_turn)
 
     def _on_discard(self, _: None) -> None:
         self._commits.clear(forget_written=True)
@@ -382,7 +398,7 @@ class Engine:
     def _on_cancel(self, job_id: str) -> None:
         if job_id in self._commits.pending:
             # Finished, but the client left before the commit: nobody waits on the response.
-            self._on_commit(job_id)
+            self._on_commit((job_id, None))
             return
         parked = self._commits.cancel(job_id)
         waiting = self._followers.cancel(job_id)
@@ -409,7 +425,8 @@ class Engine:
         job = active.job
         out = active.decode(r, self.tokenizer)
         if out.looped:
-            self._count_loop(active)
+            assert active.loop is not None
+            self._meter.loop_stopped(job.id, active.loop.period, active.completion_tokens)
         text, logprobs, finish, stopped = out.text, out.logprobs, out.finish, out.stopped
         if (text or logprobs) and not self._send(
             active, TokenChunk(text, logprobs, active.completion_tokens, active.cached_tokens)
@@ -433,14 +450,6 @@ class Engine:
             ),
         )
         self._meter.completed()
-
-    def _count_loop(self, active: Active) -> None:
-        assert active.loop is not None
-        log.info(
-            "job %s: stopped a loop of %d tokens after %d tokens",
-            active.job.id, active.loop.period, active.completion_tokens,
-        )  # fmt: skip
-        self._meter.loop_stopped()
 
     def _send(self, active: Active, event: JobEvent) -> bool:
         if active.job._deliver(event):

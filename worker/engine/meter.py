@@ -3,6 +3,7 @@ loop (a submit counts as queued at once), so each change takes one lock, here.""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -11,6 +12,8 @@ from worker.engine.types import EngineStats
 
 PREFILL_WINDOW = 16  # prefills the rate is measured over
 MIN_PREFILL_TOKENS = 32  # shorter ones measure the step, not the prefill
+
+log = logging.getLogger(__name__)
 
 
 class Meter:
@@ -54,7 +57,8 @@ class Meter:
         with self._lock:
             self.stats.completed += 1
 
-    def loop_stopped(self) -> None:
+    def loop_stopped(self, job_id: str, period: int, after: int) -> None:
+        log.info("job %s: stopped a loop of %d tokens after %d tokens", job_id, period, after)
         with self._lock:
             self.stats.loops_stopped += 1
 

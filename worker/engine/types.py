@@ -43,6 +43,9 @@ class EngineConfig:
     prompt_cache_disk: DiskTierConfig | None = None
     commit_wait_s: float = 2.0  # a job waiting for a pending commit proceeds without it after this
     pending_commit_ttl_s: float = 30.0  # a commit never requested is dropped after this
+    # An answer's cache is brought to the next turn's tokens when they add at most this many
+    # (worker/engine/next_turns.py); 0: never.
+    next_turn_max_tail: int = 512
     # An idle engine that gets a job waits this long for the next before it prefills (each
     # arrival restarts the wait, up to admit_window_s): requests sent together reach it a
     # millisecond or two apart, and one that misses the first's prefill waits a whole one.

@@ -154,11 +154,13 @@ class PromptCacheStore:
             self.insert(entry.tokens, cache, from_disk=True)
 
     def fetch(
-        self, prompt: Sequence[int], *, merged_by_reader: bool = False
+        self, prompt: Sequence[int], *, merged_by_reader: bool = False, counted: bool = True
     ) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for ``prompt`` and how many tokens it covers
-        (``merged_by_reader``: see :func:`copy_cache`)."""
-        self.stats.prompt_tokens += len(prompt)
+        (``merged_by_reader``: see :func:`copy_cache`; ``counted``: a request's lookup, in
+        the hit counts – the engine's own are not)."""
+        stats = self.stats if counted else PromptCacheStats()
+        stats.prompt_tokens += len(prompt)
         if self.disk is not None:
             self._restore(prompt)
         best_key, best_len = None, 0
@@ -167,7 +169,7 @@ class PromptCacheStore:
             if n > best_len:
                 best_key, best_len = key, n
         if best_key is None:
-            self.stats.misses += 1
+            stats.misses += 1
             return None, 0
         entry = self._entries[best_key]
         self._entries.move_to_end(best_key)
@@ -175,8 +177,8 @@ class PromptCacheStore:
         excess = len(entry.tokens) - best_len
         if excess:
             trim_prompt_cache(cache, excess)
-        self.stats.hits += 1
-        self.stats.cached_tokens += best_len
+        stats.hits += 1
+        stats.cached_tokens += best_len
         return cache, best_len
 
     def insert(

@@ -30,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.chat.job import BadRequest, listing_header, start_job
+from worker.chat.next_turn import commit_answer
 from worker.chat.prompt import ChatTemplate
 from worker.chat.prompt_blocks import prompt_blocks, prompt_cache_held
 from worker.chat.schemas import ChatCompletionRequest, describe_validation_error
@@ -90,7 +91,9 @@ async def chat_completions(request: Request) -> Response:
             code="model_not_found",
         )
     try:
-        job, assembler, listing = await start_job(engine, request.app.state.template, chat, body)
+        job, assembler, listing, turn = await start_job(
+            engine, request.app.state.template, chat, body
+        )
     except BadRequest as exc:
         return error_response(
             400, str(exc), type_="invalid_request_error", param=exc.param, code=exc.code
@@ -114,7 +117,7 @@ async def chat_completions(request: Request) -> Response:
         options = chat.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(include_usage and options and options.continuous_usage_stats)
-        frames = sse_frames(engine, job, assembler, meta, include_usage, continuous)
+        frames = sse_frames(engine, job, assembler, meta, include_usage, continuous, turn)
         return StreamingResponse(
             frames,
             media_type="text/event-stream",
@@ -130,7 +133,8 @@ async def chat_completions(request: Request) -> Response:
     body = completion_body(meta, assembler, result, logprobs if chat.logprobs else None)
     body["sampling"] = sampling_used(job)
     # The commit runs as a background task: after the body went out.
-    response = json_response(body, background=BackgroundTask(engine.commit, job))
+    commit = BackgroundTask(commit_answer, engine, job, turn, assembler.message())
+    response = json_response(body, background=commit)
     response.headers.update(listing_header(listing))
     return response
 

@@ -208,14 +208,20 @@ def leader_config(split: Sequence[int], prompt_cache_bytes: int, speculation: st
     pass whose rejected tails are trimmed with the batch cache's own (recorded) operations.
 
     Batching as on an unsplit worker: what mlx-lm's ``BatchGenerator`` does to its batches'
-    caches is recorded on rank 0 and replayed by the followers (worker/split/cache.py)."""
+    caches is recorded on rank 0 and replayed by the followers (worker/split/cache.py).
+
+    No prefill of an answer's next turn (worker/engine/next_turns.py): it runs the model outside
+    the generator, which the followers do not replay."""
     from worker.engine.types import EngineConfig
     from worker.speculative.policy import Speculation
 
     scaled = prompt_cache_bytes * split[0] // max(split)
     # No memory budget: measuring the KV per token would run a forward pass over the ring.
     return EngineConfig(
-        prompt_cache_bytes=scaled, speculation=Speculation(mode=speculation), memory_budget_bytes=0
+        prompt_cache_bytes=scaled,
+        speculation=Speculation(mode=speculation),
+        memory_budget_bytes=0,
+        next_turn_max_tail=0,
     )
 
 

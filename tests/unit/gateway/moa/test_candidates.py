@@ -8,6 +8,7 @@ from gateway.moa import MixtureOfAgents, MoaConfig
 from gateway.moa.candidates import mixable_models, plan_candidates, plan_samples, plan_single
 from gateway.testing import ScriptedUpstream
 from gateway.upstream import ModelInfo, StaticDirectory
+from gateway.worker_client import worker_body
 from tests.unit.gateway.moa.test_splice import ask, assert_well_formed, collect, meta_of, text_of
 
 
@@ -59,3 +60,17 @@ def test_single_asks_the_best_chat_model_once_greedy_unless_a_temperature_is_set
     (call,) = plan_single(directory, ask(temperature=0.9, seed=5))
     assert (call.request.temperature, call.request.seed) == (0.9, 5)
     assert plan_single(StaticDirectory(), ask()) == []
+
+
+def test_only_the_answer_a_caller_can_continue_has_its_next_turn_prefilled():
+    """The worker brings an answer's cache to the next turn's tokens after the response; only
+    the caller's own sample (and single's one call) can have a next turn."""
+    directory, _, _ = chat_and_base()
+    samples = plan_samples(directory, ask(), 4)
+    assert [c.request.cache_next_turn for c in samples] == [True, False, False, False]
+    mixture = plan_candidates(directory, ask(), MoaConfig(max_workers=3))
+    assert [c.request.cache_next_turn for c in mixture] == [True, False, False]
+    (call,) = plan_single(directory, ask())
+    assert call.request.cache_next_turn
+    assert worker_body(samples[1].request, "m")["cache_next_turn"] is False
+    assert "cache_next_turn" not in worker_body(samples[0].request, "m")

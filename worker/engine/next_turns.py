@@ -1,0 +1,96 @@
+"""An answer's cache brought to the next turn's tokens, off the response path (owner thread).
+
+The chat room says how the next turn will tokenize the conversation through an answer
+(worker/chat/next_turn.py). Where that differs from what the answer's KV cache holds (the
+answer re-tokenized, a dropped think block, the turn's close), the part the cache lacks is
+prefilled here after the response went out, one chunk a round beside the running rows, on a
+copy of the committed cache; the result lands in the prompt cache as one more entry. Until it
+lands it is a pending commit: the mesh's routing-time question counts it as held and a next
+turn that would reuse it parks until it lands (worker/engine/commits.py), so it never pays the
+prefill twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from worker.engine.commits import Commits
+from worker.prompt_cache.digest import common_prefix
+from worker.prompt_cache.store import PromptCacheStore, cache_nbytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefill:
+    key: str  # its pending commit's
+    tokens: list[int]  # the next turn's
+    cache: list[Any]  # holds tokens[:fed]
+    fed: int
+
+
+class NextTurns:
+    """The answers' caches being brought to their next turn's tokens, oldest first."""
+
+    def __init__(
+        self,
+        model: Any,
+        store: PromptCacheStore,
+        commits: Commits,
+        *,
+        step_size: int,
+        max_tail: int,
+    ) -> None:
+        self._model = model
+        self._store = store
+        self._commits = commits
+        self._step_size = step_size
+        self._max_tail = max_tail  # longer tails are left to the next turn's own prefill
+        self._queue: list[_Prefill] = []
+        self.prefilled = 0  # tokens, for the tests and the log
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def plan(self, job_id: str, held: Sequence[int], next_turn: Sequence[int]) -> None:
+        """After ``job_id``'s cache (``held`` tokens) landed: queue the prefill of what the
+        next turn's tokens add to it, when there is something to add and it is short enough."""
+        shared = common_prefix(held, next_turn)
+        if shared == len(next_turn) or len(next_turn) - shared > self._max_tail:
+            return
+        cache, cached = self._store.fetch(next_turn, counted=False)
+        if cache is None or len(next_turn) - cached > self._max_tail:
+            return  # the answer's own entry is gone already (evicted): nothing to build on
+        key = f"next-turn:{job_id}"
+        tokens = list(next_turn)
+        self._commits.hold(key, tokens, cache, building=True)
+        self._queue.append(_Prefill(key, tokens, cache, cached))
+
+    def step(self) -> None:
+        """Prefill one chunk of the oldest queued next turn; land it when it is whole."""
+        import mlx.core as mx
+
+        while self._queue and self._queue[0].key not in self._commits.pending:
+            self._queue.pop(0)  # dropped: expired, or the caches were discarded
+        if not self._queue:
+            return
+        work = self._queue[0]
+        chunk = work.tokens[work.fed : work.fed + self._step_size]
+        try:
+            self._model(mx.array(chunk)[None], cache=work.cache)
+            mx.eval([c.state for c in work.cache])
+        except Exception:  # only the next turn's head start is lost, never the engine
+            log.exception("prefilling the next turn of %s failed", work.key)
+            self._queue.pop(0)
+            self._commits.drop(work.key)
+            return
+        work.fed += len(chunk)
+        self.prefilled += len(chunk)
+        self._commits.pending[work.key].nbytes = cache_nbytes(work.cache)
+        if work.fed == len(work.tokens):
+            self._queue.pop(0)
+            self._commits.pending[work.key].building = False
+            self._commits.land(work.key)
