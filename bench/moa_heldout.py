@@ -121,6 +121,25 @@ MODES: dict[str, Mode] = {
         MoaConfig(policy="auto", vote_wave=8),
         note="the vote asked for, its 8 samples started at once as one batch, stopped when decided",
     ),
+    # Issue 43 item 3's variants, each one batch on the idle node (gateway/moa/sample_styles.py).
+    "vote, framings": Mode(
+        "mesh",
+        {"metadata": {"moa_policy": "vote"}},
+        MoaConfig(policy="auto", vote_wave=8, vote_style="framings"),
+        note="the vote, one batch, its samples greedy under 7 framings of the task",
+    ),
+    "vote, reasoning": Mode(
+        "mesh",
+        {"metadata": {"moa_policy": "vote"}},
+        MoaConfig(policy="auto", vote_wave=8, vote_style="reasoning"),
+        note="the vote, one batch, each sample reasoning before an `Answer:` line (192 tokens)",
+    ),
+    "vote, CISC": Mode(
+        "mesh",
+        {"metadata": {"moa_policy": "vote"}},
+        MoaConfig(policy="auto", vote_wave=8, vote_confidence_tau=0.2),
+        note="the vote, one batch, every sample in, ballots weighted by confidence (CISC)",
+    ),
     "race": Mode(
         "mesh",
         {"metadata": {"moa_policy": "race"}},

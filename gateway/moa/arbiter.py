@@ -119,6 +119,7 @@ class Arbiter:
             confidence=config.vote_confidence,
             preferred=next(iter(workers)),
             scatter=config.vote_scatter,
+            weighted=config.vote_confidence_tau,
         )
         self._grace_passed = False
         self._handlers: dict[type, Callable[[WorkerView, WorkerEvent, float], None]] = {

@@ -18,8 +18,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.moa.config import MoaConfig
+from gateway.moa.config import MoaConfig, SampleStyle
 from gateway.moa.knobs import thinking_opted_in, with_thinking
+from gateway.moa.sample_styles import framed, reasoned
 from gateway.request import ChatRequest, Message
 from gateway.upstream import MESH_MODEL, ModelDirectory, ModelInfo, Route, Upstream
 
@@ -173,12 +174,14 @@ def plan_samples(
     n: int,
     routes: Routes | None = None,
     min_temperature: float | None = None,
+    style: SampleStyle = "temperature",
 ) -> list[Candidate]:
     """``n`` samples for the vote, spread round-robin over the mesh's models and, per model, its
     routes (nodes; ``routes``: the ranked ones, best first). The first is the caller's own
     request (greedy when it leaves temperature unset); the others leave temperature, top_p, top_k and min_p unset, so each worker samples
     with its model's recommended values (``generation_config``) – its temperature no lower than
-    ``min_temperature`` (the worker's ``min_temperature`` field) – and get seeds of their own."""
+    ``min_temperature`` (the worker's ``min_temperature`` field) – and get seeds of their own;
+    ``style``: how else they differ (gateway/moa/sample_styles.py)."""
     models = mixable_models(directory)
     if not models:
         return []
@@ -206,6 +209,10 @@ def plan_samples(
                     "session_key": f"{request.session_key}/moa{i}" if request.session_key else None,
                 }
             )
+        if style == "framings" and i:
+            sample = framed(sample, i)
+        elif style == "reasoning":
+            sample = reasoned(sample)
         served = by_model[model.id]
         out.append(_candidate(name, model, served[(i // len(models)) % len(served)], sample))
     return out

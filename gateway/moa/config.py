@@ -19,6 +19,11 @@ POLICIES: tuple[PolicyChoice, ...] = (
     "auto",
 )
 MAX_SAMPLES = 32  # metadata.moa_samples: 1..MAX_SAMPLES
+# How the vote's samples differ (issue 43, item 3; bench/moa_heldout.py measures each):
+# "temperature": hotter samples with seeds of their own; "framings": greedy samples, each under
+# another framing of the task; "reasoning": each sample reasons before its final answer
+# (self-consistency over reasoning paths).
+SampleStyle = Literal["temperature", "framings", "reasoning"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,11 @@ class MoaConfig:
     # values, but never colder than this: SmolLM2's 0.2 repeats the greedy answer and the vote
     # learns nothing (0.5 beat both 0.2 and 0.8 on the screening items). None: no floor.
     vote_min_temperature: float | None = 0.5
+    # vote: how the samples differ (SampleStyle); and whether a ballot counts as one vote
+    # (None) or by its confidence (CISC, Taubenfeld et al. 2025: softmax of the samples' mean
+    # token log-probabilities at this temperature; the vote then waits for every sample).
+    vote_style: SampleStyle = "temperature"
+    vote_confidence_tau: float | None = None
     # judge: as many samples as the vote; once most have finished, the rest get grace_s more;
     # the most confident complete candidate stands – or, with judge_pick, the largest model
     # picks among at most judge_options distinct ones. Off by default: on 300 held-out items

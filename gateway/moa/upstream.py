@@ -214,7 +214,8 @@ class MixtureOfAgents(Upstream):
         routes = await ranked_routes(self.directory, request, mixable_models(self.directory)[:n])
         if policy in ("vote", "judge"):
             floor = self.config.vote_min_temperature
-            candidates = plan_samples(self.directory, request, n, routes, floor)
+            style = self.config.vote_style if policy == "vote" else "temperature"
+            candidates = plan_samples(self.directory, request, n, routes, floor, style)
         elif policy == "single":
             candidates = plan_single(self.directory, request, routes)
         else:

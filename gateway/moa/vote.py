@@ -66,12 +66,14 @@ class Tally:
         confidence: float = CONFIDENCE,
         preferred: str | None = None,
         scatter: float | None = None,
+        weighted: float | None = None,
     ) -> None:
         self.pending: set[str] = set(candidates)
         self.preferred = preferred
         self.total = len(self.pending)
         self.confidence = confidence
         self.scatter = scatter
+        self.weighted = weighted  # CISC's softmax temperature; None: one ballot, one vote
         self.ballots: list[Ballot] = []
         self.abstained: list[str] = []
         self.withdrawn: list[str] = []
@@ -119,6 +121,8 @@ class Tally:
         runner_up = counts[1] if len(counts) > 1 else 0
         if self.remaining == 0:
             return "complete"
+        if self.weighted is not None:
+            return None  # a confident late ballot can outweigh any count
         if leader > runner_up + self.remaining:
             return "safe"
         if leader and beta_leads(leader, runner_up) >= self.confidence:
@@ -139,6 +143,8 @@ class Tally:
         counts = list(self.votes().values())
         leader = counts[0] if counts else 0
         runner_up = counts[1] if len(counts) > 1 else 0
+        if self.weighted is not None:
+            return self.remaining
         for k in range(1, self.remaining + 1):
             left = self.remaining - k
             if (
@@ -156,14 +162,30 @@ class Tally:
         for ballot in self.ballots:
             clusters.setdefault(ballot.answer, []).append(ballot)
 
-        def strength(cluster: list[Ballot]) -> tuple[int, bool, float, int]:
+        weights = self._weights()
+
+        def strength(cluster: list[Ballot]) -> tuple[float, bool, float, int]:
             known = [b.mean_logprob for b in cluster if b.mean_logprob is not None]
             mean = sum(known) / len(known) if known else -math.inf
             preferred = any(b.candidate == self.preferred for b in cluster)
-            return (len(cluster), preferred, mean, -cluster[0].order)
+            votes = sum(weights[b.order] for b in cluster)
+            return (round(votes, 9), preferred, mean, -cluster[0].order)
 
         best = max(clusters.values(), key=strength)
         return max(best, key=lambda b: (b.complete, b.confidence, -b.order))
+
+    def _weights(self) -> list[float]:
+        """Each ballot's weight, by order: 1, or (CISC) its softmax share of confidence."""
+        if self.weighted is None:
+            return [1.0] * len(self.ballots)
+        known = [b.confidence for b in self.ballots if b.mean_logprob is not None]
+        if not known:
+            return [1.0] * len(self.ballots)
+        top = max(known)
+        return [
+            math.exp((b.confidence - top) / self.weighted) if b.mean_logprob is not None else 0.0
+            for b in self.ballots
+        ]
 
 
 def read_ballots(tally: Tally, views: Iterable[WorkerView], question: str | None = None) -> None:

@@ -74,3 +74,14 @@ def test_only_the_answer_a_caller_can_continue_has_its_next_turn_prefilled():
     assert call.request.cache_next_turn
     assert worker_body(samples[1].request, "m")["cache_next_turn"] is False
     assert "cache_next_turn" not in worker_body(samples[0].request, "m")
+
+
+def test_sample_styles_frame_greedy_samples_or_ask_for_reasoning_first():
+    directory, _, _ = chat_and_base()
+    framed = plan_samples(directory, ask(), 4, style="framings")
+    assert framed[0].request.messages == ask().messages  # the caller's own, as sent
+    systems = [c.request.messages[0].content for c in framed[1:]]
+    assert len(set(systems)) == 3 and all(c.request.temperature == 0.0 for c in framed)
+    reasoned = plan_samples(directory, ask(max_tokens=40), 3, style="reasoning")
+    assert all("Answer: <answer>" in c.request.messages[-1].content for c in reasoned)
+    assert all(c.request.max_tokens == 192 for c in reasoned)

@@ -470,3 +470,21 @@ def test_the_arbiter_reads_ballots_against_the_question():
     answer(arbiter, "w1", parrot, 1.1)
     answer(arbiter, "w2", "580.505", 1.2)
     assert arbiter.winner == "w2" and arbiter.tally.abstained == ["w0", "w1"]
+
+
+def test_confidence_weighted_ballots_let_a_confident_answer_outvote_a_count():
+    """CISC: with a temperature, ballots weigh their softmax share of confidence, and the vote
+    waits for every sample (a confident late ballot can outweigh any count)."""
+    tally = Tally(["a", "b", "c"], weighted=0.2)
+    tally.cast("a", "4", -1.5)
+    tally.cast("b", "4", -1.4)
+    assert tally.decision() is None and tally.needed() == 1  # 2 : 0 settles a counted vote
+    tally.cast("c", "5", -0.1)
+    assert tally.decision() == "complete"
+    winner = tally.winner()
+    assert winner is not None and winner.answer == "5"
+    counted = Tally(["a", "b", "c"])
+    for name, answer, logprob in (("a", "4", -1.5), ("b", "4", -1.4), ("c", "5", -0.1)):
+        counted.cast(name, answer, logprob)
+    winner = counted.winner()
+    assert winner is not None and winner.answer == "4"
