@@ -81,6 +81,13 @@ class MeshDirectory:
         """Every node serving ``model`` idle now (``model="mesh"``'s vote: one batch, not waves)."""
         return self.planner.all_idle(model)
 
+    def track_records(self) -> list[dict[str, dict[str, int]]]:
+        """Each up peer's ``mesh`` track record (gateway/moa/track_record.py), as gossiped."""
+        return [
+            {m: ad.model_dump() for m, ad in record.state.track_record.items()}
+            for record in self.peers.up()
+        ]
+
     def recently_served(self, model: str) -> bool:
         return self.peers.recently_served(model, self.clock())
 

@@ -22,6 +22,7 @@ from mesh.errors import GossipDecodeError, UnknownGossipType
 from mesh.membership.codec import MessageCodec
 from mesh.membership.facts import Admission, Tombstone
 from mesh.membership.members import Member
+from mesh.track_records import TrackRecordAd
 
 DEFAULT_INTERVAL_S = 2.0
 
@@ -81,6 +82,9 @@ class NodeState(BaseModel):
     # and disk tier bytes, prefixes, hit rate, budget; mesh/cache_stats.py). Refreshed with the
     # load probe; at most ``MAX_MODELS`` entries of a few numbers each.
     cache_stats: dict[str, CacheStatsAd] = Field(default_factory=dict)
+    # model="mesh"'s track record (optional, as above): model name → its counts in this node's
+    # pools; every node sums its own and its peers' to order and collapse its pools.
+    track_record: dict[str, TrackRecordAd] = Field(default_factory=dict)
     # Signed membership (optional, as above): the digest of the member facts this node holds.
     # A peer whose digest differs is sent ours: members that missed a change converge.
     members_digest: str = ""

@@ -194,7 +194,7 @@ class Node:
         return create_app(
             directory,
             self.config.gateway,
-            moa=MixtureOfAgents(directory, self.config.moa),
+            moa=MixtureOfAgents(directory, self.config.moa, record=self.mesh.track_record),
             extra_routes=mesh_routes(
                 self.mesh, api_key=self.config.gateway.api_key, csrf_token=self.csrf_token
             ),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.moa.track_record import TrackRecord
 from gateway.responses.state import LocalResponses
 from gateway.upstream import ModelDirectory
 from mesh.addresses import default_addresses, split_address
@@ -53,6 +54,7 @@ from mesh.routing import held
 from mesh.routing.planner import RoutingConfig
 from mesh.split.coordinator import SplitMesh
 from mesh.split.orders import SPLIT_RANK_PATH
+from mesh.track_records import track_record_ads
 from mesh.tunnel.config import DEFAULT_PORT, TunnelConfig
 from mesh.tunnel.connection import PeerConnection
 from mesh.tunnel.endpoint import TunnelEndpoint
@@ -107,6 +109,9 @@ class MeshService:
         self.node_id = identity.node_id
         self.local = local
         self.config = config or MeshConfig()
+        # model="mesh"'s counts per model on this node (its MixtureOfAgents records them), in
+        # this node's state; the peers' come back through the directory (``track_records``).
+        self.track_record = TrackRecord()
         self.peers = PeerTable(
             self.node_id,
             down_after_s=self.config.down_after_s,
@@ -435,6 +440,7 @@ class MeshService:
             tok_s=float(load.get("tok_s", 0.0)),
             cache=dict(load.get("cache", {})),  # prompt-cache digests (mesh/routing/)
             cache_stats=bounded(load.get("cache_stats", {})),  # the mesh-wide view
+            track_record=track_record_ads(self.track_record.as_dict()),  # model="mesh"'s
             copy_port=self.copy.port,
             stored=stored_model_names(self.home),
             share_memory=self.split.offered_bytes,

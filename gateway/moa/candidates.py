@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from gateway.moa.config import MoaConfig, SampleStyle
 from gateway.moa.knobs import thinking_opted_in, with_thinking
 from gateway.moa.sample_styles import framed, reasoned
+from gateway.moa.track_record import Counts, collapsed, quality_of
 from gateway.request import ChatRequest, Message
 from gateway.upstream import MESH_MODEL, ModelDirectory, ModelInfo, Route, Upstream
 
@@ -55,13 +56,20 @@ def follows_chat(model: ModelInfo) -> bool:
     return model.capabilities.get("chat_template") is not False
 
 
-def mixable_models(directory: ModelDirectory) -> list[ModelInfo]:
-    """Models ``mesh`` can ask: routable, not ``mesh`` itself, largest first (unknown sizes last);
-    models without a chat template only when no other model is there (gemma3-270m, a base
-    model, beside SmolLM2 cost the vote 8.7 points and won the race with its text, issue 43)."""
+def mixable_models(
+    directory: ModelDirectory, record: Mapping[str, Counts] | None = None
+) -> list[ModelInfo]:
+    """Models ``mesh`` can ask: routable, not ``mesh`` itself; models without a chat template
+    only when no other model is there (gemma3-270m, a base model, beside SmolLM2 cost the vote
+    8.7 points and won the race with its text, issue 43). Best first: by measured quality in
+    ``record`` (gateway/moa/track_record.py; unmeasured ones at the prior), then largest first
+    (unknown sizes last); a pool whose best model is clearly better is that model alone."""
     models = [m for m in directory.models() if m.id != MESH_MODEL and directory.routes(m.id)]
     models = [m for m in models if follows_chat(m)] or models
-    return sorted(models, key=lambda m: -(m.parameters or 0))
+    record = record or {}
+    ranked = sorted(models, key=lambda m: (-quality_of(m.id, record), -(m.parameters or 0)))
+    kept = set(collapsed([m.id for m in ranked], record))
+    return [m for m in ranked if m.id in kept]
 
 
 def strongest(models: Sequence[ModelInfo]) -> ModelInfo:
@@ -115,10 +123,12 @@ def plan_candidates(
     request: ChatRequest,
     config: MoaConfig,
     routes: Routes | None = None,
+    pool: Sequence[ModelInfo] | None = None,
 ) -> list[Candidate]:
     """The worker calls for one request (empty when the mesh serves no model); ``routes``: the
-    ranked routes of :func:`ranked_routes`, for the models it ranked."""
-    models = mixable_models(directory)[: config.max_workers]
+    ranked routes of :func:`ranked_routes`, for the models it ranked; ``pool``: the models
+    :func:`mixable_models` gives (with the track record), when the caller has them."""
+    models = list(mixable_models(directory) if pool is None else pool)[: config.max_workers]
     if len(models) != 1:
         return [
             _candidate(
@@ -175,14 +185,16 @@ def plan_samples(
     routes: Routes | None = None,
     min_temperature: float | None = None,
     style: SampleStyle = "temperature",
+    pool: Sequence[ModelInfo] | None = None,
 ) -> list[Candidate]:
     """``n`` samples for the vote, spread round-robin over the mesh's models and, per model, its
     routes (nodes; ``routes``: the ranked ones, best first). The first is the caller's own
     request (greedy when it leaves temperature unset); the others leave temperature, top_p, top_k and min_p unset, so each worker samples
     with its model's recommended values (``generation_config``) – its temperature no lower than
     ``min_temperature`` (the worker's ``min_temperature`` field) – and get seeds of their own;
-    ``style``: how else they differ (gateway/moa/sample_styles.py)."""
-    models = mixable_models(directory)
+    ``style``: how else they differ (gateway/moa/sample_styles.py); ``pool`` as in
+    :func:`plan_candidates`."""
+    models = list(mixable_models(directory) if pool is None else pool)
     if not models:
         return []
     by_model = {m.id: _routes_of(directory, routes, m.id, request.session_key) for m in models}
@@ -219,12 +231,15 @@ def plan_samples(
 
 
 def plan_single(
-    directory: ModelDirectory, request: ChatRequest, routes: Routes | None = None
+    directory: ModelDirectory,
+    request: ChatRequest,
+    routes: Routes | None = None,
+    pool: Sequence[ModelInfo] | None = None,
 ) -> list[Candidate]:
     """The ``single`` policy's one call: the best model (the first :func:`mixable_models`
     orders), on its best route, with the caller's request – greedy when it leaves temperature
-    unset, as the vote's own sample is."""
-    models = mixable_models(directory)
+    unset, as the vote's own sample is; ``pool`` as in :func:`plan_candidates`."""
+    models = list(mixable_models(directory) if pool is None else pool)
     if not models:
         return []
     model = models[0]

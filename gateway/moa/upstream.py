@@ -55,8 +55,10 @@ from gateway.moa.events import (
     WorkerFinished,
     WorkerStarted,
 )
+from gateway.moa.gates import Verdict
 from gateway.moa.judge import judge_request
 from gateway.moa.scoring import WinRecord
+from gateway.moa.track_record import Counts, TrackRecord
 from gateway.request import ChatRequest
 from gateway.router import ROUTE_REASON_HEADER
 from gateway.upstream import (
@@ -156,11 +158,20 @@ class MixtureOfAgents(Upstream):
         config: MoaConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        record: TrackRecord | None = None,
     ) -> None:
         self.directory = directory
         self.config = config or MoaConfig()
         self.clock = clock
         self.wins = WinRecord()
+        # Each model's agreement with decided votes and race openings passing the gates, this
+        # node's (gossiped by the mesh) summed with the peers' (``directory.track_records``).
+        self.record = record or TrackRecord()
+
+    def track_record(self) -> dict[str, Counts]:
+        """This node's and its peers' counts per model (gateway/moa/track_record.py)."""
+        peers = getattr(self.directory, "track_records", None)
+        return self.record.merged(peers() if peers is not None else ())
 
     @property
     def start_hold(self) -> StartHold:
@@ -211,15 +222,16 @@ class MixtureOfAgents(Upstream):
                 )
                 return
             n = samples
-        routes = await ranked_routes(self.directory, request, mixable_models(self.directory)[:n])
+        pool = mixable_models(self.directory, self.track_record())
+        routes = await ranked_routes(self.directory, request, pool[:n])
         if policy in ("vote", "judge"):
             floor = self.config.vote_min_temperature
             style = self.config.vote_style if policy == "vote" else "temperature"
-            candidates = plan_samples(self.directory, request, n, routes, floor, style)
+            candidates = plan_samples(self.directory, request, n, routes, floor, style, pool)
         elif policy == "single":
-            candidates = plan_single(self.directory, request, routes)
+            candidates = plan_single(self.directory, request, routes, pool)
         else:
-            candidates = plan_candidates(self.directory, request, self.config, routes)
+            candidates = plan_candidates(self.directory, request, self.config, routes, pool)
         if not candidates:
             yield Error("unavailable", "model 'mesh' needs at least one model in the mesh")
             return
@@ -382,12 +394,29 @@ class _Run:
         request = judge_request(self.request, [text for _, text in decision.options], model)
         return self._start(decision.worker, upstream, request)
 
+    def _record(self) -> None:
+        """What this decision says of each model: its ballots against the decided answer (the
+        vote), its openings through the gates (the race)."""
+        model_of = {c.name: c.model.id for c in self.candidates}
+        if self.policy == "vote":
+            tally = self.arbiter.tally
+            decided = tally.winner()
+            if decided is not None:
+                ballots = [(model_of[b.candidate], b.answer) for b in tally.ballots if b.candidate in model_of]  # fmt: skip
+                self.moa.record.record_vote(ballots, decided.answer)
+        elif self.policy == "race":
+            views = [v for v in self.arbiter.workers.values() if v.name in model_of and v.text]
+            self.moa.record.record_openings(
+                [(model_of[v.name], v.verdict() is Verdict.PASS) for v in views]
+            )
+
     async def _splice(self, winner: str) -> AsyncIterator[Event]:
         arbiter = self.arbiter
         self.moa.wins.record(
             [c.model.id for c in self.candidates],
             next((c.model.id for c in self.candidates if c.name == winner), None),
         )
+        self._record()
         decided_s = (arbiter.decided_at or self.started_at) - self.started_at
         decided = self._known_headers() | decision_headers(arbiter, winner, decided_s)
         reason = self.by_name[winner].reason if winner in self.by_name else None
