@@ -72,6 +72,7 @@ GEMMA_LOGS = {
 REPORT = RESULTS / "moa-heldout.md"
 SCREEN_SEED, RUN_SEED, REPEAT_SEED = 1001, 4343, 777
 MAX_TOKENS = 40
+OPEN_MAX_TOKENS = 160  # an open answer explains itself before its result
 NUMBER_ONLY = "Answer with the number only."
 FINAL_ONLY = "Answer with only the final answer."
 
@@ -105,6 +106,7 @@ class Mode:
     body: dict[str, Any] = dataclasses.field(default_factory=dict)
     config: MoaConfig = dataclasses.field(default_factory=lambda: MoaConfig(policy="auto"))
     note: str = ""
+    open: bool = False  # the question alone, without "answer only": the model explains
 
 
 MODES: dict[str, Mode] = {
@@ -140,6 +142,26 @@ MODES: dict[str, Mode] = {
         MoaConfig(policy="auto", vote_wave=8, vote_confidence_tau=0.2),
         note="the vote, one batch, every sample in, ballots weighted by confidence (CISC)",
     ),
+    # Issue 43 item 5: open answers, the question without "answer only", 160 tokens.
+    "open: greedy": Mode(
+        "single",
+        {"temperature": 0, "max_tokens": OPEN_MAX_TOKENS},
+        note="open question, the single model, temperature 0",
+        open=True,
+    ),
+    "open: mesh": Mode(
+        "mesh",
+        {"max_tokens": OPEN_MAX_TOKENS},
+        note="open question, `mesh` as a user sends it",
+        open=True,
+    ),
+    "open: consensus": Mode(
+        "mesh",
+        {"max_tokens": OPEN_MAX_TOKENS, "metadata": {"moa_policy": "judge", "moa_samples": "4"}},
+        MoaConfig(policy="auto", judge_select="consensus"),
+        note="open question, 4 complete samples, the one most like the others (confidence-weighted)",
+        open=True,
+    ),
     "race": Mode(
         "mesh",
         {"metadata": {"moa_policy": "race"}},
@@ -161,7 +183,7 @@ def make_items(family: Family, count: int, seed: int) -> list[dict[str, Any]]:
 
 def body_for(question: str, family: Family, mode: Mode, model: str) -> dict[str, Any]:
     """What a chat-completions client posts (the mode's fields added)."""
-    content = f"{question}\n{family[2]}"
+    content = question if mode.open else f"{question}\n{family[2]}"
     return {
         "model": model if mode.model == "single" else "mesh",
         "messages": [{"role": "user", "content": content}],

@@ -37,7 +37,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.events import ErrorKind
-from gateway.moa import gates, judge, scoring
+from gateway.moa import central, gates, judge, scoring
 from gateway.moa.config import MoaConfig, Policy
 from gateway.moa.events import (
     Cancel,
@@ -450,6 +450,9 @@ class Arbiter:
         if not shown:  # nobody finished with text
             return self._commit(self._best(candidates).name, "complete", now)
         if len(shown) == 1 or not self.config.judge_pick:
+            if len(shown) > 1 and self.config.judge_select == "consensus":
+                chosen = central.most_central(finished) or shown[0]
+                return self._commit(chosen.name, "consensus", now)
             return self._commit(
                 shown[0].name, "agreement" if len(shown) == 1 else "confidence", now
             )

@@ -98,6 +98,9 @@ class MoaConfig:
     # SmolLM2-135M's pick lost 6.3 points to one sample (p = 0.04; bench/results/moa-quality.md).
     judge_options: int = 4
     judge_pick: bool = False
+    # judge without the pick: which complete sample stands – the most confident one, or
+    # ("consensus") the one most like the others, weighted by confidence (gateway/moa/central.py).
+    judge_select: Literal["confidence", "consensus"] = "confidence"
     # Emit one Progress note ("asking 3 models…") before the decision: Responses clients see it
     # as a reasoning summary; the other APIs drop it.
     progress: bool = False
