@@ -61,6 +61,10 @@ from gateway.upstream import ModelInfo, StaticDirectory, Upstream
 RESULTS = Path(__file__).resolve().parent / "results"
 LOG = RESULTS / "moa-heldout.jsonl"  # held-out families, cold prompts
 TUNING_LOG = RESULTS / "moa-heldout-tuning.jsonl"  # tuning families (prompt cache on)
+# Issue 43 item 3's sample styles, on tuning families first (cold prompts), then held out.
+VARIANTS_TUNING_LOG = RESULTS / "moa-variants-tuning.jsonl"
+VARIANTS_LOG = RESULTS / "moa-variants-heldout.jsonl"
+OPEN_LOG = RESULTS / "moa-open-heldout.jsonl"  # item 5: open questions of held-out families
 SCREEN_LOG = RESULTS / "moa-heldout-screen.jsonl"
 # SmolLM2 + gemma3-270m in one mesh (``--models``): on main before the worker reported the
 # converter's stand-in chat template as none, and after.
@@ -369,7 +373,8 @@ def verdict(c: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]], title: str) -> list[str]:
     items = _by_item(rows)
     fams = sorted({f for f, _ in items})
-    modes = [m for m in MODES if any(m in i for i in items.values())]
+    seen = list(dict.fromkeys(m for i in items.values() for m in i))
+    modes = [m for m in MODES if m in seen] + [m for m in seen if m not in MODES]
     lines = [
         f"### {title}: {len(items)} items, {len(fams)} families",
         "",
@@ -397,6 +402,20 @@ def table(rows: list[dict[str, Any]], title: str) -> list[str]:
             c = compare(mine, mode) if any(mode in i for i in mine) else None
             cells.append(f"{100 * c['acc']:.0f} % ({c['median_x']:.1f}×)" if c else "–")
         lines.append(f"| {fam} | {len(mine)} | {' | '.join(cells)} |")
+    return lines
+
+
+def degeneration(rows: list[dict[str, Any]]) -> list[str]:
+    """Per mode: answers cut off by ``max_tokens``, and answers the gates call a loop."""
+    from gateway.moa import gates
+
+    lines = ["| mode | answers | cut off (max_tokens) | loops (repetition gate) |", "|---|---:|---:|---:|"]  # fmt: skip
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        cut = sum(r["finish"] == "length" for r in mine)
+        loops = sum(gates.judge(r["text"]) is gates.Verdict.REPETITION for r in mine)
+        n = len(mine)
+        lines.append(f"| {mode} | {n} | {cut} ({100 * cut / n:.0f} %) | {loops} ({100 * loops / n:.0f} %) |")  # fmt: skip
     return lines
 
 
@@ -466,6 +485,32 @@ cached); the tuning pass kept the cache on, which flatters the modes asked after
 """
 
 
+VARIANT_NOTES = """## Sample styles (issue 43, item 3)
+
+The vote's samples made to differ in other ways than temperature (gateway/moa/sample_styles.py,
+``MoaConfig.vote_style`` and ``vote_confidence_tau``), each one batch on the idle node: greedy
+samples under seven framings of the task; samples that reason before an `Answer:` line (192
+tokens); confidence-weighted ballots (CISC, every sample in). Measured first on the tuning
+families, cold prompts, beside greedy in the same pass:
+
+    python bench/moa_heldout.py run --families tuning --items 4 \\
+        --modes greedy "vote, framings" "vote, CISC" "vote, reasoning" \\
+        --log bench/results/moa-variants-tuning.jsonl
+"""
+
+OPEN_NOTES = """## Open answers (issue 43, item 5)
+
+The question alone, without "answer only" (the model explains in its own words, 160 tokens),
+graded on its final answer as above: greedy; `mesh` as a user sends it; and four complete
+samples of which the one most like the others stands (`judge` with
+``judge_select="consensus"``, gateway/moa/central.py). Degeneration below: answers cut off by
+`max_tokens`, and answers the repetition gate calls a loop.
+
+    python bench/moa_heldout.py run --families held-out --items 6 \\
+        --modes "open: greedy" "open: mesh" "open: consensus" --log bench/results/moa-open-heldout.jsonl
+"""
+
+
 GEMMA_NOTES = """## SmolLM2 + gemma3-270m in one mesh
 
 Issue 43's second bar: with the base gemma3-270m beside SmolLM2, `mesh` as a user sends it
@@ -521,6 +566,16 @@ def report(args: argparse.Namespace) -> str:
     if tuning:
         title = "Tuning families (prompt cache on: modes after greedy found its prompt cached)"
         lines += [*table(tuning, title), ""]
+    variants = [r for r in _rows(VARIANTS_TUNING_LOG) if r["family"] in TUNING]
+    if variants:
+        lines += [VARIANT_NOTES, "", *table(variants, "Sample styles, tuning families (cold prompts)"), ""]  # fmt: skip
+    variants = [r for r in _rows(VARIANTS_LOG) if r["family"] in HELD_OUT]
+    if variants:
+        lines += [*table(variants, "Sample styles, held-out families (cold prompts)"), ""]
+    opened = [r | {"mode": r["mode"].removeprefix("open: ")} for r in _rows(OPEN_LOG) if r["family"] in HELD_OUT]  # fmt: skip
+    if opened:
+        lines += [OPEN_NOTES, "", *table(opened, "Open questions, held-out families"), ""]
+        lines += ["Degeneration over the same open answers:", "", *degeneration(opened), ""]
     for title, path in GEMMA_LOGS.items():
         rows = [r for r in _rows(path) if r["family"] in HELD_OUT]
         if not rows:

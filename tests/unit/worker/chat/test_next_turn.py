@@ -4,8 +4,6 @@ turn's cache stopped where they part."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +16,14 @@ from worker.engine.core import Engine
 from worker.engine.types import EngineConfig
 from worker.prompt_cache.digest import common_prefix
 from worker.serve.app import create_app
+from worker.testing import wait_until
 
 SYSTEM = {"role": "system", "content": "You answer in short lines. " * 12}
 
 
 @pytest.fixture
-def engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    engine = Engine(str(tiny_model_dir), name="tiny")
-    engine.start(timeout=60)
-    yield engine
-    engine.close()
+def engine(fresh_engine: Engine) -> Engine:
+    return fresh_engine
 
 
 def _turn(template: ChatTemplate, messages: list[dict[str, Any]]) -> NextTurn:
@@ -68,14 +64,6 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict[str, Any]], **ext
     return response.json()
 
 
-async def _wait(predicate, limit_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def _two_turns(engine: Engine, seeds: range, **extra: Any) -> list[tuple[int, int, bool]]:
     """Per seed: turn 2's cached tokens, the tokens its prompt shares with the next turn as
     rendered after turn 1, and whether turn 1's answer re-tokenized differently."""
@@ -88,7 +76,9 @@ async def _two_turns(engine: Engine, seeds: range, **extra: Any) -> list[tuple[i
             first = await _chat(client, messages, seed=seed, **extra)
             answer = first["choices"][0]["message"]
             commits = engine.stats.commits
-            await _wait(lambda c=commits: engine.stats.commits > c and not engine._commits.pending)
+            await wait_until(
+                lambda c=commits: engine.stats.commits > c and not engine._commits.pending
+            )
             prompt, _ = template.render(messages, None, {})
             generated = first["usage"]["completion_tokens"]
             as_text = template.tokenizer.encode(answer["content"], add_special_tokens=False)

@@ -3,10 +3,6 @@ included, with its load and measured prefill rate (the mesh's routing-time quest
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
@@ -16,17 +12,15 @@ from worker.engine.types import Finished, GenerationRequest
 from worker.prompt_cache.digest import block_hashes
 from worker.sampling import SamplingParams
 from worker.serve.app import create_app
+from worker.testing import wait_until
 
 SECRET = "only-the-node-knows"
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture
-def engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    engine = Engine(str(tiny_model_dir), name="tiny")
-    engine.start(timeout=60)
-    yield engine
-    engine.close()
+def engine(fresh_engine: Engine) -> Engine:
+    return fresh_engine
 
 
 async def _held(app, body: object) -> httpx.Response:
@@ -34,14 +28,6 @@ async def _held(app, body: object) -> httpx.Response:
     headers = {"authorization": f"Bearer {SECRET}"}
     async with httpx.AsyncClient(transport=transport, base_url="http://w", headers=headers) as c:
         return await c.post("/v1/prompt_cache/held", json=body)
-
-
-async def _wait(predicate, limit_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_pending_commit_counts_as_held_until_it_lands(engine: Engine) -> None:
@@ -65,7 +51,7 @@ async def test_a_pending_commit_counts_as_held_until_it_lands(engine: Engine) ->
     assert before["prefill_tok_s"] > 0  # measured on this prefill
     assert before["queue_depth"] == 0 and before["prefill_backlog"] == 0
     engine.commit(job)
-    await _wait(lambda: engine.stats.commits == 1)
+    await wait_until(lambda: engine.stats.commits == 1)
     after = (await _held(app, question)).json()
     assert after["cached_tokens"] == before["pending_tokens"] and after["pending_tokens"] == 0
     assert after["memory_tokens"] == after["cached_tokens"] and after["disk_tokens"] == 0

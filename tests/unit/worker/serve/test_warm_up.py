@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,11 +16,8 @@ SECRET = "only-the-node-knows"
 
 
 @pytest.fixture
-def engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    engine = Engine(str(tiny_model_dir), name="tiny")
-    engine.start(timeout=60)
-    yield engine
-    engine.close()
+def engine(fresh_engine: Engine) -> Engine:
+    return fresh_engine
 
 
 async def _first_user_request(app) -> dict:
