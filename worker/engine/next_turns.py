@@ -69,8 +69,10 @@ class NextTurns:
         self._commits.hold(key, tokens, cache, building=True)
         self._queue.append(_Prefill(key, tokens, cache, cached))
 
-    def step(self) -> None:
-        """Prefill one chunk of the oldest queued next turn; land it when it is whole."""
+    def step(self, busy: bool) -> None:
+        """Prefill one chunk of the oldest queued next turn; land it when it is whole. While
+        rows run (``busy``) the chunk is an eighth of a prefill step: their next tokens wait
+        for it."""
         import mlx.core as mx
 
         while self._queue and self._queue[0].key not in self._commits.pending:
@@ -78,7 +80,8 @@ class NextTurns:
         if not self._queue:
             return
         work = self._queue[0]
-        chunk = work.tokens[work.fed : work.fed + self._step_size]
+        size = max(32, self._step_size // 8) if busy else self._step_size
+        chunk = work.tokens[work.fed : work.fed + size]
         try:
             self._model(mx.array(chunk)[None], cache=work.cache)
             mx.eval([c.state for c in work.cache])
