@@ -166,6 +166,12 @@ MODES: dict[str, Mode] = {
         note="open question, 4 complete samples, the one most like the others (confidence-weighted)",
         open=True,
     ),
+    "vote, CISC, 4 samples": Mode(
+        "mesh",
+        {"metadata": {"moa_policy": "vote", "moa_samples": "4"}},
+        MoaConfig(policy="auto", vote_wave=8, vote_confidence_tau=0.2),
+        note="the same with 4 samples: half the batch, for the time",
+    ),
     "race": Mode(
         "mesh",
         {"metadata": {"moa_policy": "race"}},
