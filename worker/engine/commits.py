@@ -18,6 +18,11 @@ from worker.engine.types import EngineConfig, EngineStats, Job
 from worker.prompt_cache.digest import block_hashes, common_blocks
 from worker.prompt_cache.store import PromptCacheStore, cache_nbytes
 
+# A next turn being built (worker/engine/next_turns.py) is waited for only when it would save
+# more than this many prompt tokens: an agent's tool turn shares only the answer's close with a
+# next turn rendered as a user's, not worth a wait behind the running rows.
+BUILDING_WAIT_GAIN = 16
+
 
 @dataclass
 class Parked:
@@ -71,7 +76,8 @@ class Commits:
         waits = {
             job_id
             for job_id, pending in self.pending.items()
-            if self.store.usable_prefix(pending.tokens, prompt, True) > cached
+            if self.store.usable_prefix(pending.tokens, prompt, True)
+            > cached + (BUILDING_WAIT_GAIN if pending.building else 0)
         }
         if not waits:
             return False
@@ -98,6 +104,10 @@ class Commits:
                 still.append(parked)
         self.parked = still
         return due
+
+    def waited_for(self) -> set[str]:
+        """The pending commits some parked job waits for."""
+        return {key for parked in self.parked for key in parked.waits_for}
 
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self.parked), default=None)

@@ -260,7 +260,7 @@ class Engine:
             self._start(job)
         self._commits.expire()
         if self._next_turns:
-            self._next_turns.step(busy=bool(self._rows))
+            self._next_turns.step(bool(self._rows), self._commits.waited_for())
         if self._gate is not None:
             self._open_gate(self._gate)
 

@@ -3,17 +3,19 @@
 The chat room says how the next turn will tokenize the conversation through an answer
 (worker/chat/next_turn.py). Where that differs from what the answer's KV cache holds (the
 answer re-tokenized, a dropped think block, the turn's close), the part the cache lacks is
-prefilled here after the response went out, one chunk a round beside the running rows, on a
+prefilled here after the response went out, one chunk a round, on a
 copy of the committed cache; the result lands in the prompt cache as one more entry. Until it
 lands it is a pending commit: the mesh's routing-time question counts it as held and a next
 turn that would reuse it parks until it lands (worker/engine/commits.py), so it never pays the
-prefill twice.
+prefill twice. It runs while the engine has no rows, or for a parked next turn that waits for
+it: on a busy engine, a client that sends back something else than the answer it got (the
+lab's replayed sessions do) costs the running rows nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,31 +71,32 @@ class NextTurns:
         self._commits.hold(key, tokens, cache, building=True)
         self._queue.append(_Prefill(key, tokens, cache, cached))
 
-    def step(self, busy: bool) -> None:
-        """Prefill one chunk of the oldest queued next turn; land it when it is whole. While
-        rows run (``busy``) the chunk is an eighth of a prefill step: their next tokens wait
-        for it."""
+    def step(self, busy: bool, wanted: Collection[str]) -> None:
+        """Prefill one chunk of a queued next turn; land it when it is whole. First one a
+        parked job waits for (``wanted``: pending commit keys); else, only while no rows run
+        (``busy``), the oldest: a client that does not send the answer back as it got it (an
+        edited history, a replay) never costs the running rows anything."""
         import mlx.core as mx
 
-        while self._queue and self._queue[0].key not in self._commits.pending:
-            self._queue.pop(0)  # dropped: expired, or the caches were discarded
-        if not self._queue:
+        self._queue = [w for w in self._queue if w.key in self._commits.pending]  # not expired
+        work = next((w for w in self._queue if w.key in wanted), None)
+        if work is None and not busy and self._queue:
+            work = self._queue[0]
+        if work is None:
             return
-        work = self._queue[0]
-        size = max(32, self._step_size // 8) if busy else self._step_size
-        chunk = work.tokens[work.fed : work.fed + size]
+        chunk = work.tokens[work.fed : work.fed + self._step_size]
         try:
             self._model(mx.array(chunk)[None], cache=work.cache)
             mx.eval([c.state for c in work.cache])
         except Exception:  # only the next turn's head start is lost, never the engine
             log.exception("prefilling the next turn of %s failed", work.key)
-            self._queue.pop(0)
+            self._queue.remove(work)
             self._commits.drop(work.key)
             return
         work.fed += len(chunk)
         self.prefilled += len(chunk)
         self._commits.pending[work.key].nbytes = cache_nbytes(work.cache)
         if work.fed == len(work.tokens):
-            self._queue.pop(0)
+            self._queue.remove(work)
             self._commits.pending[work.key].building = False
             self._commits.land(work.key)

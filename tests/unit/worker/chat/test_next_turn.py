@@ -4,6 +4,7 @@ turn's cache stopped where they part."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,9 @@ import pytest
 from worker.chat.next_turn import NextTurn
 from worker.chat.prompt import ChatTemplate
 from worker.engine.core import Engine
-from worker.engine.types import EngineConfig
+from worker.engine.types import EngineConfig, GenerationRequest
 from worker.prompt_cache.digest import common_prefix
+from worker.sampling import SamplingParams
 from worker.serve.app import create_app
 from worker.testing import wait_until
 
@@ -120,3 +122,25 @@ async def test_the_switch_turns_it_off(tiny_model_dir: Path) -> None:
     finally:
         engine.close()
     assert all(cached < expected for cached, expected, diverged in off if diverged), off
+
+
+async def test_on_a_busy_engine_only_a_waiting_next_turn_gets_its_prefill(engine: Engine) -> None:
+    """While rows run, the next turn is prefilled only for a next turn that waits for it: a
+    client that sends back something else costs the running rows nothing."""
+    template = ChatTemplate(engine.tokenizer)
+    busy = engine.submit(GenerationRequest([5, 6, 7], 3000, SamplingParams(temperature=0.0)))
+    transport = httpx.ASGITransport(app=create_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://w", timeout=60) as client:
+        messages = [SYSTEM, {"role": "user", "content": "Question 0: what next?"}]
+        answer = (await _chat(client, messages, seed=0))["choices"][0]["message"]
+        expected = _turn(template, messages).tokens(answer)
+        await wait_until(lambda: any(k.startswith("next-turn") for k in engine._commits.pending))  # fmt: skip
+        await asyncio.sleep(0.2)  # rows run and nobody waits for it: it is not built
+        assert not busy.done and any(k.startswith("next-turn") for k in engine._commits.pending)
+        turn2 = [*messages, {"role": "assistant", "content": answer["content"]}]
+        turn2.append({"role": "user", "content": "And then?"})
+        second = await _chat(client, turn2, seed=0, max_tokens=1)
+        # The next turn waited for it, and found it built.
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(expected)
+        assert not busy.done
+    engine.cancel(busy)
