@@ -52,7 +52,6 @@ class NextTurns:
         self._step_size = step_size
         self._max_tail = max_tail  # longer tails are left to the next turn's own prefill
         self._queue: list[_Prefill] = []
-        self.prefilled = 0  # tokens, for the tests and the log
 
     def __bool__(self) -> bool:
         return bool(self._queue)
@@ -94,7 +93,6 @@ class NextTurns:
             self._commits.drop(work.key)
             return
         work.fed += len(chunk)
-        self.prefilled += len(chunk)
         self._commits.pending[work.key].nbytes = cache_nbytes(work.cache)
         if work.fed == len(work.tokens):
             self._queue.remove(work)
