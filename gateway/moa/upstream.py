@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.events import (
@@ -168,6 +168,13 @@ class MixtureOfAgents(Upstream):
         # node's (gossiped by the mesh) summed with the peers' (``directory.track_records``).
         self.record = record or TrackRecord()
 
+    def standing(self, model: str, record: Mapping[str, Counts]) -> float:
+        """What a model's stream brings to the race's score: its measured quality once there is
+        enough of it (gateway/moa/track_record.py), else how often its stream won here."""
+        counts = record.get(model)
+        measured = counts.quality() if counts is not None else None
+        return measured if measured is not None else self.wins.rate(model)
+
     def track_record(self) -> dict[str, Counts]:
         """This node's and its peers' counts per model (gateway/moa/track_record.py)."""
         peers = getattr(self.directory, "track_records", None)
@@ -279,12 +286,13 @@ class _Run:
         self.buffers: dict[str, list[Event]] = {}
         self.started_at = self.clock()
         self.schedule = vote_schedule(moa.directory, candidates) if policy == "vote" else None
+        record = moa.track_record()
         self.arbiter = Arbiter(
             [c.name for c in candidates],
             self.config,
             now=self.started_at,
             policy=policy,
-            win_rates={c.name: moa.wins.rate(c.model.id) for c in candidates},
+            win_rates={c.name: moa.standing(c.model.id, record) for c in candidates},
             preferred=candidates[0].name if _self_mixture(candidates) else None,
             wave=len(candidates) if self.schedule == "batch" else self.config.vote_wave,
             question=last_user_text(request),

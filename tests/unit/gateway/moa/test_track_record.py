@@ -88,3 +88,11 @@ async def test_votes_teach_the_mesh_to_drop_the_model_that_disagrees():
     events = await collect(moa, ask(metadata={"moa_samples": "4"}))
     assert upstreams["wrong"].calls == before and text_of(events) == "4"
     assert meta_of(events)["x-moa-winner"].startswith("right")
+
+
+def test_a_measured_quality_is_the_race_score_standing_else_the_win_rate():
+    moa = MixtureOfAgents(StaticDirectory(), MoaConfig())
+    moa.wins.record(["a", "b"], "a")
+    record = {"a": Counts(agreed=2, ballots=MIN_EVIDENCE)}  # measured: clearly disagrees
+    assert moa.standing("a", record) == 3 / 22
+    assert moa.standing("a", {}) == 2 / 3 and moa.standing("b", record) == 1 / 3
