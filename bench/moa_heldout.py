@@ -501,7 +501,16 @@ families, cold prompts, beside greedy in the same pass:
 
     python bench/moa_heldout.py run --families tuning --items 4 \\
         --modes greedy "vote, framings" "vote, CISC" "vote, reasoning" \\
-        --log bench/results/moa-variants-tuning.jsonl
+        --log bench/results/moa-variants-tuning.jsonl   # then "vote, CISC, 4 samples"
+
+On the tuning families framings gave +2.5 points (3 / 2) at 2.3x greedy's median time,
+reasoning -2.5 (3 / 4) at 2.7x (SmolLM2-135M's reasoning states false steps: many samples
+abstain, refuted by their own false equations), CISC +10 (4 / 0, p = 0.125) at 3.6x, and CISC
+with 4 samples +2.5 (2 / 1) at 1.9x. Only CISC moved the tuning families, so only CISC (and its
+4-sample form, the one inside the time bar) went to the held-out families: **15.0 % against
+greedy's 16.7 % (8 / 10, p = 0.82) at 4.5x, and 15.0 % (6 / 8, p = 0.79) at 3.0x** – the
+tuning gain did not travel. No sample style beats greedy on held-out families; `auto` keeps
+answering short questions with one greedy answer.
 """
 
 OPEN_NOTES = """## Open answers (issue 43, item 5)
