@@ -559,7 +559,9 @@ on 4 of 120 items (ransom_note True/False) between the two runs below, hence 18.
 
 
 def report(args: argparse.Namespace) -> str:
-    source = LOG if args.log in GEMMA_LOGS.values() else args.log
+    # The logs that have sections of their own below are not the held-out table's source.
+    own = {*GEMMA_LOGS.values(), VARIANTS_TUNING_LOG, VARIANTS_LOG, OPEN_LOG}
+    source = LOG if args.log in own else args.log
     held = [r for r in _rows(source) if r["family"] in HELD_OUT]
     tuning = [r for r in _rows(TUNING_LOG) if r["family"] in TUNING]
     lines = [
