@@ -24,6 +24,9 @@ MAX_SAMPLES = 32  # metadata.moa_samples: 1..MAX_SAMPLES
 # another framing of the task; "reasoning": each sample reasons before its final answer
 # (self-consistency over reasoning paths).
 SampleStyle = Literal["temperature", "framings", "reasoning"]
+# judge without the pick: which complete sample stands (metadata.moa_select overrides).
+JudgeSelection = Literal["confidence", "consensus"]
+JUDGE_SELECTIONS: tuple[JudgeSelection, ...] = ("confidence", "consensus")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ class MoaConfig:
     judge_pick: bool = False
     # judge without the pick: which complete sample stands – the most confident one, or
     # ("consensus") the one most like the others, weighted by confidence (gateway/moa/central.py).
-    judge_select: Literal["confidence", "consensus"] = "confidence"
+    judge_select: JudgeSelection = "confidence"
     # Emit one Progress note ("asking 3 models…") before the decision: Responses clients see it
     # as a reasoning summary; the other APIs drop it.
     progress: bool = False

@@ -11,6 +11,7 @@ or resets the peer's tunnel stream. Closing this stream (client disconnect) canc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -39,7 +40,7 @@ from gateway.moa.candidates import (
     reducer_request,
     strongest,
 )
-from gateway.moa.config import MAX_SAMPLES, POLICIES, MoaConfig, Policy
+from gateway.moa.config import JUDGE_SELECTIONS, MAX_SAMPLES, POLICIES, MoaConfig, Policy
 from gateway.moa.costs import decision_headers
 from gateway.moa.events import (
     Cancel,
@@ -242,7 +243,15 @@ class MixtureOfAgents(Upstream):
         if not candidates:
             yield Error("unavailable", "model 'mesh' needs at least one model in the mesh")
             return
-        run = _Run(self, request, candidates, policy, auto)
+        select = request.metadata.get("moa_select", self.config.judge_select)
+        if select not in JUDGE_SELECTIONS:
+            yield Error(
+                "invalid_request",
+                f"unknown moa_select {select!r}; expected one of {', '.join(JUDGE_SELECTIONS)}",
+            )
+            return
+        config = dataclasses.replace(self.config, judge_select=select)
+        run = _Run(self, request, candidates, policy, auto, config)
         try:
             async for event in run.events():
                 yield event
@@ -273,9 +282,10 @@ class _Run:
         candidates: list[Candidate],
         policy: Policy,
         auto: str | None = None,
+        config: MoaConfig | None = None,
     ) -> None:
         self.moa = moa
-        self.config = moa.config
+        self.config = config or moa.config  # the node's, with the request's overrides
         self.clock = moa.clock
         self.request = request
         self.candidates = candidates
