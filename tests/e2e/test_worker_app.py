@@ -22,6 +22,7 @@ from worker.engine.core import Engine
 from worker.engine.types import EngineConfig
 from worker.serve.app import create_app
 from worker.testing import PrefillSpy, make_tiny_model, run_worker_in_thread
+from worker.testing import wait_until as async_wait_until
 
 
 @pytest.fixture(scope="module")
@@ -374,9 +375,9 @@ async def test_commit_is_requested_after_the_terminal_frame(
     order: list[str] = []
     real_commit = engine.commit
 
-    def commit(job: Any) -> None:
+    def commit(job: Any, next_turn: list[int] | None = None) -> None:
         order.append("commit")
-        real_commit(job)
+        real_commit(job, next_turn)
 
     engine.commit = commit  # type: ignore[method-assign]
     app = create_app(engine)
@@ -411,6 +412,8 @@ async def test_commit_is_requested_after_the_terminal_frame(
     }
     try:
         await asyncio.wait_for(app(scope, receive, send), 60)
+        # A stream's commit is requested from a task of its own once the next turn rendered.
+        await async_wait_until(lambda: "commit" in order)
     finally:
         engine.close()
     assert order == ["terminal", "commit"]

@@ -37,7 +37,9 @@ class Pending:
     cache: list[Any]
     nbytes: int  # counted once, when held: the memory budget reads the total every loop
     chain: tuple[int, ...] = ()  # block_hashes(tokens): routing counts a pending commit as held
-    # Still being prefilled to its tokens (worker/engine/next_turns.py): never lands as it is.
+    # An answer's next turn (worker/engine/next_turns.py), while still being prefilled to its
+    # tokens (``building``: it never lands as it is).
+    next_turn: bool = False
     building: bool = False
     created: float = field(default_factory=time.monotonic)
 
@@ -125,7 +127,8 @@ class Commits:
         self, job_id: str, tokens: list[int], cache: list[Any], *, building: bool = False
     ) -> None:
         chain = tuple(block_hashes(tokens, self.store.digest_block_size))
-        self.pending[job_id] = Pending(tokens, cache, cache_nbytes(cache), chain, building)
+        nbytes = cache_nbytes(cache)
+        self.pending[job_id] = Pending(tokens, cache, nbytes, chain, next_turn=building, building=building)  # fmt: skip
         self._publish()
 
     def land(self, job_id: str, before: Callable[[str], None] | None = None) -> None:
@@ -139,8 +142,12 @@ class Commits:
         # Hashed once, when held; the digest has it before it leaves the pending commits.
         self.store.insert(pending.tokens, pending.cache, chain=pending.chain)
         self._publish()
-        self.stats.commits += 1
-        self.stats.log("committed", job_id)
+        if pending.next_turn:
+            self.stats.next_turns += 1
+            self.stats.log("next_turn_landed", job_id)
+        else:
+            self.stats.commits += 1
+            self.stats.log("committed", job_id)
 
     def drop(self, job_id: str) -> None:
         """Forget a pending commit without landing it."""

@@ -179,6 +179,7 @@ class EngineStats:
     commits: int = 0
     commit_waits: int = 0
     commit_wait_timeouts: int = 0
+    next_turns: int = 0  # answers' caches brought to their next turn's tokens (next_turns.py)
     loops_stopped: int = 0  # answers the loop guard ended
     # Prefill work: jobs that ran more than their last prompt token through the model, and the
     # prompt tokens run (the last one of each job included); jobs that started from a running
