@@ -62,26 +62,26 @@ def test_two_samples_keep_the_more_confident_one():
     assert most_central(pair).name == "b"  # type: ignore[union-attr]
 
 
-async def test_the_judge_policy_selects_by_consensus_when_asked():
+def three_models() -> StaticDirectory:
+    """Three models, the largest one wrong, the other two saying the same in other words."""
     directory = StaticDirectory()
     texts = {"m1": "Rome is the capital of France.", "m2": "The capital of France is Paris.",
              "m3": "Paris is the capital of France."}  # fmt: skip
     for name, text in texts.items():
         info = ModelInfo(name, parameters=9 if name == "m1" else 1, capabilities={"chat_template": True})  # fmt: skip
         directory.add(info, ScriptedUpstream.of(TextDelta(text), Done(), name=name))
+    return directory
+
+
+async def test_the_judge_policy_selects_by_consensus_when_asked():
     config = MoaConfig(policy="judge", judge_select="consensus", max_workers=3)
-    events = await collect(MixtureOfAgents(directory, config), ask(metadata={"moa_samples": "3"}))
+    moa = MixtureOfAgents(three_models(), config)
+    events = await collect(moa, ask(metadata={"moa_samples": "3"}))
     assert "Paris" in text_of(events) and meta_of(events)["x-moa-decision"] == "consensus"
 
 
 async def test_a_request_asks_for_consensus_or_gets_an_error_for_an_unknown_selection():
-    directory = StaticDirectory()
-    texts = {"m1": "Rome is the capital of France.", "m2": "The capital of France is Paris.",
-             "m3": "Paris is the capital of France."}  # fmt: skip
-    for name, text in texts.items():
-        info = ModelInfo(name, parameters=9 if name == "m1" else 1, capabilities={"chat_template": True})  # fmt: skip
-        directory.add(info, ScriptedUpstream.of(TextDelta(text), Done(), name=name))
-    moa = MixtureOfAgents(directory, MoaConfig(max_workers=3))
+    moa = MixtureOfAgents(three_models(), MoaConfig(max_workers=3))
     asked = {"moa_policy": "judge", "moa_samples": "3", "moa_select": "consensus"}
     events = await collect(moa, ask(metadata=asked))
     assert "Paris" in text_of(events) and meta_of(events)["x-moa-decision"] == "consensus"
