@@ -83,7 +83,10 @@ class NextTurns:
             work = self._queue[0]
         if work is None:
             return
-        chunk = work.tokens[work.fed : work.fed + self._step_size]
+        # Unasked (an idle engine's spare time), in small chunks: a request that arrives now
+        # waits for one of them at most.
+        size = self._step_size if work.key in wanted else max(32, self._step_size // 8)
+        chunk = work.tokens[work.fed : work.fed + size]
         try:
             self._model(mx.array(chunk)[None], cache=work.cache)
             mx.eval([c.state for c in work.cache])
