@@ -110,19 +110,24 @@ class TrackRecord:
         return total
 
 
+def measured(model: str, record: Mapping[str, Counts]) -> float | None:
+    """A model's measured quality in ``record`` (:meth:`Counts.quality`); None: not yet."""
+    counts = record.get(model)
+    return counts.quality() if counts is not None else None
+
+
 def quality_of(model: str, record: Mapping[str, Counts]) -> float:
     """A model's measured quality, or the prior when it is not measured yet."""
-    counts = record.get(model)
-    measured = counts.quality() if counts is not None else None
-    return PRIOR if measured is None else measured
+    quality = measured(model, record)
+    return PRIOR if quality is None else quality
 
 
 def collapsed(models: Sequence[str], record: Mapping[str, Counts]) -> list[str]:
     """``models`` (best first) without those measured ``COLLAPSE_MARGIN`` or more below the
     best measured one: a pool whose best model is clearly better than all the others is that
     model alone. Models not measured yet stay (they are how they get measured)."""
-    measured = {m: q for m in models if m in record and (q := record[m].quality()) is not None}
-    if not measured:
+    known = {m: q for m in models if (q := measured(m, record)) is not None}
+    if not known:
         return list(models)
-    best = max(measured.values())
-    return [m for m in models if m not in measured or best - measured[m] < COLLAPSE_MARGIN]
+    best = max(known.values())
+    return [m for m in models if m not in known or best - known[m] < COLLAPSE_MARGIN]

@@ -59,7 +59,7 @@ from gateway.moa.events import (
 from gateway.moa.gates import Verdict
 from gateway.moa.judge import judge_request
 from gateway.moa.scoring import WinRecord
-from gateway.moa.track_record import Counts, TrackRecord
+from gateway.moa.track_record import Counts, TrackRecord, measured
 from gateway.request import ChatRequest
 from gateway.router import ROUTE_REASON_HEADER
 from gateway.upstream import (
@@ -172,9 +172,8 @@ class MixtureOfAgents(Upstream):
     def standing(self, model: str, record: Mapping[str, Counts]) -> float:
         """What a model's stream brings to the race's score: its measured quality once there is
         enough of it (gateway/moa/track_record.py), else how often its stream won here."""
-        counts = record.get(model)
-        measured = counts.quality() if counts is not None else None
-        return measured if measured is not None else self.wins.rate(model)
+        quality = measured(model, record)
+        return quality if quality is not None else self.wins.rate(model)
 
     def track_record(self) -> dict[str, Counts]:
         """This node's and its peers' counts per model (gateway/moa/track_record.py)."""
@@ -230,7 +229,15 @@ class MixtureOfAgents(Upstream):
                 )
                 return
             n = samples
-        pool = mixable_models(self.directory, self.track_record())
+        select = request.metadata.get("moa_select", self.config.judge_select)
+        if select not in JUDGE_SELECTIONS:
+            yield Error(
+                "invalid_request",
+                f"unknown moa_select {select!r}; expected one of {', '.join(JUDGE_SELECTIONS)}",
+            )
+            return
+        record = self.track_record()
+        pool = mixable_models(self.directory, record)
         routes = await ranked_routes(self.directory, request, pool[:n])
         if policy in ("vote", "judge"):
             floor = self.config.vote_min_temperature
@@ -243,15 +250,9 @@ class MixtureOfAgents(Upstream):
         if not candidates:
             yield Error("unavailable", "model 'mesh' needs at least one model in the mesh")
             return
-        select = request.metadata.get("moa_select", self.config.judge_select)
-        if select not in JUDGE_SELECTIONS:
-            yield Error(
-                "invalid_request",
-                f"unknown moa_select {select!r}; expected one of {', '.join(JUDGE_SELECTIONS)}",
-            )
-            return
         config = dataclasses.replace(self.config, judge_select=select)
-        run = _Run(self, request, candidates, policy, auto, config)
+        win_rates = {c.name: self.standing(c.model.id, record) for c in candidates}
+        run = _Run(self, request, candidates, policy, auto, config, win_rates)
         try:
             async for event in run.events():
                 yield event
@@ -283,9 +284,12 @@ class _Run:
         policy: Policy,
         auto: str | None = None,
         config: MoaConfig | None = None,
+        win_rates: Mapping[str, float] | None = None,
     ) -> None:
+        """``config``: the node's, with the request's overrides; ``win_rates``: each
+        candidate's standing in the race's score (:meth:`MixtureOfAgents.standing`)."""
         self.moa = moa
-        self.config = config or moa.config  # the node's, with the request's overrides
+        self.config = config or moa.config
         self.clock = moa.clock
         self.request = request
         self.candidates = candidates
@@ -296,13 +300,12 @@ class _Run:
         self.buffers: dict[str, list[Event]] = {}
         self.started_at = self.clock()
         self.schedule = vote_schedule(moa.directory, candidates) if policy == "vote" else None
-        record = moa.track_record()
         self.arbiter = Arbiter(
             [c.name for c in candidates],
             self.config,
             now=self.started_at,
             policy=policy,
-            win_rates={c.name: moa.standing(c.model.id, record) for c in candidates},
+            win_rates=win_rates,
             preferred=candidates[0].name if _self_mixture(candidates) else None,
             wave=len(candidates) if self.schedule == "batch" else self.config.vote_wave,
             question=last_user_text(request),
