@@ -38,8 +38,8 @@ def overlap(a: Counter[str], b: Counter[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _weight(view: WorkerView) -> float:
-    if view.verdict() is not gates.Verdict.PASS:
+def _weight(view: WorkerView, passes: bool) -> float:
+    if not passes:
         return 0.0
     logprob = view.mean_logprob
     return 1.0 if logprob is None else math.exp(logprob)
@@ -51,12 +51,13 @@ def most_central(views: Sequence[WorkerView]) -> WorkerView | None:
     pool = [v for v in views if v.finished and v.text.strip()]
     if not pool:
         return None
-    eligible = [v for v in pool if v.verdict() is gates.Verdict.PASS]
+    passes = {v.name: v.verdict() is gates.Verdict.PASS for v in pool}  # the gates, once each
+    eligible = [v for v in pool if passes[v.name]]
     eligible = [v for v in eligible if v.finish_reason != "length"] or eligible or pool
     if len(pool) < 3:
         return max(eligible, key=confidence)
     bags = {v.name: words(v.text) for v in pool}
-    weights = {v.name: _weight(v) for v in pool}
+    weights = {v.name: _weight(v, passes[v.name]) for v in pool}
 
     def centrality(view: WorkerView) -> float:
         return sum(
