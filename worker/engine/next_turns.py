@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.engine.commits import Commits
+from worker.engine.sequential import prefill_into
 from worker.prompt_cache.digest import common_prefix
 from worker.prompt_cache.store import PromptCacheStore, cache_nbytes
 
@@ -75,8 +76,6 @@ class NextTurns:
         parked job waits for (``wanted``: pending commit keys); else, only while no rows run
         (``busy``), the oldest: a client that does not send the answer back as it got it (an
         edited history, a replay) never costs the running rows anything."""
-        import mlx.core as mx
-
         self._queue = [w for w in self._queue if w.key in self._commits.pending]  # not expired
         work = next((w for w in self._queue if w.key in wanted), None)
         if work is None and not busy and self._queue:
@@ -88,8 +87,7 @@ class NextTurns:
         size = self._step_size if work.key in wanted else max(32, self._step_size // 8)
         chunk = work.tokens[work.fed : work.fed + size]
         try:
-            self._model(mx.array(chunk)[None], cache=work.cache)
-            mx.eval([c.state for c in work.cache])
+            prefill_into(self._model, chunk, work.cache)
         except Exception:  # only the next turn's head start is lost, never the engine
             log.exception("prefilling the next turn of %s failed", work.key)
             self._queue.remove(work)

@@ -125,10 +125,7 @@ class SequentialGenerator:
     def _prefill_chunk(self, seq: _Sequence) -> None:
         n = min(self._prefill_step_size, len(seq.prompt) - seq.fed - 1)
         chunk = seq.prompt[seq.fed : seq.fed + n]
-        with mx.stream(self._stream):
-            self._model(mx.array(chunk)[None], cache=seq.cache)
-            mx.eval([c.state for c in seq.cache])
-        mx.clear_cache()
+        prefill_into(self._model, chunk, seq.cache, self._stream)
         seq.fed += n
         seq.tokens.extend(chunk)
 
@@ -168,6 +165,15 @@ class SequentialGenerator:
     def close(self) -> None:
         self._queue.clear()
         self._current = None
+
+
+def prefill_into(model: Any, tokens: list[int], cache: list[Any], stream: Any = None) -> None:
+    """Run ``tokens`` through ``model`` onto ``cache`` (evaluated), then hand MLX's buffer cache
+    back: a prefill chunk outside mlx-lm's generators (this one's, an answer's next turn)."""
+    with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
+        model(mx.array(tokens)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.clear_cache()
 
 
 def _with_context(processors: list[Any], held: list[int]) -> list[Any] | None:
